@@ -1,0 +1,28 @@
+# Every target creates .venv on first use; only Python 3.11 is needed on the machine.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-fast venv clean
+
+$(STAMP): setup.py
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or make PYTHON=/path/to/python3.11)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) examples/gpt_train.py --steps 5
+
+test: $(STAMP)
+	$(PY) -m pytest tests -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest tests -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,22 @@
+"""alpa-like: automatic parallelization of JAX training steps.
+
+    import alpa_like as al
+
+    @al.parallelize(method=al.DataParallel(num_micro_batches=2))
+    def train_step(state, batch):
+        grads = al.grad(loss_fn)(state.params, batch)
+        return state.apply_gradients(grads=grads)
+"""
+from alpa_like.api import ParallelizedFunc, init, parallelize, plan, shutdown
+from alpa_like.cluster import ClusterSpec
+from alpa_like.compiler.sharding_spec import ShardingSpec
+from alpa_like.grad import grad, value_and_grad
+from alpa_like.methods import DataParallel, ManualShardParallel, Zero2Parallel, Zero3Parallel
+from alpa_like.plan import CommEstimate, ParallelPlan, StagePlan, TensorPlan
+
+__all__ = [
+    "ClusterSpec", "CommEstimate", "DataParallel", "ManualShardParallel", "ParallelPlan", "ParallelizedFunc",
+    "ShardingSpec", "StagePlan", "TensorPlan", "Zero2Parallel", "Zero3Parallel", "grad", "init", "parallelize",
+    "plan", "shutdown", "value_and_grad",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,204 @@
+"""The public entry points: ``init``, ``shutdown``, ``parallelize`` and ``plan``."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+
+from alpa_like.cluster import ClusterSpec
+from alpa_like.compiler.trace import TracedStep, argument_names, leaf_aval, path_to_str, trace_step
+from alpa_like.methods import DataParallel, ManualShardParallel, Zero2Parallel, Zero3Parallel
+from alpa_like.plan import ParallelPlan
+from alpa_like.planning import spmd_plan
+from alpa_like.runtime.spmd import SpmdExecutable, compile_spmd
+
+CLUSTER_KINDS = ("local", "ray")
+SPMD_METHODS = (DataParallel, Zero2Parallel, Zero3Parallel, ManualShardParallel)
+
+
+@dataclasses.dataclass
+class _Backend:
+    kind: str
+    devices: tuple[Any, ...]
+
+
+_backend: _Backend | None = None
+
+
+def init(cluster: str = "local", *, devices: Sequence[Any] | None = None, address: str | None = None,
+         num_nodes: int | None = None, num_devices_per_node: int | None = None) -> None:
+    """Chooses where parallelized functions run.
+
+    Args:
+      cluster: ``"local"`` (default): the devices of this process, each stage on a disjoint set of them.
+        ``"ray"``: a Ray cluster (see the README for its status).
+      devices: for ``"local"``, the devices to use (default: all of ``jax.devices()``).
+      address, num_nodes, num_devices_per_node: for ``"ray"``.
+    """
+    global _backend
+    if cluster not in CLUSTER_KINDS:
+        raise ValueError(f"al.init: cluster must be one of {CLUSTER_KINDS}, got {cluster!r}")
+    if cluster == "ray":
+        del address, num_nodes, num_devices_per_node
+        raise NotImplementedError("al.init(cluster='ray'): the Ray backend is not built yet; use "
+                                  "al.init('local') (the default)")
+    devices = tuple(jax.devices() if devices is None else devices)
+    if not devices:
+        raise ValueError("al.init: devices must not be empty")
+    _backend = _Backend(kind=cluster, devices=devices)
+
+
+def shutdown() -> None:
+    """Forgets the backend; the next parallelized call (or ``init``) starts a new one."""
+    global _backend
+    _backend = None
+
+
+def backend_devices() -> tuple[Any, ...]:
+    """The devices of the current backend (initialising ``"local"`` on first use)."""
+    if _backend is None:
+        init("local")
+    assert _backend is not None
+    return _backend.devices
+
+
+def _check_method(method: Any) -> Any:
+    if method is None:
+        return DataParallel()
+    if not isinstance(method, SPMD_METHODS):
+        names = ", ".join(m.__name__ for m in SPMD_METHODS)
+        raise TypeError(f"method must be one of {names} (an instance, e.g. al.DataParallel()), "
+                        f"got {method!r}")
+    return method
+
+
+def _check_argnums(name: str, argnums: int | Sequence[int]) -> tuple[int, ...]:
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if any(not isinstance(i, int) or i < 0 for i in nums):
+        raise ValueError(f"{name} must be non-negative ints, got {argnums!r}")
+    return nums
+
+
+def _signature(fun: Callable, args: Sequence[Any], static_argnums: Sequence[int]) -> Hashable:
+    """Cache key: pytree structure, shapes and dtypes of the dynamic arguments, values of the static ones."""
+    names = argument_names(fun, len(args))
+    key = []
+    for i, arg in enumerate(args):
+        if i in static_argnums:
+            try:
+                hash(arg)
+            except TypeError:
+                raise TypeError(f"static argument {i} ({names[i]}) must be hashable, got "
+                                f"{type(arg).__name__}") from None
+            key.append(("static", arg))
+            continue
+        leaves, tree = jax.tree_util.tree_flatten_with_path(arg)
+        avals = tuple(leaf_aval(leaf, path_to_str(names[i], path)) for path, leaf in leaves)
+        key.append((jax.tree_util.tree_structure(arg), tuple((a.shape, str(a.dtype)) for a in avals)))
+    return tuple(key)
+
+
+class ParallelizedFunc:
+    """A training step under ``@al.parallelize``: compiles once per input signature and caches."""
+
+    def __init__(self, fun: Callable, *, method: Any, static_argnums: tuple[int, ...],
+                 donate_argnums: tuple[int, ...], batch_argnums: tuple[int, ...]):
+        overlap = set(static_argnums) & set(donate_argnums)
+        if overlap:
+            raise ValueError(f"arguments {sorted(overlap)} are in both static_argnums and donate_argnums")
+        self.fun = fun
+        self.method = method
+        self.static_argnums = static_argnums
+        self.donate_argnums = donate_argnums
+        self.batch_argnums = batch_argnums
+        self._cache: dict[Hashable, SpmdExecutable] = {}
+        functools.update_wrapper(self, fun)
+
+    def __call__(self, *args, **kwargs):
+        if kwargs:
+            raise TypeError(f"{self.__name__}: pass arguments positionally (got keywords {sorted(kwargs)})")
+        return self.get_executable(*args)(*args)
+
+    def get_executable(self, *args) -> SpmdExecutable:
+        """The compiled executable for these arguments (compiled now if this signature is new)."""
+        key = _signature(self.fun, args, self.static_argnums)
+        exe = self._cache.get(key)
+        if exe is None:
+            exe = self._compile(args)
+            self._cache[key] = exe
+        return exe
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
+
+    @property
+    def num_compilations(self) -> int:
+        return len(self._cache)
+
+    def _trace(self, args) -> TracedStep:
+        return trace_step(self.fun, args, static_argnums=self.static_argnums, batch_argnums=self.batch_argnums,
+                          num_micro_batches=self.method.num_micro_batches)
+
+    def _compile(self, args) -> SpmdExecutable:
+        for i in self.donate_argnums:
+            if i >= len(args):
+                raise ValueError(f"donate_argnums contains {i}, but the step has {len(args)} arguments")
+        traced = self._trace(args)
+        devices = backend_devices()
+        cluster = ClusterSpec.local(devices)
+        layout = self.method.layout(traced, cluster)
+        donate_flat = [k for k, leaf in enumerate(traced.in_leaves) if leaf.arg_index in self.donate_argnums]
+        compiled = compile_spmd(traced, layout, devices, num_micro_batches=self.method.num_micro_batches,
+                                donate_flat=donate_flat)
+        plan = spmd_plan(self.method, traced, layout, cluster,
+                         device_ids=[d.id for d in devices], out_specs=compiled.out_specs)
+        return SpmdExecutable(traced=traced, plan=plan, compiled=compiled)
+
+
+def parallelize(fun: Callable | None = None, *, method: Any = None, static_argnums: int | Sequence[int] = (),
+                donate_argnums: int | Sequence[int] = (), batch_argnums: int | Sequence[int] = (1,)):
+    """Parallelizes a training step; use as ``@al.parallelize`` or ``@al.parallelize(method=...)``.
+
+    Args:
+      fun: the step, e.g. ``train_step(state, batch) -> (new_state, metrics)``; positional arguments only.
+      method: how to parallelize (default ``DataParallel()``).
+      static_argnums: arguments that are hashable Python values, compiled into the step.
+      donate_argnums: arguments whose buffers the step may reuse for its outputs (e.g. the state).
+      batch_argnums: arguments whose leaves share a batch dim 0 (split over devices and micro-batches).
+    """
+    static = _check_argnums("static_argnums", static_argnums)
+    donate = _check_argnums("donate_argnums", donate_argnums)
+    batch = _check_argnums("batch_argnums", batch_argnums)
+    method = _check_method(method)
+
+    def wrap(f: Callable) -> ParallelizedFunc:
+        if not callable(f):
+            raise TypeError(f"parallelize needs a function, got {type(f).__name__}")
+        return ParallelizedFunc(f, method=method, static_argnums=static, donate_argnums=donate,
+                                batch_argnums=batch)
+
+    return wrap if fun is None else wrap(fun)
+
+
+def plan(fun: Callable, *args, method: Any = None, cluster: ClusterSpec | None = None,
+         static_argnums: int | Sequence[int] = (), batch_argnums: int | Sequence[int] = (1,)) -> ParallelPlan:
+    """Plans ``fun(*args)`` for ``cluster`` without allocating or running anything.
+
+    ``args`` may be arrays or ``jax.ShapeDtypeStruct`` pytrees. ``cluster`` defaults to the devices of this
+    process; pass ``ClusterSpec.preset("p3.16xlarge", num_nodes=8)`` to plan for 64 GPUs on a laptop.
+    """
+    if isinstance(fun, ParallelizedFunc):
+        fun = fun.fun
+    method = _check_method(method)
+    if cluster is None:
+        cluster = ClusterSpec.local(backend_devices())
+    if not isinstance(cluster, ClusterSpec):
+        raise TypeError(f"cluster must be an al.ClusterSpec, got {type(cluster).__name__}")
+    traced = trace_step(fun, args, static_argnums=_check_argnums("static_argnums", static_argnums),
+                        batch_argnums=_check_argnums("batch_argnums", batch_argnums),
+                        num_micro_batches=method.num_micro_batches)
+    layout = method.layout(traced, cluster)
+    return spmd_plan(method, traced, layout, cluster)

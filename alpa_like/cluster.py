@@ -1,0 +1,292 @@
+"""Cluster descriptions: how many devices, how fast they compute, how fast they talk.
+
+A :class:`ClusterSpec` is plain data consumed by the planning passes: the stage DP (Alpa Eq. 3.2-3.5)
+enumerates submeshes of ``num_nodes x num_devices_per_node``, ``LogicalMesh.from_cluster`` turns the
+bandwidths and latencies into per-axis alpha-beta costs for the intra-op ILP (Eq. 3.1), and the simulator
+divides FLOPs by ``peak_flops``. Nothing here needs the devices to exist, so a 64-GPU cluster can be
+planned on a laptop (``ClusterSpec.preset("p3.16xlarge", num_nodes=8)``); :meth:`ClusterSpec.local`
+measures the devices of this process instead.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+_GIB = 2**30
+_GBIT_PER_S = 1e9 / 8  # bytes/s in one Gb/s
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    """A homogeneous cluster of ``num_nodes`` nodes with ``num_devices_per_node`` devices each."""
+
+    name: str
+    """Human-readable name, e.g. the preset name ``"p3.16xlarge"`` or ``"local-cpu"``."""
+    num_nodes: int
+    """Number of nodes (hosts); >= 1."""
+    num_devices_per_node: int
+    """Accelerators per node; >= 1."""
+    device_name: str
+    """Device model, e.g. ``"V100-SXM2-16GB"``."""
+    peak_flops: float
+    """Peak FLOP/s of one device at the training dtype (FP16/BF16 tensor cores for GPUs)."""
+    device_memory: int
+    """Memory of one device, in bytes."""
+    intra_node_bandwidth: float
+    """Bytes/s per device, unidirectional, that a ring collective inside one node sees (NVLink)."""
+    inter_node_bandwidth: float
+    """Bytes/s per device, unidirectional, that a ring collective across nodes sees (the node's NICs
+    shared by its devices)."""
+    intra_node_latency: float
+    """Seconds: fixed cost (alpha) of one collective inside a node."""
+    inter_node_latency: float
+    """Seconds: fixed cost (alpha) of one collective across nodes."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def num_devices(self) -> int:
+        """Total number of devices, ``num_nodes * num_devices_per_node``."""
+        return self.num_nodes * self.num_devices_per_node
+
+    @classmethod
+    def preset(cls, name: str, num_nodes: int = 1) -> ClusterSpec:
+        """A named cluster of the seeds' papers (or a modern one) with ``num_nodes`` nodes.
+
+        Args:
+          name: one of ``"p3.16xlarge"`` (Alpa's and TeraPipe's AWS testbed), ``"dgx-a100"``
+            (Megatron-LM's Selene) and ``"h100"`` (a DGX H100-like node).
+          num_nodes: number of nodes, >= 1.
+
+        Raises:
+          ValueError: for an unknown name (the message lists the valid ones) or ``num_nodes < 1``.
+
+        >>> ClusterSpec.preset("p3.16xlarge", num_nodes=8).num_devices
+        64
+        """
+        if name not in _PRESETS:
+            raise ValueError(f"unknown cluster preset {name!r}; valid names: {sorted(_PRESETS)}")
+        if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 1:
+            raise ValueError(f"num_nodes must be an int >= 1, got {num_nodes!r}")
+        return _PRESETS[name](num_nodes)
+
+    @classmethod
+    def local(cls, devices: Sequence[Any] | None = None) -> ClusterSpec:
+        """The devices of this process (default ``jax.local_devices()``) as one node, with measured speed.
+
+        ``peak_flops`` is the best of a few timed float32 matmuls on the first device (not a datasheet
+        peak). The intra-node bandwidth and latency come from timed ``jax.device_put`` copies between the
+        first two devices (host -> device when there is only one). There is no inter-node link, so the
+        inter-node fields repeat the intra-node ones. ``device_memory`` is ``device.memory_stats()
+        ["bytes_limit"]`` when the backend reports it, else the host's RAM divided by the device count.
+        The measurements are cached per device and take well under a second.
+        """
+        import jax  # Local import: presets and JSON loading need no JAX.
+
+        devices = tuple(jax.local_devices() if devices is None else devices)
+        if not devices:
+            raise ValueError("devices must not be empty")
+        first = devices[0]
+        peer = devices[1] if len(devices) > 1 else None
+        bandwidth, latency = _measure_copy(first, peer)
+        return cls(
+            name=f"local-{first.platform}",
+            num_nodes=1,
+            num_devices_per_node=len(devices),
+            device_name=str(getattr(first, "device_kind", first.platform)),
+            peak_flops=_measure_matmul_flops(first),
+            device_memory=_device_memory(first, len(devices)),
+            intra_node_bandwidth=bandwidth,
+            inter_node_bandwidth=bandwidth,
+            intra_node_latency=latency,
+            inter_node_latency=latency,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """All fields as a JSON-safe dict; ``ClusterSpec.from_dict(spec.to_dict()) == spec``."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ClusterSpec:
+        """Inverse of :meth:`to_dict`; missing or unknown keys raise ``ValueError``."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        missing = sorted(names - set(data))
+        if unknown or missing:
+            raise ValueError(f"ClusterSpec.from_dict: unknown keys {unknown}, missing keys {missing}")
+        return cls(**data)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.name}: {self.num_nodes} node(s) x {self.num_devices_per_node} {self.device_name} "
+            f"({self.peak_flops / 1e12:.4g} TFLOP/s, {self.device_memory / _GIB:.4g} GiB each); "
+            f"intra-node {self.intra_node_bandwidth / 1e9:.4g} GB/s, {self.intra_node_latency * 1e6:.3g} us; "
+            f"inter-node {self.inter_node_bandwidth / 1e9:.4g} GB/s, {self.inter_node_latency * 1e6:.3g} us"
+        )
+
+
+def _validate(spec: ClusterSpec) -> None:
+    """Raises ValueError naming the first field that is out of range."""
+    if not isinstance(spec.name, str) or not spec.name:
+        raise ValueError(f"name must be a non-empty str, got {spec.name!r}")
+    if not isinstance(spec.device_name, str):
+        raise ValueError(f"device_name must be a str, got {spec.device_name!r}")
+    for field in ("num_nodes", "num_devices_per_node", "device_memory"):
+        value = getattr(spec, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{field} must be an int >= 1, got {value!r}")
+    for field in ("peak_flops", "intra_node_bandwidth", "inter_node_bandwidth"):
+        value = getattr(spec, field)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise ValueError(f"{field} must be a number > 0, got {value!r}")
+    for field in ("intra_node_latency", "inter_node_latency"):
+        value = getattr(spec, field)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+            raise ValueError(f"{field} must be a number >= 0, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Presets. Bandwidths are per device and unidirectional; a node's NICs are shared by its devices.
+# Latencies are order-of-magnitude assumptions (the seeds give none): ~5 us for an NCCL collective over
+# NVLink, ~10 us over InfiniBand RDMA, ~50 us over TCP/Ethernet.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _p3_16xlarge(num_nodes: int) -> ClusterSpec:
+    """AWS p3.16xlarge: the Alpa (dissertation §3.8) and TeraPipe (§2.5) testbed."""
+    return ClusterSpec(
+        name="p3.16xlarge",
+        num_nodes=num_nodes,
+        # Alpa §3.8: "8 NVIDIA V100 16 GB GPUs" per node, "connected via NVLink".
+        num_devices_per_node=8,
+        device_name="V100-SXM2-16GB",
+        # NVIDIA V100 datasheet: 125 TFLOP/s FP16 tensor-core peak (SXM2). Alpa trains GPT/MoE in FP16.
+        peak_flops=125e12,
+        device_memory=16 * _GIB,
+        # NVIDIA V100 datasheet: NVLink 2.0, 300 GB/s bidirectional per GPU -> 150 GB/s unidirectional.
+        intra_node_bandwidth=150e9,
+        # Alpa §3.8: "25Gbps cross-node bandwidth" per node (one ENA NIC), shared by the 8 GPUs.
+        inter_node_bandwidth=25 * _GBIT_PER_S / 8,
+        intra_node_latency=5e-6,
+        inter_node_latency=50e-6,  # TCP over Ethernet (no EFA on p3.16xlarge).
+    )
+
+
+def _dgx_a100(num_nodes: int) -> ClusterSpec:
+    """NVIDIA DGX A100 80 GB: Megatron-LM PTD-P's Selene nodes (seed 002, §5)."""
+    return ClusterSpec(
+        name="dgx-a100",
+        num_nodes=num_nodes,
+        # Megatron-LM §5: "8 NVIDIA 80-GB A100 GPUs, connected to each other by NVLink and NVSwitch".
+        num_devices_per_node=8,
+        device_name="A100-SXM4-80GB",
+        # Megatron-LM §5: "The peak device throughput of an A100 GPU with 16-bit precision is 312 teraFLOP/s".
+        peak_flops=312e12,
+        device_memory=80 * _GIB,
+        # NVIDIA A100 datasheet: NVLink 3 (NVSwitch), 600 GB/s bidirectional per GPU -> 300 GB/s.
+        intra_node_bandwidth=300e9,
+        # Megatron-LM §5: "eight NVIDIA Mellanox 200Gbps HDR InfiniBand HCAs" per node: one per GPU.
+        inter_node_bandwidth=200 * _GBIT_PER_S,
+        intra_node_latency=5e-6,
+        inter_node_latency=10e-6,
+    )
+
+
+def _h100(num_nodes: int) -> ClusterSpec:
+    """A DGX H100-like node: 8 x H100 SXM 80 GB, NVLink 4, 8 x 400 Gb/s NDR InfiniBand."""
+    return ClusterSpec(
+        name="h100",
+        num_nodes=num_nodes,
+        num_devices_per_node=8,  # NVIDIA DGX H100 datasheet: 8 x H100 SXM5 80 GB.
+        device_name="H100-SXM5-80GB",
+        # NVIDIA H100 datasheet: 1,979 TFLOP/s BF16 "with sparsity" -> 989 TFLOP/s dense.
+        peak_flops=989e12,
+        device_memory=80 * _GIB,
+        # NVIDIA H100 datasheet: NVLink 4, 900 GB/s bidirectional per GPU -> 450 GB/s.
+        intra_node_bandwidth=450e9,
+        # NVIDIA DGX H100 datasheet: 8 x ConnectX-7 400 Gb/s (NDR) compute NICs: one per GPU.
+        inter_node_bandwidth=400 * _GBIT_PER_S,
+        intra_node_latency=5e-6,
+        inter_node_latency=10e-6,
+    )
+
+
+_PRESETS: dict[str, Callable[[int], ClusterSpec]] = {
+    "p3.16xlarge": _p3_16xlarge,
+    "dgx-a100": _dgx_a100,
+    "h100": _h100,
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Measurements for ClusterSpec.local(). Cached per device: planning calls local() many times.
+# ---------------------------------------------------------------------------------------------------
+
+_MATMUL_N = 256  # 2 * 256^3 = 34 MFLOP per call: milliseconds on a CPU core, microseconds on a GPU.
+_COPY_BYTES = 4 * 2**20  # "a few MB" for the bandwidth probe.
+_REPEATS = 5
+
+
+def _best_time(fn: Callable[[], Any], repeats: int = _REPEATS) -> float:
+    """Minimum wall time over ``repeats`` calls of ``fn`` (which must block until its result is ready)."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return max(best, 1e-9)
+
+
+@functools.cache
+def _measure_matmul_flops(device: Any) -> float:
+    """FLOP/s of a jitted float32 ``(n, n) @ (n, n)`` on ``device`` (best of a few runs)."""
+    import jax
+    import numpy as np
+
+    a = jax.device_put(np.ones((_MATMUL_N, _MATMUL_N), np.float32), device)
+    matmul = jax.jit(lambda x, y: x @ y)
+    matmul(a, a).block_until_ready()  # Compile outside the timing.
+    seconds = _best_time(lambda: matmul(a, a).block_until_ready())
+    return 2.0 * _MATMUL_N**3 / seconds
+
+
+@functools.cache
+def _measure_copy(src: Any, dst: Any | None) -> tuple[float, float]:
+    """(bytes/s, latency s) of ``jax.device_put`` from ``src`` to ``dst`` (host -> ``src`` if ``dst`` is None).
+
+    Latency is the time of a 4-byte copy; bandwidth divides the big copy's bytes by its time minus that
+    latency (the alpha-beta model: ``t = alpha + bytes / bandwidth``).
+    """
+    import jax
+    import numpy as np
+
+    big_host = np.ones(_COPY_BYTES // 4, np.float32)
+    small_host = np.ones(1, np.float32)
+    if dst is None:
+        big, small, target = big_host, small_host, src
+    else:
+        big, small, target = jax.device_put(big_host, src), jax.device_put(small_host, src), dst
+        jax.block_until_ready((big, small))
+    jax.device_put(big, target).block_until_ready()  # Warm up.
+    latency = _best_time(lambda: jax.device_put(small, target).block_until_ready())
+    seconds = _best_time(lambda: jax.device_put(big, target).block_until_ready())
+    return _COPY_BYTES / max(seconds - latency, seconds / 2), latency
+
+
+def _device_memory(device: Any, num_devices: int) -> int:
+    """Bytes of ``device``: its reported limit, else this host's RAM split evenly over ``num_devices``."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    try:
+        import psutil
+
+        total = int(psutil.virtual_memory().total)
+    except ImportError:  # psutil is optional; POSIX sysconf is not available everywhere either.
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(1, total // num_devices)

@@ -1,0 +1,52 @@
+"""`al.grad` and `al.value_and_grad`: drop-in `jax.grad` that tells the compiler where gradients are.
+
+They compute exactly what `jax.grad` / `jax.value_and_grad` compute. In addition they mark the
+differentiated arguments as parameters and the results as the end of compute-grad (see
+:mod:`alpa_like.compiler.markers`), which gradient accumulation, the ZeRO methods and pipeline planning use.
+Plain `jax.grad` inside a step also works for single-micro-batch methods; accumulation needs these.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+
+from alpa_like.compiler.markers import mark
+
+
+def _mark_argnums(args: tuple, argnums: int | Sequence[int]) -> tuple:
+    indices = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    for i in indices:
+        if not -len(args) <= i < len(args):
+            raise ValueError(f"argnums={argnums!r} is out of range for a function called with {len(args)} arguments")
+    indices = {i % len(args) for i in indices}
+    return tuple(mark(a, "param") if i in indices else a for i, a in enumerate(args))
+
+
+def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
+                   **jax_kwargs) -> Callable:
+    """Like `jax.value_and_grad`; the returned value, aux and gradients pass through the grad marker.
+
+    With ``num_micro_batches > 1`` the step runs everything up to this call once per micro-batch and
+    averages what it returns (value, aux and gradients) over the micro-batches, as Alpa does: for a loss
+    that is a mean over the batch this equals the full-batch value and gradient.
+    """
+    inner = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux, **jax_kwargs)
+
+    @functools.wraps(fun)
+    def wrapped(*args, **kwargs):
+        return mark(inner(*_mark_argnums(args, argnums), **kwargs), "grad")
+
+    return wrapped
+
+
+def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, **jax_kwargs) -> Callable:
+    """Like `jax.grad`; see :func:`value_and_grad` for what the markers add."""
+    inner = jax.grad(fun, argnums=argnums, has_aux=has_aux, **jax_kwargs)
+
+    @functools.wraps(fun)
+    def wrapped(*args, **kwargs):
+        return mark(inner(*_mark_argnums(args, argnums), **kwargs), "grad")
+
+    return wrapped

@@ -1,0 +1,90 @@
+"""Standalone neural-network functions shared by the bundled models.
+
+Only functions that a compiler pass must be able to recognise live here. Today that is
+:func:`causal_self_attention`: TeraPipe token slicing (TeraPipe, dissertation ch. 2) cuts the sequence
+dimension of a transformer, which is only legal for an operator whose cross-token dependence is known to be
+causal. Every bundled attention layer therefore goes through this one function, whose body is wrapped in
+``jax.named_scope("causal_self_attention")`` so that its equations can be found in a traced Jaxpr.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["ATTENTION_SCOPE", "causal_self_attention"]
+
+ATTENTION_SCOPE = "causal_self_attention"
+"""Name of the ``jax.named_scope`` wrapping the body of :func:`causal_self_attention`."""
+
+
+def _check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
+    """Raise ValueError unless q, k, v are [batch, seq, heads, head_dim] with compatible sizes."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(
+                f"{name} must have 4 dims [batch, seq, heads, head_dim], got shape {tuple(x.shape)}"
+            )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
+    b, q_len, h, d = q.shape
+    if (k.shape[0], k.shape[2], k.shape[3]) != (b, h, d):
+        raise ValueError(
+            f"k must have batch, heads, head_dim = {(b, h, d)} like q, got k shape {tuple(k.shape)}"
+        )
+    if k.shape[1] < q_len:
+        raise ValueError(
+            f"k/v sequence length must be >= q sequence length {q_len} (queries are the last "
+            f"q_len positions of the key sequence), got {k.shape[1]}"
+        )
+
+
+def causal_self_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | None = None
+) -> jax.Array:
+    r"""Scaled dot-product attention with a causal mask, softmax in float32.
+
+    .. math::
+
+        \mathrm{out}_{b,i,h} = \sum_{j \le i + (S_k - S_q)}
+            \mathrm{softmax}_j\!\left(\frac{q_{b,i,h} \cdot k_{b,j,h}}{\sqrt{d}}\right) v_{b,j,h}
+
+    Query ``i`` sits at absolute position ``S_k - S_q + i`` of the key sequence, so with ``S_q == S_k``
+    this is ordinary causal self-attention, and with ``S_q < S_k`` the queries are the last slice of the
+    sequence attending to the cached prefix plus themselves (what a TeraPipe token slice needs).
+
+    Args:
+      q: queries, ``[batch, S_q, heads, head_dim]``.
+      k: keys, ``[batch, S_k, heads, head_dim]`` with ``S_k >= S_q``.
+      v: values, same shape as ``k``.
+      mask: optional boolean array broadcastable to ``[batch, heads, S_q, S_k]``; ``True`` means "may
+        attend". It is ANDed with the causal mask. A query row whose every key is masked out yields the
+        uniform average of the values of that row (no NaNs).
+
+    Returns:
+      ``[batch, S_q, heads, head_dim]`` in the dtype of ``q``. Scores and softmax are computed in
+      float32 whatever the input dtype.
+
+    Raises:
+      ValueError: if the shapes are not as described.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.ones((1, 3, 2, 4))
+      >>> causal_self_attention(x, x, x).shape
+      (1, 3, 2, 4)
+    """
+    _check_qkv(q, k, v)
+    with jax.named_scope(ATTENTION_SCOPE):
+        q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[3]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+        scores = scores.astype(jnp.float32) / math.sqrt(head_dim)
+        q_pos = jnp.arange(q_len)[:, None] + (kv_len - q_len)
+        allowed = q_pos >= jnp.arange(kv_len)[None, :]
+        if mask is not None:
+            allowed = jnp.logical_and(allowed, mask)
+        scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+        return out.astype(q.dtype)

@@ -1,0 +1,259 @@
+"""The parallel plan: plain, frozen data that says what the compiler decided.
+
+A :class:`ParallelPlan` is produced before anything runs (``al.plan``) or when a step is compiled
+(``exe.plan``). It prints as a table a user can act on, and round-trips exactly through JSON::
+
+    text = plan.to_json()
+    assert al.ParallelPlan.from_json(text) == plan
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from alpa_like.cluster import ClusterSpec
+from alpa_like.compiler.sharding_spec import ShardingSpec
+
+ROLES = ("param", "optimizer_state", "state", "batch", "output")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TensorPlan:
+    """How one input or output leaf of the step is laid out on its stage's mesh."""
+
+    path: str
+    """Pytree path, e.g. ``state.params.block_0.attn.qkv.kernel`` or ``out.1.loss``."""
+    shape: tuple[int, ...]
+    dtype: str
+    role: str
+    """One of ROLES: ``param`` (differentiated by al.grad), ``optimizer_state`` (other state leaves when
+    parameters are known), ``state`` (other non-batch inputs), ``batch``, ``output``."""
+    spec: ShardingSpec | None
+    """Alpa notation per tensor dim (S0, S1, S01, R); None when XLA chooses (outputs only)."""
+    bytes_per_device: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "shape": list(self.shape), "dtype": self.dtype, "role": self.role,
+                "spec": None if self.spec is None else str(self.spec), "bytes_per_device": self.bytes_per_device}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TensorPlan:
+        shape = tuple(d["shape"])
+        spec = None if d["spec"] is None else ShardingSpec.from_str(d["spec"], ndim=len(shape))
+        return cls(path=d["path"], shape=shape, dtype=d["dtype"], role=d["role"], spec=spec,
+                   bytes_per_device=d["bytes_per_device"])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CommEstimate:
+    """One modelled collective of a stage, per training step."""
+
+    kind: str
+    """all-reduce | all-gather | reduce-scatter | all-to-all | send-recv."""
+    mesh_axes: tuple[int, ...]
+    num_bytes: int
+    """Size of the full tensor the collective operates on, summed over the step."""
+    seconds: float
+    what: str
+    """Why it happens, e.g. ``gradient synchronisation``."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "mesh_axes": list(self.mesh_axes), "num_bytes": self.num_bytes,
+                "seconds": self.seconds, "what": self.what}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CommEstimate:
+        return cls(kind=d["kind"], mesh_axes=tuple(d["mesh_axes"]), num_bytes=d["num_bytes"],
+                   seconds=d["seconds"], what=d["what"])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    """One pipeline stage (an SPMD method has exactly one, holding every layer)."""
+
+    stage_id: int
+    layer_ids: tuple[int, ...]
+    submesh_shape: tuple[int, int]
+    """(nodes, devices per node) of the physical submesh, as in Alpa's stage DP."""
+    logical_mesh_shape: tuple[int, ...]
+    mesh_axis_names: tuple[str, ...]
+    device_ids: tuple[int, ...]
+    """Device ids when compiled on real devices; empty for a plan-only result."""
+    inputs: tuple[TensorPlan, ...]
+    outputs: tuple[TensorPlan, ...]
+    communication: tuple[CommEstimate, ...]
+    flops: float
+    """FLOPs of one training step on this stage, all devices together."""
+    compute_seconds: float
+    memory_per_device: int
+    """Bytes per device of the stage's inputs (parameters, optimizer state, batch); activations excluded."""
+
+    @property
+    def communication_seconds(self) -> float:
+        return sum(c.seconds for c in self.communication)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stage_id": self.stage_id, "layer_ids": list(self.layer_ids),
+                "submesh_shape": list(self.submesh_shape), "logical_mesh_shape": list(self.logical_mesh_shape),
+                "mesh_axis_names": list(self.mesh_axis_names), "device_ids": list(self.device_ids),
+                "inputs": [t.to_dict() for t in self.inputs], "outputs": [t.to_dict() for t in self.outputs],
+                "communication": [c.to_dict() for c in self.communication], "flops": self.flops,
+                "compute_seconds": self.compute_seconds, "memory_per_device": self.memory_per_device}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StagePlan:
+        return cls(stage_id=d["stage_id"], layer_ids=tuple(d["layer_ids"]),
+                   submesh_shape=tuple(d["submesh_shape"]), logical_mesh_shape=tuple(d["logical_mesh_shape"]),
+                   mesh_axis_names=tuple(d["mesh_axis_names"]), device_ids=tuple(d["device_ids"]),
+                   inputs=tuple(TensorPlan.from_dict(t) for t in d["inputs"]),
+                   outputs=tuple(TensorPlan.from_dict(t) for t in d["outputs"]),
+                   communication=tuple(CommEstimate.from_dict(c) for c in d["communication"]),
+                   flops=d["flops"], compute_seconds=d["compute_seconds"],
+                   memory_per_device=d["memory_per_device"])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelPlan:
+    """Everything the compiler decided for one step and one input signature."""
+
+    method: str
+    """The method's repr, e.g. ``DataParallel(num_micro_batches=2)``."""
+    num_micro_batches: int
+    cluster: ClusterSpec
+    stages: tuple[StagePlan, ...]
+    pipeline_schedule: str | None
+    estimated_iteration_time: float
+    """Seconds per step under the cost model: compute at peak FLOP/s plus modelled communication."""
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def num_devices(self) -> int:
+        return sum(s.submesh_shape[0] * s.submesh_shape[1] for s in self.stages)
+
+    def tensor(self, path: str) -> TensorPlan:
+        """The TensorPlan of the input or output leaf at ``path``."""
+        for stage in self.stages:
+            for t in (*stage.inputs, *stage.outputs):
+                if t.path == path:
+                    return t
+        known = [t.path for s in self.stages for t in s.inputs][:8]
+        raise KeyError(f"no tensor {path!r} in the plan; inputs include {known}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method, "num_micro_batches": self.num_micro_batches,
+                "cluster": self.cluster.to_dict(), "stages": [s.to_dict() for s in self.stages],
+                "pipeline_schedule": self.pipeline_schedule,
+                "estimated_iteration_time": self.estimated_iteration_time, "warnings": list(self.warnings)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ParallelPlan:
+        return cls(method=d["method"], num_micro_batches=d["num_micro_batches"],
+                   cluster=ClusterSpec.from_dict(d["cluster"]),
+                   stages=tuple(StagePlan.from_dict(s) for s in d["stages"]),
+                   pipeline_schedule=d["pipeline_schedule"],
+                   estimated_iteration_time=d["estimated_iteration_time"], warnings=tuple(d["warnings"]))
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> ParallelPlan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"ParallelPlan.from_json: text is not JSON ({e})") from None
+        return cls.from_dict(data)
+
+    def table(self, *, group_layers: bool = True) -> str:
+        """The readable form; ``group_layers`` folds leaves that differ only in a layer number into one row."""
+        return format_plan(self, group_layers=group_layers)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+# ---------------------------------------------------------------------------------------------- printing
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> str:
+    """Left-aligned text columns separated by two spaces."""
+    widths = [max(len(str(r[i])) for r in (headers, *rows)) for i in range(len(headers))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+             for r in (headers, *rows)]
+    return "\n".join(indent + line for line in lines)
+
+
+def partition_spec_str(spec: ShardingSpec | None, axis_names: Sequence[str]) -> str:
+    if spec is None:
+        return "chosen by XLA"
+    if not spec.axes:
+        return "P()"
+    return str(spec.to_partition_spec(tuple(axis_names)))
+
+
+_NUMBER = re.compile(r"(?<=[._])\d+(?=\.|$)|(?<=_)\d+")
+
+
+def _tensor_rows(tensors: Sequence[TensorPlan], axis_names: Sequence[str], group_layers: bool):
+    groups: dict[tuple, list[TensorPlan]] = {}
+    for t in tensors:
+        key_path = _NUMBER.sub("*", t.path) if group_layers else t.path
+        key = (key_path, t.shape, t.dtype, t.role, None if t.spec is None else str(t.spec))
+        groups.setdefault(key, []).append(t)
+    rows = []
+    for (path, shape, dtype, role, _), members in groups.items():
+        if len(members) == 1:
+            path = members[0].path
+        else:
+            path = f"{path} (x{len(members)})"
+        t = members[0]
+        rows.append([path, "x".join(map(str, shape)) or "scalar", dtype, role,
+                     "-" if t.spec is None else (str(t.spec) or "scalar"),
+                     partition_spec_str(t.spec, axis_names), format_bytes(t.bytes_per_device * len(members))])
+    return rows
+
+
+def format_plan(plan: ParallelPlan, *, group_layers: bool = True) -> str:
+    c = plan.cluster
+    lines = [f"ParallelPlan  {plan.method}",
+             f"  cluster: {c.name}, {c.num_nodes} node(s) x {c.num_devices_per_node} {c.device_name}",
+             f"  schedule: {plan.pipeline_schedule or 'none (single stage)'}, "
+             f"micro-batches: {plan.num_micro_batches}, stages: {len(plan.stages)}",
+             f"  estimated iteration time: {format_seconds(plan.estimated_iteration_time)}"]
+    lines += [f"  warning: {w}" for w in plan.warnings]
+    for s in plan.stages:
+        layers = "all" if not s.layer_ids else f"{s.layer_ids[0]}-{s.layer_ids[-1]}"
+        lines.append("")
+        lines.append(f"Stage {s.stage_id}: layers {layers}, submesh {s.submesh_shape}, logical mesh "
+                     f"{s.logical_mesh_shape} axes {s.mesh_axis_names}"
+                     + (f", devices {list(s.device_ids)}" if s.device_ids else ""))
+        lines.append(f"  compute {format_seconds(s.compute_seconds)} ({s.flops:.3g} FLOP), communication "
+                     f"{format_seconds(s.communication_seconds)}, inputs per device "
+                     f"{format_bytes(s.memory_per_device)}")
+        headers = ["tensor", "shape", "dtype", "role", "spec", "partition spec", "per device"]
+        lines.append(format_table(headers, _tensor_rows([*s.inputs, *s.outputs], s.mesh_axis_names,
+                                                        group_layers)))
+        if s.communication:
+            lines.append("  communication per step:")
+            rows = [[c.kind, f"axes {c.mesh_axes}", format_bytes(c.num_bytes), format_seconds(c.seconds), c.what]
+                    for c in s.communication]
+            lines.append(format_table(["collective", "mesh axes", "bytes", "time", "why"], rows, indent="    "))
+    return "\n".join(lines)

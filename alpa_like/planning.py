@@ -1,0 +1,132 @@
+"""Turn an SPMD method's layout into a :class:`ParallelPlan` with modelled costs.
+
+The cost model (no overlap of compute and communication):
+
+.. math::
+
+    t_\\text{step} = \\frac{\\text{FLOPs}}{N \\cdot \\text{peak}} + \\sum_c t_c
+
+FLOPs come from the traced jaxpr (:mod:`alpa_like.compiler.flops`); each collective ``c`` is priced with
+the alpha-beta model of :class:`LogicalMesh` on the cluster. Modelled collectives are the gradient
+synchronisation of data parallelism and ZeRO (all-reduce, or reduce-scatter plus all-gather of the
+updated parameters) and ZeRO-3's parameter all-gathers (before forward and backward, per micro-batch).
+Activation collectives of hand-written tensor parallelism are not modelled here (the intra-op pass models
+them); the compiled executable reports the collectives XLA actually inserted.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from alpa_like.cluster import ClusterSpec
+from alpa_like.compiler.flops import jaxpr_flops
+from alpa_like.compiler.grad_accumulation import split_at_grad_marker, split_flops
+from alpa_like.compiler.logical_mesh import LogicalMesh
+from alpa_like.compiler.sharding_spec import ShardingSpec
+from alpa_like.compiler.trace import LeafInfo, TracedStep
+from alpa_like.methods import SpmdLayout, largest_dim_spec
+from alpa_like.plan import CommEstimate, ParallelPlan, StagePlan, TensorPlan
+
+
+def cluster_submesh(cluster: ClusterSpec) -> tuple[int, int]:
+    return (cluster.num_nodes, cluster.num_devices_per_node)
+
+
+def logical_mesh(cluster: ClusterSpec, mesh_shape: Sequence[int]) -> tuple[LogicalMesh, int]:
+    """The LogicalMesh of a 1-D or 2-D mesh over the whole cluster, and the offset of mesh axis 0 in it
+    (a 1-D mesh of n devices is priced as the view (1, n), so its axis 0 is LogicalMesh axis 1)."""
+    shape = tuple(mesh_shape)
+    if len(shape) == 1:
+        return LogicalMesh.from_cluster(cluster, cluster_submesh(cluster), (1, shape[0])), 1
+    return LogicalMesh.from_cluster(cluster, cluster_submesh(cluster), shape), 0
+
+
+def tensor_plan(leaf: LeafInfo, role: str, spec: ShardingSpec | None, mesh_shape: Sequence[int]) -> TensorPlan:
+    shards = 1 if spec is None else spec.num_shards(tuple(mesh_shape))
+    return TensorPlan(path=leaf.path, shape=leaf.shape, dtype=leaf.dtype, role=role, spec=spec,
+                      bytes_per_device=leaf.nbytes // shards)
+
+
+def batch_axes(layout: SpmdLayout) -> tuple[int, ...]:
+    """Mesh axes that split the batch (dim 0 of the batch leaves)."""
+    axes = set()
+    for role, spec in zip(layout.roles, layout.in_specs, strict=True):
+        if role == "batch" and spec.axes:
+            axes.update(spec.axes[0])
+    return tuple(sorted(axes))
+
+
+def gradient_communication(layout: SpmdLayout, in_leaves: Sequence[LeafInfo], mesh: LogicalMesh, offset: int,
+                           num_micro_batches: int) -> list[CommEstimate]:
+    """Modelled per-step collectives for the parameters (see the module docstring)."""
+    sync_axes = batch_axes(layout)
+    totals: dict[tuple[str, tuple[int, ...], str], int] = {}
+
+    def add(kind, axes, nbytes, what):
+        key = (kind, axes, what)
+        totals[key] = totals.get(key, 0) + nbytes
+
+    mesh_shape = layout.mesh_shape
+    for leaf, role, spec in zip(in_leaves, layout.roles, layout.in_specs, strict=True):
+        if role != "param":
+            continue
+        own = {a for dim in spec.axes for a in dim}
+        axes = tuple(a for a in sync_axes if a not in own and mesh_shape[a] > 1)
+        local_bytes = leaf.nbytes // spec.num_shards(mesh_shape)
+        if any(a in own for a in sync_axes):  # ZeRO-3: sharded over the batch axes
+            gather_axes = tuple(a for a in sync_axes if a in own and mesh_shape[a] > 1)
+            add("all-gather", gather_axes, 2 * num_micro_batches * leaf.nbytes,
+                "parameters gathered for forward and backward")
+            add("reduce-scatter", gather_axes, leaf.nbytes, "gradient synchronisation")
+        if not axes:
+            continue
+        grad_sharded = layout.shard_grads and largest_dim_spec(leaf.shape, math.prod(
+            mesh_shape[a] for a in axes)).axes != ((),) * len(leaf.shape)
+        if grad_sharded:
+            add("reduce-scatter", axes, local_bytes, "gradient synchronisation")
+            add("all-gather", axes, local_bytes, "updated parameters gathered")
+        else:
+            add("all-reduce", axes, local_bytes, "gradient synchronisation")
+    estimates = []
+    for (kind, axes, what), nbytes in totals.items():
+        cost_axis = tuple(a + offset for a in axes)
+        axis = cost_axis[0] if len(cost_axis) == 1 else cost_axis
+        price = {"all-reduce": mesh.all_reduce_cost, "all-gather": mesh.all_gather_cost,
+                 "reduce-scatter": mesh.reduce_scatter_cost}[kind]
+        estimates.append(CommEstimate(kind=kind, mesh_axes=axes, num_bytes=int(nbytes),
+                                      seconds=float(price(nbytes, axis)), what=what))
+    return estimates
+
+
+def spmd_plan(method, traced: TracedStep, layout: SpmdLayout, cluster: ClusterSpec,
+              device_ids: Sequence[int] = (), out_specs: Sequence[ShardingSpec | None] | None = None) -> ParallelPlan:
+    """The one-stage plan of an SPMD method on ``cluster``.
+
+    Args:
+      out_specs: the output specs actually compiled (XLA's choice filled in); defaults to the layout's.
+    """
+    out_specs = layout.out_specs if out_specs is None else tuple(out_specs)
+    mesh_shape = layout.mesh_shape
+    inputs = tuple(tensor_plan(leaf, role, spec, mesh_shape)
+                   for leaf, role, spec in zip(traced.in_leaves, layout.roles, layout.in_specs, strict=True))
+    outputs = tuple(tensor_plan(leaf, "output", spec, mesh_shape)
+                    for leaf, spec in zip(traced.out_leaves, out_specs, strict=True))
+    mesh, offset = logical_mesh(cluster, mesh_shape)
+    comm = tuple(gradient_communication(layout, traced.in_leaves, mesh, offset, method.num_micro_batches))
+    if method.num_micro_batches > 1:
+        batch_mask = [leaf.is_batch for leaf in traced.in_leaves]
+        flops = float(split_flops(split_at_grad_marker(traced.closed_jaxpr, batch_mask), method.num_micro_batches))
+    else:
+        flops = float(jaxpr_flops(traced.closed_jaxpr))
+    compute = flops / (cluster.num_devices * cluster.peak_flops)
+    stage = StagePlan(stage_id=0, layer_ids=(), submesh_shape=cluster_submesh(cluster),
+                      logical_mesh_shape=tuple(mesh_shape), mesh_axis_names=layout.axis_names,
+                      device_ids=tuple(int(d) for d in device_ids), inputs=inputs, outputs=outputs,
+                      communication=comm, flops=flops, compute_seconds=compute,
+                      memory_per_device=int(np.sum([t.bytes_per_device for t in inputs], dtype=np.int64)))
+    return ParallelPlan(method=repr(method), num_micro_batches=method.num_micro_batches, cluster=cluster,
+                        stages=(stage,), pipeline_schedule=None,
+                        estimated_iteration_time=compute + stage.communication_seconds,
+                        warnings=tuple(layout.warnings))

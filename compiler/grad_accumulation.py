@@ -1,0 +1,180 @@
+"""Split a traced step at its grad marker and run compute-grad once per micro-batch.
+
+Alpa dissertation 3.5: a training step is compute-grad (forward and backward of one micro-batch),
+gradient accumulation, and apply-grad (the optimizer update). The ``"grad"`` marker that
+:func:`alpa_like.grad` puts on its results is the boundary. :func:`split_at_grad_marker` classifies the
+equations of the flat step jaxpr:
+
+* ``hoisted``: before the marker and independent of the batch (run once per step);
+* ``per_micro_batch``: the batch-dependent ancestors of the marker's inputs (run once per micro-batch);
+* ``apply``: everything else (run once, after the marker; must not read the batch).
+
+The jaxpr is traced for one micro-batch (``trace_step(..., num_micro_batches=m)``), so the per-micro-batch
+equations have the right shapes; the values of the grad marker do not depend on the batch size.
+
+:func:`make_step_fn` evaluates the pieces; the micro-batch results are summed by a `lax.scan` and divided
+by the number of micro-batches, so for a loss that is a mean over the batch the step computes the same
+values as without accumulation (only the summation order differs).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
+
+from alpa_like.compiler import jax_compat
+from alpa_like.compiler.flops import eqn_flops
+from alpa_like.compiler.markers import is_marker
+
+ValuesFn = Callable[[list[Any]], list[Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class GradSplit:
+    """The equations of a step jaxpr, in jaxpr order, grouped by when they run."""
+
+    hoisted: tuple[JaxprEqn, ...]
+    per_micro_batch: tuple[JaxprEqn, ...]
+    marker: JaxprEqn
+    apply: tuple[JaxprEqn, ...]
+
+
+def grad_markers(closed: ClosedJaxpr) -> list[JaxprEqn]:
+    return [e for e in closed.jaxpr.eqns if is_marker(e, "grad")]
+
+
+def _batch_dependent(eqns: Sequence[JaxprEqn], batch_vars: set[Var]) -> set[Var]:
+    dependent = set(batch_vars)
+    for eqn in eqns:
+        if any(v in dependent for v in jax_compat.eqn_inputs(eqn)):
+            dependent.update(eqn.outvars)
+    return dependent
+
+
+def _ancestors(eqns: Sequence[JaxprEqn], targets: Sequence[Var]) -> set[int]:
+    """Indices of ``eqns`` that the ``targets`` depend on."""
+    producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+    needed, stack = set(), [v for v in targets if isinstance(v, Var)]
+    while stack:
+        i = producer.get(stack.pop())
+        if i is None or i in needed:
+            continue
+        needed.add(i)
+        stack.extend(jax_compat.eqn_inputs(eqns[i]))
+    return needed
+
+
+def split_at_grad_marker(closed: ClosedJaxpr, batch_mask: Sequence[bool]) -> GradSplit:
+    """Groups the equations of ``closed`` around its single grad marker (see the module docstring).
+
+    Args:
+      closed: a flat step jaxpr (nested calls inlined), invars in the order of ``batch_mask``.
+      batch_mask: per invar, True when it is a batch leaf (split into micro-batches).
+
+    Raises:
+      ValueError: no grad marker or several; a per-micro-batch value is used after the marker or returned
+        without going through it; a marked value is not floating point (it cannot be averaged).
+    """
+    markers = grad_markers(closed)
+    if len(markers) != 1:
+        raise ValueError(
+            f"num_micro_batches > 1 needs exactly one al.grad / al.value_and_grad call in the step, found "
+            f"{len(markers)}; plain jax.grad cannot be split into micro-batches: use al.grad")
+    marker = markers[0]
+    eqns = closed.jaxpr.eqns
+    k = eqns.index(marker)
+    for var in marker.invars:
+        if not jnp.issubdtype(var.aval.dtype, jnp.inexact):
+            raise ValueError(
+                f"a value returned by al.grad/al.value_and_grad has dtype {var.aval.dtype}; with "
+                "num_micro_batches > 1 these values are averaged over micro-batches, so they must be floating "
+                "point (return integer metrics from outside the grad call)")
+    batch_vars = {v for v, b in zip(closed.jaxpr.invars, batch_mask, strict=True) if b}
+    live = _ancestors(eqns, closed.jaxpr.outvars)  # dead code (e.g. jax.grad's unused loss) is dropped
+    dependent = _batch_dependent(eqns[:k], batch_vars)
+    feeds_marker = _ancestors(eqns[:k], marker.invars)
+    per_micro = [i for i in sorted(feeds_marker) if set(eqns[i].outvars) & dependent]
+    hoisted = [i for i in range(k) if i in live and i not in per_micro and not set(eqns[i].outvars) & dependent]
+    apply = [i for i in range(len(eqns)) if i in live and i != k and i not in per_micro and i not in hoisted]
+    dependent = _batch_dependent([eqns[i] for i in apply], dependent)
+    for i in apply:
+        if any(v in dependent for v in jax_compat.eqn_inputs(eqns[i])):
+            raise ValueError(
+                f"with num_micro_batches > 1, `{eqns[i].primitive.name}` outside al.grad uses the batch or a "
+                "value computed from it; compute it inside the loss and return it as aux "
+                "(al.value_and_grad(..., has_aux=True)) so that it is averaged over micro-batches")
+    if any(v in dependent for v in closed.jaxpr.outvars if isinstance(v, Var)):
+        raise ValueError("with num_micro_batches > 1 the step returns a value computed per micro-batch; "
+                         "return it from the loss as aux (al.value_and_grad(..., has_aux=True))")
+    return GradSplit(hoisted=tuple(eqns[i] for i in hoisted), per_micro_batch=tuple(eqns[i] for i in per_micro),
+                     marker=marker, apply=tuple(eqns[i] for i in apply))
+
+
+def split_flops(split: GradSplit, num_micro_batches: int) -> float:
+    """FLOPs of one step: the per-micro-batch equations count once per micro-batch."""
+    def total(eqns):
+        return sum(eqn_flops(e) for e in eqns)
+    return total(split.hoisted) + num_micro_batches * total(split.per_micro_batch) + total(split.apply)
+
+
+def to_micro_batches(x, num_micro_batches: int):
+    """[B, ...] -> [m, B/m, ...] where micro-batch j holds rows j, j+m, j+2m, ...
+
+    Strided rather than contiguous so that a batch sharded along dim 0 stays local to each device.
+    """
+    rows = x.shape[0] // num_micro_batches
+    return jnp.swapaxes(x.reshape(rows, num_micro_batches, *x.shape[1:]), 0, 1)
+
+
+def make_step_fn(closed: ClosedJaxpr, batch_mask: Sequence[bool], *, num_micro_batches: int = 1,
+                 eqn_hook: jax_compat.EqnHook | None = None, on_micro_batch: ValuesFn | None = None) -> Callable:
+    """A function of the flat inputs that computes the flat outputs of ``closed``.
+
+    Args:
+      closed: the flat step jaxpr.
+      batch_mask: per invar, whether it is a batch leaf.
+      num_micro_batches: 1 evaluates the jaxpr as it is; m > 1 runs compute-grad on m micro-batches.
+      eqn_hook: ``hook(eqn, outvals) -> outvals`` applied to every equation (the grad marker after
+        accumulation), e.g. to pin shardings with `with_sharding_constraint`.
+      on_micro_batch: applied to the batch leaves of one micro-batch, e.g. to pin their sharding.
+    """
+    if num_micro_batches == 1:
+        def step(*flat):
+            return jax_compat.eval_closed_jaxpr(closed, *flat, hook=eqn_hook)
+        return step
+
+    split = split_at_grad_marker(closed, batch_mask)
+    jaxpr = closed.jaxpr
+    batch_vars = [v for v, b in zip(jaxpr.invars, batch_mask, strict=True) if b]
+    m = num_micro_batches
+
+    def step(*flat):
+        env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+        env.update(zip(jaxpr.invars, flat, strict=True))
+        jax_compat.eval_eqns(split.hoisted, env, hook=eqn_hook)
+        micro_batches = [to_micro_batches(env[v], m) for v in batch_vars]
+
+        def body(acc, batch_values):
+            if on_micro_batch is not None:
+                batch_values = on_micro_batch(list(batch_values))
+            local = dict(env)
+            local.update(zip(batch_vars, batch_values, strict=True))
+            jax_compat.eval_eqns(split.per_micro_batch, local, hook=eqn_hook)
+            values = [v.val if not isinstance(v, Var) else local[v] for v in split.marker.invars]
+            return [a + v for a, v in zip(acc, values, strict=True)], None
+
+        zeros = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in split.marker.invars]
+        total, _ = jax.lax.scan(body, zeros, micro_batches)
+        mean = [t / np.asarray(m, dtype=t.dtype) for t in total]
+        marker_env = dict(zip(split.marker.invars, mean, strict=True))
+        jax_compat.eval_eqns([split.marker], marker_env, hook=eqn_hook)
+        env.update({v: marker_env[v] for v in split.marker.outvars})
+        jax_compat.eval_eqns(split.apply, env, hook=eqn_hook)
+        return [v.val if not isinstance(v, Var) else env[v] for v in jaxpr.outvars]
+
+    return step

@@ -1,0 +1,83 @@
+"""The one place that touches JAX's jaxpr internals (jax 0.10.x): evaluation and call inlining.
+
+Everything else in the compiler goes through these functions, so a JAX upgrade changes this file only.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend import source_info_util
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
+
+# Primitives whose body is a plain call of an inner ClosedJaxpr in params["jaxpr"] (inputs map 1:1).
+CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
+
+EqnHook = Callable[[JaxprEqn, list[Any]], list[Any]]
+
+
+def is_call(eqn: JaxprEqn) -> bool:
+    """True when ``eqn`` is a nested ``jit``-like call that can be inlined."""
+    return eqn.primitive.name in CALL_PRIMITIVES and isinstance(eqn.params.get("jaxpr"), ClosedJaxpr)
+
+
+def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    """Applies ``eqn``'s primitive to ``invals`` (keeping its name stack); returns a list of outputs."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        out = eqn.primitive.bind(*invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def eval_eqns(eqns: Sequence[JaxprEqn], env: dict[Var, Any], *, inline_calls: bool = False,
+              hook: EqnHook | None = None) -> dict[Var, Any]:
+    """Evaluates ``eqns`` in order, reading and writing ``env`` (a map from Var to value); returns env.
+
+    With ``inline_calls`` nested ``jit`` calls are evaluated equation by equation (so that tracing this
+    evaluation gives a flat jaxpr). ``hook(eqn, outvals)`` may replace the outputs of any top-level eqn.
+    """
+    def read(v):
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for eqn in eqns:
+        invals = [read(v) for v in eqn.invars]
+        if inline_calls and is_call(eqn):
+            inner = eqn.params["jaxpr"]
+            outvals = eval_closed_jaxpr(inner, *invals, inline_calls=True)
+        else:
+            outvals = bind_eqn(eqn, invals)
+        if hook is not None:
+            outvals = hook(eqn, outvals)
+        for var, val in zip(eqn.outvars, outvals, strict=True):
+            env[var] = val
+    return env
+
+
+def eval_closed_jaxpr(closed: ClosedJaxpr, *args, inline_calls: bool = False,
+                      hook: EqnHook | None = None) -> list[Any]:
+    """Evaluates ``closed`` on ``args`` with :func:`eval_eqns`; returns the list of outputs."""
+    jaxpr = closed.jaxpr
+    env: dict[Var, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    eval_eqns(jaxpr.eqns, env, inline_calls=inline_calls, hook=hook)
+    return [v.val if isinstance(v, Literal) else env[v] for v in jaxpr.outvars]
+
+
+def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """Returns an equivalent ClosedJaxpr with every nested ``jit`` call inlined (by re-tracing)."""
+    if not any(is_call(e) for e in closed.jaxpr.eqns):
+        return closed
+    avals = [v.aval for v in closed.jaxpr.invars]
+    return jax.make_jaxpr(lambda *xs: eval_closed_jaxpr(closed, *xs, inline_calls=True))(*avals)
+
+
+def subjaxpr(eqns: Sequence[JaxprEqn], invars: Sequence[Var], outvars: Sequence[Var]) -> Jaxpr:
+    """A Jaxpr made of ``eqns`` reading ``invars`` and returning ``outvars`` (no constvars)."""
+    return Jaxpr(constvars=[], invars=list(invars), outvars=list(outvars), eqns=list(eqns))
+
+
+def eqn_inputs(eqn: JaxprEqn) -> list[Var]:
+    """The Var (non-literal) inputs of ``eqn``."""
+    return [v for v in eqn.invars if isinstance(v, Var)]

@@ -1,0 +1,189 @@
+"""Trace a training step into a flat ClosedJaxpr with named input and output leaves.
+
+This is the first pass of the pipeline (ARCHITECTURE.md "trace"): it validates the user's arguments,
+names every leaf by its pytree path (``state.params.dense.kernel``, ``batch.x``), traces the step with
+`jax.make_jaxpr` (arrays or ShapeDtypeStructs: nothing is allocated or run), inlines nested ``jit`` calls,
+and finds which inputs are model parameters from the ``"param"`` markers of :func:`alpa_like.grad`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Var
+
+from alpa_like.compiler import jax_compat
+from alpa_like.compiler.markers import is_marker
+
+_SCALAR_TYPES = (bool, int, float, complex, np.generic)
+# Unary ops through which a parameter marker still identifies its input leaf.
+_VIEW_PRIMITIVES = frozenset({"convert_element_type", "copy", "copy_p"})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LeafInfo:
+    """One array leaf of the step's inputs or outputs."""
+
+    path: str
+    """Readable pytree path, rooted at the argument name (``state.params.dense.kernel``) or ``out``."""
+    shape: tuple[int, ...]
+    dtype: str
+    arg_index: int
+    """Position of the top-level argument (inputs) or output element (outputs; -1 for a single output)."""
+    is_batch: bool = False
+    """True for leaves of the arguments in ``batch_argnums`` (split along dim 0)."""
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TracedStep:
+    """The step as plain data: a flat jaxpr over the dynamic argument leaves, and what each leaf is."""
+
+    closed_jaxpr: ClosedJaxpr
+    in_leaves: tuple[LeafInfo, ...]
+    out_leaves: tuple[LeafInfo, ...]
+    in_tree: Any
+    """PyTreeDef of the tuple of dynamic (non-static) arguments."""
+    out_tree: Any
+    dynamic_argnums: tuple[int, ...]
+    param_mask: tuple[bool, ...]
+    """Per input leaf: True when an ``al.grad`` call differentiates with respect to it."""
+
+
+def key_to_str(key) -> str:
+    """One pytree path entry as a readable name."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def path_to_str(root: str, path: Sequence[Any]) -> str:
+    return ".".join([root, *(key_to_str(k) for k in path)])
+
+
+def argument_names(fn: Callable, num_args: int) -> list[str]:
+    """Names of the first ``num_args`` positional parameters of ``fn`` (``args[i]`` where unknown)."""
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    return [params[i].name if i < len(params) else f"args[{i}]" for i in range(num_args)]
+
+
+def leaf_aval(leaf: Any, path: str) -> jax.ShapeDtypeStruct:
+    """The abstract value of one argument leaf; a clear TypeError for anything that is not an array."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+    if isinstance(leaf, (jax.Array, np.ndarray)):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+    if isinstance(leaf, _SCALAR_TYPES):
+        arr = np.asarray(leaf)
+        dtype = jax.dtypes.canonicalize_dtype(arr.dtype)
+        return jax.ShapeDtypeStruct((), dtype)
+    raise TypeError(
+        f"argument leaf {path} must be an array (jax.Array, numpy array, ShapeDtypeStruct or Python "
+        f"number), got {type(leaf).__name__} {leaf!r:.60}; pass non-array values through static_argnums "
+        "or leave them out of the step's inputs")
+
+
+def micro_batch_aval(aval: jax.ShapeDtypeStruct, path: str, num_micro_batches: int) -> jax.ShapeDtypeStruct:
+    """The aval of one micro-batch of a batch leaf (dim 0 divided by ``num_micro_batches``)."""
+    if not aval.shape:
+        raise ValueError(f"batch leaf {path} is a scalar; batch_argnums leaves need a batch dim 0 "
+                         "(move scalars to another argument)")
+    if aval.shape[0] % num_micro_batches:
+        raise ValueError(f"batch leaf {path} has {aval.shape[0]} rows in dim 0, which is not divisible by "
+                         f"num_micro_batches={num_micro_batches}")
+    return jax.ShapeDtypeStruct((aval.shape[0] // num_micro_batches, *aval.shape[1:]), aval.dtype)
+
+
+def flatten_inputs(fn: Callable, args: Sequence[Any], static_argnums: Sequence[int],
+                   batch_argnums: Sequence[int]) -> tuple[list[jax.ShapeDtypeStruct], list[LeafInfo], Any]:
+    """Flattens the dynamic arguments: their avals, their LeafInfos and the PyTreeDef of their tuple."""
+    names = argument_names(fn, len(args))
+    dynamic = [i for i in range(len(args)) if i not in static_argnums]
+    avals, infos = [], []
+    for i in dynamic:
+        for key_path, leaf in jax.tree_util.tree_flatten_with_path(args[i])[0]:
+            path = path_to_str(names[i], key_path)
+            aval = leaf_aval(leaf, path)
+            avals.append(aval)
+            infos.append(LeafInfo(path=path, shape=tuple(aval.shape), dtype=str(np.dtype(aval.dtype)),
+                                  arg_index=i, is_batch=i in batch_argnums))
+    in_tree = jax.tree_util.tree_structure(tuple(args[i] for i in dynamic))
+    return avals, infos, in_tree
+
+
+def marked_param_inputs(closed: ClosedJaxpr) -> tuple[bool, ...]:
+    """Per jaxpr invar: True when it reaches a ``"param"`` marker through view ops only."""
+    jaxpr = closed.jaxpr
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    invar_index = {v: i for i, v in enumerate(jaxpr.invars)}
+    mask = [False] * len(jaxpr.invars)
+    for eqn in jaxpr.eqns:
+        if not is_marker(eqn, "param"):
+            continue
+        for var in jax_compat.eqn_inputs(eqn):
+            while var in producer and producer[var].primitive.name in _VIEW_PRIMITIVES:
+                inputs = jax_compat.eqn_inputs(producer[var])
+                if len(inputs) != 1:
+                    break
+                var = inputs[0]
+            if isinstance(var, Var) and var in invar_index:
+                mask[invar_index[var]] = True
+    return tuple(mask)
+
+
+def trace_step(fn: Callable, args: Sequence[Any], *, static_argnums: Sequence[int] = (),
+               batch_argnums: Sequence[int] = (), num_micro_batches: int = 1) -> TracedStep:
+    """Traces ``fn(*args)`` into a :class:`TracedStep`; static arguments are closed over.
+
+    With ``num_micro_batches > 1`` the jaxpr is traced for one micro-batch (batch leaves with
+    ``rows / num_micro_batches`` rows), the shape gradient accumulation runs it at; ``in_leaves`` keep the
+    full shapes.
+
+    Raises:
+      TypeError: an argument leaf is not an array.
+      ValueError: an argnum is out of range.
+    """
+    for name, nums in (("static_argnums", static_argnums), ("batch_argnums", batch_argnums)):
+        for i in nums:
+            if not 0 <= i < len(args):
+                raise ValueError(f"{name} contains {i}, but the step was called with {len(args)} "
+                                 f"positional arguments (valid: 0..{len(args) - 1})")
+    overlap = set(static_argnums) & set(batch_argnums)
+    if overlap:
+        raise ValueError(f"arguments {sorted(overlap)} are both in static_argnums and batch_argnums")
+    avals, in_leaves, in_tree = flatten_inputs(fn, args, static_argnums, batch_argnums)
+    if num_micro_batches > 1:
+        avals = [micro_batch_aval(a, leaf.path, num_micro_batches) if leaf.is_batch else a
+                 for a, leaf in zip(avals, in_leaves, strict=True)]
+    dynamic_argnums = tuple(i for i in range(len(args)) if i not in static_argnums)
+
+    def flat_fn(*flat):
+        dyn = jax.tree_util.tree_unflatten(in_tree, flat)
+        full = list(args)
+        for i, value in zip(dynamic_argnums, dyn, strict=True):
+            full[i] = value
+        return fn(*full)
+
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
+    closed = jax_compat.inline_calls(closed)
+    out_leaves = []
+    out_is_tuple = isinstance(out_shape, (tuple, list))
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(out_shape)[0]:
+        out_leaves.append(LeafInfo(path=path_to_str("out", key_path), shape=tuple(leaf.shape),
+                                   dtype=str(np.dtype(leaf.dtype)),
+                                   arg_index=key_path[0].idx if out_is_tuple and key_path else -1))
+    return TracedStep(closed_jaxpr=closed, in_leaves=tuple(in_leaves), out_leaves=tuple(out_leaves),
+                      in_tree=in_tree, out_tree=jax.tree_util.tree_structure(out_shape),
+                      dynamic_argnums=dynamic_argnums, param_mask=marked_param_inputs(closed))

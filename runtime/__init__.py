@@ -1,0 +1,1 @@
+"""alpa_like.runtime: device meshes, executables and backends."""

@@ -1,0 +1,47 @@
+"""Read the collectives XLA put into a compiled program (``compiled.as_text()``)."""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+_DTYPES = {"f64": 8, "f32": 4, "f16": 2, "bf16": 2, "s64": 8, "s32": 4, "s16": 2, "s8": 1, "u64": 8,
+           "u32": 4, "u16": 2, "u8": 1, "pred": 1, "c64": 8, "c128": 16}
+# "%name = f32[8,16]{1,0} all-reduce(" or "= (f32[8], f32[4]) all-reduce-start(" ...
+_LINE = re.compile(r"=\s*(?P<shape>\([^=]*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+                   r"(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+_ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class HloCollective:
+    kind: str
+    result_bytes: int
+    """Bytes of the collective's result (per device)."""
+    line: str
+
+
+def collectives(hlo_text: str) -> list[HloCollective]:
+    """Every collective op in an HLO module text, in program order (async pairs counted once)."""
+    found = []
+    for line in hlo_text.splitlines():
+        m = _LINE.search(line)
+        if not m:
+            continue
+        nbytes = 0
+        for dtype, dims in _ARRAY.findall(m.group("shape")):
+            if dtype in _DTYPES:
+                size = int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
+                nbytes += size * _DTYPES[dtype]
+        found.append(HloCollective(kind=m.group("op"), result_bytes=nbytes, line=line.strip()))
+    return found
+
+
+def count_by_kind(hlo_text: str) -> dict[str, int]:
+    counts = {k: 0 for k in COLLECTIVE_KINDS}
+    for c in collectives(hlo_text):
+        counts[c.kind] += 1
+    return counts

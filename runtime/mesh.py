@@ -1,0 +1,25 @@
+"""Device meshes for plans: a jax Mesh over a given list of devices, with Auto axis types so that GSPMD
+propagates shardings between the ones a plan pins."""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+
+from alpa_like.compiler.sharding_spec import ShardingSpec
+
+
+def make_mesh(devices: Sequence[Any], shape: Sequence[int], axis_names: Sequence[str]) -> Mesh:
+    """A Mesh of ``devices`` (row-major) reshaped to ``shape``."""
+    if math.prod(shape) != len(devices):
+        raise ValueError(f"mesh shape {tuple(shape)} needs {math.prod(shape)} devices, got {len(devices)}")
+    grid = np.asarray(devices, dtype=object).reshape(tuple(shape))
+    return Mesh(grid, tuple(axis_names), axis_types=(AxisType.Auto,) * len(shape))
+
+
+def named_sharding(mesh: Mesh, spec: ShardingSpec) -> NamedSharding:
+    return NamedSharding(mesh, spec.to_partition_spec(tuple(mesh.axis_names)))

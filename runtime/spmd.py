@@ -1,0 +1,162 @@
+"""Compile and run a single-stage (SPMD) plan on local devices with `jax.jit` and GSPMD."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+
+from alpa_like.compiler import jax_compat
+from alpa_like.compiler.grad_accumulation import make_step_fn
+from alpa_like.compiler.markers import is_marker
+from alpa_like.compiler.sharding_spec import ShardingSpec
+from alpa_like.compiler.trace import TracedStep
+from alpa_like.methods import SpmdLayout, largest_dim_spec
+from alpa_like.planning import batch_axes
+from alpa_like.runtime import hlo_stats
+from alpa_like.runtime.mesh import make_mesh, named_sharding
+
+
+def _pin_grads_hook(mesh, data_axes: Sequence[int]) -> jax_compat.EqnHook:
+    """Pins each gradient (value of the grad marker) to its largest dim split over the data axes, so
+    XLA reduce-scatters the gradients and updates a shard (ZeRO)."""
+    num_shards = math.prod(mesh.devices.shape[a] for a in data_axes)
+
+    def hook(eqn, outvals):
+        if not is_marker(eqn, "grad"):
+            return outvals
+        out = []
+        for v in outvals:
+            spec = largest_dim_spec(v.shape, num_shards, axis=data_axes[0])
+            out.append(jax.lax.with_sharding_constraint(v, named_sharding(mesh, spec)))
+        return out
+    return hook
+
+
+def _pin_values_hook(mesh, eqns, constraints) -> jax_compat.EqnHook:
+    """Pins output ``k`` of equation ``i`` to ``spec`` for each ``(i, k, spec)`` of ``constraints``."""
+    pins: dict[int, dict[int, NamedSharding]] = {}
+    for i, k, spec in constraints:
+        pins.setdefault(id(eqns[i]), {})[k] = named_sharding(mesh, spec)
+
+    def hook(eqn, outvals):
+        pinned = pins.get(id(eqn))
+        if not pinned:
+            return outvals
+        return [jax.lax.with_sharding_constraint(v, pinned[k]) if k in pinned else v for k, v in enumerate(outvals)]
+    return hook
+
+
+def _chain_hooks(hooks: Sequence[jax_compat.EqnHook]) -> jax_compat.EqnHook | None:
+    if not hooks:
+        return None
+
+    def hook(eqn, outvals):
+        for h in hooks:
+            outvals = h(eqn, outvals)
+        return outvals
+    return hook
+
+
+def _micro_batch_pin(mesh, batch_specs: Sequence[ShardingSpec]) -> Callable:
+    shardings = [named_sharding(mesh, s) for s in batch_specs]
+
+    def pin(values):
+        return [jax.lax.with_sharding_constraint(v, s) for v, s in zip(values, shardings, strict=True)]
+    return pin
+
+
+@dataclasses.dataclass
+class CompiledSpmd:
+    """What compiling an SPMD layout produced."""
+
+    compiled: Any
+    mesh: Any
+    in_shardings: tuple[NamedSharding, ...]
+    out_specs: tuple[ShardingSpec | None, ...]
+    """The output specs XLA used (None where the sharding is not a NamedSharding)."""
+    compile_seconds: float
+
+
+def compile_spmd(traced: TracedStep, layout: SpmdLayout, devices: Sequence[Any], *, num_micro_batches: int,
+                 donate_flat: Sequence[int] = ()) -> CompiledSpmd:
+    """jit-compiles the traced step with the layout's shardings on ``devices``."""
+    start = time.perf_counter()
+    mesh = make_mesh(devices, layout.mesh_shape, layout.axis_names)
+    in_shardings = tuple(named_sharding(mesh, s) for s in layout.in_specs)
+    out_shardings = [None if s is None else named_sharding(mesh, s) for s in layout.out_specs]
+    batch_mask = [r == "batch" for r in layout.roles]
+    batch_specs = [s for s, b in zip(layout.in_specs, batch_mask, strict=True) if b]
+    hooks = []
+    data_axes = batch_axes(layout)
+    if layout.shard_grads and data_axes:
+        hooks.append(_pin_grads_hook(mesh, data_axes))
+    if layout.eqn_constraints:
+        hooks.append(_pin_values_hook(mesh, traced.closed_jaxpr.jaxpr.eqns, layout.eqn_constraints))
+    hook = _chain_hooks(hooks)
+    step = make_step_fn(traced.closed_jaxpr, batch_mask, num_micro_batches=num_micro_batches, eqn_hook=hook,
+                        on_micro_batch=_micro_batch_pin(mesh, batch_specs) if num_micro_batches > 1 else None)
+    jitted = jax.jit(step, in_shardings=in_shardings, out_shardings=out_shardings,
+                     donate_argnums=tuple(donate_flat))
+    avals = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in traced.in_leaves]
+    compiled = jitted.lower(*avals).compile()
+    out_specs = []
+    for leaf, sharding in zip(traced.out_leaves, compiled.output_shardings, strict=True):
+        if isinstance(sharding, NamedSharding):
+            out_specs.append(ShardingSpec.from_partition_spec(sharding.spec, layout.axis_names, len(leaf.shape)))
+        else:
+            out_specs.append(None)
+    return CompiledSpmd(compiled=compiled, mesh=mesh, in_shardings=in_shardings, out_specs=tuple(out_specs),
+                        compile_seconds=time.perf_counter() - start)
+
+
+class SpmdExecutable:
+    """A compiled step for one input signature: call it like the original function.
+
+    Attributes:
+      plan: the :class:`ParallelPlan` it runs.
+    """
+
+    def __init__(self, *, traced: TracedStep, plan, compiled: CompiledSpmd):
+        self.traced = traced
+        self.plan = plan
+        self._compiled = compiled
+
+    @property
+    def mesh(self):
+        return self._compiled.mesh
+
+    @property
+    def compile_seconds(self) -> float:
+        return self._compiled.compile_seconds
+
+    def __call__(self, *args):
+        dynamic = tuple(args[i] for i in self.traced.dynamic_argnums)
+        flat, tree = jax.tree_util.tree_flatten(dynamic)
+        if tree != self.traced.in_tree:
+            raise ValueError(f"arguments have pytree structure {tree}, but this executable was compiled for "
+                             f"{self.traced.in_tree}")
+        flat = [jax.device_put(x, s) for x, s in zip(flat, self._compiled.in_shardings, strict=True)]
+        out = self._compiled.compiled(*flat)
+        return jax.tree_util.tree_unflatten(self.traced.out_tree, out)
+
+    def get_hlo_text(self) -> str:
+        """The optimized, partitioned HLO that runs on each device."""
+        return self._compiled.compiled.as_text()
+
+    def cost_analysis(self) -> dict[str, float]:
+        """XLA's per-device cost analysis (flops, bytes accessed, ...)."""
+        analysis = self._compiled.compiled.cost_analysis()
+        return dict(analysis[0] if isinstance(analysis, (list, tuple)) else analysis)
+
+    def memory_analysis(self):
+        """XLA's per-device memory figures (argument, output, temp bytes)."""
+        return self._compiled.compiled.memory_analysis()
+
+    def collectives(self) -> list[hlo_stats.HloCollective]:
+        """The collectives XLA inserted, from the compiled HLO."""
+        return hlo_stats.collectives(self.get_hlo_text())

@@ -1,0 +1,40 @@
+"""alpa-like: a JAX auto-parallelizing compiler (Alpa's passes, TeraPipe slicing, Megatron schedules)."""
+from setuptools import setup
+
+setup(
+    name="alpa-like",
+    version="0.1.0",
+    description="Auto-parallelize JAX training steps: pipeline stages, ILP shardings, MPMD runtime.",
+    python_requires=">=3.11,<3.13",
+    packages=[
+        "alpa_like",
+        "alpa_like.models",
+        "alpa_like.compiler",
+        "alpa_like.runtime",
+    ],
+    package_dir={
+        "alpa_like": "alpa_like",
+        "alpa_like.compiler": "compiler",
+        "alpa_like.runtime": "runtime",
+    },
+    install_requires=[
+        "jax[cpu]>=0.10.2,<0.11",
+        "jaxlib>=0.10.2,<0.11",
+        "flax>=0.12,<0.13",
+        "optax>=0.2.4,<0.3",
+        "pulp>=3.0,<4",
+        "numpy>=1.26,<3",
+        "ray>=2.40,<3",
+        "rich>=13,<16",
+        "tqdm>=4.66,<5",
+        "matplotlib>=3.8,<4",
+        "orbax-checkpoint>=0.11,<0.13",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=8,<10",
+            "pytest-timeout>=2.3,<3",
+            "hypothesis>=6.100,<7",
+        ],
+    },
+)

@@ -1,0 +1,147 @@
+"""parallelize: caching per signature, static and donated arguments, pytrees, bad input, init/shutdown."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import alpa_like as al
+from tests.helpers import make_train_step, mlp_batch, mlp_loss, mlp_state
+
+
+@pytest.fixture
+def args():
+    return mlp_state(), mlp_batch(np.random.default_rng(0))
+
+
+def test_compiles_once_per_signature_and_recompiles_on_a_new_batch_shape(args):
+    state, batch = args
+    f = al.parallelize(make_train_step(mlp_loss))
+    state, _ = f(state, batch)
+    state, _ = f(state, mlp_batch(np.random.default_rng(1)))
+    assert f.num_compilations == 1
+    state, _ = f(state, mlp_batch(np.random.default_rng(2), batch_size=64))
+    assert f.num_compilations == 2
+    assert f.get_executable(state, batch) is f.get_executable(state, batch)
+
+
+def test_static_argument_is_compiled_in_and_keys_the_cache():
+    def scaled_loss(params, batch, scale):
+        return scale * mlp_loss(params, batch)
+
+    def step(state, batch, scale):
+        loss, grads = al.value_and_grad(scaled_loss)(state.params, batch, scale)
+        return state.apply_gradients(grads=grads), loss
+
+    state, batch = mlp_state(), mlp_batch(np.random.default_rng(0))
+    f = al.parallelize(step, static_argnums=(2,))
+    _, loss1 = f(state, batch, 1.0)
+    _, loss2 = f(state, batch, 2.0)
+    np.testing.assert_allclose(float(loss2), 2 * float(loss1), rtol=1e-6)
+    assert f.num_compilations == 2
+    with pytest.raises(TypeError, match=r"static argument 2 \(scale\) must be hashable"):
+        f(state, batch, [1.0])
+
+
+def test_donated_state_is_consumed(args):
+    state, batch = args
+    state = jax.device_put(state, jax.devices()[0])
+    f = al.parallelize(make_train_step(mlp_loss), donate_argnums=(0,))
+    state = jax.tree.map(lambda x: x, state)
+    kernel = state.params["dense_0"]["kernel"]
+    # The first call reshards the single-device input (a copy, which is donated); the second call donates
+    # the step's own replicated output, which must then be deleted.
+    state, _ = f(state, batch)
+    kernel = state.params["dense_0"]["kernel"]
+    new_state, _ = f(state, batch)
+    assert kernel.is_deleted()
+    assert not new_state.params["dense_0"]["kernel"].is_deleted()
+
+
+def test_dict_and_tuple_pytrees(args):
+    def step(params, batch):
+        loss, grads = al.value_and_grad(mlp_loss)(params, batch)
+        new = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+        return new, (loss, {"norm": sum(jnp.sum(g ** 2) for g in jax.tree.leaves(grads))})
+
+    state, batch = args
+    new, (loss, extra) = al.parallelize(step)(state.params, batch)
+    ref_new, (ref_loss, ref_extra) = jax.jit(step)(state.params, batch)
+    assert jax.tree.structure(new) == jax.tree.structure(ref_new)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+    np.testing.assert_allclose(float(extra["norm"]), float(ref_extra["norm"]), rtol=1e-5)
+
+
+def test_non_array_leaf_is_named(args):
+    state, batch = args
+    bad = dict(batch, note="hello")
+    with pytest.raises(TypeError, match=r"batch\.note must be an array"):
+        al.parallelize(make_train_step(mlp_loss))(state, bad)
+
+
+def test_batch_not_divisible_by_the_mesh_is_named(args):
+    state, _ = args
+    batch = mlp_batch(np.random.default_rng(0), batch_size=12)
+    with pytest.raises(ValueError, match=r"batch leaf batch\.x has 12 rows.*8 devices"):
+        al.parallelize(make_train_step(mlp_loss))(state, batch)
+    with pytest.raises(ValueError, match=r"batch\.x has 12 rows.*num_micro_batches=8"):
+        al.parallelize(make_train_step(mlp_loss), method=al.DataParallel(num_micro_batches=8))(state, batch)
+
+
+def test_unknown_method_lists_the_valid_ones():
+    with pytest.raises(TypeError, match="method must be one of DataParallel, Zero2Parallel"):
+        al.parallelize(make_train_step(mlp_loss), method="data")
+    with pytest.raises(ValueError, match="num_micro_batches must be a positive int"):
+        al.DataParallel(num_micro_batches=0)
+
+
+def test_bad_argnums_are_named(args):
+    with pytest.raises(ValueError, match="static_argnums"):
+        al.parallelize(make_train_step(mlp_loss), static_argnums=(-1,))
+    with pytest.raises(ValueError, match=r"batch_argnums contains 5"):
+        al.parallelize(make_train_step(mlp_loss), batch_argnums=(5,))(*args)
+    with pytest.raises(TypeError, match="pass arguments positionally"):
+        al.parallelize(make_train_step(mlp_loss))(state=args[0], batch=args[1])
+
+
+def test_manual_specs_are_checked(args):
+    from jax.sharding import PartitionSpec as P
+    step = make_train_step(mlp_loss)
+    with pytest.raises(ValueError, match="mesh_shape \\(2, 2\\) has 4 devices, but 8"):
+        al.parallelize(step, method=al.ManualShardParallel(mesh_shape=(2, 2), mesh_axis_names=("a", "b"),
+                                                           in_specs=(None, P("a"))))(*args)
+    with pytest.raises(ValueError, match="names mesh axis 'batch'"):
+        al.parallelize(step, method=al.ManualShardParallel(mesh_shape=(8,), mesh_axis_names=("data",),
+                                                           in_specs=(None, P("batch"))))(*args)
+    with pytest.raises(ValueError, match="has no rule"):
+        al.parallelize(step, method=al.ManualShardParallel(
+            mesh_shape=(8,), mesh_axis_names=("data",), in_specs=(None, P("batch")),
+            logical_axis_rules=(("length", None),)))(*args)
+    with pytest.raises(ValueError, match="duplicate logical names \\['batch'\\]"):
+        al.ManualShardParallel(mesh_shape=(8,), mesh_axis_names=("data",), in_specs=(None, None),
+                               logical_axis_rules=(("batch", "data"), ("batch", None)))
+    small_state = mlp_state(sizes=(16, 32, 4))
+    small_args = (small_state, mlp_batch(np.random.default_rng(0), sizes=(16, 32, 4)))
+    specs = small_state.replace(params={"dense_0": None, "dense_1": {"kernel": None, "bias": P("data")}},
+                                opt_state=None, step=None)
+    with pytest.raises(ValueError, match=r"splits dim 0 of state\.params\.dense_1\.bias \(size 4\) into 8"):
+        al.parallelize(step, method=al.ManualShardParallel(
+            mesh_shape=(8,), mesh_axis_names=("data",), in_specs=(specs, P("data"))))(*small_args)
+
+
+def test_init_rejects_unknown_cluster_kinds():
+    with pytest.raises(ValueError, match=r"cluster must be one of \('local', 'ray'\)"):
+        al.init("slurm")
+    al.init("local", devices=jax.devices()[:4])
+    try:
+        exe = al.parallelize(make_train_step(mlp_loss)).get_executable(
+            mlp_state(), mlp_batch(np.random.default_rng(0)))
+        assert exe.plan.stages[0].logical_mesh_shape == (4,)
+    finally:
+        al.shutdown()
+
+
+def test_executable_reports_hlo_costs_and_memory(args):
+    exe = al.parallelize(make_train_step(mlp_loss)).get_executable(*args)
+    assert "all-reduce" in exe.get_hlo_text()
+    assert exe.cost_analysis()["flops"] > 0
+    assert exe.memory_analysis().argument_size_in_bytes > 0

@@ -1,0 +1,124 @@
+"""ClusterSpec: presets with sourced numbers, validation, JSON round trip, the measured local cluster."""
+import dataclasses
+import doctest
+import json
+
+import jax
+import pytest
+
+from alpa_like import cluster as cluster_module
+from alpa_like.cluster import ClusterSpec
+
+GIB = 2**30
+
+# Public fields: adding one is an API change (and needs a docstring with units).
+FIELDS = ("name", "num_nodes", "num_devices_per_node", "device_name", "peak_flops", "device_memory",
+          "intra_node_bandwidth", "inter_node_bandwidth", "intra_node_latency", "inter_node_latency")
+
+PRESETS = {
+    # name: (device_name, peak_flops, device_memory, intra bytes/s, inter bytes/s per device)
+    "p3.16xlarge": ("V100-SXM2-16GB", 125e12, 16 * GIB, 150e9, 25e9 / 8 / 8),
+    "dgx-a100": ("A100-SXM4-80GB", 312e12, 80 * GIB, 300e9, 200e9 / 8),
+    "h100": ("H100-SXM5-80GB", 989e12, 80 * GIB, 450e9, 400e9 / 8),
+}
+
+
+def _spec(**overrides):
+    return dataclasses.replace(ClusterSpec.preset("p3.16xlarge"), **overrides)
+
+
+def test_field_set_is_frozen():
+    assert tuple(f.name for f in dataclasses.fields(ClusterSpec)) == FIELDS
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_values(name):
+    device_name, flops, memory, intra, inter = PRESETS[name]
+    spec = ClusterSpec.preset(name, num_nodes=4)
+    assert (spec.name, spec.num_nodes, spec.num_devices_per_node, spec.num_devices) == (name, 4, 8, 32)
+    assert (spec.device_name, spec.device_memory) == (device_name, memory)
+    assert spec.peak_flops == pytest.approx(flops)
+    assert spec.intra_node_bandwidth == pytest.approx(intra)
+    assert spec.inter_node_bandwidth == pytest.approx(inter)
+    assert spec.inter_node_bandwidth < spec.intra_node_bandwidth
+    assert 0 < spec.intra_node_latency <= spec.inter_node_latency
+
+
+def test_alpa_testbed_has_64_devices():
+    assert ClusterSpec.preset("p3.16xlarge", num_nodes=8).num_devices == 64
+    assert ClusterSpec.preset("p3.16xlarge").num_nodes == 1
+
+
+def test_unknown_preset_lists_valid_names():
+    with pytest.raises(ValueError, match=r"unknown cluster preset 'tpu'.*dgx-a100.*h100.*p3\.16xlarge"):
+        ClusterSpec.preset("tpu")
+
+
+@pytest.mark.parametrize("num_nodes", [0, -1, 1.5, True])
+def test_preset_rejects_bad_num_nodes(num_nodes):
+    with pytest.raises(ValueError, match="num_nodes"):
+        ClusterSpec.preset("h100", num_nodes=num_nodes)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("num_nodes", 0), ("num_devices_per_node", 0), ("device_memory", -1), ("peak_flops", 0.0),
+    ("intra_node_bandwidth", -1.0), ("inter_node_bandwidth", float("nan")), ("intra_node_latency", -1e-6),
+    ("inter_node_latency", "1us"), ("name", ""),
+])
+def test_validation_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        _spec(**{field: value})
+
+
+def test_frozen_and_keyword_only():
+    spec = ClusterSpec.preset("dgx-a100")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.num_nodes = 2  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        ClusterSpec(*spec.to_dict().values())  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_dict_round_trip_through_json(name):
+    spec = ClusterSpec.preset(name, num_nodes=2)
+    data = json.loads(json.dumps(spec.to_dict()))
+    assert ClusterSpec.from_dict(data) == spec
+    assert tuple(data) == FIELDS
+
+
+def test_from_dict_rejects_unknown_and_missing_keys():
+    data = ClusterSpec.preset("h100").to_dict()
+    with pytest.raises(ValueError, match=r"unknown keys \['gpus'\], missing keys \[\]"):
+        ClusterSpec.from_dict({**data, "gpus": 8})
+    del data["peak_flops"]
+    with pytest.raises(ValueError, match=r"missing keys \['peak_flops'\]"):
+        ClusterSpec.from_dict(data)
+
+
+def test_str_is_one_readable_line():
+    text = str(ClusterSpec.preset("p3.16xlarge", num_nodes=8))
+    assert "\n" not in text
+    assert text.startswith("p3.16xlarge: 8 node(s) x 8 V100-SXM2-16GB (125 TFLOP/s, 16 GiB each)")
+    assert "intra-node 150 GB/s" in text and "inter-node 0.3906 GB/s" in text
+
+
+def test_local_measures_this_process():
+    spec = ClusterSpec.local()
+    assert (spec.num_nodes, spec.num_devices_per_node) == (1, len(jax.local_devices()))
+    assert spec.name == "local-cpu"
+    assert spec.peak_flops > 0 and spec.intra_node_bandwidth > 0 and spec.device_memory > 0
+    assert spec.inter_node_bandwidth == spec.intra_node_bandwidth
+    assert ClusterSpec.local() == spec  # measurements are cached per device
+    assert ClusterSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+
+
+def test_local_with_a_device_subset():
+    one = ClusterSpec.local(jax.local_devices()[:1])
+    assert one.num_devices == 1 and one.intra_node_bandwidth > 0
+    assert ClusterSpec.local(jax.local_devices()[:2]).num_devices == 2
+    with pytest.raises(ValueError, match="devices"):
+        ClusterSpec.local([])
+
+
+def test_doctests():
+    assert doctest.testmod(cluster_module).failed == 0

@@ -1,0 +1,76 @@
+"""Shared test fixtures: tiny models, train steps and the single-device reference."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.training import train_state
+
+import alpa_like as al
+
+
+def mlp_params(rng: np.random.Generator, sizes=(16, 32, 8)) -> dict:
+    return {f"dense_{i}": {"kernel": jnp.asarray(rng.normal(size=(a, b)) / np.sqrt(a), jnp.float32),
+                           "bias": jnp.asarray(rng.normal(size=(b,)) * 0.1, jnp.float32)}
+            for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))}
+
+
+def mlp_apply(params: dict, x):
+    n = len(params)
+    for i in range(n):
+        x = x @ params[f"dense_{i}"]["kernel"] + params[f"dense_{i}"]["bias"]
+        if i < n - 1:
+            x = jnp.tanh(x)
+    return x
+
+
+def mlp_loss(params, batch):
+    return jnp.mean((mlp_apply(params, batch["x"]) - batch["y"]) ** 2)
+
+
+def mlp_batch(rng: np.random.Generator, batch_size=32, sizes=(16, 32, 8)) -> dict:
+    return {"x": jnp.asarray(rng.normal(size=(batch_size, sizes[0])), jnp.float32),
+            "y": jnp.asarray(rng.normal(size=(batch_size, sizes[-1])), jnp.float32)}
+
+
+def mlp_state(seed=0, tx=None, sizes=(16, 32, 8)) -> train_state.TrainState:
+    params = mlp_params(np.random.default_rng(seed), sizes)
+    return train_state.TrainState.create(apply_fn=mlp_apply, params=params, tx=tx or optax.adam(1e-2))
+
+
+def make_train_step(loss_fn, grad_fn=al.value_and_grad):
+    """``step(state, batch) -> (new_state, {"loss": loss})`` with al.value_and_grad (or another grad)."""
+    def train_step(state, batch):
+        if grad_fn is jax.grad:
+            grads = jax.grad(loss_fn)(state.params, batch)
+            loss = loss_fn(state.params, batch)
+        else:
+            loss, grads = grad_fn(loss_fn)(state.params, batch)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+    return train_step
+
+
+def run_steps(step_fn, state, batches):
+    metrics = []
+    for batch in batches:
+        state, m = step_fn(state, batch)
+        metrics.append(m)
+    return state, metrics
+
+
+def reference_on_one_device(step_fn, state, batches):
+    """The reference of every numerical test: plain jax.jit on one device."""
+    device = jax.devices()[0]
+    state = jax.device_put(state, device)
+    batches = [jax.device_put(b, device) for b in batches]
+    return run_steps(jax.jit(step_fn), state, batches)
+
+
+def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
+    a_leaves, a_tree = jax.tree_util.tree_flatten_with_path(actual)
+    e_leaves = jax.tree_util.tree_leaves(expected)
+    assert len(a_leaves) == len(e_leaves), (a_tree, len(e_leaves))
+    for (path, a), e in zip(a_leaves, e_leaves, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol,
+                                   err_msg=jax.tree_util.keystr(path))
