@@ -1,0 +1,77 @@
+"""Splitting a step at the grad marker, and its clear errors."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import alpa_like as al
+from alpa_like.compiler.grad_accumulation import make_step_fn, split_at_grad_marker, to_micro_batches
+from alpa_like.compiler.trace import trace_step
+from tests.helpers import make_train_step, mlp_batch, mlp_loss, mlp_state
+
+
+def _trace(step, m=2):
+    traced = trace_step(step, (mlp_state(), mlp_batch(np.random.default_rng(0))), batch_argnums=(1,),
+                        num_micro_batches=m)
+    return traced, [leaf.is_batch for leaf in traced.in_leaves]
+
+
+def test_split_puts_the_loss_in_the_loop_and_the_optimizer_after_it():
+    traced, mask = _trace(make_train_step(mlp_loss))
+    split = split_at_grad_marker(traced.closed_jaxpr, mask)
+    loop = {e.primitive.name for e in split.per_micro_batch}
+    after = {e.primitive.name for e in split.apply}
+    assert "dot_general" in loop and "tanh" in loop
+    assert "dot_general" not in after and "sqrt" in after  # Adam's update
+    eqns = traced.closed_jaxpr.jaxpr.eqns
+    assert len(split.hoisted) + len(split.per_micro_batch) + len(split.apply) + 1 <= len(eqns)
+
+
+def test_strided_micro_batches():
+    x = jnp.arange(8)
+    np.testing.assert_array_equal(to_micro_batches(x, 2), [[0, 2, 4, 6], [1, 3, 5, 7]])
+
+
+def test_accumulated_step_function_equals_full_batch():
+    step = make_train_step(mlp_loss)
+    state, batch = mlp_state(), mlp_batch(np.random.default_rng(1))
+    traced, mask = _trace(step, m=4)
+    flat = jax.tree.leaves((state, batch))
+    out = jax.jit(make_step_fn(traced.closed_jaxpr, mask, num_micro_batches=4))(*flat)
+    want = jax.tree.leaves(jax.jit(step)(state, batch))
+    for a, b in zip(out, want, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_batch_use_outside_the_grad_is_rejected():
+    def step(state, batch):
+        grads = al.grad(mlp_loss)(state.params, batch)
+        return state.apply_gradients(grads=grads), jnp.mean(batch["y"])
+
+    traced, mask = _trace(step)
+    with pytest.raises(ValueError, match="outside al.grad uses the batch"):
+        split_at_grad_marker(traced.closed_jaxpr, mask)
+
+
+def test_two_grad_calls_are_rejected():
+    def step(state, batch):
+        g1 = al.grad(mlp_loss)(state.params, batch)
+        g2 = al.grad(mlp_loss)(state.params, batch)
+        return jax.tree.map(jnp.add, g1, g2)
+
+    traced, mask = _trace(step)
+    with pytest.raises(ValueError, match="exactly one al.grad"):
+        split_at_grad_marker(traced.closed_jaxpr, mask)
+
+
+def test_integer_aux_is_rejected():
+    def loss_with_count(params, batch):
+        return mlp_loss(params, batch), jnp.sum(batch["x"] > 0)
+
+    def step(state, batch):
+        (loss, count), grads = al.value_and_grad(loss_with_count, has_aux=True)(state.params, batch)
+        return state.apply_gradients(grads=grads), count
+
+    traced, mask = _trace(step)
+    with pytest.raises(ValueError, match="must be floating point"):
+        split_at_grad_marker(traced.closed_jaxpr, mask)

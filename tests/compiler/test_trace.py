@@ -1,0 +1,84 @@
+"""trace_step: leaf names, nested-jit inlining, parameter discovery through al.grad markers."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import alpa_like as al
+from alpa_like.compiler import jax_compat
+from alpa_like.compiler.trace import trace_step
+from tests.helpers import make_train_step, mlp_batch, mlp_loss, mlp_state
+
+
+def test_leaves_are_named_by_argument_and_path():
+    traced = trace_step(make_train_step(mlp_loss), (mlp_state(), mlp_batch(np.random.default_rng(0))),
+                        batch_argnums=(1,))
+    paths = [leaf.path for leaf in traced.in_leaves]
+    assert "state.params.dense_0.kernel" in paths and "batch.x" in paths
+    assert [leaf.is_batch for leaf in traced.in_leaves] == [p.startswith("batch.") for p in paths]
+    assert "out.0.params.dense_1.bias" in [leaf.path for leaf in traced.out_leaves]
+    assert "out.1.loss" in [leaf.path for leaf in traced.out_leaves]
+
+
+def test_params_are_the_inputs_al_grad_differentiates():
+    traced = trace_step(make_train_step(mlp_loss), (mlp_state(), mlp_batch(np.random.default_rng(0))),
+                        batch_argnums=(1,))
+    marked = {leaf.path for leaf, m in zip(traced.in_leaves, traced.param_mask, strict=True) if m}
+    assert marked == {f"state.params.dense_{i}.{n}" for i in (0, 1) for n in ("kernel", "bias")}
+
+
+def test_plain_jax_grad_marks_nothing():
+    traced = trace_step(make_train_step(mlp_loss, grad_fn=jax.grad),
+                        (mlp_state(), mlp_batch(np.random.default_rng(0))), batch_argnums=(1,))
+    assert not any(traced.param_mask)
+
+
+def test_nested_jit_is_inlined_and_evaluates_the_same():
+    @jax.jit
+    def inner(x):
+        return jax.nn.relu(x) * 2
+
+    def f(x, y):
+        return jnp.sum(inner(x) * y), inner(y)
+
+    x, y = jnp.arange(6.0).reshape(2, 3) - 2, jnp.ones((2, 3))
+    traced = trace_step(f, (x, y))
+    assert not any(jax_compat.is_call(e) for e in traced.closed_jaxpr.jaxpr.eqns)
+    out = jax_compat.eval_closed_jaxpr(traced.closed_jaxpr, x, y)
+    expected = jax.tree.leaves(f(x, y))
+    for a, b in zip(out, expected, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_shape_dtype_structs_trace_without_data():
+    state = jax.eval_shape(mlp_state)
+    batch = jax.eval_shape(lambda: mlp_batch(np.random.default_rng(0)))
+    traced = trace_step(make_train_step(mlp_loss), (state, batch), batch_argnums=(1,))
+    shapes = {leaf.path: leaf.shape for leaf in traced.in_leaves}
+    assert shapes["state.params.dense_0.kernel"] == (16, 32) and shapes["batch.x"] == (32, 16)
+
+
+def test_micro_batch_trace_divides_the_batch_rows():
+    traced = trace_step(make_train_step(mlp_loss), (mlp_state(), mlp_batch(np.random.default_rng(0))),
+                        batch_argnums=(1,), num_micro_batches=4)
+    x = next(v for v, leaf in zip(traced.closed_jaxpr.jaxpr.invars, traced.in_leaves) if leaf.path == "batch.x")
+    assert x.aval.shape == (8, 16)
+    assert next(leaf for leaf in traced.in_leaves if leaf.path == "batch.x").shape == (32, 16)
+
+
+def test_argnums_out_of_range_and_overlap():
+    with pytest.raises(ValueError, match="static_argnums contains 3"):
+        trace_step(lambda a: a, (1.0,), static_argnums=(3,))
+    with pytest.raises(ValueError, match="both in static_argnums and batch_argnums"):
+        trace_step(lambda a, b: a, (1.0, 2.0), static_argnums=(1,), batch_argnums=(1,))
+
+
+def test_al_grad_equals_jax_grad():
+    state, batch = mlp_state(), mlp_batch(np.random.default_rng(0))
+    for got, want in ((al.grad(mlp_loss)(state.params, batch), jax.grad(mlp_loss)(state.params, batch)),
+                      (al.value_and_grad(mlp_loss)(state.params, batch),
+                       jax.value_and_grad(mlp_loss)(state.params, batch))):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="argnums=5 is out of range"):
+        al.grad(mlp_loss, argnums=5)(state.params, batch)
