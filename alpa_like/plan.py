@@ -209,13 +209,14 @@ def partition_spec_str(spec: ShardingSpec | None, axis_names: Sequence[str]) -> 
     return str(spec.to_partition_spec(tuple(axis_names)))
 
 
-_NUMBER = re.compile(r"(?<=[._])\d+(?=\.|$)|(?<=_)\d+")
+_LAYER_NUMBER = re.compile(r"(?<=[A-Za-z]_)\d+(?=\.|$)")
+"""The number of a layer-like path component (``block_3`` -> ``block_*``); plain indices stay."""
 
 
 def _tensor_rows(tensors: Sequence[TensorPlan], axis_names: Sequence[str], group_layers: bool):
     groups: dict[tuple, list[TensorPlan]] = {}
     for t in tensors:
-        key_path = _NUMBER.sub("*", t.path) if group_layers else t.path
+        key_path = _LAYER_NUMBER.sub("*", t.path) if group_layers else t.path
         key = (key_path, t.shape, t.dtype, t.role, None if t.spec is None else str(t.spec))
         groups.setdefault(key, []).append(t)
     rows = []
@@ -229,6 +230,18 @@ def _tensor_rows(tensors: Sequence[TensorPlan], axis_names: Sequence[str], group
                      "-" if t.spec is None else (str(t.spec) or "scalar"),
                      partition_spec_str(t.spec, axis_names), format_bytes(t.bytes_per_device * len(members))])
     return rows
+
+
+def mirrored_outputs(stage: StagePlan) -> list[TensorPlan]:
+    """Outputs laid out exactly like the input they update (``out.0.params.w`` like ``state.params.w``)."""
+    inputs = {(t.path.split(".", 1)[-1], t.shape, t.spec) for t in stage.inputs}
+    mirrored = []
+    for t in stage.outputs:
+        parts = t.path.split(".")
+        rest = ".".join(parts[2:] if len(parts) > 2 and parts[1].isdigit() else parts[1:])
+        if (rest, t.shape, t.spec) in inputs:
+            mirrored.append(t)
+    return mirrored
 
 
 def format_plan(plan: ParallelPlan, *, group_layers: bool = True) -> str:
@@ -249,8 +262,12 @@ def format_plan(plan: ParallelPlan, *, group_layers: bool = True) -> str:
                      f"{format_seconds(s.communication_seconds)}, inputs per device "
                      f"{format_bytes(s.memory_per_device)}")
         headers = ["tensor", "shape", "dtype", "role", "spec", "partition spec", "per device"]
-        lines.append(format_table(headers, _tensor_rows([*s.inputs, *s.outputs], s.mesh_axis_names,
-                                                        group_layers)))
+        mirrored = mirrored_outputs(s)
+        mirrored_ids = {id(t) for t in mirrored}
+        shown = [t for t in s.outputs if id(t) not in mirrored_ids]
+        lines.append(format_table(headers, _tensor_rows([*s.inputs, *shown], s.mesh_axis_names, group_layers)))
+        if mirrored:
+            lines.append(f"  ({len(mirrored)} outputs are laid out like the inputs they update and are not listed)")
         if s.communication:
             lines.append("  communication per step:")
             rows = [[c.kind, f"axes {c.mesh_axes}", format_bytes(c.num_bytes), format_seconds(c.seconds), c.what]
