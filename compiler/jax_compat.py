@@ -81,3 +81,34 @@ def subjaxpr(eqns: Sequence[JaxprEqn], invars: Sequence[Var], outvars: Sequence[
 def eqn_inputs(eqn: JaxprEqn) -> list[Var]:
     """The Var (non-literal) inputs of ``eqn``."""
     return [v for v in eqn.invars if isinstance(v, Var)]
+
+
+# Primitives whose body computes exactly the primal outputs from the operands (inputs map 1:1 to the
+# body's invars): their bodies can be analysed in place of the call. ``scan``, ``while`` and ``cond`` are
+# not among them (their bodies run a data-dependent number of times or conditionally).
+INLINABLE_PRIMITIVES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "checkpoint",
+                                  "remat", "remat2", "closed_call", "core_call", "jit", "pjit"})
+
+
+def inlinable_body(eqn: JaxprEqn) -> ClosedJaxpr | None:
+    """The body of a call-like ``eqn`` whose invars map 1:1 to the eqn's operands, or None."""
+    if eqn.primitive.name not in INLINABLE_PRIMITIVES:
+        return None
+    for key in ("call_jaxpr", "jaxpr", "fun_jaxpr"):
+        body = eqn.params.get(key)
+        if isinstance(body, ClosedJaxpr):
+            inner = body
+            break
+        if isinstance(body, Jaxpr):
+            inner = ClosedJaxpr(body, ())
+            break
+    else:
+        return None
+    if len(inner.jaxpr.invars) != len(eqn.invars) or len(inner.jaxpr.outvars) != len(eqn.outvars):
+        return None
+    return inner
+
+
+def name_stack(eqn: JaxprEqn) -> str:
+    """The eqn's source name stack as text, e.g. ``transpose(jvp(GPTModel))/block_0/attn``."""
+    return str(eqn.source_info.name_stack)

@@ -1,0 +1,240 @@
+"""The jaxpr -> operator graph pass of the intra-op ILP (dissertation §3.4.2).
+
+Nodes are the step's inputs, constants and equations; edges are the tensors between them. Three rewrites
+keep the graph the ILP sees small and exact:
+
+* ``alpa_marker`` equations are identities: their outputs *are* their operands' tensors.
+* ``custom_jvp_call``, ``custom_vjp_call``, ``checkpoint`` and nested ``jit`` bodies are analysed in place
+  of the call (safe: after differentiation the body is exactly the primal computation). Their equations
+  have no index in the traced jaxpr, so only the call's outputs can be pinned later.
+* Computationally trivial operators (element-wise, convert, reshape, transpose, broadcast, reductions, ...;
+  see :mod:`alpa_like.compiler.propagation`) are *merged* into their deepest operand: "We do a
+  breadth-first-search and compute the depth of each node. The node is merged to the deepest operand."
+  Depth is the longest path from the inputs; ties go to the operand with the output's shape, then the
+  larger one, then the first. A merged node shares its operand's decision variable in the ILP.
+
+``scan``, ``while`` and ``cond`` stay one node each. Primitives without any rule are recorded in
+:attr:`OpGraph.unsupported` and computed replicated.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal, Var
+
+from alpa_like.compiler import jax_compat
+from alpa_like.compiler.markers import is_marker
+from alpa_like.compiler.propagation import FOLLOW_RULES, SOURCE_PRIMITIVES
+from alpa_like.compiler.strategies import ROOT_RULES
+
+CONTROL_FLOW = frozenset({"scan", "while", "cond"})
+"""Operators kept as one node with replicated-or-batch strategies."""
+
+NodeKind = str  # "input" | "const" | "op"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Tensor:
+    """A value flowing between nodes."""
+
+    id: int
+    shape: tuple[int, ...]
+    dtype: str
+    producer: int
+    """Node id that produces it."""
+    out_index: int
+    """Which output of the producer it is."""
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OpNode:
+    """An input, a constant or one equation of the (partly inlined) jaxpr."""
+
+    id: int
+    kind: NodeKind
+    primitive: str
+    """Primitive name (``"input"`` / ``"const"`` for those kinds)."""
+    eqn: JaxprEqn | None = dataclasses.field(default=None, compare=False, repr=False)
+    operands: tuple[int | None, ...] = ()
+    """Tensor id per operand of the equation (None for a literal)."""
+    outputs: tuple[int, ...] = ()
+    eqn_index: int | None = None
+    """Index in the traced jaxpr's equations; None inside an inlined body and for inputs."""
+    input_index: int | None = None
+    """Position among the jaxpr's invars (inputs only)."""
+    name: str = ""
+    """Readable name: the input path or ``name_stack/primitive``."""
+    depth: int = 0
+    follow: int | None = None
+    """Operand position this node is merged into, or None when it has its own strategies."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OpGraph:
+    """The operator graph, nodes in topological order."""
+
+    nodes: tuple[OpNode, ...]
+    tensors: tuple[Tensor, ...]
+    input_tensors: tuple[int, ...]
+    """Tensor of each jaxpr invar."""
+    output_tensors: tuple[int | None, ...]
+    """Tensor of each jaxpr outvar (None for a literal output)."""
+    pins: dict[int, tuple[int, int]] = dataclasses.field(compare=False)
+    """Tensor id -> (equation index, output index) in the traced jaxpr where it can be pinned."""
+    unsupported: tuple[str, ...] = ()
+    """Primitives with no rule: computed replicated."""
+
+    def consumers(self) -> list[list[tuple[int, int]]]:
+        """Per tensor, the (node id, operand position) pairs that read it."""
+        uses: list[list[tuple[int, int]]] = [[] for _ in self.tensors]
+        for node in self.nodes:
+            for pos, t in enumerate(node.operands):
+                if t is not None:
+                    uses[t].append((node.id, pos))
+        return uses
+
+    def last_use(self) -> np.ndarray:
+        """Per tensor, the last node id reading it (``len(nodes)`` for step outputs, its producer if unused)."""
+        last = np.array([t.producer for t in self.tensors], dtype=np.int64)
+        for node in self.nodes:
+            for t in node.operands:
+                if t is not None:
+                    last[t] = max(last[t], node.id)
+        for t in self.output_tensors:
+            if t is not None:
+                last[t] = len(self.nodes)
+        return last
+
+
+class _Builder:
+    def __init__(self):
+        self.nodes: list[OpNode] = []
+        self.tensors: list[Tensor] = []
+        self.depth: list[int] = []  # per tensor
+        self.pins: dict[int, tuple[int, int]] = {}
+        self.unsupported: list[str] = []
+
+    def tensor(self, aval, producer: int, out_index: int) -> int:
+        tid = len(self.tensors)
+        self.tensors.append(Tensor(id=tid, shape=tuple(int(d) for d in aval.shape),
+                                   dtype=str(np.dtype(aval.dtype)), producer=producer, out_index=out_index))
+        return tid
+
+    def leaf(self, kind: NodeKind, aval, name: str, input_index: int | None = None) -> int:
+        nid = len(self.nodes)
+        tid = self.tensor(aval, nid, 0)
+        self.nodes.append(OpNode(id=nid, kind=kind, primitive=kind, outputs=(tid,), input_index=input_index,
+                                 name=name))
+        self.depth.append(0)
+        return tid
+
+    def read(self, env: dict, v) -> int | None:
+        if isinstance(v, Literal):
+            return None
+        return env[v]
+
+    def eqns(self, eqns: Sequence[JaxprEqn], env: dict, top_level: bool) -> None:
+        for index, eqn in enumerate(eqns):
+            operands = [self.read(env, v) for v in eqn.invars]
+            if is_marker(eqn):
+                for v, t in zip(eqn.outvars, operands, strict=True):
+                    env[v] = t if t is not None else self.leaf("const", v.aval, "literal")
+                continue
+            body = jax_compat.inlinable_body(eqn)
+            if body is not None:
+                inner_env = {}
+                for v, t in zip(body.jaxpr.invars, operands, strict=True):
+                    inner_env[v] = t if t is not None else self.leaf("const", v.aval, "literal")
+                for v in body.jaxpr.constvars:
+                    inner_env[v] = self.leaf("const", v.aval, "const")
+                self.eqns(body.jaxpr.eqns, inner_env, top_level=False)
+                for k, (v, inner) in enumerate(zip(eqn.outvars, body.jaxpr.outvars, strict=True)):
+                    t = self.read(inner_env, inner)
+                    env[v] = t if t is not None else self.leaf("const", v.aval, "literal")
+                    if top_level:
+                        self.pins.setdefault(env[v], (index, k))
+                continue
+            self.op(eqn, operands, env, index if top_level else None)
+
+    def op(self, eqn: JaxprEqn, operands: list[int | None], env: dict, eqn_index: int | None) -> None:
+        nid = len(self.nodes)
+        name = eqn.primitive.name
+        depth = 1 + max((self.depth[t] for t in operands if t is not None), default=-1)
+        outputs = []
+        for k, v in enumerate(eqn.outvars):
+            tid = self.tensor(v.aval, nid, k)
+            outputs.append(tid)
+            self.depth.append(depth)
+            env[v] = tid
+            if eqn_index is not None:
+                self.pins[tid] = (eqn_index, k)
+        follow = None
+        rule = FOLLOW_RULES.get(name)
+        if rule is not None:
+            follow = self.choose_operand(eqn, operands, rule.candidates(eqn))
+        elif name not in ROOT_RULES and name not in CONTROL_FLOW and name not in SOURCE_PRIMITIVES:
+            self.unsupported.append(name)
+        stack = jax_compat.name_stack(eqn)
+        self.nodes.append(OpNode(id=nid, kind="op", primitive=name, eqn=eqn, operands=tuple(operands),
+                                 outputs=tuple(outputs), eqn_index=eqn_index, depth=depth, follow=follow,
+                                 name=f"{stack}/{name}" if stack else name))
+
+    def choose_operand(self, eqn: JaxprEqn, operands: list[int | None], candidates: Sequence[int]) -> int | None:
+        """The deepest candidate operand (ties: the output's shape, then the larger, then the first)."""
+        out_shape = tuple(eqn.outvars[0].aval.shape) if eqn.outvars else ()
+        best, best_key = None, None
+        for pos in candidates:
+            t = operands[pos]
+            if t is None:
+                continue
+            tensor = self.tensors[t]
+            key = (self.depth[t], tensor.shape == out_shape, math.prod(tensor.shape), -pos)
+            if best_key is None or key > best_key:
+                best, best_key = pos, key
+        return best
+
+
+def build_op_graph(closed: ClosedJaxpr, input_names: Sequence[str] | None = None) -> OpGraph:
+    """The operator graph of a flat step jaxpr, with trivial operators marked for merging.
+
+    Args:
+      closed: the traced step (``TracedStep.closed_jaxpr``); equation indices refer to its equations.
+      input_names: a readable name per invar (e.g. the leaf paths); defaults to ``in[i]``.
+
+    Raises:
+      ValueError: ``input_names`` does not have one name per invar.
+    """
+    jaxpr = closed.jaxpr
+    if input_names is None:
+        input_names = [f"in[{i}]" for i in range(len(jaxpr.invars))]
+    if len(input_names) != len(jaxpr.invars):
+        raise ValueError(f"input_names has {len(input_names)} names for {len(jaxpr.invars)} jaxpr inputs")
+    b = _Builder()
+    env: dict[Var, int] = {}
+    inputs = []
+    for i, (v, name) in enumerate(zip(jaxpr.invars, input_names, strict=True)):
+        env[v] = b.leaf("input", v.aval, name, input_index=i)
+        inputs.append(env[v])
+    for v in jaxpr.constvars:
+        env[v] = b.leaf("const", v.aval, "const")
+    b.eqns(jaxpr.eqns, env, top_level=True)
+    outputs = tuple(b.read(env, v) for v in jaxpr.outvars)
+    return OpGraph(nodes=tuple(b.nodes), tensors=tuple(b.tensors), input_tensors=tuple(inputs),
+                   output_tensors=outputs, pins=b.pins, unsupported=tuple(dict.fromkeys(b.unsupported)))
+
+
+def merged_groups(graph: OpGraph) -> np.ndarray:
+    """Per node, the id of the node whose decision variable it shares (its own id for a root)."""
+    group = np.arange(len(graph.nodes), dtype=np.int64)
+    for node in graph.nodes:
+        if node.follow is not None:
+            producer = graph.tensors[node.operands[node.follow]].producer
+            group[node.id] = group[producer]
+    return group
