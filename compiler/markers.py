@@ -1,6 +1,6 @@
 """Marker primitives: identity ops that tag values in a traced step for the compiler.
 
-`marker_p` is one identity primitive with a ``kind`` parameter:
+`marker_p` is one identity primitive with a ``kind`` and a ``layer`` parameter:
 
 * ``"param"``: the leaves that :func:`alpa_like.grad` differentiates with respect to. The compiler walks
   back from these markers to the step's inputs to learn which inputs are model parameters (ZeRO methods
@@ -8,9 +8,15 @@
 * ``"grad"``: the values :func:`alpa_like.grad` returns (gradients, and the value and aux of
   ``value_and_grad``). Everything before this marker is compute-grad (run once per micro-batch), everything
   after it is apply-grad (Alpa dissertation 3.5, "the grad marker").
+* ``"boundary"``: :func:`mark_pipeline_boundary`, a zero-operand marker between manual layers.
+* ``"fwd_start"`` / ``"fwd_end"``: the inputs and outputs of forward layer ``layer`` (layer construction).
+  They are linear: their JVP marks the tangents too, and transposing gives the mirrored backward markers,
+  ``fwd_end -> bwd_start`` and ``fwd_start -> bwd_end``, so the backward of layer ``i`` is delimited in the
+  gradient jaxpr as well (Alpa 3.5, "forward and backward of a layer colocated").
 
-A marker is the identity for evaluation, lowering and batching; its JVP passes tangents through unmarked, so
-differentiating through a ``"param"`` marker gives exactly the gradient of the unmarked function.
+Every marker is the identity for evaluation, lowering and batching. ``param``/``grad``/``boundary``
+markers pass tangents through unmarked, so differentiating through them gives exactly the gradient of the
+unmarked function.
 """
 from __future__ import annotations
 
@@ -18,52 +24,70 @@ import jax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-MARKER_KINDS = ("param", "grad")
+PASS_THROUGH_KINDS = ("param", "grad", "boundary")
+LAYER_KINDS = ("fwd_start", "fwd_end", "bwd_start", "bwd_end")
+MARKER_KINDS = PASS_THROUGH_KINDS + LAYER_KINDS
+_TRANSPOSED = {"fwd_start": "bwd_end", "fwd_end": "bwd_start", "bwd_start": "fwd_end", "bwd_end": "fwd_start"}
 
 marker_p = Primitive("alpa_marker")
 marker_p.multiple_results = True
 
 
-def _marker_impl(*values, kind):
-    del kind  # Unused: the identity.
+def _marker_impl(*values, kind, layer):
+    del kind, layer  # Unused: the identity.
     return values
 
 
-def _marker_abstract_eval(*avals, kind):
-    del kind  # Unused.
+def _marker_abstract_eval(*avals, kind, layer):
+    del kind, layer  # Unused.
     return avals
 
 
-def _marker_lowering(ctx, *values, kind):
-    del ctx, kind  # Unused: lowers to nothing.
+def _marker_lowering(ctx, *values, kind, layer):
+    del ctx, kind, layer  # Unused: lowers to nothing.
     return values
 
 
-def _marker_jvp(primals, tangents, *, kind):
-    tangents = [ad.instantiate_zeros(t) for t in tangents]
-    return marker_p.bind(*primals, kind=kind), tangents
+def _marker_jvp(primals, tangents, *, kind, layer):
+    out = marker_p.bind(*primals, kind=kind, layer=layer)
+    if kind in PASS_THROUGH_KINDS:
+        return out, [ad.instantiate_zeros(t) for t in tangents]
+    return out, marker_p.bind(*[ad.instantiate_zeros(t) for t in tangents], kind=kind, layer=layer)
 
 
-def _marker_batch(values, dims, *, kind):
-    return marker_p.bind(*values, kind=kind), dims
+def _marker_transpose(cotangents, *primals, kind, layer):
+    cts = [ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct for ct in cotangents]
+    cts = [jax.numpy.zeros(p.aval.shape, p.aval.dtype) if type(ct) is ad.Zero else ct
+           for ct, p in zip(cts, primals, strict=True)]
+    return marker_p.bind(*cts, kind=_TRANSPOSED[kind], layer=layer)
+
+
+def _marker_batch(values, dims, *, kind, layer):
+    return marker_p.bind(*values, kind=kind, layer=layer), dims
 
 
 marker_p.def_impl(_marker_impl)
 marker_p.def_abstract_eval(_marker_abstract_eval)
 mlir.register_lowering(marker_p, _marker_lowering)
 ad.primitive_jvps[marker_p] = _marker_jvp
+ad.primitive_transposes[marker_p] = _marker_transpose
 batching.primitive_batchers[marker_p] = _marker_batch
 
 
-def mark(tree, kind: str):
+def mark(tree, kind: str, layer: int = -1):
     """Returns ``tree`` unchanged, with every array leaf passed through one ``marker_p`` of ``kind``."""
     if kind not in MARKER_KINDS:
         raise ValueError(f"marker kind must be one of {MARKER_KINDS}, got {kind!r}")
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if not leaves:
         return tree
-    marked = marker_p.bind(*leaves, kind=kind)
+    marked = marker_p.bind(*leaves, kind=kind, layer=layer)
     return jax.tree_util.tree_unflatten(treedef, marked)
+
+
+def mark_pipeline_boundary() -> None:
+    """Ends a pipeline layer here (for ``ManualLayerOption``): call it between layers in the forward pass."""
+    marker_p.bind(kind="boundary", layer=-1)
 
 
 def is_marker(eqn, kind: str | None = None) -> bool:
