@@ -2,7 +2,9 @@
 
 They compute exactly what `jax.grad` / `jax.value_and_grad` compute. In addition they mark the
 differentiated arguments as parameters and the results as the end of compute-grad (see
-:mod:`alpa_like.compiler.markers`), which gradient accumulation, the ZeRO methods and pipeline planning use.
+:mod:`alpa_like.compiler.markers`), which gradient accumulation, the ZeRO methods and pipeline planning use;
+and while a pipeline method traces the step they cut the loss into layers
+(:mod:`alpa_like.compiler.layer_construction`).
 Plain `jax.grad` inside a step also works for single-micro-batch methods; accumulation needs these.
 """
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
+from alpa_like.compiler.layer_construction import active_layering, construct_layers
 from alpa_like.compiler.markers import mark
 
 
@@ -32,21 +35,25 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
     averages what it returns (value, aux and gradients) over the micro-batches, as Alpa does: for a loss
     that is a mean over the batch this equals the full-batch value and gradient.
     """
-    inner = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux, **jax_kwargs)
-
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
+        inner = jax.value_and_grad(_layered(fun), argnums=argnums, has_aux=has_aux, **jax_kwargs)
         return mark(inner(*_mark_argnums(args, argnums), **kwargs), "grad")
 
     return wrapped
 
 
+def _layered(fun: Callable) -> Callable:
+    """``fun`` cut into pipeline layers when a pipeline method is tracing the step, else ``fun``."""
+    option = active_layering()
+    return fun if option is None else construct_layers(fun, option.assign, remat=option.remat)
+
+
 def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, **jax_kwargs) -> Callable:
     """Like `jax.grad`; see :func:`value_and_grad` for what the markers add."""
-    inner = jax.grad(fun, argnums=argnums, has_aux=has_aux, **jax_kwargs)
-
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
+        inner = jax.grad(_layered(fun), argnums=argnums, has_aux=has_aux, **jax_kwargs)
         return mark(inner(*_mark_argnums(args, argnums), **kwargs), "grad")
 
     return wrapped

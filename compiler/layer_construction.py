@@ -1,0 +1,129 @@
+"""Layer construction: re-emit a loss function as layers delimited by forward layer markers.
+
+Alpa 3.5 ("operator clustering"): before differentiation, the forward computation of the loss is cut into
+layers ``l_1..l_L``. Each layer's inputs pass through a ``fwd_start`` marker and its outputs through a
+``fwd_end`` marker; `jax.grad` transposes those into ``bwd_start``/``bwd_end`` markers, so the backward of
+every layer is delimited too and later passes can colocate a layer's forward and backward.
+
+Where the cuts go is a function ``assign(jaxpr) -> layer of each equation`` (non-decreasing along the
+equation order): :func:`manual_layers` cuts at ``al.mark_pipeline_boundary()`` calls, and the automatic
+option clusters equations by FLOPs and communication (Eq. 3.6, :mod:`alpa_like.compiler.layer_clustering`).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+
+import jax
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
+
+from alpa_like.compiler import jax_compat
+from alpa_like.compiler.markers import is_marker, mark
+
+LayerAssignment = Callable[[Jaxpr], list[int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layering:
+    """How :func:`alpa_like.grad` cuts the loss into layers while a pipeline method traces a step."""
+
+    assign: LayerAssignment
+    remat: bool = False
+
+
+_ACTIVE: contextvars.ContextVar[Layering | None] = contextvars.ContextVar("alpa_like_layering", default=None)
+
+
+@contextlib.contextmanager
+def layering(option: Layering) -> Iterator[None]:
+    """Within this block, ``al.grad`` applies layer construction with ``option``."""
+    token = _ACTIVE.set(option)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_layering() -> Layering | None:
+    return _ACTIVE.get()
+
+
+def manual_layers(jaxpr: Jaxpr) -> list[int]:
+    """Layer of each equation: the number of pipeline-boundary markers before it."""
+    layer, out = 0, []
+    for eqn in jaxpr.eqns:
+        out.append(layer)
+        if is_marker(eqn, "boundary"):
+            layer += 1
+    return out
+
+
+def check_assignment(jaxpr: Jaxpr, layers: Sequence[int]) -> int:
+    """Validates a layer assignment; returns the number of layers."""
+    if len(layers) != len(jaxpr.eqns):
+        raise ValueError(f"layer assignment has {len(layers)} entries for {len(jaxpr.eqns)} equations")
+    if any(b < a for a, b in zip(layers, layers[1:])):
+        raise ValueError("layer assignment must be non-decreasing along the equation order")
+    return (max(layers) + 1) if layers else 0
+
+
+def _layer_io(jaxpr: Jaxpr, layers: Sequence[int], num_layers: int):
+    """For each layer: its input Vars (defined before it) and output Vars (used after it), in order."""
+    defined_in = {v: layers[i] for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    used_after: dict[Var, int] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in jax_compat.eqn_inputs(eqn):
+            used_after[v] = max(used_after.get(v, -1), layers[i])
+    for v in jaxpr.outvars:
+        if isinstance(v, Var):
+            used_after[v] = num_layers  # the function's outputs: after every layer
+    inputs = [[] for _ in range(num_layers)]
+    outputs = [[] for _ in range(num_layers)]
+    for i, eqn in enumerate(jaxpr.eqns):
+        layer = layers[i]
+        for v in jax_compat.eqn_inputs(eqn):
+            if defined_in.get(v, -1) != layer and v not in inputs[layer]:
+                inputs[layer].append(v)
+        for v in eqn.outvars:
+            if used_after.get(v, -1) > layer:
+                outputs[layer].append(v)
+    return inputs, outputs
+
+
+def construct_layers(fun: Callable, assign: LayerAssignment, *, remat: bool = False) -> Callable:
+    """``fun`` re-emitted layer by layer with ``fwd_start``/``fwd_end`` markers (and `jax.checkpoint`
+    around each layer when ``remat``). Same values, same gradients."""
+    def layered(*args, **kwargs):
+        if kwargs:
+            raise TypeError(f"with a pipeline method, pass the arguments of {getattr(fun, '__name__', fun)} "
+                            f"positionally (got keywords {sorted(kwargs)})")
+        closed: ClosedJaxpr
+        closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
+        closed = jax_compat.inline_calls(closed)
+        jaxpr = closed.jaxpr
+        layers = assign(jaxpr)
+        num_layers = check_assignment(jaxpr, layers)
+        inputs, outputs = _layer_io(jaxpr, layers, num_layers)
+        env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+        env.update(zip(jaxpr.invars, jax.tree_util.tree_leaves(args), strict=True))
+        for layer in range(num_layers):
+            eqns = [e for e, a in zip(jaxpr.eqns, layers, strict=True) if a == layer and not is_marker(e, "boundary")]
+            body = _layer_body(eqns, inputs[layer], outputs[layer])
+            if remat:
+                body = jax.checkpoint(body)
+            ins = mark([env[v] for v in inputs[layer]], "fwd_start", layer)
+            outs = mark(body(*ins), "fwd_end", layer)
+            env.update(zip(outputs[layer], outs, strict=True))
+        flat = [v.val if isinstance(v, Literal) else env[v] for v in jaxpr.outvars]
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), flat)
+    return layered
+
+
+def _layer_body(eqns, inputs: Sequence[Var], outputs: Sequence[Var]) -> Callable:
+    def body(*values):
+        env = dict(zip(inputs, values, strict=True))
+        jax_compat.eval_eqns(eqns, env)
+        return [env[v] for v in outputs]
+    return body

@@ -1,0 +1,41 @@
+"""Layer construction keeps values and gradients and delimits every layer in forward and backward."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from alpa_like.compiler.layer_construction import construct_layers, manual_layers
+from alpa_like.compiler.markers import is_marker, mark_pipeline_boundary
+
+
+def mlp3(params, x):
+    for i, w in enumerate(params):
+        x = jnp.tanh(x @ w)
+        if i < len(params) - 1:
+            mark_pipeline_boundary()
+    return jnp.mean(x ** 2)
+
+
+@pytest.fixture
+def args():
+    rng = np.random.default_rng(0)
+    params = [jnp.asarray(rng.normal(size=(4, 4)), jnp.float32) for _ in range(3)]
+    return params, jnp.asarray(rng.normal(size=(8, 4)), jnp.float32)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_same_value_and_gradient(args, remat):
+    layered = construct_layers(mlp3, manual_layers, remat=remat)
+    np.testing.assert_allclose(jax.jit(layered)(*args), jax.jit(mlp3)(*args), rtol=1e-6)
+    for a, b in zip(jax.jit(jax.grad(layered))(*args), jax.jit(jax.grad(mlp3))(*args), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_each_manual_layer_is_delimited_forward_and_backward(args):
+    eqns = jax.make_jaxpr(jax.grad(construct_layers(mlp3, manual_layers)))(*args).jaxpr.eqns
+    kinds = [(e.params["kind"], e.params["layer"]) for e in eqns if is_marker(e)]
+    forward = [k for k in kinds if k[0].startswith("fwd")]
+    backward = [k for k in kinds if k[0].startswith("bwd")]
+    assert forward == [(k, l) for l in range(3) for k in ("fwd_start", "fwd_end")]
+    assert backward == [(k, l) for l in (2, 1, 0) for k in ("bwd_start", "bwd_end")]
+    assert not any(is_marker(e, "boundary") for e in eqns)

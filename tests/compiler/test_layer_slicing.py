@@ -1,0 +1,65 @@
+"""Slicing a layered training step into per-layer forward, backward and apply-grad pieces."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import alpa_like as al
+from alpa_like.compiler.flops import jaxpr_flops
+from alpa_like.compiler.layer_construction import Layering, layering, manual_layers
+from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD, layer_summaries, slice_layers
+from alpa_like.compiler.trace import trace_step
+
+
+def loss_fn(params, batch):
+    x = batch["x"]
+    for i in range(3):
+        x = jnp.tanh(x @ params[f"w{i}"])
+        if i < 2:
+            al.mark_pipeline_boundary()
+    return jnp.mean(x ** 2)
+
+
+def step(state, batch):
+    loss, grads = al.value_and_grad(loss_fn)(state.params, batch)
+    return state.apply_gradients(grads=grads), loss
+
+
+@pytest.fixture
+def traced():
+    sizes = {"w0": (8, 16), "w1": (16, 16), "w2": (16, 4)}
+    params = {k: jnp.ones(s) * 0.1 for k, s in sizes.items()}
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
+    with layering(Layering(assign=manual_layers)):
+        return trace_step(step, (state, {"x": jnp.ones((32, 8))}), batch_argnums=(1,))
+
+
+def test_every_live_equation_gets_a_piece_in_execution_order(traced):
+    pieces = slice_layers(traced.closed_jaxpr.jaxpr)
+    assert {p.layer for p in pieces if p} == {0, 1, 2}
+    phases = [p.phase for p in pieces if p]
+    assert phases.index(APPLY) > max(i for i, ph in enumerate(phases) if ph == BACKWARD)
+    assert phases[0] == FORWARD
+
+
+def test_layer_summaries_split_flops_params_and_activations(traced):
+    jaxpr = traced.closed_jaxpr.jaxpr
+    summaries = layer_summaries(jaxpr, slice_layers(jaxpr), traced.param_mask)
+    paths = [traced.in_leaves[k].path for s in summaries for k in s.param_inputs]
+    assert paths == ["state.params.w0", "state.params.w1", "state.params.w2"]
+    assert [s.param_bytes for s in summaries] == [8 * 16 * 4, 16 * 16 * 4, 16 * 4 * 4]
+    # Forward matmul FLOPs: 2 * rows * in * out per layer; backward has the two transposed products.
+    assert summaries[1].forward_flops >= 2 * 32 * 16 * 16
+    assert summaries[1].backward_flops >= 2 * (2 * 32 * 16 * 16) - 2 * 32 * 16 * 16 / 2
+    total = sum(s.forward_flops + s.backward_flops + s.apply_flops for s in summaries)
+    assert total == pytest.approx(jaxpr_flops(jaxpr))
+    # Layer 1 keeps at least its input and its tanh output (32 x 16 floats each) for the backward pass.
+    assert summaries[1].activation_bytes >= 2 * 32 * 16 * 4
+
+
+def test_a_step_without_layers_is_a_clear_error():
+    traced = trace_step(lambda x: x * 2, (jnp.ones(3),))
+    with pytest.raises(ValueError, match="no pipeline layers"):
+        slice_layers(traced.closed_jaxpr.jaxpr)
