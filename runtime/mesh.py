@@ -6,7 +6,6 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 

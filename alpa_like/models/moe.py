@@ -205,7 +205,8 @@ def top2_gating(logits: jax.Array, capacity: int) -> Routing:
     num_experts = logits.shape[-1]
     gates = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     mask1 = jax.nn.one_hot(jnp.argmax(gates, axis=-1), num_experts, dtype=jnp.int32)
-    mask2 = jax.nn.one_hot(jnp.argmax(jnp.where(mask1 > 0, -1.0, gates), axis=-1), num_experts, dtype=jnp.int32)
+    second = jnp.argmax(jnp.where(mask1 > 0, -1.0, gates), axis=-1)  # gates >= 0: -1 excludes the top-1
+    mask2 = jax.nn.one_hot(second, num_experts, dtype=jnp.int32)
     fraction_routed = jnp.mean(mask1.astype(jnp.float32), axis=1)
     aux_loss = jnp.mean(fraction_routed * jnp.mean(gates, axis=1)) * num_experts**2
     gate1 = jnp.sum(gates * mask1, axis=-1)

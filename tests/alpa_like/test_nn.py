@@ -45,7 +45,7 @@ CASES = [(1, 1, 1, 1, 1), (2, 5, 5, 3, 4), (1, 7, 7, 2, 8), (2, 3, 8, 2, 4)]
 @pytest.mark.parametrize("shape", CASES)
 def test_matches_naive_loop(shape):
     q, k, v = _qkv(0, *shape)
-    np.testing.assert_allclose(causal_self_attention(q, k, v), naive_attention(q, k, v), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(jax.jit(causal_self_attention)(q, k, v), naive_attention(q, k, v), rtol=1e-5, atol=1e-5)
 
 
 def test_extra_mask_is_anded_with_causal_mask():

@@ -1,7 +1,5 @@
 """Slicing a layered training step into per-layer forward, backward and apply-grad pieces."""
-import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from flax.training import train_state

@@ -2,7 +2,6 @@
 import dataclasses
 import math
 
-import hypothesis.extra.numpy as hnp
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +23,7 @@ from alpa_like.models import (
     top2_gating,
 )
 from alpa_like.models.moe import AUX_LOSS_COLLECTION, group_size
-from tests.alpa_like.models.test_gpt import adam_losses, key, name_to_count
+from tests.alpa_like.models.model_helpers import adam_losses, key, name_to_count
 
 TINY = MOE_CONFIGS["moe-tiny"]
 
@@ -71,14 +70,16 @@ def test_top2_gating_matches_loop_reference(groups, tokens, experts, capacity):
     check_routing(logits, capacity)
 
 
+# One token's logits: distinct multiples of 0.1, so its float32 gates have no ties and the loop
+# reference is unambiguous.
+_TOKEN_LOGITS = st.lists(st.integers(-30, 30), min_size=4, max_size=4, unique=True)
+
+
 @settings(max_examples=30, deadline=None)
 @given(
-    logits=hnp.arrays(
-        np.float32,
-        (2, 12, 4),  # one shape, so the jitted gating compiles once per capacity
-        # Distinct multiples of 0.1: the float32 gates have no ties, so the loop reference is unambiguous.
-        elements=st.integers(-30, 30).map(lambda i: i / 10),
-        unique=True,
+    # One shape (2 groups, 12 tokens, 4 experts), so the jitted gating compiles once per capacity.
+    logits=st.lists(_TOKEN_LOGITS, min_size=24, max_size=24).map(
+        lambda rows: (np.array(rows, np.float32) / 10).reshape(2, 12, 4)
     ),
     capacity=st.sampled_from([1, 3, 6]),
 )

@@ -17,7 +17,7 @@ from alpa_like.models import (
     wresnet_loss,
     wresnet_param_shapes,
 )
-from tests.alpa_like.models.test_gpt import key, name_to_count
+from tests.alpa_like.models.model_helpers import key, name_to_count
 
 TINY = WRESNET_CONFIGS["wresnet-tiny"]
 
@@ -69,13 +69,20 @@ def test_batchnorm_loss_updates_stats_and_decreases_with_adam(tiny):
 def test_group_norm_has_no_stats_and_same_loss_signature():
     config = dataclasses.replace(TINY, norm="group", num_groups=2)
     model = WideResNet(config)
+    loss_fn = wresnet_loss(model)
     batch = wresnet_batch(config, batch_size=2, rng=key(3))
-    params, batch_stats = wresnet_param_shapes(config)
-    assert batch_stats == {} and "GroupNorm_0" not in params
-    params = jax.jit(model.init)(key(4), batch["images"])["params"]
-    (loss, new_stats), grads = jax.jit(jax.value_and_grad(wresnet_loss(model), has_aux=True))(params, {}, batch)
-    assert new_stats == {} and np.isfinite(loss)
-    assert jax.tree.structure(grads) == jax.tree.structure(params)
+    param_shapes, stats_shapes = wresnet_param_shapes(config)
+    assert stats_shapes == {} and set(param_shapes["stage_0_block_0"]["norm1"]) == {"scale", "bias"}
+    # Tracing value_and_grad checks the has_aux signature without compiling the backward pass.
+    (loss, new_stats), grads = jax.eval_shape(
+        jax.value_and_grad(loss_fn, has_aux=True), param_shapes, {}, batch
+    )
+    assert loss.shape == () and new_stats == {}
+    assert jax.tree.structure(grads) == jax.tree.structure(param_shapes)
+    loss, new_stats = jax.jit(
+        lambda k, b: loss_fn(model.init(k, b["images"])["params"], {}, b)
+    )(key(4), batch)
+    assert np.isfinite(loss) and new_stats == {}
 
 
 def test_batch_shapes_match_batch():
