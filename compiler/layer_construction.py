@@ -17,9 +17,12 @@ import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
+import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from alpa_like.compiler import jax_compat
+from alpa_like.compiler.flops import eqn_flops
+from alpa_like.compiler.layer_clustering import cluster_layers, incoming_bytes
 from alpa_like.compiler.markers import is_marker, mark
 
 LayerAssignment = Callable[[Jaxpr], list[int]]
@@ -127,3 +130,46 @@ def _layer_body(eqns, inputs: Sequence[Var], outputs: Sequence[Var]) -> Callable
         jax_compat.eval_eqns(eqns, env)
         return [env[v] for v in outputs]
     return body
+
+
+HEAVY_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def operator_segments(jaxpr: Jaxpr) -> list[int]:
+    """Segment of each equation: a segment ends at each matmul/convolution, so the clustering DP sees one
+    operator per heavy op with the cheap ops before it merged in (trailing cheap ops join the last one)."""
+    segment, out = 0, []
+    heavy = [e.primitive.name in HEAVY_PRIMITIVES for e in jaxpr.eqns]
+    last_heavy = max((i for i, h in enumerate(heavy) if h), default=-1)
+    for i, is_heavy in enumerate(heavy):
+        out.append(segment)
+        if is_heavy and i != last_heavy:
+            segment += 1
+    return out
+
+
+def auto_layers(layer_num: int, delta: float) -> LayerAssignment:
+    """The assignment of operator clustering (Eq. 3.6) into ``layer_num`` layers with slack ``delta``."""
+    def assign(jaxpr: Jaxpr) -> list[int]:
+        segments = operator_segments(jaxpr)
+        num_segments = segments[-1] + 1 if segments else 0
+        if num_segments < layer_num:
+            raise ValueError(f"AutoLayerOption(layer_num={layer_num}): the loss has only {num_segments} "
+                             "matmul/convolution operators to cluster; use a smaller layer_num")
+        flops = [0.0] * num_segments
+        for eqn, seg in zip(jaxpr.eqns, segments, strict=True):
+            flops[seg] += eqn_flops(eqn)
+        defined = {v: segments[i] for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+        edges = []
+        for i, eqn in enumerate(jaxpr.eqns):
+            for v in jax_compat.eqn_inputs(eqn):
+                src = defined.get(v)
+                if src is not None and src < segments[i]:
+                    nbytes = float(np.prod(v.aval.shape, dtype=np.float64) * np.dtype(v.aval.dtype).itemsize)
+                    edges.append((src, segments[i], nbytes, id(v)))
+        clustering = cluster_layers(flops, incoming_bytes(num_segments, edges), layer_num, delta)
+        layer_of_segment = np.zeros(num_segments, dtype=int)
+        for layer, ops in enumerate(clustering.layers):
+            layer_of_segment[list(ops)] = layer
+        return [int(layer_of_segment[s]) for s in segments]
+    return assign

@@ -39,3 +39,25 @@ def test_each_manual_layer_is_delimited_forward_and_backward(args):
     assert forward == [(k, l) for l in range(3) for k in ("fwd_start", "fwd_end")]
     assert backward == [(k, l) for l in (2, 1, 0) for k in ("bwd_start", "bwd_end")]
     assert not any(is_marker(e, "boundary") for e in eqns)
+
+
+def test_auto_layers_cut_a_gpt_into_equal_blocks():
+    from alpa_like import models
+    from alpa_like.compiler.layer_construction import auto_layers
+    from alpa_like.models import gpt
+
+    config = models.get_config("gpt-tiny")
+    config = type(config)(**{**config.__dict__, "num_layers": 4})
+    loss = gpt.gpt_loss(gpt.GPTModel(config))
+    params = gpt.gpt_param_shapes(config)
+    batch = gpt.gpt_batch_shapes(config, 8)
+    jaxpr = jax.make_jaxpr(loss)(params, batch).jaxpr
+    layers = auto_layers(4, delta=0.6)(jaxpr)
+    assert sorted(set(layers)) == [0, 1, 2, 3]
+    flops = np.zeros(4)
+    from alpa_like.compiler.flops import eqn_flops
+    for eqn, layer in zip(jaxpr.eqns, layers):
+        flops[layer] += eqn_flops(eqn)
+    assert flops.max() <= 1.6 * flops.mean()
+    with pytest.raises(ValueError, match="use a smaller layer_num"):
+        auto_layers(1000, delta=0.6)(jaxpr)
