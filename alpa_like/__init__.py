@@ -10,13 +10,20 @@
 from alpa_like.api import ParallelizedFunc, init, parallelize, plan, shutdown
 from alpa_like.cluster import ClusterSpec
 from alpa_like.compiler.sharding_spec import ShardingSpec
+from alpa_like.compiler.markers import mark_pipeline_boundary
 from alpa_like.grad import grad, value_and_grad
 from alpa_like.methods import DataParallel, ManualShardParallel, Zero2Parallel, Zero3Parallel
+from alpa_like.pipeshard import (AutoLayerOption, AutoStageOption, ManualLayerOption, ManualStageOption,
+                                 PipeshardParallel, UniformStageOption)
 from alpa_like.plan import CommEstimate, ParallelPlan, StagePlan, TensorPlan
+from alpa_like.shard_parallel import AutoShardingOption, ShardParallel
 
 __all__ = [
+    "AutoLayerOption", "AutoStageOption", "ManualLayerOption", "ManualStageOption", "PipeshardParallel",
+    "UniformStageOption",
+    "AutoShardingOption", "ShardParallel",
     "ClusterSpec", "CommEstimate", "DataParallel", "ManualShardParallel", "ParallelPlan", "ParallelizedFunc",
-    "ShardingSpec", "StagePlan", "TensorPlan", "Zero2Parallel", "Zero3Parallel", "grad", "init", "parallelize",
+    "ShardingSpec", "StagePlan", "TensorPlan", "Zero2Parallel", "Zero3Parallel", "grad", "init", "mark_pipeline_boundary", "parallelize",
     "plan", "shutdown", "value_and_grad",
 ]
 __version__ = "0.1.0"

@@ -14,9 +14,11 @@ from alpa_like.methods import DataParallel, ManualShardParallel, Zero2Parallel, 
 from alpa_like.plan import ParallelPlan
 from alpa_like.planning import spmd_plan
 from alpa_like.runtime.spmd import SpmdExecutable, compile_spmd
+from alpa_like.pipeshard import PipeshardParallel, plan_pipeshard
+from alpa_like.shard_parallel import ShardParallel
 
 CLUSTER_KINDS = ("local", "ray")
-SPMD_METHODS = (DataParallel, Zero2Parallel, Zero3Parallel, ManualShardParallel)
+SPMD_METHODS = (DataParallel, Zero2Parallel, Zero3Parallel, ManualShardParallel, ShardParallel)
 
 
 @dataclasses.dataclass
@@ -68,8 +70,8 @@ def backend_devices() -> tuple[Any, ...]:
 def _check_method(method: Any) -> Any:
     if method is None:
         return DataParallel()
-    if not isinstance(method, SPMD_METHODS):
-        names = ", ".join(m.__name__ for m in SPMD_METHODS)
+    if not isinstance(method, (*SPMD_METHODS, PipeshardParallel)):
+        names = ", ".join(m.__name__ for m in (*SPMD_METHODS, PipeshardParallel))
         raise TypeError(f"method must be one of {names} (an instance, e.g. al.DataParallel()), "
                         f"got {method!r}")
     return method
@@ -146,6 +148,11 @@ class ParallelizedFunc:
         for i in self.donate_argnums:
             if i >= len(args):
                 raise ValueError(f"donate_argnums contains {i}, but the step has {len(args)} arguments")
+        if isinstance(self.method, PipeshardParallel):
+            raise NotImplementedError(
+                "PipeshardParallel can plan (al.plan(step, *args, method=...)) but not run yet: the MPMD pipeline "
+                "runtime is not built; use an SPMD method (DataParallel, Zero2Parallel, Zero3Parallel, "
+                "ShardParallel, ManualShardParallel) to train")
         traced = self._trace(args)
         devices = backend_devices()
         cluster = ClusterSpec.local(devices)
@@ -197,6 +204,9 @@ def plan(fun: Callable, *args, method: Any = None, cluster: ClusterSpec | None =
         cluster = ClusterSpec.local(backend_devices())
     if not isinstance(cluster, ClusterSpec):
         raise TypeError(f"cluster must be an al.ClusterSpec, got {type(cluster).__name__}")
+    if isinstance(method, PipeshardParallel):
+        return plan_pipeshard(method, fun, args, static_argnums=_check_argnums("static_argnums", static_argnums),
+                              batch_argnums=_check_argnums("batch_argnums", batch_argnums), cluster=cluster)
     traced = trace_step(fun, args, static_argnums=_check_argnums("static_argnums", static_argnums),
                         batch_argnums=_check_argnums("batch_argnums", batch_argnums),
                         num_micro_batches=method.num_micro_batches)

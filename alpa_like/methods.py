@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec
 from alpa_like.cluster import ClusterSpec
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.trace import LeafInfo, TracedStep
+from alpa_like.plan import CommEstimate, OpPlan, SolverReport
 
 DATA_AXIS = "data"
 
@@ -47,6 +48,13 @@ class SpmdLayout:
     """(equation index in the traced jaxpr, output index, spec): intermediate values pinned with
     `with_sharding_constraint` (how the intra-op pass makes XLA follow its choice)."""
     warnings: tuple[str, ...] = ()
+    communication: tuple[CommEstimate, ...] | None = None
+    """Modelled collectives per step when the method predicts them itself (the intra-op pass); None lets
+    :func:`alpa_like.planning.spmd_plan` model data-parallel gradient synchronisation."""
+    op_plans: tuple[OpPlan, ...] = ()
+    """The intra-op pass's chosen spec and cost per parameter and heavy operator (shown by the plan)."""
+    solver: SolverReport | None = None
+    """How the intra-op ILP was solved (shown by the plan)."""
 
 
 def _check_micro_batches(num_micro_batches: Any) -> None:

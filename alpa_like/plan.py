@@ -71,6 +71,67 @@ class CommEstimate:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class OpPlan:
+    """The intra-op pass's choice for one parameter or heavy operator of a stage."""
+
+    name: str
+    """A parameter's path, or an operator's ``name_stack/primitive``."""
+    kind: str
+    """``param`` or the primitive name (``dot_general``, ``conv_general_dilated``, ``gather``, ...)."""
+    shape: tuple[int, ...]
+    """Shape of the parameter or of the operator's (first) output."""
+    spec: ShardingSpec
+    """Chosen layout of the parameter or of the output."""
+    strategy: str
+    """The parallel algorithm, e.g. ``b->0, k->1`` (Table 3.3's loop-to-mesh-axis mapping)."""
+    communication: str
+    """The collectives it performs and the resharding it pays, e.g. ``all-reduce(4096 B, 1)``."""
+    seconds: float
+    """Modelled seconds of that communication per step."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "shape": list(self.shape), "spec": str(self.spec),
+                "strategy": self.strategy, "communication": self.communication, "seconds": self.seconds}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> OpPlan:
+        shape = tuple(d["shape"])
+        return cls(name=d["name"], kind=d["kind"], shape=shape, spec=ShardingSpec.from_str(d["spec"], ndim=len(shape)),
+                   strategy=d["strategy"], communication=d["communication"], seconds=d["seconds"])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SolverReport:
+    """How the intra-op ILP (Eq. 3.1) of a stage was solved."""
+
+    status: str
+    """``optimal``, ``time limit (best feasible)``, ``heuristic (...)`` or ``infeasible``."""
+    objective: float
+    """Eq. 3.1 objective of the chosen logical mesh: modelled communication seconds per step."""
+    solve_seconds: float
+    """Seconds spent in the pass for the chosen mesh (strategies, costs and CBC)."""
+    num_nodes: int
+    num_edges: int
+    num_variables: int
+    num_constraints: int
+    views: tuple[tuple[tuple[int, ...], float], ...] = ()
+    """Every logical mesh shape tried, with its objective (the cheapest is used)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"status": self.status, "objective": self.objective, "solve_seconds": self.solve_seconds,
+                "num_nodes": self.num_nodes, "num_edges": self.num_edges, "num_variables": self.num_variables,
+                "num_constraints": self.num_constraints,
+                "views": [[list(shape), objective] for shape, objective in self.views]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SolverReport:
+        return cls(status=d["status"], objective=d["objective"], solve_seconds=d["solve_seconds"],
+                   num_nodes=d["num_nodes"], num_edges=d["num_edges"], num_variables=d["num_variables"],
+                   num_constraints=d["num_constraints"],
+                   views=tuple((tuple(shape), objective) for shape, objective in d["views"]))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class StagePlan:
     """One pipeline stage (an SPMD method has exactly one, holding every layer)."""
 
@@ -90,6 +151,10 @@ class StagePlan:
     compute_seconds: float
     memory_per_device: int
     """Bytes per device of the stage's inputs (parameters, optimizer state, batch); activations excluded."""
+    ops: tuple[OpPlan, ...] = ()
+    """The intra-op pass's choice per parameter and heavy operator (empty for hand-written methods)."""
+    solver: SolverReport | None = None
+    """How the intra-op ILP was solved (None for hand-written methods)."""
 
     @property
     def communication_seconds(self) -> float:
@@ -101,7 +166,9 @@ class StagePlan:
                 "mesh_axis_names": list(self.mesh_axis_names), "device_ids": list(self.device_ids),
                 "inputs": [t.to_dict() for t in self.inputs], "outputs": [t.to_dict() for t in self.outputs],
                 "communication": [c.to_dict() for c in self.communication], "flops": self.flops,
-                "compute_seconds": self.compute_seconds, "memory_per_device": self.memory_per_device}
+                "compute_seconds": self.compute_seconds, "memory_per_device": self.memory_per_device,
+                "ops": [o.to_dict() for o in self.ops],
+                "solver": None if self.solver is None else self.solver.to_dict()}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StagePlan:
@@ -112,7 +179,9 @@ class StagePlan:
                    outputs=tuple(TensorPlan.from_dict(t) for t in d["outputs"]),
                    communication=tuple(CommEstimate.from_dict(c) for c in d["communication"]),
                    flops=d["flops"], compute_seconds=d["compute_seconds"],
-                   memory_per_device=d["memory_per_device"])
+                   memory_per_device=d["memory_per_device"],
+                   ops=tuple(OpPlan.from_dict(o) for o in d.get("ops", ())),
+                   solver=None if d.get("solver") is None else SolverReport.from_dict(d["solver"]))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -128,6 +197,8 @@ class ParallelPlan:
     estimated_iteration_time: float
     """Seconds per step under the cost model: compute at peak FLOP/s plus modelled communication."""
     warnings: tuple[str, ...] = ()
+    compile_times: tuple[tuple[str, float], ...] = ()
+    """Seconds spent planning, by step (e.g. trace and layers, intra-op solves, stage DP, other)."""
 
     @property
     def num_devices(self) -> int:
@@ -146,7 +217,8 @@ class ParallelPlan:
         return {"method": self.method, "num_micro_batches": self.num_micro_batches,
                 "cluster": self.cluster.to_dict(), "stages": [s.to_dict() for s in self.stages],
                 "pipeline_schedule": self.pipeline_schedule,
-                "estimated_iteration_time": self.estimated_iteration_time, "warnings": list(self.warnings)}
+                "estimated_iteration_time": self.estimated_iteration_time, "warnings": list(self.warnings),
+                "compile_times": [[name, seconds] for name, seconds in self.compile_times]}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ParallelPlan:
@@ -154,7 +226,8 @@ class ParallelPlan:
                    cluster=ClusterSpec.from_dict(d["cluster"]),
                    stages=tuple(StagePlan.from_dict(s) for s in d["stages"]),
                    pipeline_schedule=d["pipeline_schedule"],
-                   estimated_iteration_time=d["estimated_iteration_time"], warnings=tuple(d["warnings"]))
+                   estimated_iteration_time=d["estimated_iteration_time"], warnings=tuple(d["warnings"]),
+                   compile_times=tuple((name, seconds) for name, seconds in d.get("compile_times", ())))
 
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -244,6 +317,28 @@ def mirrored_outputs(stage: StagePlan) -> list[TensorPlan]:
     return mirrored
 
 
+_OP_LAYER_NUMBER = re.compile(r"(?<=[A-Za-z]_)\d+(?=[./]|$)")
+
+
+def _op_rows(ops: Sequence[OpPlan], group_layers: bool) -> list[OpPlan]:
+    """Ops that differ only in a layer number folded into one row (seconds summed, name marked ``xN``)."""
+    if not group_layers:
+        return list(ops)
+    groups: dict[tuple, list[OpPlan]] = {}
+    for o in ops:
+        key = (_OP_LAYER_NUMBER.sub("*", o.name), o.kind, o.shape, str(o.spec), o.strategy, o.communication)
+        groups.setdefault(key, []).append(o)
+    rows = []
+    for (name, *_), members in groups.items():
+        first = members[0]
+        if len(members) == 1:
+            rows.append(first)
+        else:
+            rows.append(dataclasses.replace(first, name=f"{name} (x{len(members)})",
+                                            seconds=sum(m.seconds for m in members)))
+    return rows
+
+
 def format_plan(plan: ParallelPlan, *, group_layers: bool = True) -> str:
     c = plan.cluster
     lines = [f"ParallelPlan  {plan.method}",
@@ -251,6 +346,10 @@ def format_plan(plan: ParallelPlan, *, group_layers: bool = True) -> str:
              f"  schedule: {plan.pipeline_schedule or 'none (single stage)'}, "
              f"micro-batches: {plan.num_micro_batches}, stages: {len(plan.stages)}",
              f"  estimated iteration time: {format_seconds(plan.estimated_iteration_time)}"]
+    if plan.compile_times:
+        total = sum(seconds for _, seconds in plan.compile_times)
+        parts = ", ".join(f"{name} {format_seconds(seconds)}" for name, seconds in plan.compile_times)
+        lines.append(f"  planning time: {format_seconds(total)} ({parts})")
     lines += [f"  warning: {w}" for w in plan.warnings]
     for s in plan.stages:
         layers = "all" if not s.layer_ids else f"{s.layer_ids[0]}-{s.layer_ids[-1]}"
@@ -268,6 +367,18 @@ def format_plan(plan: ParallelPlan, *, group_layers: bool = True) -> str:
         lines.append(format_table(headers, _tensor_rows([*s.inputs, *shown], s.mesh_axis_names, group_layers)))
         if mirrored:
             lines.append(f"  ({len(mirrored)} outputs are laid out like the inputs they update and are not listed)")
+        if s.solver is not None:
+            v = s.solver
+            views = ", ".join(f"{'x'.join(map(str, shape))}: {format_seconds(obj)}" for shape, obj in v.views)
+            lines.append(f"  intra-op ILP: {v.status}, objective {format_seconds(v.objective)}, solved in "
+                         f"{v.solve_seconds:.2f} s ({v.num_nodes} nodes, {v.num_edges} edges, {v.num_variables} "
+                         f"variables, {v.num_constraints} constraints)" + (f"; views {views}" if views else ""))
+        if s.ops:
+            lines.append("  chosen strategies (parameters and heavy operators):")
+            rows = [[o.name, o.kind, "x".join(map(str, o.shape)) or "scalar", str(o.spec) or "scalar",
+                     o.strategy, format_seconds(o.seconds), o.communication] for o in _op_rows(s.ops, group_layers)]
+            lines.append(format_table(["name", "kind", "shape", "spec", "strategy", "time", "communication"],
+                                      rows, indent="    "))
         if s.communication:
             lines.append("  communication per step:")
             rows = [[c.kind, f"axes {c.mesh_axes}", format_bytes(c.num_bytes), format_seconds(c.seconds), c.what]

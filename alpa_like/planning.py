@@ -114,7 +114,10 @@ def spmd_plan(method, traced: TracedStep, layout: SpmdLayout, cluster: ClusterSp
     outputs = tuple(tensor_plan(leaf, "output", spec, mesh_shape)
                     for leaf, spec in zip(traced.out_leaves, out_specs, strict=True))
     mesh, offset = logical_mesh(cluster, mesh_shape)
-    comm = tuple(gradient_communication(layout, traced.in_leaves, mesh, offset, method.num_micro_batches))
+    if layout.communication is not None:  # the intra-op pass predicted every collective itself
+        comm = tuple(layout.communication)
+    else:
+        comm = tuple(gradient_communication(layout, traced.in_leaves, mesh, offset, method.num_micro_batches))
     if method.num_micro_batches > 1:
         batch_mask = [leaf.is_batch for leaf in traced.in_leaves]
         flops = float(split_flops(split_at_grad_marker(traced.closed_jaxpr, batch_mask), method.num_micro_batches))
@@ -125,7 +128,8 @@ def spmd_plan(method, traced: TracedStep, layout: SpmdLayout, cluster: ClusterSp
                       logical_mesh_shape=tuple(mesh_shape), mesh_axis_names=layout.axis_names,
                       device_ids=tuple(int(d) for d in device_ids), inputs=inputs, outputs=outputs,
                       communication=comm, flops=flops, compute_seconds=compute,
-                      memory_per_device=int(np.sum([t.bytes_per_device for t in inputs], dtype=np.int64)))
+                      memory_per_device=int(np.sum([t.bytes_per_device for t in inputs], dtype=np.int64)),
+                      ops=tuple(layout.op_plans), solver=layout.solver)
     return ParallelPlan(method=repr(method), num_micro_batches=method.num_micro_batches, cluster=cluster,
                         stages=(stage,), pipeline_schedule=None,
                         estimated_iteration_time=compute + stage.communication_seconds,

@@ -19,19 +19,26 @@ Exact reductions before the solver call (they never change the optimum):
 * edges between the same pair are summed; identical rows (or columns) of :math:`R_{vu}` share one
   :math:`e` row (column); an edge whose matrix has one distinct row or column folds into a cost vector.
 
-When CBC stops at the time limit the best integer solution found is used; when it finds none, a stated
-heuristic is used instead (greedy in node order: each node takes the strategy cheapest given the choices
-already made). The report says which happened.
+The reduced model is assembled as sparse matrices with numpy (:func:`matrix_model`) and handed to CBC (the
+binary PuLP bundles, Alpa's solver; the model goes through an MPS file) or to HiGHS
+(``scipy.optimize.milp``, several times faster on these LPs). When the solver stops at the time limit the
+best integer solution found is used; when it finds none, a stated heuristic is used instead (greedy in node
+order: each node takes the strategy cheapest given the choices already made). The report says which
+happened.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
+import shutil
+import subprocess
+import tempfile
 import time
 from collections.abc import Sequence
 
 import numpy as np
-import pulp
+from scipy import sparse
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -198,13 +205,32 @@ def _compress(r: np.ndarray):
 
 # ----------------------------------------------------------------------------------------------- solving
 
-def solve(problem: IlpProblem, *, time_limit: float = 60.0, threads: int | None = None) -> IlpSolution:
-    """Solves Eq. 3.1 exactly with CBC (after the exact reductions in the module docstring).
+SOLVERS = ("cbc", "highs")
+"""``cbc``: PuLP's bundled CBC binary (Alpa's solver); ``highs``: HiGHS through ``scipy.optimize.milp``."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MatrixModel:
+    """The reduced ILP as sparse matrices: ``min c x`` s.t. ``A_eq x = b_eq``, ``A_ub x <= b_ub``,
+    ``0 <= x <= 1``, the first ``num_int`` variables binary (the ``s``), the rest the continuous ``e``."""
+
+    c: np.ndarray
+    a_eq: sparse.csr_matrix
+    b_eq: np.ndarray
+    a_ub: sparse.csr_matrix | None
+    b_ub: np.ndarray | None
+    num_int: int
+    s_index: dict[int, np.ndarray]
+    """Columns of each node's ``s_v``."""
+
+
+def solve(problem: IlpProblem, *, time_limit: float = 60.0, solver: str = "cbc") -> IlpSolution:
+    """Solves Eq. 3.1 exactly (after the exact reductions in the module docstring).
 
     Args:
       problem: costs, edges and the optional memory budget.
-      time_limit: seconds CBC may run; it then returns its best integer solution.
-      threads: CBC threads (default: CBC's own default).
+      time_limit: seconds the MILP solver may run; it then returns its best integer solution.
+      solver: one of :data:`SOLVERS`.
 
     Returns:
       The assignment, its objective and how it was obtained. A memory budget no assignment satisfies gives
@@ -212,6 +238,8 @@ def solve(problem: IlpProblem, *, time_limit: float = 60.0, threads: int | None 
     """
     if not time_limit > 0:
         raise ValueError(f"time_limit must be > 0 seconds, got {time_limit!r}")
+    if solver not in SOLVERS:
+        raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
     start = time.perf_counter()
     costs = [np.array(c, dtype=float) for c in problem.node_costs]
     edges = _merge_edges(problem)
@@ -219,27 +247,22 @@ def solve(problem: IlpProblem, *, time_limit: float = 60.0, threads: int | None 
     choice = [-1] * len(costs)
     status, num_vars, num_cons = "optimal", 0, 0
     if alive:
-        model, s_vars, num_vars, num_cons = _build_model(problem, costs, edges, sorted(alive))
-        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, threads=threads)
-        model.solve(solver)
-        found = model.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
-        if found:
-            for v, variables in s_vars.items():
-                values = [var.value() or 0.0 for var in variables]
-                choice[v] = int(np.argmax(values))
-            if model.sol_status != pulp.LpSolutionOptimal:
-                status = "time limit (best feasible)"
-        elif model.status == pulp.LpStatusInfeasible:
-            status = "infeasible"
+        model = matrix_model(problem, costs, edges, sorted(alive))
+        num_vars = len(model.c)
+        num_cons = model.a_eq.shape[0] + (0 if model.a_ub is None else model.a_ub.shape[0])
+        x, status = (_solve_cbc if solver == "cbc" else _solve_highs)(model, time_limit)
+        if x is not None:
+            for v, cols in model.s_index.items():
+                choice[v] = int(np.argmax(x[cols]))
         else:
-            status = "heuristic (greedy: CBC found no solution within the time limit)"
-        if not found:
             fallback = greedy(problem)
             for v in alive:
                 choice[v] = fallback[v]
     for v, u, best in reversed(log):
         choice[v] = int(best) if u is None else int(best[choice[u]])
     choice = tuple(choice)
+    if status != "infeasible" and not problem.feasible(choice):  # e.g. everything fixed, over budget
+        status = "infeasible"
     if status == "infeasible":
         choice = greedy(problem)
     return IlpSolution(choice=choice, objective=problem.objective(choice), status=status,
@@ -247,48 +270,157 @@ def solve(problem: IlpProblem, *, time_limit: float = 60.0, threads: int | None 
                        num_edges=len(problem.edges), num_variables=num_vars, num_constraints=num_cons)
 
 
-def _build_model(problem: IlpProblem, costs, edges, alive: list[int]):
-    """The PuLP model over the nodes left after elimination."""
-    model = pulp.LpProblem("alpa_intra_op", pulp.LpMinimize)
-    s_vars = {v: [pulp.LpVariable(f"s_{v}_{i}", cat=pulp.LpBinary) for i in range(len(costs[v]))] for v in alive}
-    objective: list[tuple[pulp.LpVariable, float]] = []
-    num_vars = sum(len(x) for x in s_vars.values())
-    num_cons = 0
+def matrix_model(problem: IlpProblem, costs, edges, alive: list[int]) -> MatrixModel:
+    """The sparse model over the nodes left after elimination (built with numpy, no per-variable objects).
+
+    The objective is scaled so that its largest coefficient is 1e6: costs are seconds (1e-12 .. 1e-1),
+    below the solvers' default tolerances otherwise.
+    """
+    s_index, offset = {}, 0
     for v in alive:
-        model += pulp.LpAffineExpression([(x, 1.0) for x in s_vars[v]]) == 1, f"one_hot_{v}"
-        num_cons += 1
-    extra = {v: np.zeros(len(costs[v])) for v in alive}
+        s_index[v] = np.arange(offset, offset + len(costs[v]))
+        offset += len(costs[v])
+    num_int = offset
+    node_c = {v: costs[v].copy() for v in alive}
+    rows = [np.repeat(np.arange(len(alive)), [len(costs[v]) for v in alive])]
+    cols = [np.concatenate([s_index[v] for v in alive])]
+    vals = [np.ones(num_int)]
+    edge_c = []
+    row = len(alive)
     for (a, b), r in edges.items():
         if not np.any(r):
             continue
         row_of, col_of, rc = _compress(r)
         if rc.shape[0] == 1:
-            extra[b] += rc[0, col_of]
+            node_c[b] += rc[0, col_of]
             continue
         if rc.shape[1] == 1:
-            extra[a] += rc[row_of, 0]
+            node_c[a] += rc[row_of, 0]
             continue
-        e = [[pulp.LpVariable(f"e_{a}_{b}_{i}_{j}", lowBound=0.0, upBound=1.0) for j in range(rc.shape[1])]
-             for i in range(rc.shape[0])]
-        num_vars += rc.size
-        for i in range(rc.shape[0]):
-            terms = [(x, 1.0) for x in e[i]] + [(s_vars[a][k], -1.0) for k in np.flatnonzero(row_of == i)]
-            model += pulp.LpAffineExpression(terms) == 0
-        for j in range(rc.shape[1]):
-            terms = [(e[i][j], 1.0) for i in range(rc.shape[0])]
-            terms += [(s_vars[b][k], -1.0) for k in np.flatnonzero(col_of == j)]
-            model += pulp.LpAffineExpression(terms) == 0
-        num_cons += rc.shape[0] + rc.shape[1]
-        objective += [(e[i][j], float(rc[i, j])) for i in range(rc.shape[0]) for j in range(rc.shape[1])
-                      if rc[i, j] != 0]
-    for v in alive:
-        total = costs[v] + extra[v]
-        objective += [(x, float(c)) for x, c in zip(s_vars[v], total) if c != 0]
-    model += pulp.LpAffineExpression(objective)
-    if problem.memory_budget is not None:
-        for t, (row, const) in enumerate(zip(problem.memory_rows, problem.memory_constants)):
-            terms = [(s_vars[v][i], float(m[i])) for v, m in row if v in s_vars for i in range(len(m)) if m[i]]
-            fixed = const + sum(float(m[0]) for v, m in row if v not in s_vars)
-            model += pulp.LpAffineExpression(terms) <= problem.memory_budget - fixed, f"memory_{t}"
-            num_cons += 1
-    return model, s_vars, num_vars, num_cons
+        nr, nc = rc.shape
+        e = offset + np.arange(nr * nc).reshape(nr, nc)
+        offset += nr * nc
+        edge_c.append(rc.reshape(-1))
+        # Row marginals: sum_j e[i, j] - sum_{k in class i} s_a[k] = 0, then column marginals likewise.
+        rows += [row + np.repeat(np.arange(nr), nc), row + row_of,
+                 row + nr + np.tile(np.arange(nc), nr), row + nr + col_of]
+        cols += [e.reshape(-1), s_index[a], e.reshape(-1), s_index[b]]
+        vals += [np.ones(nr * nc), -np.ones(len(row_of)), np.ones(nr * nc), -np.ones(len(col_of))]
+        row += nr + nc
+    c = np.concatenate([node_c[v] for v in alive] + edge_c)
+    a_eq = sparse.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+                             shape=(row, offset))
+    b_eq = np.zeros(row)
+    b_eq[:len(alive)] = 1.0
+    a_ub = b_ub = None
+    if problem.memory_budget is not None and problem.memory_rows:
+        u_rows, u_cols, u_vals, b_ub = [], [], [], []
+        for t, (mem_row, const) in enumerate(zip(problem.memory_rows, problem.memory_constants)):
+            fixed = const
+            for v, m in mem_row:
+                if v in s_index:
+                    u_rows.append(np.full(len(m), t))
+                    u_cols.append(s_index[v])
+                    u_vals.append(np.asarray(m, dtype=float))
+                else:
+                    fixed += float(m[0])
+            b_ub.append(problem.memory_budget - fixed)
+        a_ub = sparse.csr_matrix((np.concatenate(u_vals or [np.zeros(0)]),
+                                  (np.concatenate(u_rows or [np.zeros(0, int)]),
+                                   np.concatenate(u_cols or [np.zeros(0, int)]))),
+                                 shape=(len(b_ub), offset))
+        b_ub = np.asarray(b_ub)
+    peak = np.max(np.abs(c)) if c.size else 0.0
+    c = c * (1e6 / peak) if peak > 0 else c
+    return MatrixModel(c=c, a_eq=a_eq, b_eq=b_eq, a_ub=a_ub, b_ub=b_ub, num_int=num_int, s_index=s_index)
+
+
+def _solve_highs(model: MatrixModel, time_limit: float) -> tuple[np.ndarray | None, str]:
+    from scipy import optimize  # Local import: only this backend needs it.
+
+    constraints = [optimize.LinearConstraint(model.a_eq, model.b_eq, model.b_eq)]
+    if model.a_ub is not None:
+        constraints.append(optimize.LinearConstraint(model.a_ub, -np.inf, model.b_ub))
+    integrality = np.zeros(len(model.c))
+    integrality[:model.num_int] = 1
+    res = optimize.milp(model.c, constraints=constraints, integrality=integrality,
+                        bounds=optimize.Bounds(0.0, 1.0), options={"time_limit": float(time_limit)})
+    if res.status == 0:
+        return res.x, "optimal"
+    if res.status == 2:
+        return None, "infeasible"
+    if res.x is not None:
+        return res.x, "time limit (best feasible)"
+    return None, "heuristic (greedy: the solver found no solution within the time limit)"
+
+
+def write_mps(path: str, model: MatrixModel) -> None:
+    """Writes ``model`` as an MPS file (indented like PuLP's, which CBC's reader accepts) (columns ``x<j>``, rows ``e<i>`` and ``m<i>``)."""
+    a = sparse.vstack([model.a_eq] + ([model.a_ub] if model.a_ub is not None else [])).tocsc()
+    n_eq = model.a_eq.shape[0]
+    n_ub = 0 if model.a_ub is None else model.a_ub.shape[0]
+    names = np.array([f"e{i}" for i in range(n_eq)] + [f"m{i}" for i in range(n_ub)], dtype=object)
+    lines = ["NAME alpa_intra_op", "ROWS", " N obj"]
+    lines += [f" E e{i}" for i in range(n_eq)] + [f" L m{i}" for i in range(n_ub)]
+    lines.append("COLUMNS")
+    lines.append("    MARKER0 'MARKER' 'INTORG'")
+    for j in range(a.shape[1]):
+        if j == model.num_int:
+            lines.append("    MARKER1 'MARKER' 'INTEND'")
+        if model.c[j] != 0:
+            lines.append(f"    x{j} obj {float(model.c[j])!r}")
+        lo, hi = a.indptr[j], a.indptr[j + 1]
+        lines += [f"    x{j} {r} {v!r}" for r, v in zip(names[a.indices[lo:hi]], a.data[lo:hi].tolist())]
+    if model.num_int == a.shape[1]:
+        lines.append("    MARKER1 'MARKER' 'INTEND'")
+    lines.append("RHS")
+    rhs = np.concatenate([model.b_eq, model.b_ub if model.b_ub is not None else np.zeros(0)])
+    lines += [f"    rhs {r} {v!r}" for r, v in zip(names, rhs.tolist()) if v != 0]
+    lines.append("BOUNDS")
+    lines += [f" UP bnd x{j} 1" for j in range(a.shape[1])]
+    lines.append("ENDATA")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def cbc_path() -> str:
+    """The CBC binary: PuLP's bundled one (as Alpa used), else ``cbc`` on the PATH."""
+    from pulp.apis import coin_api  # Local import: only this backend needs it.
+
+    bundled = coin_api.PULP_CBC_CMD.pulp_cbc_path
+    if bundled and os.path.exists(bundled):
+        return bundled
+    found = shutil.which("cbc")
+    if found is None:
+        raise RuntimeError("no CBC binary: PuLP's bundled one is missing and `cbc` is not on the PATH; "
+                           "use solver='highs'")
+    return found
+
+
+def _solve_cbc(model: MatrixModel, time_limit: float) -> tuple[np.ndarray | None, str]:
+    """Runs PuLP's bundled CBC on the model written as MPS; parses its solution file."""
+    cbc = cbc_path()
+    with tempfile.TemporaryDirectory(prefix="alpa_ilp_") as tmp:
+        mps, sol = os.path.join(tmp, "model.mps"), os.path.join(tmp, "model.sol")
+        write_mps(mps, model)
+        # CBC's presolve and preprocessing take most of the time on these LPs (whose relaxation is usually
+        # integral already) without shrinking them: off.
+        subprocess.run([cbc, mps, "-sec", str(float(time_limit)), "-timeMode", "elapsed", "-presolve", "off",
+                        "-preprocess", "off", "-solve", "-solution", sol],
+                       check=False, capture_output=True, text=True)
+        if not os.path.exists(sol):
+            return None, "heuristic (greedy: CBC did not run)"
+        with open(sol) as f:
+            header = f.readline()
+            x = np.zeros(len(model.c))
+            for line in f:
+                parts = line.replace("**", " ").split()
+                if len(parts) >= 3 and parts[1].startswith("x"):
+                    x[int(parts[1][1:])] = float(parts[2])
+    if header.startswith("Optimal"):
+        return x, "optimal"
+    if "nfeasible" in header:
+        return None, "infeasible"
+    if header.startswith("Stopped") and "objective value" in header and "no integer" not in header:
+        return x, "time limit (best feasible)"
+    return None, "heuristic (greedy: CBC found no solution within the time limit)"

@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 from jax.extend import source_info_util
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
+from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, JaxprEqn, Literal, Var
 
 # Primitives whose body is a plain call of an inner ClosedJaxpr in params["jaxpr"] (inputs map 1:1).
 CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
@@ -73,9 +73,17 @@ def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
     return jax.make_jaxpr(lambda *xs: eval_closed_jaxpr(closed, *xs, inline_calls=True))(*avals)
 
 
+def debug_info(name: str, num_in: int, num_out: int) -> DebugInfo:
+    """A DebugInfo for a jaxpr the compiler builds itself."""
+    return DebugInfo("alpa_like", name, tuple(f"in{i}" for i in range(num_in)),
+                     tuple(f"out{i}" for i in range(num_out)))
+
+
 def subjaxpr(eqns: Sequence[JaxprEqn], invars: Sequence[Var], outvars: Sequence[Var]) -> Jaxpr:
     """A Jaxpr made of ``eqns`` reading ``invars`` and returning ``outvars`` (no constvars)."""
-    return Jaxpr(constvars=[], invars=list(invars), outvars=list(outvars), eqns=list(eqns))
+    return Jaxpr(constvars=[], invars=list(invars), outvars=list(outvars), eqns=list(eqns),
+                 effects=frozenset().union(*(e.effects for e in eqns)),
+                 debug_info=debug_info("subjaxpr", len(invars), len(outvars)))
 
 
 def eqn_inputs(eqn: JaxprEqn) -> list[Var]:
@@ -112,3 +120,22 @@ def inlinable_body(eqn: JaxprEqn) -> ClosedJaxpr | None:
 def name_stack(eqn: JaxprEqn) -> str:
     """The eqn's source name stack as text, e.g. ``transpose(jvp(GPTModel))/block_0/attn``."""
     return str(eqn.source_info.name_stack)
+
+
+def bypass_eqns(jaxpr: Jaxpr, drop: Callable[[JaxprEqn], bool]) -> Jaxpr:
+    """``jaxpr`` without the identity equations ``drop`` selects: their outputs are replaced by their
+    inputs everywhere (position by position)."""
+    alias: dict[Var, Any] = {}
+
+    def read(v):
+        return alias.get(v, v) if isinstance(v, Var) else v
+
+    eqns = []
+    for eqn in jaxpr.eqns:
+        if drop(eqn):
+            for inp, out in zip(eqn.invars, eqn.outvars, strict=True):
+                alias[out] = read(inp)
+            continue
+        eqns.append(eqn.replace(invars=[read(v) for v in eqn.invars]))
+    return Jaxpr(constvars=jaxpr.constvars, invars=jaxpr.invars, outvars=[read(v) for v in jaxpr.outvars],
+                 eqns=eqns, effects=jaxpr.effects, debug_info=jaxpr.debug_info)

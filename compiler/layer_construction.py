@@ -116,12 +116,23 @@ def construct_layers(fun: Callable, assign: LayerAssignment, *, remat: bool = Fa
             body = _layer_body(eqns, inputs[layer], outputs[layer])
             if remat:
                 body = jax.checkpoint(body)
-            ins = mark([env[v] for v in inputs[layer]], "fwd_start", layer)
-            outs = mark(body(*ins), "fwd_end", layer)
+            ins = _mark_inexact([env[v] for v in inputs[layer]], "fwd_start", layer)
+            outs = _mark_inexact(body(*ins), "fwd_end", layer)
             env.update(zip(outputs[layer], outs, strict=True))
         flat = [v.val if isinstance(v, Literal) else env[v] for v in jaxpr.outvars]
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), flat)
     return layered
+
+
+def _mark_inexact(values: list, kind: str, layer: int) -> list:
+    """Layer markers on the floating-point values only: integer values (token ids) have no gradient, and
+    marking them would put float0 tangents in the backward pass."""
+    floating = [i for i, x in enumerate(values) if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)]
+    marked = mark([values[i] for i in floating], kind, layer)
+    out = list(values)
+    for i, x in zip(floating, marked, strict=True):
+        out[i] = x
+    return out
 
 
 def _layer_body(eqns, inputs: Sequence[Var], outputs: Sequence[Var]) -> Callable:

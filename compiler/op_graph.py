@@ -66,7 +66,10 @@ class OpNode:
     """Tensor id per operand of the equation (None for a literal)."""
     outputs: tuple[int, ...] = ()
     eqn_index: int | None = None
-    """Index in the traced jaxpr's equations; None inside an inlined body and for inputs."""
+    """Index in the traced jaxpr's equations (of the enclosing call for an inlined equation); None for
+    inputs and constants."""
+    inlined: bool = False
+    """True for an equation of an inlined call body (it cannot be pinned by index)."""
     input_index: int | None = None
     """Position among the jaxpr's invars (inputs only)."""
     name: str = ""
@@ -88,6 +91,8 @@ class OpGraph:
     """Tensor of each jaxpr outvar (None for a literal output)."""
     pins: dict[int, tuple[int, int]] = dataclasses.field(compare=False)
     """Tensor id -> (equation index, output index) in the traced jaxpr where it can be pinned."""
+    markers: dict[int, tuple[tuple[int, int, str], ...]] = dataclasses.field(compare=False)
+    """Tensor id -> the (equation index, operand position, kind) of the ``alpa_marker`` equations it passes."""
     unsupported: tuple[str, ...] = ()
     """Primitives with no rule: computed replicated."""
 
@@ -119,6 +124,7 @@ class _Builder:
         self.tensors: list[Tensor] = []
         self.depth: list[int] = []  # per tensor
         self.pins: dict[int, tuple[int, int]] = {}
+        self.markers: dict[int, list[tuple[int, int, str]]] = {}
         self.unsupported: list[str] = []
 
     def tensor(self, aval, producer: int, out_index: int) -> int:
@@ -140,12 +146,17 @@ class _Builder:
             return None
         return env[v]
 
-    def eqns(self, eqns: Sequence[JaxprEqn], env: dict, top_level: bool) -> None:
-        for index, eqn in enumerate(eqns):
+    def eqns(self, eqns: Sequence[JaxprEqn], env: dict, top_index: int | None) -> None:
+        """Adds ``eqns``; ``top_index`` is the enclosing top-level equation of an inlined body (else None)."""
+        top_level = top_index is None
+        for position, eqn in enumerate(eqns):
+            index = position if top_level else top_index
             operands = [self.read(env, v) for v in eqn.invars]
             if is_marker(eqn):
-                for v, t in zip(eqn.outvars, operands, strict=True):
+                for pos, (v, t) in enumerate(zip(eqn.outvars, operands, strict=True)):
                     env[v] = t if t is not None else self.leaf("const", v.aval, "literal")
+                    if top_level:
+                        self.markers.setdefault(env[v], []).append((index, pos, eqn.params["kind"]))
                 continue
             body = jax_compat.inlinable_body(eqn)
             if body is not None:
@@ -154,16 +165,16 @@ class _Builder:
                     inner_env[v] = t if t is not None else self.leaf("const", v.aval, "literal")
                 for v in body.jaxpr.constvars:
                     inner_env[v] = self.leaf("const", v.aval, "const")
-                self.eqns(body.jaxpr.eqns, inner_env, top_level=False)
+                self.eqns(body.jaxpr.eqns, inner_env, top_index=index)
                 for k, (v, inner) in enumerate(zip(eqn.outvars, body.jaxpr.outvars, strict=True)):
                     t = self.read(inner_env, inner)
                     env[v] = t if t is not None else self.leaf("const", v.aval, "literal")
                     if top_level:
                         self.pins.setdefault(env[v], (index, k))
                 continue
-            self.op(eqn, operands, env, index if top_level else None)
+            self.op(eqn, operands, env, index, inlined=not top_level)
 
-    def op(self, eqn: JaxprEqn, operands: list[int | None], env: dict, eqn_index: int | None) -> None:
+    def op(self, eqn: JaxprEqn, operands: list[int | None], env: dict, eqn_index: int, inlined: bool) -> None:
         nid = len(self.nodes)
         name = eqn.primitive.name
         depth = 1 + max((self.depth[t] for t in operands if t is not None), default=-1)
@@ -173,7 +184,7 @@ class _Builder:
             outputs.append(tid)
             self.depth.append(depth)
             env[v] = tid
-            if eqn_index is not None:
+            if not inlined:
                 self.pins[tid] = (eqn_index, k)
         follow = None
         rule = FOLLOW_RULES.get(name)
@@ -183,7 +194,8 @@ class _Builder:
             self.unsupported.append(name)
         stack = jax_compat.name_stack(eqn)
         self.nodes.append(OpNode(id=nid, kind="op", primitive=name, eqn=eqn, operands=tuple(operands),
-                                 outputs=tuple(outputs), eqn_index=eqn_index, depth=depth, follow=follow,
+                                 outputs=tuple(outputs), eqn_index=eqn_index, inlined=inlined, depth=depth,
+                                 follow=follow,
                                  name=f"{stack}/{name}" if stack else name))
 
     def choose_operand(self, eqn: JaxprEqn, operands: list[int | None], candidates: Sequence[int]) -> int | None:
@@ -224,10 +236,11 @@ def build_op_graph(closed: ClosedJaxpr, input_names: Sequence[str] | None = None
         inputs.append(env[v])
     for v in jaxpr.constvars:
         env[v] = b.leaf("const", v.aval, "const")
-    b.eqns(jaxpr.eqns, env, top_level=True)
+    b.eqns(jaxpr.eqns, env, top_index=None)
     outputs = tuple(b.read(env, v) for v in jaxpr.outvars)
     return OpGraph(nodes=tuple(b.nodes), tensors=tuple(b.tensors), input_tensors=tuple(inputs),
-                   output_tensors=outputs, pins=b.pins, unsupported=tuple(dict.fromkeys(b.unsupported)))
+                   output_tensors=outputs, pins=b.pins, markers={t: tuple(m) for t, m in b.markers.items()},
+                   unsupported=tuple(dict.fromkeys(b.unsupported)))
 
 
 def merged_groups(graph: OpGraph) -> np.ndarray:

@@ -99,10 +99,18 @@ def _uniform(eqn: JaxprEqn, name: str, out_spec: ShardingSpec, in_spec: Sharding
 # -------------------------------------------------------------------------------------------- derive rules
 
 def derive_elementwise(eqn, pos, spec, ctx):
-    """Output and every same-shape operand take the followed operand's spec; scalars stay R."""
+    """Output and every same-shape operand take the followed operand's spec; size-1 dims of an operand
+    that broadcasts against the others, and scalars, are R."""
     shape = tuple(eqn.outvars[0].aval.shape)
     spec = fit(spec, shape, ctx.mesh.shape)
-    ins = _specs_for(eqn, lambda s: spec if s == shape else replicated(len(s)))
+
+    def operand_spec(s):
+        if s == shape:
+            return spec
+        if len(s) == len(shape):
+            return make_spec([a if n == m else () for a, n, m in zip(spec.axes, s, shape)])
+        return replicated(len(s))
+    ins = _specs_for(eqn, operand_spec)
     outs = tuple(spec if tuple(v.aval.shape) == shape else replicated(len(v.aval.shape)) for v in eqn.outvars)
     return make_strategy(f"follow {spec}", outs, ins, (), ctx)
 

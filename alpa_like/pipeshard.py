@@ -1,0 +1,322 @@
+"""``PipeshardParallel``: pipeline stages on submeshes (inter-op DP) with intra-op sharding inside each.
+
+Planning (Alpa dissertation 3.5, Alg. 2), each step a pass of :mod:`alpa_like.compiler`::
+
+    trace the step under layer construction  (al.grad cuts the loss: AutoLayerOption -> Eq. 3.6 clustering,
+                                              ManualLayerOption -> al.mark_pipeline_boundary())
+    slice_layers / layer_summaries           (per-layer forward, backward, apply-grad; FLOPs, params, activations)
+    profile_stage_costs                      (intra-op ILP per layer and (submesh, logical mesh): t_intra table)
+    solve_stages                             (Eq. 3.2-3.5 with the t_max enumeration; or the manual/uniform stages)
+    assign_devices                           (submeshes onto the cluster, larger first, neighbours close)
+    -> ParallelPlan
+
+Running these plans needs the MPMD pipeline runtime, which is not built yet: ``al.plan`` works today,
+calling a parallelized step with this method raises an error saying so.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from alpa_like.cluster import ClusterSpec
+from alpa_like.compiler import jax_compat
+from alpa_like.compiler.auto_sharding import PassOptions
+from alpa_like.compiler.layer_construction import Layering, auto_layers, layering, manual_layers
+from alpa_like.compiler.layer_slicing import layer_summaries, slice_layers
+from alpa_like.compiler.logical_mesh import logical_shapes
+from alpa_like.compiler.markers import is_marker
+from alpa_like.compiler.stage_dp import StageChoice, StageCosts, StageSolution, solve_stages
+from alpa_like.compiler.stage_profiling import StageProfile, apply_phase_inputs, profile_stage_costs
+from alpa_like.compiler.submesh import assign_devices, submesh_shapes
+from alpa_like.compiler.trace import TracedStep, trace_step
+from alpa_like.methods import _check_micro_batches, input_roles
+from alpa_like.plan import CommEstimate, ParallelPlan, StagePlan, TensorPlan
+from alpa_like.shard_parallel import AutoShardingOption
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "breadth_first", "terapipe")
+# Activation memory of each schedule for Eq. 3.5: 1F1B-like schedules keep at most the stages after a
+# stage in flight; GPipe-like ones (breadth-first, TeraPipe) keep every micro-batch.
+_MEMORY_RULE = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved_1f1b": "1f1b", "breadth_first": "gpipe",
+                "terapipe": "gpipe"}
+Shape = tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AutoLayerOption:
+    """Cut the loss into ``layer_num`` layers by operator clustering (Eq. 3.6)."""
+
+    layer_num: int
+    """Number of layers L (the stage DP groups them into stages)."""
+    eps: float = 0.6
+    """delta of Eq. 3.6: each layer has at most (1 + eps) x the average FLOPs."""
+    remat_layer: bool = False
+    """Recompute each layer's forward in its backward (`jax.checkpoint` per layer)."""
+
+    def __post_init__(self):
+        if not isinstance(self.layer_num, int) or self.layer_num < 1:
+            raise ValueError(f"AutoLayerOption.layer_num must be an int >= 1, got {self.layer_num!r}")
+        if not self.eps >= 0:
+            raise ValueError(f"AutoLayerOption.eps must be >= 0, got {self.eps!r}")
+
+    def layering(self) -> Layering:
+        return Layering(assign=auto_layers(self.layer_num, self.eps), remat=self.remat_layer)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ManualLayerOption:
+    """Layers end where the loss calls ``al.mark_pipeline_boundary()``."""
+
+    remat_layer: bool = False
+    """Recompute each layer's forward in its backward (`jax.checkpoint` per layer)."""
+
+    def layering(self) -> Layering:
+        return Layering(assign=manual_layers, remat=self.remat_layer)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AutoStageOption:
+    """Choose stages, submeshes and logical meshes with the stage DP (Eq. 3.2-3.5)."""
+
+    submesh_shapes: tuple[Shape, ...] | None = None
+    """Restrict the submesh shapes the DP may use; None: (1,1), (1,2), (1,4)..(1,M), (2,M)..(N,M)."""
+    epsilon: float = 1e-6
+    """Seconds: t_max candidates closer than this are solved once (the pruned enumeration's step)."""
+    max_workers: int | None = None
+    """Parallel intra-op solves (threads); None: up to 4."""
+    show_progress: bool = True
+    """Print planning progress to stderr."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ManualStageOption:
+    """Stages written by hand: layer ids, physical submesh and logical mesh of each stage."""
+
+    forward_stage_layer_ids: tuple[tuple[int, ...], ...]
+    """Per stage, its consecutive layer ids, e.g. ((0, 1), (2, 3))."""
+    submesh_physical_shapes: tuple[Shape, ...]
+    """Per stage, (nodes, devices per node); they must cover the cluster."""
+    submesh_logical_shapes: tuple[Shape, ...]
+    """Per stage, the 2-D logical view of its devices."""
+    show_progress: bool = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UniformStageOption:
+    """``num_stages`` stages with equal numbers of layers on equal submeshes; the logical mesh of each is
+    the cheapest under the intra-op pass unless given."""
+
+    num_stages: int
+    submesh_physical_shape: Shape | None = None
+    """None: the cluster split evenly, (1, M / s) per stage within a node or (N / s, M) across nodes."""
+    submesh_logical_shape: Shape | None = None
+    show_progress: bool = True
+
+
+StageOption = AutoStageOption | ManualStageOption | UniformStageOption
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipeshardParallel:
+    """Pipeline parallelism over submeshes, with intra-op parallelism inside each stage (Alpa)."""
+
+    num_micro_batches: int = 1
+    """Micro-batches per step (B of Eq. 3.2)."""
+    layer_option: AutoLayerOption | ManualLayerOption = AutoLayerOption(layer_num=2)
+    stage_option: StageOption = AutoStageOption()
+    pipeline_schedule: str = "1f1b"
+    """One of PIPELINE_SCHEDULES."""
+    auto_sharding_option: AutoShardingOption = AutoShardingOption(solver="highs")
+    """Options of the intra-op pass run on every layer and mesh."""
+
+    def __post_init__(self):
+        _check_micro_batches(self.num_micro_batches)
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got "
+                             f"{self.pipeline_schedule!r}")
+        if not isinstance(self.layer_option, (AutoLayerOption, ManualLayerOption)):
+            raise TypeError(f"layer_option must be AutoLayerOption or ManualLayerOption, got {self.layer_option!r}")
+        if not isinstance(self.stage_option, (AutoStageOption, ManualStageOption, UniformStageOption)):
+            raise TypeError("stage_option must be AutoStageOption, ManualStageOption or UniformStageOption, got "
+                            f"{self.stage_option!r}")
+
+
+class _Progress:
+    """Planning progress on stderr: numbered steps with elapsed time, and a bar for the intra-op solves."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.start = time.perf_counter()
+
+    def step(self, text: str) -> None:
+        if self.enabled:
+            print(f"[alpa_like] {time.perf_counter() - self.start:7.1f}s  {text}", file=sys.stderr, flush=True)
+
+    def solves(self) -> Callable[[int, int], None]:
+        last = [0.0]
+
+        def report(done: int, total: int) -> None:
+            now = time.perf_counter()
+            if self.enabled and (done == total or now - last[0] > 2.0):
+                last[0] = now
+                print(f"[alpa_like] {now - self.start:7.1f}s    intra-op solves {done}/{total}", file=sys.stderr,
+                      flush=True)
+        return report
+
+
+def plan_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[Any], *, static_argnums: Sequence[int],
+                   batch_argnums: Sequence[int], cluster: ClusterSpec) -> ParallelPlan:
+    """Plans ``fun(*args)`` with ``method`` on ``cluster`` (nothing is allocated or run)."""
+    progress = _Progress(method.stage_option.show_progress)
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
+    progress.step("step 1/4: tracing the step and cutting it into layers")
+    with layering(method.layer_option.layering()):
+        traced = trace_step(fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums,
+                            num_micro_batches=method.num_micro_batches)
+    # Parameter markers have done their job (param_mask); without them each layer reads its own parameters.
+    jaxpr = jax_compat.bypass_eqns(traced.closed_jaxpr.jaxpr, lambda e: is_marker(e, "param"))
+    pieces = slice_layers(jaxpr)
+    roles, warnings = input_roles(traced)
+    param_mask = [r == "param" for r in roles]
+    summaries = layer_summaries(jaxpr, pieces, param_mask)
+    optimizer_inputs = [sorted(apply_phase_inputs(jaxpr, pieces, l) - set(s.param_inputs)
+                               - {i for i, r in enumerate(roles) if r == "batch"}) for l, s in enumerate(summaries)]
+    optimizer_bytes = [sum(traced.in_leaves[i].nbytes for i in inputs) for inputs in optimizer_inputs]
+    times["trace and layers"] = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    submeshes, views = _candidate_meshes(method.stage_option, cluster, len(summaries))
+    pairs = sum(len(v) for v in views) * len(summaries)
+    progress.step(f"step 2/4: intra-op pass on {len(summaries)} layers x {sum(len(v) for v in views)} "
+                  f"(submesh, logical mesh) pairs = {pairs}")
+    options = PassOptions(solver=method.auto_sharding_option.solver,
+                          solver_time_limit=method.auto_sharding_option.solver_time_limit,
+                          allow_all_to_all=method.auto_sharding_option.allow_all_to_all,
+                          peak_flops=cluster.peak_flops)
+    profile = profile_stage_costs(
+        jaxpr, pieces, summaries, param_mask, optimizer_bytes, cluster, submeshes, views, options,
+        max_workers=getattr(method.stage_option, "max_workers", None), progress=progress.solves())
+    times["intra-op solves"] = time.perf_counter() - t1
+
+    t2 = time.perf_counter()
+    progress.step(f"step 3/4: stage DP ({profile.num_solves} distinct solves for {profile.num_pairs} pairs)")
+    solution = _solve(method, profile.costs, cluster)
+    times["stage DP"] = time.perf_counter() - t2
+
+    t3 = time.perf_counter()
+    devices = assign_devices(solution.submeshes, cluster.num_nodes, cluster.num_devices_per_node)
+    stages = tuple(_stage_plan(q, choice, devices[q], traced, summaries, profile, method.num_micro_batches)
+                   for q, choice in enumerate(solution.stages))
+    times["other"] = time.perf_counter() - t3
+    progress.step(f"step 4/4: done: {len(stages)} stages, layers per stage {solution.layers_per_stage}")
+    return ParallelPlan(method=repr(method), num_micro_batches=method.num_micro_batches, cluster=cluster,
+                        stages=stages, pipeline_schedule=method.pipeline_schedule,
+                        estimated_iteration_time=float(solution.iteration_time), warnings=tuple(warnings),
+                        compile_times=tuple(times.items()))
+
+
+def _candidate_meshes(option: StageOption, cluster: ClusterSpec, num_layers: int):
+    """The (submesh, logical views) pairs the intra-op pass must profile for ``option``."""
+    n, m = cluster.num_nodes, cluster.num_devices_per_node
+    if isinstance(option, AutoStageOption):
+        submeshes = list(option.submesh_shapes or submesh_shapes(n, m))
+        return submeshes, [logical_shapes(a * b) for a, b in submeshes]
+    if isinstance(option, ManualStageOption):
+        _check_manual(option, num_layers)
+        pairs = list(dict.fromkeys(zip(map(tuple, option.submesh_physical_shapes),
+                                       map(tuple, option.submesh_logical_shapes))))
+        submeshes = list(dict.fromkeys(p for p, _ in pairs))
+        return submeshes, [[v for p, v in pairs if p == s] for s in submeshes]
+    sub = option.submesh_physical_shape or _uniform_submesh(option.num_stages, n, m)
+    views = [option.submesh_logical_shape] if option.submesh_logical_shape else logical_shapes(sub[0] * sub[1])
+    return [tuple(sub)], [list(views)]
+
+
+def _uniform_submesh(num_stages: int, n: int, m: int) -> Shape:
+    if n % num_stages == 0:
+        return (n // num_stages, m)
+    if n == 1 and m % num_stages == 0:
+        return (1, m // num_stages)
+    raise ValueError(f"UniformStageOption(num_stages={num_stages}) cannot split a {n} x {m} cluster evenly; "
+                     "give submesh_physical_shape")
+
+
+def _check_manual(option: ManualStageOption, num_layers: int) -> None:
+    ids = [l for stage in option.forward_stage_layer_ids for l in stage]
+    if ids != list(range(num_layers)):
+        raise ValueError(f"ManualStageOption.forward_stage_layer_ids must list layers 0..{num_layers - 1} in order, "
+                         f"each once, as consecutive runs; got {option.forward_stage_layer_ids}")
+    count = len(option.forward_stage_layer_ids)
+    if len(option.submesh_physical_shapes) != count or len(option.submesh_logical_shapes) != count:
+        raise ValueError(f"ManualStageOption needs one physical and one logical shape per stage ({count}), got "
+                         f"{len(option.submesh_physical_shapes)} and {len(option.submesh_logical_shapes)}")
+
+
+def _solve(method: PipeshardParallel, costs: StageCosts, cluster: ClusterSpec) -> StageSolution:
+    option, b = method.stage_option, method.num_micro_batches
+    shape = (cluster.num_nodes, cluster.num_devices_per_node)
+    if isinstance(option, AutoStageOption):
+        return solve_stages(costs, shape, b, cluster.device_memory, epsilon=option.epsilon,
+                            schedule=_MEMORY_RULE[method.pipeline_schedule])
+    if isinstance(option, ManualStageOption):
+        layout = [((ids[0], ids[-1]), tuple(p), tuple(v)) for ids, p, v in zip(
+            option.forward_stage_layer_ids, option.submesh_physical_shapes, option.submesh_logical_shapes)]
+        return _fixed_solution(costs, layout, b, choose_view=False)
+    if costs.num_layers % option.num_stages:
+        raise ValueError(f"UniformStageOption(num_stages={option.num_stages}) needs a layer count divisible by "
+                         f"it; the step has {costs.num_layers} layers")
+    per = costs.num_layers // option.num_stages
+    layout = [((q * per, q * per + per - 1), costs.submeshes[0], None) for q in range(option.num_stages)]
+    return _fixed_solution(costs, layout, b, choose_view=True)
+
+
+def _fixed_solution(costs: StageCosts, layout, num_micro_batches: int, choose_view: bool) -> StageSolution:
+    """Evaluates Eq. 3.2 for stages given by hand (for uniform stages, each with its cheapest view)."""
+    stages = []
+    for (i, j), sub, view in layout:
+        p = costs.submeshes.index(sub)
+        views = costs.logical_shapes[p]
+        v = int(np.argmin(costs.t_intra[i, j, p, :len(views)])) if choose_view else views.index(view)
+        stages.append(StageChoice(layers=(i, j), submesh_index=p, submesh=sub, logical_shape=views[v],
+                                  t_intra=float(costs.t_intra[i, j, p, v]),
+                                  memory_per_device=float(costs.mem_stage[i, j, p, v] + costs.mem_act[i, j, p, v])))
+    t = [s.t_intra for s in stages]
+    return StageSolution(stages=tuple(stages), iteration_time=sum(t) + (num_micro_batches - 1) * max(t),
+                         t_max=max(t), num_micro_batches=num_micro_batches, num_t_max_evaluated=0)
+
+
+def _stage_plan(q: int, choice: StageChoice, device_ids, traced: TracedStep, summaries, profile: StageProfile,
+                num_micro_batches: int) -> StagePlan:
+    """The StagePlan of one chosen stage: its layers' parameters with the ILP's specs, times per step.
+
+    Optimizer state is not listed leaf by leaf: it is counted in ``memory_per_device`` as sharded over the
+    stage's devices (weight-update sharding)."""
+    first, last = choice.layers
+    p = choice.submesh_index
+    v = profile.costs.logical_shapes[p].index(choice.logical_shape)
+    mesh_shape = choice.logical_shape
+    inputs, comm_seconds, comm_bytes, compute, flops = [], 0.0, 0.0, 0.0, 0.0
+    for l in range(first, last + 1):
+        cost = profile.layer_costs[(l, p, v)]
+        comm_seconds += cost.comm_seconds * num_micro_batches
+        comm_bytes += cost.comm_bytes * num_micro_batches
+        compute += cost.compute_seconds * num_micro_batches
+        s = summaries[l]
+        flops += (s.forward_flops + s.backward_flops) * num_micro_batches + s.apply_flops
+        for k in s.param_inputs:
+            leaf = traced.in_leaves[k]
+            spec = profile.input_spec(l, p, v, k)
+            shards = 1 if spec is None else spec.num_shards(mesh_shape)
+            inputs.append(TensorPlan(path=leaf.path, shape=leaf.shape, dtype=leaf.dtype, role="param", spec=spec,
+                                     bytes_per_device=leaf.nbytes // shards))
+    communication = (CommEstimate(kind="intra-op", mesh_axes=(0, 1), num_bytes=int(comm_bytes), seconds=comm_seconds,
+                                  what="collectives and resharding chosen by the ILP, all micro-batches"),)
+    return StagePlan(stage_id=q, layer_ids=tuple(range(first, last + 1)), submesh_shape=tuple(choice.submesh),
+                     logical_mesh_shape=tuple(mesh_shape), mesh_axis_names=("x", "y"),
+                     device_ids=tuple(device_ids), inputs=tuple(inputs), outputs=(), communication=communication,
+                     flops=flops, compute_seconds=compute, memory_per_device=int(choice.memory_per_device))

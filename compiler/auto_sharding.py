@@ -1,0 +1,385 @@
+"""The intra-op pass on one logical mesh: op graph -> strategies -> Eq. 3.1 -> a spec for every tensor.
+
+Pipeline (each step a pure function):
+
+1. :func:`strategy_table`: every node's strategy list. Roots enumerate theirs (inputs: every spec of
+   their shape; heavy operators: :data:`~alpa_like.compiler.strategies.ROOT_RULES`); merged nodes derive
+   one strategy per strategy of the node they follow (:mod:`alpa_like.compiler.propagation`), so a merged
+   group shares one decision vector ``s_v``.
+2. :func:`build_problem`: the ILP arrays. ``c_v`` sums the members' collectives (and the resharding
+   inside the group); ``R_vu`` is Table 3.2's :func:`resharding_cost` of every tensor between two groups,
+   tabulated once per (shape, spec pair) and gathered with numpy fancy indexing. Step outputs that update
+   an input (``new_params -> params``) get an edge to that input, so the layout is stable across steps.
+3. :func:`auto_shard`: solves and returns a :class:`ShardingSolution`.
+
+A tie-break of ``1e-6`` of the cheapest per-byte link cost per byte of every tensor kept per device makes
+the solver prefer sharded layouts when communication is equal; :attr:`ShardingSolution.objective` excludes
+it (it is Eq. 3.1's communication cost exactly).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+from jax.extend.core import Literal
+
+from alpa_like.compiler.ilp import IlpEdge, IlpProblem, IlpSolution, solve
+from alpa_like.compiler.logical_mesh import LogicalMesh
+from alpa_like.compiler.op_graph import CONTROL_FLOW, OpGraph, OpNode, merged_groups
+from alpa_like.compiler.propagation import FOLLOW_RULES
+from alpa_like.compiler.sharding_spec import (
+    ReshardStep,
+    ShardingSpec,
+    describe_resharding,
+    enumerate_specs,
+    resharding_cost,
+)
+from alpa_like.compiler.strategies import (
+    ROOT_RULES,
+    Strategy,
+    StrategyContext,
+    make_spec,
+    make_strategy,
+    replicated,
+    replicated_strategy,
+    shards,
+)
+
+TIE_BREAK = 1e-6
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PassOptions:
+    """Knobs of the pass on one mesh (the user-facing ones live in ``AutoShardingOption``)."""
+
+    memory_budget: float | None = None
+    """Bytes per device for the tensors live at any time, or None."""
+    allow_all_to_all: bool = True
+    """False prices every resharding as all-gathers then a local slice."""
+    input_candidates: Mapping[int, tuple[ShardingSpec, ...]] = dataclasses.field(default_factory=dict)
+    """Per jaxpr input index, the specs allowed (default: every spec of its shape)."""
+    solver_time_limit: float = 60.0
+    solver: str = "cbc"
+    """MILP backend, one of :data:`alpa_like.compiler.ilp.SOLVERS`."""
+    peak_flops: float = 1e12
+    node_weights: tuple[float, ...] | None = None
+    """Per graph node, how many times it runs per step (e.g. ``num_micro_batches`` for compute-grad
+    equations under gradient accumulation); its costs and its operands' resharding are scaled by it."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Reshard:
+    """A resharding the plan pays: ``tensor`` from ``src`` to ``dst`` for its consumer ``node``."""
+
+    tensor: int
+    node: int
+    """Consuming node id (or the input node for a step output that updates it)."""
+    src: ShardingSpec
+    dst: ShardingSpec
+    seconds: float
+    steps: tuple[ReshardStep, ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardingSolution:
+    """The pass's answer on one mesh."""
+
+    mesh: LogicalMesh
+    graph: OpGraph = dataclasses.field(repr=False, compare=False)
+    strategies: tuple[Strategy, ...]
+    """Chosen strategy per graph node."""
+    reshards: tuple[Reshard, ...]
+    ilp: IlpSolution
+    objective: float
+    """Eq. 3.1: seconds of communication of the chosen strategies plus resharding."""
+    peak_memory: float | None = None
+    """Largest per-device bytes of live tensors under the plan (computed when a memory budget is set)."""
+
+    def tensor_spec(self, tensor: int) -> ShardingSpec:
+        t = self.graph.tensors[tensor]
+        return self.strategies[t.producer].out_specs[t.out_index]
+
+    def input_specs(self) -> tuple[ShardingSpec, ...]:
+        return tuple(self.tensor_spec(t) for t in self.graph.input_tensors)
+
+    def node_seconds(self, node: int) -> float:
+        """The node's own cost plus the resharding of its operands."""
+        return self.strategies[node].cost + sum(r.seconds for r in self.reshards if r.node == node)
+
+
+# ------------------------------------------------------------------------------------------------ step 1
+
+def input_strategies(shape: Sequence[int], specs: Sequence[ShardingSpec]) -> list[Strategy]:
+    del shape  # Unused: the specs were enumerated for it.
+    return [Strategy(name=str(s), out_specs=(s,), in_specs=()) for s in specs]
+
+
+def control_flow_strategies(node: OpNode, ctx: StrategyContext) -> list[Strategy]:
+    """Replicated, plus (for ``while``/``cond``) dim 0 of every operand and output of the output's dim-0
+    size split over each mesh axis set: the batch strategy."""
+    eqn = node.eqn
+    out = [replicated_strategy(eqn)]
+    if node.primitive == "scan" or not eqn.outvars or not eqn.outvars[0].aval.shape:
+        return out
+    batch = eqn.outvars[0].aval.shape[0]
+    useful = [a for a, n in enumerate(ctx.mesh.shape) if n > 1]
+    for axes in [(a,) for a in useful] + ([tuple(useful)] if len(useful) == 2 else []):
+        n = math.prod(ctx.mesh.shape[a] for a in axes)
+        if batch % n:
+            continue
+
+        def spec(v):
+            shape = v.aval.shape
+            return make_spec([axes] + [()] * (len(shape) - 1)) if shape and shape[0] == batch else replicated(
+                len(shape))
+        ins = tuple(None if isinstance(v, Literal) else spec(v) for v in eqn.invars)
+        out.append(make_strategy(f"batch->{''.join(map(str, axes))}", tuple(spec(v) for v in eqn.outvars), ins,
+                                 (), ctx))
+    return out
+
+
+def strategy_table(graph: OpGraph, ctx: StrategyContext,
+                   input_candidates: Mapping[int, Sequence[ShardingSpec]] | None = None) -> list[list[Strategy]]:
+    """Per node, its strategies; a merged node has exactly one per strategy of its group (same order)."""
+    input_candidates = input_candidates or {}
+    table: list[list[Strategy]] = []
+    cache: dict = {}
+    for node in graph.nodes:
+        if node.kind == "input":
+            shape = graph.tensors[node.outputs[0]].shape
+            specs = input_candidates.get(node.input_index) or enumerate_specs(shape, ctx.mesh)
+            table.append(input_strategies(shape, specs))
+        elif node.kind == "const":
+            ndim = len(graph.tensors[node.outputs[0]].shape)
+            table.append([Strategy(name="constant", out_specs=(replicated(ndim),), in_specs=())])
+        elif node.follow is not None:
+            producer = graph.tensors[node.operands[node.follow]]
+            rule = FOLLOW_RULES[node.primitive]
+            derived = []
+            for s in table[producer.producer]:
+                spec = s.out_specs[producer.out_index]
+                key = (node.id, spec)
+                if key not in cache:
+                    cache[key] = rule.derive(node.eqn, node.follow, spec, ctx)
+                derived.append(cache[key])
+            table.append(derived)
+        elif node.primitive in ROOT_RULES:
+            table.append(ROOT_RULES[node.primitive](node.eqn, ctx) or [replicated_strategy(node.eqn)])
+        elif node.primitive in CONTROL_FLOW:
+            table.append(control_flow_strategies(node, ctx))
+        else:  # sources (iota, RNG) and primitives without rules: replicated
+            table.append([replicated_strategy(node.eqn)])
+    return table
+
+
+# ------------------------------------------------------------------------------------------------ step 2
+
+class _ReshardTable:
+    """Resharding costs per (shape, itemsize, src, dst), computed once each."""
+
+    def __init__(self, mesh: LogicalMesh, allow_all_to_all: bool):
+        self.mesh = mesh
+        self.allow_all_to_all = allow_all_to_all
+        self.cache: dict = {}
+
+    def cost(self, shape, itemsize, src: ShardingSpec, dst: ShardingSpec) -> float:
+        if src == dst:
+            return 0.0
+        key = (shape, itemsize, src, dst)
+        value = self.cache.get(key)
+        if value is None:
+            if self.allow_all_to_all:
+                value = resharding_cost(src, dst, shape, itemsize, self.mesh)
+            else:
+                common = _common_prefix(src, dst)
+                value = resharding_cost(src, common, shape, itemsize, self.mesh)
+            self.cache[key] = value
+        return value
+
+    def matrix(self, shape, itemsize, srcs: Sequence[ShardingSpec], dsts: Sequence[ShardingSpec]) -> np.ndarray:
+        """``R[i, j] = cost(srcs[i] -> dsts[j])``, computed on the distinct specs only."""
+        us, si = _unique(srcs)
+        ud, di = _unique(dsts)
+        small = np.array([[self.cost(shape, itemsize, a, b) for b in ud] for a in us], dtype=float)
+        return small[np.ix_(si, di)]
+
+    def steps(self, shape, itemsize, src, dst) -> tuple[ReshardStep, ...]:
+        if not self.allow_all_to_all:
+            return describe_resharding(src, _common_prefix(src, dst), shape, itemsize, self.mesh)
+        return describe_resharding(src, dst, shape, itemsize, self.mesh)
+
+
+def _common_prefix(src: ShardingSpec, dst: ShardingSpec) -> ShardingSpec:
+    """Per dim, the longest common prefix of the two axis tuples (from it, ``dst`` is a local slice)."""
+    axes = []
+    for a, b in zip(src.axes, dst.axes):
+        k = 0
+        while k < min(len(a), len(b)) and a[k] == b[k]:
+            k += 1
+        axes.append(a[:k])
+    return make_spec(axes)
+
+
+def _unique(specs: Sequence[ShardingSpec]) -> tuple[list[ShardingSpec], np.ndarray]:
+    index: dict[ShardingSpec, int] = {}
+    inverse = np.array([index.setdefault(s, len(index)) for s in specs], dtype=np.int64)
+    return list(index), inverse
+
+
+def alias_pairs(graph: OpGraph, output_to_input: Sequence[int | None]) -> list[tuple[int, int]]:
+    """(output tensor, input tensor) for each step output that replaces an input (``new_state -> state``)."""
+    pairs = []
+    for j, i in enumerate(output_to_input):
+        t = graph.output_tensors[j]
+        if i is not None and t is not None and t != graph.input_tensors[i]:
+            pairs.append((t, graph.input_tensors[i]))
+    return pairs
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Uses:
+    """Every resharding site: tensor ``t`` must reach node ``node`` (operand ``pos``, or -1 for an alias)."""
+
+    tensor: int
+    node: int
+    pos: int
+
+
+def _uses(graph: OpGraph, aliases: Sequence[tuple[int, int]]) -> list[_Uses]:
+    uses = [_Uses(tensor=t, node=node.id, pos=pos) for node in graph.nodes
+            for pos, t in enumerate(node.operands) if t is not None]
+    uses += [_Uses(tensor=out, node=graph.tensors[inp].producer, pos=-1) for out, inp in aliases]
+    return uses
+
+
+def _required(table, graph: OpGraph, use: _Uses) -> list[ShardingSpec]:
+    if use.pos < 0:
+        return [s.out_specs[0] for s in table[use.node]]
+    return [s.in_specs[use.pos] for s in table[use.node]]
+
+
+def build_problem(graph: OpGraph, table: list[list[Strategy]], mesh: LogicalMesh, *,
+                  aliases: Sequence[tuple[int, int]] = (), memory_budget: float | None = None,
+                  allow_all_to_all: bool = True,
+                  node_weights: Sequence[float] | None = None) -> tuple[IlpProblem, IlpProblem, np.ndarray]:
+    """The ILP of Eq. 3.1 over the merged groups (costs scaled by ``node_weights``, default 1).
+
+    Returns:
+      (problem with the tie-break, the same problem without it, ILP node index of every graph node).
+    """
+    group = merged_groups(graph)
+    roots = np.unique(group)
+    index = np.full(len(graph.nodes), -1, dtype=np.int64)
+    index[roots] = np.arange(len(roots))
+    node_of = index[group]
+    comm = [np.zeros(len(table[r])) for r in roots]
+    tie = [np.zeros(len(table[r])) for r in roots]
+    positive = [b for b, n in zip(mesh.beta, mesh.shape) if n > 1 and b > 0]
+    per_byte = TIE_BREAK * (min(positive) if positive else 1e-12)
+    weight = np.ones(len(graph.nodes)) if node_weights is None else np.asarray(node_weights, dtype=float)
+    for node in graph.nodes:
+        v = node_of[node.id]
+        comm[v] += weight[node.id] * np.array([s.cost for s in table[node.id]])
+        for k, t in enumerate(node.outputs):
+            tensor = graph.tensors[t]
+            tie[v] += per_byte * tensor.nbytes / np.array([shards(s.out_specs[k], mesh.shape)
+                                                           for s in table[node.id]])
+    reshard = _ReshardTable(mesh, allow_all_to_all)
+    edges: dict[tuple[int, int], np.ndarray] = {}
+    for use in _uses(graph, aliases):
+        tensor = graph.tensors[use.tensor]
+        srcs = [s.out_specs[tensor.out_index] for s in table[tensor.producer]]
+        dsts = _required(table, graph, use)
+        itemsize = np.dtype(tensor.dtype).itemsize
+        r = reshard.matrix(tensor.shape, itemsize, srcs, dsts)
+        if use.pos >= 0:
+            r = r * weight[use.node]
+        a, b = node_of[tensor.producer], node_of[use.node]
+        if a == b:
+            comm[a] += np.diagonal(r)
+        elif np.any(r):
+            edges[(a, b)] = edges[(a, b)] + r if (a, b) in edges else r
+    edge_list = tuple(IlpEdge(src=int(a), dst=int(b), cost=r) for (a, b), r in edges.items())
+    rows, consts = (), ()
+    if memory_budget is not None:
+        rows, consts = memory_rows(graph, table, node_of, mesh)
+    with_tie = IlpProblem(node_costs=tuple(c + t for c, t in zip(comm, tie)), edges=edge_list, memory_rows=rows,
+                          memory_constants=consts, memory_budget=memory_budget)
+    exact = IlpProblem(node_costs=tuple(comm), edges=edge_list, memory_rows=rows, memory_constants=consts,
+                       memory_budget=memory_budget)
+    return with_tie, exact, node_of
+
+
+def memory_rows(graph: OpGraph, table, node_of: np.ndarray, mesh: LogicalMesh):
+    """Per-device bytes live at every node where some tensor is freed (other steps are dominated: nothing
+    is freed there, so the next step holds a superset).
+
+    A tensor is live from its producer to its last reader (step outputs to the end; inputs from the start).
+    """
+    last = graph.last_use()
+    start = np.array([t.producer if graph.nodes[t.producer].kind == "op" else -1 for t in graph.tensors])
+    times = np.unique(last[last < len(graph.nodes)])
+    if times.size == 0:
+        times = np.array([len(graph.nodes) - 1])
+    lo = np.searchsorted(times, start, side="left")
+    hi = np.searchsorted(times, last, side="right")
+    per_node: dict[int, np.ndarray] = {}
+    for t in graph.tensors:
+        if lo[t.id] >= hi[t.id]:
+            continue
+        v = int(node_of[t.producer])
+        strategies = table[t.producer]
+        vec = t.nbytes / np.array([shards(s.out_specs[t.out_index], mesh.shape) for s in strategies])
+        diff = per_node.setdefault(v, np.zeros((len(times) + 1, len(vec))))
+        diff[lo[t.id]] += vec
+        diff[hi[t.id]] -= vec
+    live = {v: np.cumsum(d, axis=0)[:-1] for v, d in per_node.items()}
+    rows = tuple(tuple((v, live[v][i]) for v in live if np.any(live[v][i])) for i in range(len(times)))
+    return rows, tuple(0.0 for _ in rows)
+
+
+# ------------------------------------------------------------------------------------------------ step 3
+
+def auto_shard(graph: OpGraph, mesh: LogicalMesh, options: PassOptions = PassOptions(), *,
+               aliases: Sequence[tuple[int, int]] = ()) -> ShardingSolution:
+    """Chooses a strategy for every node of ``graph`` on ``mesh`` by solving Eq. 3.1.
+
+    Args:
+      graph: from :func:`~alpa_like.compiler.op_graph.build_op_graph`.
+      mesh: the logical mesh and its per-axis alpha-beta costs.
+      options: memory budget, all-to-all, allowed input specs, time limit, device speed.
+      aliases: (output tensor, input tensor) pairs whose layouts should agree (see :func:`alias_pairs`).
+    """
+    ctx = StrategyContext(mesh=mesh, peak_flops=options.peak_flops)
+    table = strategy_table(graph, ctx, options.input_candidates)
+    problem, exact, node_of = build_problem(graph, table, mesh, aliases=aliases,
+                                            memory_budget=options.memory_budget,
+                                            allow_all_to_all=options.allow_all_to_all,
+                                            node_weights=options.node_weights)
+    solution = solve(problem, time_limit=options.solver_time_limit, solver=options.solver)
+    if solution.status == "infeasible":
+        warnings.warn(f"no sharding plan fits memory_budget={options.memory_budget} bytes per device on mesh "
+                      f"{mesh.shape}; the greedy plan is used", stacklevel=2)
+    chosen = tuple(table[n.id][solution.choice[node_of[n.id]]] for n in graph.nodes)
+    reshards = _reshards(graph, chosen, mesh, aliases, options.allow_all_to_all)
+    peak = exact.peak_memory(solution.choice) if options.memory_budget is not None else None
+    return ShardingSolution(mesh=mesh, graph=graph, strategies=chosen, reshards=reshards, ilp=solution,
+                            objective=exact.objective(solution.choice), peak_memory=peak)
+
+
+def _reshards(graph: OpGraph, chosen: Sequence[Strategy], mesh: LogicalMesh, aliases, allow_all_to_all: bool):
+    reshard = _ReshardTable(mesh, allow_all_to_all)
+    out = []
+    for use in _uses(graph, aliases):
+        tensor = graph.tensors[use.tensor]
+        src = chosen[tensor.producer].out_specs[tensor.out_index]
+        dst = chosen[use.node].out_specs[0] if use.pos < 0 else chosen[use.node].in_specs[use.pos]
+        itemsize = np.dtype(tensor.dtype).itemsize
+        seconds = reshard.cost(tensor.shape, itemsize, src, dst)
+        if src != dst and seconds > 0:
+            out.append(Reshard(tensor=use.tensor, node=use.node, src=src, dst=dst, seconds=seconds,
+                               steps=reshard.steps(tensor.shape, itemsize, src, dst)))
+    return tuple(out)

@@ -1,0 +1,600 @@
+r"""The inter-operator stage DP: slice layers into pipeline stages and the cluster into submeshes.
+
+Alpa dissertation §3.5.2, Eq. 3.2-3.5 and Algorithm 2 (lines 25-43). The input is a table of stage costs
+that the intra-op pass fills in (:class:`StageCosts`); the output is plain data (:class:`StageSolution`).
+Nothing here traces, compiles or profiles.
+
+The objective is the pipeline latency of Eq. 3.2 (GPipe and synchronous 1F1B alike): the first micro-batch
+goes through every stage, the other ``B - 1`` follow at the pace of the slowest stage,
+
+.. math::
+   T^* = \min_{s_1..s_S,\ (n_1, m_1)..(n_S, m_S)}
+         \Big\{ \sum_{i=1}^S t_i + (B - 1) \max_{1 \le j \le S} t_j \Big\},
+   \qquad \sum_{i=1}^S n_i m_i = N M.            \tag{3.2}
+
+For a fixed bound :math:`t_{max}` on the slowest stage, :math:`F(s, k, d; t_{max})` is the least total
+latency of layers :math:`k..K-1` cut into :math:`s` stages on exactly :math:`d` devices (0-based layers
+here; the dissertation counts from 1):
+
+.. math::
+   F(s, k, d; t_{max}) = \min_{\substack{k \le i < K \\ n_p m_p \le d}}
+       \big\{ t_{intra}((k..i), p, s) + F(s - 1, i + 1, d - n_p m_p; t_{max})
+       \ \big|\ t_{intra}((k..i), p, s) \le t_{max} \big\},
+   \qquad F(0, K, 0) = 0,                          \tag{3.3}
+
+.. math::
+   T^*(t_{max}) = \min_s F(s, 0, N M; t_{max}) + (B - 1)\, t_{max},   \tag{3.4}
+
+where :math:`t_{intra}((k..i), p, s)` is the fastest logical view of submesh :math:`p` on which the stage
+fits in memory when it is the :math:`s`-th stage from the end of the pipeline:
+
+.. math::
+   \mathrm{mem}_{stage} + \min(s, B) \cdot \mathrm{mem}_{act} \le \mathrm{mem}_{device}
+   \quad \text{(1F1B)}, \qquad
+   \mathrm{mem}_{stage} + B \cdot \mathrm{mem}_{act} \le \mathrm{mem}_{device} \quad \text{(GPipe)}.
+                                                    \tag{3.5}
+
+**Reading of Eq. 3.5.** In Eq. 3.3 the stage being chosen is the first of the ``s`` stages that remain,
+so ``s`` counts the stages from this one to the last, itself included: the last stage has ``s = 1``, the
+first of an ``S``-stage pipeline ``s = S``. Under 1F1B the ``p``-th stage (1-based) runs ``S - p + 1``
+forward passes before its first backward, so it holds exactly ``s`` micro-batches of activations. We cap
+this at ``B`` (a pipeline never holds more micro-batches than exist); for ``B >= S`` it is the
+dissertation's formula verbatim. GPipe runs all ``B`` forwards first, so every stage holds ``B``.
+
+**Enumeration of t_max (Alg. 2 lines 27-30).** Candidates are the distinct finite
+:math:`t_{intra}((k..i), p, s)` values, ascending. The enumeration stops once
+:math:`B \cdot t_{max} \ge T^*`: a plan whose slowest stage takes :math:`t` costs at least :math:`B t`.
+The ``epsilon`` filter groups the sorted values into runs that span less than ``epsilon`` and solves each
+run once, at its *largest* value, so every plan is admitted at a :math:`t_{max}` within ``epsilon`` of its
+own slowest stage and the answer is within :math:`(B - 1)\epsilon` of the optimum. (Skipping a value that
+is within ``epsilon`` of the last solved one, the literal reading, can admit a plan only at a much larger
+:math:`t_{max}` and has no such bound.) Two exact shortcuts of ours cut the number of DP runs further:
+a bisection for the first run at which any plan exists (the runs below it give :math:`T^* = \infty`), and
+an interval bound (:math:`F` does not increase with :math:`t_{max}`, see ``_search``). ``prune=False``
+solves every run, for tests.
+
+**Whole cluster.** As in Alpa the submeshes of a plan use all ``N * M`` devices, and every submesh must be
+one of :func:`alpa_like.compiler.submesh.submesh_shapes`, so :func:`~alpa_like.compiler.submesh.assign_devices`
+can always place the answer (App. 3.11).
+
+**Cost.** One DP is :math:`O(K^3 \cdot NM \cdot P)` for ``P`` submesh shapes (Alpa: :math:`O(K^3 NM (N +
+\log M))`), vectorised with numpy over the last layer, submesh and devices; the number of stages and the
+first layer are Python loops. Measured on this machine (2 shared cores) for a GPT-39B-like table (``K =
+48`` layers, ``8 x 8`` cluster, 11 submeshes and 21 (submesh, logical) pairs, ``B = 64``, 16,800 distinct
+t_max candidates): about 15 ms per DP and 0.2-0.5 s per solve with 13-30 DP runs
+(``tests/compiler/test_stage_dp.py::test_benchmark_gpt_48_layers_64_devices``; Alpa's Table 3.5 reports
+1.65 s for its DP). Without the interval bound Alg. 2's scan solved about 700 t_max there; solving all
+16,800 (``prune=False``) takes about 4 minutes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from typing import NewType
+
+import numpy as np
+
+from alpa_like.compiler.logical_mesh import logical_shapes as all_logical_shapes
+from alpa_like.compiler.submesh import Shape, submesh_shapes
+
+MeshIdx = NewType("MeshIdx", int)
+"""Index into :attr:`StageCosts.submeshes`."""
+StageIdx = NewType("StageIdx", int)
+"""Position of a stage in the pipeline, 0 = first."""
+
+_GIB = 2**30
+
+
+class Schedule(enum.StrEnum):
+    """The pipeline schedule, which decides how many micro-batches of activations a stage holds (Eq. 3.5)."""
+
+    ONE_F_ONE_B = "1f1b"
+    """Synchronous 1F1B: the ``s``-th stage from the end holds ``min(s, B)`` micro-batches."""
+    GPIPE = "gpipe"
+    """GPipe: every stage holds all ``B`` micro-batches."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class StageCosts:
+    """Profiled cost of every (layer range, submesh, logical view): the input of the stage DP.
+
+    Arrays are indexed ``[i, j, p, l]``: layers ``i..j`` (inclusive, 0-based) as one stage on submesh
+    ``submeshes[p]`` viewed as ``logical_shapes[p][l]``. Entries with ``j < i`` are ignored; entries with
+    ``l >= len(logical_shapes[p])`` (padding) must have ``t_intra = inf``. Arrays are copied and made
+    read-only.
+    """
+
+    num_layers: int
+    """``K``, the number of layers after operator clustering."""
+    submeshes: tuple[Shape, ...]
+    """Submesh shapes ``(n, m)`` the DP may use, distinct; see ``submesh_shapes``."""
+    logical_shapes: tuple[tuple[tuple[int, int], ...], ...]
+    """For each submesh, the logical views profiled (each with ``n * m`` devices), distinct."""
+    t_intra: np.ndarray
+    """Seconds per micro-batch, forward plus backward, shape ``(K, K, P, L)``; ``inf`` = infeasible."""
+    mem_stage: np.ndarray
+    """Bytes per device of weights, gradients and optimizer state, shape ``(K, K, P, L)``."""
+    mem_act: np.ndarray
+    """Bytes per device of the activations one micro-batch keeps for the backward, shape ``(K, K, P, L)``."""
+
+    def __post_init__(self) -> None:
+        k = self.num_layers
+        if not _is_int(k) or k < 1:
+            raise ValueError(f"num_layers must be an int >= 1, got {k!r}")
+        submeshes = tuple(_pair(s, "submesh") for s in self.submeshes)
+        if not submeshes or len(set(submeshes)) != len(submeshes):
+            raise ValueError(f"submeshes must be non-empty and distinct, got {list(self.submeshes)}")
+        if len(self.logical_shapes) != len(submeshes):
+            raise ValueError(f"logical_shapes needs one list per submesh ({len(submeshes)}), "
+                             f"got {len(self.logical_shapes)}")
+        views = []
+        for (n, m), shapes in zip(submeshes, self.logical_shapes, strict=True):
+            shapes = tuple(_pair(v, "logical shape") for v in shapes)
+            if not shapes or len(set(shapes)) != len(shapes) or any(a * b != n * m for a, b in shapes):
+                raise ValueError(f"logical shapes of submesh {(n, m)} must be distinct, non-empty and have "
+                                 f"{n * m} devices each, got {list(shapes)}")
+            views.append(shapes)
+        shape = (k, k, len(submeshes), max(len(v) for v in views))
+        arrays = {}
+        for name in ("t_intra", "mem_stage", "mem_act"):
+            array = np.array(getattr(self, name), dtype=np.float64)
+            if array.shape != shape:
+                raise ValueError(f"{name} must have shape (K, K, P, L) = {shape}, got {array.shape}")
+            if np.isnan(array).any() or (array < 0).any():
+                raise ValueError(f"{name} must hold numbers >= 0 (inf allowed), got {int(np.isnan(array).sum())}"
+                                 f" NaN and {int((array < 0).sum())} negative entries")
+            array.setflags(write=False)
+            arrays[name] = array
+        for p, v in enumerate(views):
+            if np.isfinite(arrays["t_intra"][:, :, p, len(v):]).any():
+                raise ValueError(f"t_intra[..., {p}, l] must be inf for l >= {len(v)} (submesh "
+                                 f"{submeshes[p]} has {len(v)} logical shapes)")
+        object.__setattr__(self, "submeshes", submeshes)
+        object.__setattr__(self, "logical_shapes", tuple(views))
+        for name, array in arrays.items():
+            object.__setattr__(self, name, array)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Devices per submesh, ``n * m``."""
+        return np.array([n * m for n, m in self.submeshes], dtype=np.int64)
+
+    @classmethod
+    def from_fn(cls, num_layers: int, submeshes: Sequence[Shape],
+                cost: Callable[[int, int, Shape, tuple[int, int]], tuple[float, float, float]],
+                logical_shapes: Sequence[Sequence[tuple[int, int]]] | None = None) -> StageCosts:
+        """Fills the table from ``cost(first, last, submesh, logical) -> (t_intra, mem_stage, mem_act)``.
+
+        ``logical_shapes`` defaults to every 2-D factorisation of each submesh's device count.
+
+        >>> costs = StageCosts.from_fn(2, [(1, 1), (1, 2)], lambda i, j, sub, view: (j - i + 1.0, 0, 0))
+        >>> costs.t_intra.shape, costs.logical_shapes[1]
+        ((2, 2, 2, 2), ((1, 2), (2, 1)))
+        """
+        if logical_shapes is None:
+            logical_shapes = [all_logical_shapes(n * m) for n, m in submeshes]
+        width = max(len(v) for v in logical_shapes)
+        shape = (num_layers, num_layers, len(submeshes), width)
+        t, mem_stage, mem_act = np.full(shape, np.inf), np.zeros(shape), np.zeros(shape)
+        for i, j in itertools.combinations_with_replacement(range(num_layers), 2):
+            for p, (sub, views) in enumerate(zip(submeshes, logical_shapes, strict=True)):
+                for l, view in enumerate(views):
+                    t[i, j, p, l], mem_stage[i, j, p, l], mem_act[i, j, p, l] = cost(i, j, tuple(sub),
+                                                                                      tuple(view))
+        return cls(num_layers=num_layers, submeshes=tuple(submeshes), logical_shapes=tuple(logical_shapes),
+                   t_intra=t, mem_stage=mem_stage, mem_act=mem_act)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageChoice:
+    """One stage of the answer."""
+
+    layers: tuple[int, int]
+    """``(first, last)`` layer, inclusive, 0-based."""
+    submesh_index: MeshIdx
+    submesh: Shape
+    logical_shape: tuple[int, int]
+    t_intra: float
+    """Seconds per micro-batch (forward + backward)."""
+    memory_per_device: float
+    """Peak bytes per device under the schedule: ``mem_stage + in_flight * mem_act`` (Eq. 3.5)."""
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0] + 1
+
+    def __str__(self) -> str:
+        return (f"layers {self.layers[0]}-{self.layers[1]} on {self.submesh} as {self.logical_shape}: "
+                f"{self.t_intra * 1e3:.4g} ms, {self.memory_per_device / _GIB:.4g} GiB")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageSolution:
+    """The chosen stages in pipeline order and their predicted latency."""
+
+    stages: tuple[StageChoice, ...]
+    iteration_time: float
+    """Eq. 3.2 for these stages: ``sum(t) + (B - 1) * max(t)``, seconds."""
+    t_max: float
+    """Latency of the slowest stage, seconds."""
+    num_micro_batches: int
+    num_t_max_evaluated: int
+    """DP runs spent on the t_max enumeration (0 for :func:`brute_force_stages`)."""
+
+    @property
+    def submeshes(self) -> tuple[Shape, ...]:
+        """The stages' submesh shapes, ready for ``assign_devices``."""
+        return tuple(stage.submesh for stage in self.stages)
+
+    @property
+    def layers_per_stage(self) -> tuple[int, ...]:
+        return tuple(stage.num_layers for stage in self.stages)
+
+    def stage_of_layer(self, layer: int) -> StageIdx:
+        """The stage that runs ``layer`` (0-based); ValueError if no stage holds it."""
+        for q, stage in enumerate(self.stages):
+            if stage.layers[0] <= layer <= stage.layers[1]:
+                return StageIdx(q)
+        raise ValueError(f"layer {layer!r} is not in any stage; stages hold layers 0..{self.stages[-1].layers[1]}")
+
+    def __str__(self) -> str:
+        head = (f"{len(self.stages)} stage(s), B = {self.num_micro_batches}: iteration "
+                f"{self.iteration_time * 1e3:.4g} ms, slowest stage {self.t_max * 1e3:.4g} ms")
+        return "\n".join([head] + [f"  stage {q}: {stage}" for q, stage in enumerate(self.stages)])
+
+
+def solve_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_micro_batches: int,
+                 device_memory: float, *, epsilon: float = 1e-6, schedule: str | Schedule = "1f1b",
+                 prune: bool = True) -> StageSolution:
+    r"""Minimises Eq. 3.2 over stage slicings and submesh/logical choices (Alpa Alg. 2, Eq. 3.3-3.5).
+
+    See the module docstring for the equations and the reading of Eq. 3.5.
+
+    Args:
+      costs: the profiled stage costs.
+      cluster_shape: ``(N, M)``: nodes and devices per node. Every submesh of ``costs`` must be one of
+        ``submesh_shapes(N, M)``, and a plan uses all ``N * M`` devices.
+      num_micro_batches: ``B`` >= 1.
+      device_memory: bytes per device.
+      epsilon: seconds; t_max candidates closer than this are solved once (error <= ``(B - 1) * epsilon``).
+        0 solves every distinct value.
+      schedule: ``"1f1b"`` or ``"gpipe"`` (see :class:`Schedule`).
+      prune: stop the enumeration once ``B * t_max >= T*``, skip infeasible t_max by bisection and skip
+        t_max intervals that cannot beat ``T*`` (exact; see ``_search``). ``False`` solves every candidate
+        (a reference for tests).
+
+    Returns:
+      The best plan; ``stages`` in pipeline order.
+
+    Raises:
+      ValueError: for bad arguments; when no plan covers the cluster with finite costs; when no plan fits in
+        memory (the message gives the smallest per-device shortfall over all plans, in GiB).
+
+    >>> gpt = StageCosts.from_fn(4, [(1, 1), (1, 2)], lambda i, j, sub, view: ((j - i + 1) * 1e-3, 0, 0),
+    ...                          logical_shapes=[[(1, 1)], [(1, 2)]])
+    >>> solve_stages(gpt, (1, 2), num_micro_batches=8, device_memory=2**30).layers_per_stage
+    (2, 2)
+    """
+    n_nodes, per_node = _pair(cluster_shape, "cluster_shape")
+    batches = _check_positive_int(num_micro_batches, "num_micro_batches")
+    schedule = _schedule(schedule)
+    _check_inputs(costs, (n_nodes, per_node), device_memory, epsilon)
+    num_devices = n_nodes * per_node
+    sizes = costs.sizes
+    in_flight = _in_flight(schedule, min(costs.num_layers, num_devices), batches)
+    eff, view = _effective_costs(costs, in_flight, device_memory)
+
+    def total(t_max: float) -> float:
+        finals, _ = _dp(np.where(eff <= t_max, eff, np.inf), sizes, num_devices, np.add)
+        return float(finals.min()) + (batches - 1) * t_max
+
+    groups = _t_max_groups(np.unique(eff[np.isfinite(eff)]), epsilon)
+    solved: dict[int, float] = {}
+
+    def solve(g: int) -> float:
+        if g not in solved:
+            solved[g] = total(groups[g][1])
+        return solved[g]
+
+    if not groups or not math.isfinite(solve(len(groups) - 1)):
+        raise _infeasible_error(costs, (n_nodes, per_node), in_flight, device_memory, schedule, batches)
+    best_g = _search(groups, solve, batches) if prune else min(range(len(groups)), key=solve)
+    stages = _reconstruct(costs, eff, view, groups[best_g][1], num_devices, in_flight)
+    return _solution(stages, batches, num_t_max_evaluated=len(solved))
+
+
+def brute_force_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_micro_batches: int,
+                       device_memory: float, *, schedule: str | Schedule = "1f1b") -> StageSolution | None:
+    """Reference for tests: tries every layer partition and every (submesh, logical) choice per stage.
+
+    Exponential; use it with a handful of layers and devices. Returns None when no plan exists.
+    """
+    n_nodes, per_node = _pair(cluster_shape, "cluster_shape")
+    batches = _check_positive_int(num_micro_batches, "num_micro_batches")
+    schedule = _schedule(schedule)
+    _check_inputs(costs, (n_nodes, per_node), device_memory, epsilon=0.0)
+    k, num_devices = costs.num_layers, n_nodes * per_node
+    best: tuple[float, tuple[StageChoice, ...]] | None = None
+    for num_stages in range(1, min(k, num_devices) + 1):
+        for cuts in itertools.combinations(range(1, k), num_stages - 1):
+            bounds = (0, *cuts, k)
+            options = []
+            for q in range(num_stages):
+                first, last = bounds[q], bounds[q + 1] - 1
+                held = batches if schedule is Schedule.GPIPE else min(num_stages - q, batches)
+                options.append([
+                    StageChoice(layers=(first, last), submesh_index=MeshIdx(p), submesh=sub,
+                                logical_shape=costs.logical_shapes[p][l], t_intra=float(t),
+                                memory_per_device=float(costs.mem_stage[first, last, p, l]
+                                                        + held * costs.mem_act[first, last, p, l]))
+                    for p, sub in enumerate(costs.submeshes) for l in range(len(costs.logical_shapes[p]))
+                    if math.isfinite(t := costs.t_intra[first, last, p, l])
+                    and costs.mem_stage[first, last, p, l] + held * costs.mem_act[first, last, p, l]
+                    <= device_memory])
+            for plan in _plans_with_devices(options, num_devices):
+                times = [stage.t_intra for stage in plan]
+                value = sum(times) + (batches - 1) * max(times)
+                if best is None or value < best[0]:
+                    best = (value, plan)
+    return None if best is None else _solution(best[1], batches, num_t_max_evaluated=0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The DP.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _in_flight(schedule: Schedule, max_stages: int, batches: int) -> np.ndarray:
+    """Micro-batches of activations held by the ``s``-th stage from the end, ``s = 1..max_stages``."""
+    s = np.arange(1, max_stages + 1)
+    return np.full(max_stages, batches) if schedule is Schedule.GPIPE else np.minimum(s, batches)
+
+
+def _effective_costs(costs: StageCosts, in_flight: np.ndarray,
+                     device_memory: float) -> tuple[np.ndarray, np.ndarray]:
+    """``t_intra((k..i), p, s)`` of Eq. 3.3: the fastest logical view that fits (Eq. 3.5), and its index.
+
+    Returns ``eff[s - 1, k, i, p]`` (inf if ``i < k`` or no view fits) and ``view[s - 1, k, i, p]``.
+    """
+    k = costs.num_layers
+    upper = (np.arange(k)[:, None] <= np.arange(k)[None, :])[:, :, None, None]
+    t = np.where(upper, costs.t_intra, np.inf)
+    eff = np.empty((len(in_flight),) + t.shape[:3])
+    view = np.empty(eff.shape, dtype=np.int16)
+    done: dict[int, int] = {}
+    for q, held in enumerate(in_flight.tolist()):
+        if held in done:  # 1F1B saturates at B; GPipe is constant.
+            eff[q], view[q] = eff[done[held]], view[done[held]]
+            continue
+        fits = costs.mem_stage + held * costs.mem_act <= device_memory
+        masked = np.where(fits, t, np.inf)
+        view[q] = masked.argmin(axis=-1)
+        eff[q] = np.take_along_axis(masked, view[q][..., None].astype(np.intp), axis=-1)[..., 0]
+        done[held] = q
+    return eff, view
+
+
+def _dp(cost: np.ndarray, sizes: np.ndarray, num_devices: int, combine: np.ufunc,
+        track: bool = False) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Eq. 3.3 over all numbers of stages, with ``combine = np.add`` (sum) or ``np.maximum`` (bottleneck).
+
+    ``cost[s - 1, k, i, p]`` is the cost of layers ``k..i`` on submesh ``p`` as the ``s``-th stage from the
+    end. Returns ``finals[s] = F(s, 0, num_devices)`` for ``s = 0..S`` and, if ``track``, per ``s`` the
+    minimising ``(i, p)`` as ``i * P + p`` for every ``(k, d)`` (-1 where ``F`` is infinite).
+
+    NOTE: the ``s`` stages that remain need at least ``s`` layers, so level ``s`` only has first and last
+    layers ``k, i <= K - s``. For each ``k`` the minimum over ``(i, p)`` is one ``(candidates, devices)``
+    reduction over the finite ``cost[s - 1, k, k:, :]`` entries only; small 2-D blocks stay in cache and
+    run several times faster than one 4-D broadcast over ``(k, i, p, d)``.
+    """
+    num_stages, k_layers, _, num_meshes = cost.shape
+    width = num_devices + 1
+    prev = np.full((k_layers + 1, width), np.inf)
+    prev[k_layers, 0] = 0.0  # F(0, K, 0) = 0: no layers left, no devices left.
+    finals = np.full(num_stages + 1, np.inf)
+    choices = []
+    for s in range(1, num_stages + 1):
+        top = k_layers - s + 1  # k and i range over 0..K-s.
+        shifted = np.full((top, num_meshes, width), np.inf)  # shifted[i, p, d] = F(s-1, i+1, d - size_p)
+        for p, size in enumerate(sizes.tolist()):
+            shifted[:, p, size:] = prev[1:top + 1, :width - size]
+        shifted = shifted.reshape(top * num_meshes, width)
+        level = cost[s - 1, :top, :top, :].reshape(top, top * num_meshes)
+        current = np.full_like(prev, np.inf)
+        best = np.full((top, width), -1, dtype=np.int64) if track else None
+        for k in range(top):
+            rows = np.flatnonzero(np.isfinite(level[k, k * num_meshes:])) + k * num_meshes
+            if rows.size == 0:
+                continue
+            candidates = combine(level[k, rows][:, None], shifted[rows])
+            if track:
+                arg = candidates.argmin(axis=0)
+                current[k] = candidates[arg, np.arange(width)]
+                best[k] = np.where(np.isfinite(current[k]), rows[arg], -1)
+            else:
+                current[k] = candidates.min(axis=0)
+        choices.append(best)
+        finals[s] = current[0, num_devices]
+        prev = current
+        if not np.isfinite(prev).any():
+            break
+    return finals, choices
+
+
+def _t_max_groups(values: np.ndarray, epsilon: float) -> list[tuple[float, float]]:
+    """Sorted distinct ``values`` cut into runs spanning less than ``epsilon``: ``(smallest, largest)``.
+
+    Greedy from the smallest value: a run is every value in ``[v, v + epsilon)``, the next run starts at the
+    first value after it. With ``epsilon = 0`` every value is its own run.
+    """
+    ends = np.maximum(np.searchsorted(values, values + epsilon, side="left"), np.arange(1, len(values) + 1))
+    ends, sorted_values, groups, start = ends.tolist(), values.tolist(), [], 0
+    while start < len(sorted_values):
+        groups.append((sorted_values[start], sorted_values[ends[start] - 1]))
+        start = ends[start]
+    return groups
+
+
+def _search(groups: list[tuple[float, float]], solve: Callable[[int], float], batches: int) -> int:
+    """Index of the group with the least Eq. 3.4 value, solving as few groups as possible (exact).
+
+    1. Bisection for the first feasible group (feasibility only grows with t_max).
+    2. Alg. 2's pruning: groups whose smallest value has ``B * t >= T*`` cannot help.
+    3. For an interval ``a < b`` with ``b`` solved, every group ``g`` strictly between them has
+       ``T*(g) = F(g) + (B - 1) t_g >= F(b) + (B - 1) t_{a+1}`` because ``F`` does not increase with t_max;
+       if that bound is not below the best ``T*`` so far, none of them is solved, else the interval is
+       split at its middle.
+
+    Step 3 is ours (Alg. 2 scans every group up to the step-2 limit); it returns the same group as the full
+    scan, up to ties between equal ``T*`` values.
+    """
+    lows = np.array([lo for lo, _ in groups])
+    lo, hi = 0, len(groups) - 1  # Invariant: groups[hi] is feasible.
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if math.isfinite(solve(mid)) else (mid + 1, hi)
+    best_g = hi
+    intervals = [(hi, len(groups) - 1)]  # (a, b): groups a+1..b are undecided.
+    while intervals:
+        a, b = intervals.pop()
+        best = solve(best_g)
+        b = min(b, int(np.searchsorted(lows, best / batches, side="left")) - 1)  # Step 2: B * t < T*.
+        if b <= a:
+            continue
+        if solve(b) < best:
+            best_g, best = b, solve(b)
+        f_b = solve(b) - (batches - 1) * groups[b][1]
+        if b - a <= 1 or f_b + (batches - 1) * groups[a + 1][1] >= best:  # Step 3.
+            continue
+        mid = (a + b) // 2
+        intervals += [(mid, b), (a, mid)]  # Lower half first.
+    return best_g
+
+
+def _reconstruct(costs: StageCosts, eff: np.ndarray, view: np.ndarray, t_max: float, num_devices: int,
+                 in_flight: np.ndarray) -> tuple[StageChoice, ...]:
+    """Re-runs the DP at ``t_max`` with argmins and walks them from ``(S, 0, N * M)`` to ``(0, K, 0)``."""
+    sizes = costs.sizes
+    finals, choices = _dp(np.where(eff <= t_max, eff, np.inf), sizes, num_devices, np.add, track=True)
+    s = int(np.argmin(finals))  # Ties: fewer stages.
+    first, devices, stages = 0, num_devices, []
+    while s > 0:
+        flat = int(choices[s - 1][first, devices])
+        last, p = divmod(flat, len(sizes))
+        l = int(view[s - 1, first, last, p])
+        stages.append(StageChoice(
+            layers=(first, last), submesh_index=MeshIdx(p), submesh=costs.submeshes[p],
+            logical_shape=costs.logical_shapes[p][l], t_intra=float(eff[s - 1, first, last, p]),
+            memory_per_device=float(costs.mem_stage[first, last, p, l]
+                                    + in_flight[s - 1] * costs.mem_act[first, last, p, l])))
+        first, devices, s = last + 1, devices - int(sizes[p]), s - 1
+    return tuple(stages)
+
+
+def _solution(stages: Sequence[StageChoice], batches: int, num_t_max_evaluated: int) -> StageSolution:
+    times = [stage.t_intra for stage in stages]
+    return StageSolution(stages=tuple(stages), iteration_time=sum(times) + (batches - 1) * max(times),
+                         t_max=max(times), num_micro_batches=batches, num_t_max_evaluated=num_t_max_evaluated)
+
+
+def _plans_with_devices(options: list[list[StageChoice]], num_devices: int):
+    """Every choice of one option per stage whose submeshes use exactly ``num_devices`` devices."""
+    def extend(q: int, left: int, chosen: tuple[StageChoice, ...]):
+        if q == len(options):
+            if left == 0:
+                yield chosen
+            return
+        for option in options[q]:
+            size = option.submesh[0] * option.submesh[1]
+            if size <= left - (len(options) - q - 1):
+                yield from extend(q + 1, left - size, chosen + (option,))
+    return extend(0, num_devices, ())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Errors.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _infeasible_error(costs: StageCosts, cluster_shape: tuple[int, int], in_flight: np.ndarray,
+                      device_memory: float, schedule: Schedule, batches: int) -> ValueError:
+    """Why no plan exists: structurally (no finite costs cover the cluster) or by how much memory.
+
+    The shortfall is a bottleneck DP (Eq. 3.3 with ``max`` in place of ``+``) over the per-stage excess
+    ``mem_stage + in_flight * mem_act - mem_device`` of the best-fitting logical view: the least, over all
+    plans, of the largest excess of any of their stages. Adding that much memory per device makes a plan fit.
+    """
+    n_nodes, per_node = cluster_shape
+    k = costs.num_layers
+    upper = (np.arange(k)[:, None] <= np.arange(k)[None, :])[:, :, None, None]
+    usable = upper & np.isfinite(costs.t_intra)
+    excess = np.stack([np.where(usable, costs.mem_stage + held * costs.mem_act - device_memory, np.inf).min(-1)
+                       for held in in_flight.tolist()])
+    # F(0, K, 0) = 0 stands in for max's identity (-inf): harmless, as every plan's shortfall is > 0 here.
+    finals, _ = _dp(excess, costs.sizes, n_nodes * per_node, np.maximum)
+    missing = float(finals.min())
+    if not math.isfinite(missing):
+        return ValueError(
+            f"no pipeline plan with finite t_intra covers all {n_nodes * per_node} devices of the {n_nodes} x "
+            f"{per_node} cluster with {k} layers: each stage needs at least one layer and its own submesh, "
+            f"and the submeshes must sum to {n_nodes * per_node} devices; submeshes with costs: "
+            f"{list(costs.submeshes)}")
+    hint = "" if schedule is Schedule.ONE_F_ONE_B else ", or the 1F1B schedule (fewer activations in flight)"
+    return ValueError(
+        f"no pipeline plan fits in {device_memory / _GIB:.4g} GiB per device ({schedule.value}, {batches} "
+        f"micro-batches, {n_nodes} x {per_node} devices): the closest plan still needs "
+        f"{missing / _GIB:.3g} GiB more per device ({missing:.0f} bytes). Try more devices, more "
+        f"micro-batches (smaller micro-batches hold fewer activations), rematerialization (remat) of the "
+        f"layers{hint}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Argument checks.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _check_inputs(costs: StageCosts, cluster_shape: tuple[int, int], device_memory: float,
+                  epsilon: float) -> None:
+    if not isinstance(costs, StageCosts):
+        raise TypeError(f"costs must be a StageCosts, got {type(costs).__name__}")
+    allowed = submesh_shapes(*cluster_shape)
+    bad = [s for s in costs.submeshes if s not in allowed]
+    if bad:
+        raise ValueError(f"submeshes {bad} are not submesh shapes of the {cluster_shape[0]} x "
+                         f"{cluster_shape[1]} cluster; valid shapes: {list(allowed)}")
+    if not _is_number(device_memory) or not device_memory > 0:
+        raise ValueError(f"device_memory must be a number of bytes > 0, got {device_memory!r}")
+    if not _is_number(epsilon) or not math.isfinite(epsilon) or epsilon < 0:
+        raise ValueError(f"epsilon must be a finite number of seconds >= 0, got {epsilon!r}")
+
+
+def _schedule(schedule: object) -> Schedule:
+    try:
+        return Schedule(schedule)
+    except ValueError:
+        raise ValueError(f"unknown schedule {schedule!r}; valid: {[s.value for s in Schedule]}") from None
+
+
+def _pair(value: object, what: str) -> tuple[int, int]:
+    if (not isinstance(value, (tuple, list)) or len(value) != 2
+            or not all(_is_int(v) and v >= 1 for v in value)):
+        raise ValueError(f"{what} must be a pair of ints >= 1, got {value!r}")
+    return int(value[0]), int(value[1])
+
+
+def _check_positive_int(value: object, name: str) -> int:
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return int(value)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)

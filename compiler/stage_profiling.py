@@ -1,0 +1,230 @@
+"""Per-layer costs on every (submesh, logical mesh), from the intra-op pass: the t_intra table of Alg. 2.
+
+Alpa (Alg. 2) compiles and profiles every (layer range, submesh, logical mesh). We instead run the intra-op
+ILP on each layer's compute-grad piece (forward + backward of one micro-batch) once per logical mesh, and
+build the table of a layer range by adding its layers:
+
+.. math::
+
+    t_\\text{intra}(i..j, \\text{mesh}) = \\sum_{l=i}^{j} \\Big( \\frac{\\text{FLOP}_l}{n \\cdot \\text{peak}}
+        + \\text{comm}_\\text{ILP}(l, \\text{mesh}) \\Big)
+
+which omits the resharding of the activations between consecutive layers of one stage (an approximation:
+the layers' ILPs are solved separately). Layers with the same structure (the blocks of a transformer)
+share one solve: the cache key is the layer's equations (primitive, parameters, shapes) and the mesh, so the
+same (layer, submesh, logical shape) is never solved twice. Independent solves run on a thread pool; the
+MILP solver releases the GIL while it works.
+
+Memory per device (Eq. 3.5 inputs): ``mem_stage`` = parameters and gradients under the ILP's specs plus the
+optimizer state sharded over all the mesh's devices (weight-update sharding, on by default as in Alpa);
+``mem_act`` = the activations a micro-batch keeps from forward to backward, divided over the mesh's
+devices (an estimate: each layer's activations are split by its batch or tensor parallelism).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
+
+from alpa_like.cluster import ClusterSpec
+from alpa_like.compiler import jax_compat
+from alpa_like.compiler.auto_sharding import PassOptions, auto_shard
+from alpa_like.compiler.flops import jaxpr_flops
+from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD, LayerSummary, Piece
+from alpa_like.compiler.logical_mesh import LogicalMesh
+from alpa_like.compiler.markers import is_marker
+from alpa_like.compiler.op_graph import build_op_graph
+from alpa_like.compiler.sharding_spec import ShardingSpec
+from alpa_like.compiler.stage_dp import StageCosts
+
+Shape = tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerCost:
+    """One layer on one (submesh, logical mesh), per micro-batch."""
+
+    compute_seconds: float
+    comm_seconds: float
+    """Eq. 3.1's objective of the layer: its operators' collectives and resharding (and replicated work)."""
+    comm_bytes: float
+    """Bytes of the operators' own collectives (resharding excluded)."""
+    param_bytes_per_device: float
+    """Parameters under the ILP's specs (gradients take as much again)."""
+    input_specs: tuple[ShardingSpec, ...]
+    """The ILP's spec of each input of the layer's jaxpr."""
+
+    @property
+    def seconds(self) -> float:
+        return self.compute_seconds + self.comm_seconds
+
+
+def layer_jaxpr(jaxpr: Jaxpr, pieces: Sequence[Piece | None], layer: int) -> tuple[ClosedJaxpr, list[int]]:
+    """The compute-grad equations (forward and backward) of ``layer`` as a ClosedJaxpr of its own, and for
+    each of its inputs the index of the step input it is (-1 for values computed elsewhere)."""
+    eqns = [e for e, p in zip(jaxpr.eqns, pieces, strict=True)
+            if p is not None and p.layer == layer and p.phase in (FORWARD, BACKWARD)]
+    defined = {v for e in eqns for v in e.outvars}
+    invars: list[Var] = []
+    for eqn in eqns:
+        for v in jax_compat.eqn_inputs(eqn):
+            if v not in defined and v not in invars:
+                invars.append(v)
+    used_outside = {v for e, p in zip(jaxpr.eqns, pieces, strict=True)
+                    if not (p is not None and p.layer == layer and p.phase in (FORWARD, BACKWARD))
+                    for v in jax_compat.eqn_inputs(e)}
+    used_outside.update(v for v in jaxpr.outvars if isinstance(v, Var))
+    outvars = [v for e in eqns for v in e.outvars if v in used_outside]
+    step_index = {v: i for i, v in enumerate(jaxpr.invars)}
+    closed = ClosedJaxpr(jax_compat.subjaxpr(eqns, invars, outvars), [])
+    return closed, [step_index.get(v, -1) for v in invars]
+
+
+def structure_key(closed: ClosedJaxpr) -> str:
+    """Equal for layers with the same equations, parameters and shapes (variable names aside)."""
+    names: dict[Var, int] = {}
+
+    def name(v) -> str:
+        if isinstance(v, Literal):
+            return f"lit:{v.val!r}"
+        return f"v{names.setdefault(v, len(names))}:{v.aval.str_short()}"
+
+    def param(p) -> str:
+        if isinstance(p, (ClosedJaxpr, Jaxpr)):
+            return str(p)  # printed with canonical variable names
+        if isinstance(p, (tuple, list)):
+            return "(" + ",".join(param(x) for x in p) + ")"
+        if callable(p) and not isinstance(p, type):
+            return f"fn:{getattr(p, '__name__', type(p).__name__)}"  # no memory addresses
+        return repr(p)
+
+    parts = [" ".join(name(v) for v in closed.jaxpr.invars)]
+    for eqn in closed.jaxpr.eqns:
+        params = sorted((k, param(p)) for k, p in eqn.params.items()
+                        if not (is_marker(eqn) and k == "layer"))  # layer i and layer j can be alike
+        parts.append(f"{eqn.primitive.name}{params}({' '.join(name(v) for v in eqn.invars)})->"
+                     f"{' '.join(name(v) for v in eqn.outvars)}")
+    parts.append(" ".join(name(v) for v in closed.jaxpr.outvars))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def profile_layer(closed: ClosedJaxpr, param_inputs: Sequence[bool], mesh: LogicalMesh, peak_flops: float,
+                  options: PassOptions) -> LayerCost:
+    """Runs the intra-op pass on one layer and returns its cost on ``mesh``."""
+    solution = auto_shard(build_op_graph(closed), mesh, options)
+    param_bytes = 0.0
+    for spec, var, is_param in zip(solution.input_specs(), closed.jaxpr.invars, param_inputs, strict=True):
+        if is_param:
+            nbytes = math.prod(var.aval.shape) * np.dtype(var.aval.dtype).itemsize
+            param_bytes += nbytes / spec.num_shards(mesh.shape)
+    comm_bytes = sum(c.num_bytes for strategy in solution.strategies for c in strategy.collectives)
+    return LayerCost(compute_seconds=jaxpr_flops(closed) / (mesh.num_devices * peak_flops),
+                     comm_seconds=float(solution.objective), comm_bytes=float(comm_bytes),
+                     param_bytes_per_device=param_bytes, input_specs=tuple(solution.input_specs()))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageProfile:
+    """What profiling produced: the DP's table and the per-layer results behind it."""
+
+    costs: StageCosts
+    layer_costs: dict[tuple[int, int, int], LayerCost] = dataclasses.field(repr=False)
+    """(layer, submesh index, view index) -> the layer's cost there."""
+    layer_inputs: tuple[tuple[int, ...], ...]
+    """Per layer, the step input index of each input of its jaxpr (-1: computed by another layer)."""
+    num_pairs: int
+    """(layer, submesh, logical shape) pairs in the table."""
+    num_solves: int
+    """Distinct ILP solves after structural de-duplication."""
+    seconds: float
+
+    def input_spec(self, layer: int, submesh: int, view: int, step_input: int) -> ShardingSpec | None:
+        """The ILP's spec of step input ``step_input`` inside ``layer`` (None if the layer does not read it)."""
+        inputs = self.layer_inputs[layer]
+        if step_input not in inputs:
+            return None
+        return self.layer_costs[(layer, submesh, view)].input_specs[inputs.index(step_input)]
+
+
+def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries: Sequence[LayerSummary],
+                        param_mask: Sequence[bool], optimizer_bytes: Sequence[float], cluster: ClusterSpec,
+                        submeshes: Sequence[Shape], logical_shapes: Sequence[Sequence[Shape]],
+                        options: PassOptions, *, max_workers: int | None = None,
+                        progress: Callable[[int, int], None] | None = None) -> StageProfile:
+    """The :class:`StageCosts` table of Alg. 2 (see the module docstring) and the layer costs behind it.
+
+    Args:
+      optimizer_bytes: per layer, bytes of optimizer state of its parameters (all devices together).
+      progress: called as ``progress(done, total)`` after each distinct solve.
+    """
+    start = time.perf_counter()
+    num_layers = len(summaries)
+    layers = [layer_jaxpr(jaxpr, pieces, l) for l in range(num_layers)]
+    keys = [structure_key(closed) for closed, _ in layers]
+    jobs: dict[tuple, tuple[int, LogicalMesh]] = {}
+    pair_job = {}
+    for l in range(num_layers):
+        _, inputs = layers[l]
+        param_key = tuple(i >= 0 and param_mask[i] for i in inputs)
+        for p, (sub, views) in enumerate(zip(submeshes, logical_shapes, strict=True)):
+            for v, view in enumerate(views):
+                mesh = LogicalMesh.from_cluster(cluster, tuple(sub), tuple(view))
+                key = (keys[l], param_key, mesh)
+                jobs.setdefault(key, (l, mesh))
+                pair_job[(l, p, v)] = key
+    results: dict[tuple, LayerCost] = {}
+
+    def run(key):
+        l, mesh = jobs[key]
+        closed, inputs = layers[l]
+        params = [i >= 0 and param_mask[i] for i in inputs]
+        return key, profile_layer(closed, params, mesh, cluster.peak_flops, options)
+
+    workers = max_workers or min(4, os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        for done, future in enumerate(concurrent.futures.as_completed([pool.submit(run, k) for k in jobs]), 1):
+            key, cost = future.result()
+            results[key] = cost
+            if progress is not None:
+                progress(done, len(jobs))
+
+    width = max(len(v) for v in logical_shapes)
+    shape = (num_layers, len(submeshes), width)
+    t_layer, mem_layer, act_layer = np.full(shape, np.inf), np.zeros(shape), np.zeros(shape)
+    for (l, p, v), key in pair_job.items():
+        cost = results[key]
+        n = submeshes[p][0] * submeshes[p][1]
+        t_layer[l, p, v] = cost.seconds
+        mem_layer[l, p, v] = 2 * cost.param_bytes_per_device + optimizer_bytes[l] / n
+        act_layer[l, p, v] = summaries[l].activation_bytes / n
+    costs = StageCosts(num_layers=num_layers, submeshes=tuple(map(tuple, submeshes)),
+                       logical_shapes=tuple(tuple(map(tuple, v)) for v in logical_shapes),
+                       t_intra=_range_sums(t_layer), mem_stage=_range_sums(mem_layer),
+                       mem_act=_range_sums(act_layer))
+    return StageProfile(costs=costs, layer_costs={pair: results[key] for pair, key in pair_job.items()},
+                        layer_inputs=tuple(tuple(inputs) for _, inputs in layers), num_pairs=len(pair_job),
+                        num_solves=len(jobs), seconds=time.perf_counter() - start)
+
+
+def _range_sums(per_layer: np.ndarray) -> np.ndarray:
+    """``out[i, j] = sum(per_layer[i..j])`` for ``j >= i`` (inf below the diagonal), over trailing axes."""
+    num_layers = per_layer.shape[0]
+    out = np.full((num_layers, num_layers, *per_layer.shape[1:]), np.inf)
+    for i in range(num_layers):
+        out[i, i:] = np.cumsum(per_layer[i:], axis=0)
+    return out
+
+
+def apply_phase_inputs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], layer: int) -> set[int]:
+    """Step input indices read by ``layer``'s apply-grad equations (its optimizer state, among others)."""
+    index = {v: i for i, v in enumerate(jaxpr.invars)}
+    return {index[v] for e, p in zip(jaxpr.eqns, pieces, strict=True)
+            if p is not None and p.layer == layer and p.phase == APPLY
+            for v in jax_compat.eqn_inputs(e) if v in index}

@@ -1,0 +1,144 @@
+"""PipeshardParallel planning: layers, stage DP on ILP costs, device assignment, memory, options."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax.training import train_state
+
+import alpa_like as al
+from alpa_like import models
+from alpa_like.models import gpt
+
+QUIET = al.AutoStageOption(show_progress=False)
+
+
+def state_shapes(params):
+    return jax.eval_shape(lambda p: train_state.TrainState.create(apply_fn=None, params=p, tx=optax.adam(1e-3)),
+                          params)
+
+
+def train_step_for(loss_fn):
+    def train_step(state, batch):
+        loss, grads = al.value_and_grad(loss_fn)(state.params, batch)
+        return state.apply_gradients(grads=grads), loss
+    return train_step
+
+
+def gpt_case(num_layers=4, hidden=1024, seq=256, batch=64):
+    """A GPT whose compute dominates on V100s (planned from shapes only: the ILP graph stays tiny)."""
+    config = dataclasses.replace(models.get_config("gpt-tiny"), num_layers=num_layers, hidden_size=hidden,
+                                 num_heads=16, seq_len=seq, vocab_size=1024)
+    step = train_step_for(gpt.gpt_loss(gpt.GPTModel(config)))
+    return step, state_shapes(gpt.gpt_param_shapes(config)), gpt.gpt_batch_shapes(config, batch)
+
+
+def uneven_mlp_loss(params, batch):
+    x = batch["x"]
+    for i, name in enumerate(sorted(params)):
+        x = jnp.tanh(x @ params[name])
+        if i < len(params) - 1:
+            al.mark_pipeline_boundary()
+    return jnp.mean(x ** 2)
+
+
+def uneven_case():
+    """Four manual layers; the first is 16x as heavy as each of the others."""
+    widths = [(4096, 4096), (4096, 1024), (1024, 1024), (1024, 1024)]
+    params = {f"w{i}": jax.ShapeDtypeStruct(shape, jnp.float32) for i, shape in enumerate(widths)}
+    batch = {"x": jax.ShapeDtypeStruct((2048, 4096), jnp.float32)}
+    return train_step_for(uneven_mlp_loss), state_shapes(params), batch
+
+
+@pytest.fixture(scope="module")
+def gpt_plan():
+    step, state, batch = gpt_case()
+    method = al.PipeshardParallel(num_micro_batches=16, layer_option=al.AutoLayerOption(layer_num=4),
+                                  stage_option=QUIET)
+    return al.plan(step, state, batch, method=method, cluster=al.ClusterSpec.preset("p3.16xlarge", num_nodes=1))
+
+
+def test_gpt_gets_equal_layers_per_stage(gpt_plan):
+    sizes = [len(s.layer_ids) for s in gpt_plan.stages]
+    assert len(set(sizes)) == 1, gpt_plan
+    assert sorted(d for s in gpt_plan.stages for d in s.device_ids) == list(range(8))
+    assert [s.layer_ids[0] for s in gpt_plan.stages] == sorted(s.layer_ids[0] for s in gpt_plan.stages)
+
+
+def test_plan_reports_stages_and_compile_time_breakdown(gpt_plan):
+    names = [name for name, _ in gpt_plan.compile_times]
+    assert names == ["trace and layers", "intra-op solves", "stage DP", "other"]
+    text = str(gpt_plan)
+    assert "planning time" in text and "Stage 0: layers" in text and "state.params.block_" in text
+    assert gpt_plan.estimated_iteration_time > 0
+    assert al.ParallelPlan.from_json(gpt_plan.to_json()) == gpt_plan
+
+
+def test_uneven_layers_get_uneven_stages():
+    step, state, batch = uneven_case()
+    method = al.PipeshardParallel(num_micro_batches=8, layer_option=al.ManualLayerOption(), stage_option=QUIET)
+    # Two nodes: the 25 Gbps link between them makes pipelining across nodes pay off.
+    plan = al.plan(step, state, batch, method=method, cluster=al.ClusterSpec.preset("p3.16xlarge", num_nodes=2))
+    assert len(plan.stages) > 1, plan
+    devices_of_first_layer = next(len(s.device_ids) for s in plan.stages if 0 in s.layer_ids)
+    layers_per_stage = [len(s.layer_ids) for s in plan.stages]
+    devices_per_stage = [len(s.device_ids) for s in plan.stages]
+    assert len(set(layers_per_stage)) > 1 or len(set(devices_per_stage)) > 1, plan
+    assert devices_of_first_layer == max(devices_per_stage)
+
+
+def test_a_model_that_fits_nowhere_says_how_much_memory_is_missing():
+    step, state, batch = uneven_case()
+    cluster = dataclasses.replace(al.ClusterSpec.preset("p3.16xlarge", num_nodes=1), device_memory=2**20)
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.ManualLayerOption(), stage_option=QUIET)
+    with pytest.raises(ValueError, match=r"GiB"):
+        al.plan(step, state, batch, method=method, cluster=cluster)
+
+
+def test_memory_limit_is_respected():
+    step, state, batch = gpt_case()
+    cluster = al.ClusterSpec.preset("p3.16xlarge", num_nodes=1)
+    method = al.PipeshardParallel(num_micro_batches=16, layer_option=al.AutoLayerOption(layer_num=4),
+                                  stage_option=QUIET)
+    roomy = al.plan(step, state, batch, method=method, cluster=cluster)
+    peak = max(s.memory_per_device for s in roomy.stages)
+    tight = al.plan(step, state, batch, method=method,
+                    cluster=dataclasses.replace(cluster, device_memory=int(peak * 0.9)))
+    assert max(s.memory_per_device for s in tight.stages) <= int(peak * 0.9)
+
+
+def test_manual_and_uniform_stage_options():
+    step, state, batch = gpt_case()
+    cluster = al.ClusterSpec.preset("p3.16xlarge", num_nodes=1)
+    manual = al.ManualStageOption(forward_stage_layer_ids=((0, 1), (2, 3)), submesh_physical_shapes=((1, 4), (1, 4)),
+                                  submesh_logical_shapes=((2, 2), (1, 4)), show_progress=False)
+    plan = al.plan(step, state, batch, cluster=cluster, method=al.PipeshardParallel(
+        num_micro_batches=4, layer_option=al.AutoLayerOption(layer_num=4), stage_option=manual))
+    assert [s.layer_ids for s in plan.stages] == [(0, 1), (2, 3)]
+    assert [s.logical_mesh_shape for s in plan.stages] == [(2, 2), (1, 4)]
+    uniform = al.UniformStageOption(num_stages=4, show_progress=False)
+    plan = al.plan(step, state, batch, cluster=cluster, method=al.PipeshardParallel(
+        num_micro_batches=4, layer_option=al.AutoLayerOption(layer_num=4), stage_option=uniform))
+    assert [s.submesh_shape for s in plan.stages] == [(1, 2)] * 4
+    with pytest.raises(ValueError, match="forward_stage_layer_ids must list layers 0..3"):
+        al.plan(step, state, batch, cluster=cluster, method=al.PipeshardParallel(
+            layer_option=al.AutoLayerOption(layer_num=4),
+            stage_option=dataclasses.replace(manual, forward_stage_layer_ids=((0,), (2, 3)))))
+
+
+def test_bad_options_are_named():
+    with pytest.raises(ValueError, match="pipeline_schedule must be one of"):
+        al.PipeshardParallel(pipeline_schedule="zigzag")
+    with pytest.raises(ValueError, match="layer_num must be an int >= 1"):
+        al.AutoLayerOption(layer_num=0)
+
+
+def test_running_a_pipeshard_step_is_a_clear_error():
+    step, _, _ = gpt_case()
+    f = al.parallelize(step, method=al.PipeshardParallel(stage_option=QUIET))
+    config = models.get_config("gpt-tiny")
+    params = gpt.GPTModel(config).init(jax.random.PRNGKey(0), jnp.zeros((2, config.seq_len), jnp.int32))
+    state = train_state.TrainState.create(apply_fn=None, params=params["params"], tx=optax.adam(1e-3))
+    with pytest.raises(NotImplementedError, match="pipeline runtime is not built"):
+        f(state, gpt.gpt_batch(config, 8, jax.random.PRNGKey(1)))

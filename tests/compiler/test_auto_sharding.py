@@ -1,0 +1,156 @@
+"""Textbook answers of the intra-op pass under the alpha-beta model, with closed-form costs.
+
+Every mesh here has alpha = 0 and beta = 1 s/B (unless stated), so a ring all-reduce of ``M`` bytes over
+``n`` devices costs ``2 (n - 1) / n * M`` and the objective is a byte count.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import alpa_like as al
+from alpa_like.compiler.auto_sharding import PassOptions, alias_pairs, auto_shard
+from alpa_like.compiler.logical_mesh import LogicalMesh
+from alpa_like.compiler.op_graph import build_op_graph, merged_groups
+from alpa_like.compiler.sharding_spec import ShardingSpec
+from alpa_like.compiler.trace import trace_step
+from alpa_like.methods import match_outputs_to_inputs
+from tests.helpers import mlp_loss
+
+S = ShardingSpec.from_str
+
+
+def mesh(shape, beta=(1.0, 1.0)):
+    return LogicalMesh(shape=shape, alpha=(0.0, 0.0), beta=beta)
+
+
+def all_reduce(num_bytes, n):
+    return 2 * (n - 1) / n * num_bytes
+
+
+def solve_step(step, args, logical_mesh, options=PassOptions()):
+    traced = trace_step(step, args, batch_argnums=(1,))
+    graph = build_op_graph(traced.closed_jaxpr, [leaf.path for leaf in traced.in_leaves])
+    solution = auto_shard(graph, logical_mesh, options, aliases=alias_pairs(graph, match_outputs_to_inputs(traced)))
+    specs = {leaf.path: spec for leaf, spec in zip(traced.in_leaves, solution.input_specs())}
+    return solution, specs, graph
+
+
+def mlp_args(batch, sizes):
+    """Shapes only: the pass never runs the step."""
+    params = {f"dense_{i}": {"kernel": jax.ShapeDtypeStruct((a, b), jnp.float32),
+                             "bias": jax.ShapeDtypeStruct((b,), jnp.float32)}
+              for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))}
+    data = {"x": jax.ShapeDtypeStruct((batch, sizes[0]), jnp.float32),
+            "y": jax.ShapeDtypeStruct((batch, sizes[-1]), jnp.float32)}
+    return params, data
+
+
+def sgd_step(loss):
+    def step(params, batch):
+        value, grads = al.value_and_grad(loss)(params, batch)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), value
+    return step
+
+
+def param_bytes(sizes):
+    return sum(4 * (a * b + b) for a, b in zip(sizes[:-1], sizes[1:]))
+
+
+def test_activations_dominate_gives_data_parallelism():
+    sizes, batch = (16, 32, 8), 512
+    solution, specs, _ = solve_step(sgd_step(mlp_loss), mlp_args(batch, sizes), mesh((1, 8)))
+    # Batch split over the 8 devices, weights replicated; every gradient and the scalar loss all-reduced.
+    assert specs["batch.x"] == S("S1R") and specs["batch.y"] == S("S1R")
+    assert all(str(specs[f"params.dense_{i}.kernel"]) == "RR" for i in range(2))
+    assert solution.objective == pytest.approx(all_reduce(param_bytes(sizes) + 4, 8))
+
+
+def test_weights_dominate_gives_the_megatron_pattern():
+    sizes, batch = (256, 1024, 256), 8
+    solution, specs, graph = solve_step(sgd_step(mlp_loss), mlp_args(batch, sizes), mesh((1, 8)))
+    # First weight column-split, second row-split (Megatron-LM's MLP), biases follow the columns.
+    assert specs["params.dense_0.kernel"] == S("RS1") and specs["params.dense_0.bias"] == S("S1")
+    assert specs["params.dense_1.kernel"] == S("S1R") and specs["params.dense_1.bias"] == S("R")
+    # One all-reduce per MLP block: the partial sums of the second matmul, [batch, 256] floats.
+    collectives = [c for s in solution.strategies for c in s.collectives]
+    assert [c.kind for c in collectives] == ["all-reduce"] and not solution.reshards
+    assert solution.objective == pytest.approx(all_reduce(batch * 256 * 4, 8))
+
+
+def test_two_dimensional_mesh_mixes_data_and_operator_parallelism():
+    # With batch = 4 h on a 2x4 mesh, data parallelism on axis 0 and Megatron on axis 1 (3BH + 8h^2 byte-units)
+    # beats Megatron over 8 (7BH), data parallelism over 8 (56h^2) and the transposed mix (BH + 24h^2).
+    h, batch = 32, 128
+    sizes = (h, 4 * h, h)
+    solution, specs, _ = solve_step(sgd_step(mlp_loss), mlp_args(batch, sizes), mesh((2, 4)))
+    assert specs["batch.x"] == S("S0R")
+    assert specs["params.dense_0.kernel"] == S("RS1") and specs["params.dense_1.kernel"] == S("S1R")
+    forward = all_reduce(batch // 2 * h * 4, 4)                        # second matmul's partial sums, axis 1
+    grads = all_reduce(4 * (h * 4 * h // 4 * 2 + 4 * h // 4 + h), 2)  # kernels and b1 split 4 ways, b2 whole
+    loss = all_reduce(4, 2)
+    assert solution.objective == pytest.approx(forward + grads + loss)
+
+
+def moe_step():
+    def loss(p, b):
+        expert_in = jnp.einsum("gsec,gsm->egcm", b["dispatch"], b["x"])
+        hidden = jax.nn.relu(jnp.einsum("egcm,emf->egcf", expert_in, p["wi"]))
+        expert_out = jnp.einsum("egcf,efm->egcm", hidden, p["wo"])
+        y = jnp.einsum("gsec,egcm->gsm", b["dispatch"], expert_out)
+        return jnp.mean((y - b["y"]) ** 2)
+    return sgd_step(loss)
+
+
+def test_moe_expert_weights_get_expert_parallelism():
+    groups, seq, experts, capacity, model, ffn = 8, 16, 8, 4, 64, 256
+    params = {"wi": jax.ShapeDtypeStruct((experts, model, ffn), jnp.float32),
+              "wo": jax.ShapeDtypeStruct((experts, ffn, model), jnp.float32)}
+    batch = {"dispatch": jax.ShapeDtypeStruct((groups, seq, experts, capacity), jnp.float32),
+             "x": jax.ShapeDtypeStruct((groups, seq, model), jnp.float32),
+             "y": jax.ShapeDtypeStruct((groups, seq, model), jnp.float32)}
+    solution, specs, _ = solve_step(moe_step(), (params, batch), mesh((1, 8)))
+    assert specs["params.wi"] == S("S1RR") and specs["params.wo"] == S("S1RR")
+    # The experts' tokens [e, g, c, m] move between the expert-split and the model-split layout with
+    # all-to-alls (Table 3.2 #4): once into the combine, twice in its backward (one per consumer).
+    tokens = experts * groups * capacity * model * 4
+    all_to_all = 7 / 8**2 * tokens
+    assert {step.kind for r in solution.reshards for step in r.steps} == {"all-to-all"}
+    assert solution.objective == pytest.approx(3 * all_to_all + all_reduce(4, 8))
+    data_parallel = all_reduce(2 * experts * model * ffn * 4, 8)
+    assert solution.objective < data_parallel / 50
+
+
+def test_memory_budget_trades_communication_for_memory():
+    sizes, batch = (64, 256, 64), 64
+    args = mlp_args(batch, sizes)
+    free, specs, _ = solve_step(sgd_step(mlp_loss), args, mesh((1, 8)), PassOptions(memory_budget=1e12))
+    assert free.ilp.status == "optimal"
+    budget = 0.8 * free.peak_memory
+    tight, tight_specs, _ = solve_step(sgd_step(mlp_loss), args, mesh((1, 8)), PassOptions(memory_budget=budget))
+    assert tight.ilp.status == "optimal"
+    assert tight.peak_memory <= budget < free.peak_memory
+    assert tight.objective > free.objective
+    assert tight_specs != specs
+    with pytest.warns(UserWarning, match="no sharding plan fits memory_budget=1000"):
+        impossible, _, _ = solve_step(sgd_step(mlp_loss), args, mesh((1, 8)), PassOptions(memory_budget=1000))
+    assert impossible.ilp.status == "infeasible"
+
+
+def test_merging_keeps_the_ilp_small():
+    sizes, batch = (16, 32, 8), 64
+    traced = trace_step(sgd_step(mlp_loss), mlp_args(batch, sizes), batch_argnums=(1,))
+    graph = build_op_graph(traced.closed_jaxpr)
+    groups = set(merged_groups(graph).tolist())
+    # 5 matmuls + 6 input leaves + a handful of constants: a few dozen nodes for ~80 equations.
+    assert len(graph.nodes) > 3 * len(groups)
+    assert sum(graph.nodes[g].primitive == "dot_general" for g in groups) == 5
+
+
+def test_costs_scale_with_the_slower_axis():
+    sizes, batch = (16, 32, 8), 512
+    slow0, _, _ = solve_step(sgd_step(mlp_loss), mlp_args(batch, sizes), mesh((2, 4), beta=(10.0, 1.0)))
+    fast, _, _ = solve_step(sgd_step(mlp_loss), mlp_args(batch, sizes), mesh((2, 4)))
+    assert fast.objective == pytest.approx(all_reduce(param_bytes(sizes) + 4, 8))
+    assert slow0.objective > fast.objective
+    assert np.isfinite(slow0.objective)

@@ -1,0 +1,328 @@
+"""The stage DP (Alpa Eq. 3.2-3.5, Alg. 2) against brute force, its pruning, its memory rule and its speed."""
+import doctest
+import math
+import time
+
+import numpy as np
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from alpa_like.compiler import stage_dp as stage_dp_module
+from alpa_like.compiler.logical_mesh import logical_shapes
+from alpa_like.compiler.stage_dp import StageCosts, brute_force_stages, solve_stages
+from alpa_like.compiler.submesh import assign_devices, submesh_shapes
+
+GIB = 2**30
+SMALL_CLUSTERS = [(1, 1), (1, 2), (2, 1), (1, 4), (2, 2), (4, 1), (1, 8), (2, 4), (4, 2), (8, 1), (1, 6), (3, 2)]
+
+
+def random_costs(seed: int, num_layers: int, cluster: tuple[int, int]) -> StageCosts:
+    """A random subset of submeshes and views; times roughly ``layers / devices^0.5`` times a random factor
+    in [0.3, 3], on a 0.1 s grid (ties happen), 15% infeasible; with
+    ``device_memory = 10`` memory binds for some stages, more often the earlier ones (Eq. 3.5)."""
+    rng = np.random.default_rng(seed)
+    allowed = submesh_shapes(*cluster)
+    submeshes = [s for s in allowed if rng.random() < 0.8] or [allowed[-1]]
+    views = []
+    for n, m in submeshes:
+        shapes = logical_shapes(n * m)
+        views.append([v for v in shapes if rng.random() < 0.6] or [shapes[0]])
+    shape = (num_layers, num_layers, len(submeshes), max(map(len, views)))
+    layers = (np.arange(num_layers)[None, :] - np.arange(num_layers)[:, None] + 1)[:, :, None, None]
+    devices = np.array([n * m for n, m in submeshes])[None, None, :, None]
+    t = np.maximum(np.round(layers * rng.uniform(0.3, 3.0, shape) / devices**0.5, 1), 0.1)
+    t[rng.random(shape) < 0.15] = np.inf
+    for p, v in enumerate(views):
+        t[:, :, p, len(v):] = np.inf
+    return StageCosts(num_layers=num_layers, submeshes=submeshes, logical_shapes=views, t_intra=t,
+                      mem_stage=rng.uniform(0.0, 5.0, shape), mem_act=rng.uniform(0.0, 2.0, shape))
+
+
+def uniform_layers(num_layers, cluster, heavy=None, heavy_factor=4.0) -> StageCosts:
+    """GPT-like additive costs: identical layers (one ``heavy`` layer optional) whose intra-op efficiency drops
+    with the tensor-parallel degree and with data parallelism across nodes; memory never binds."""
+    work = np.ones(num_layers)
+    if heavy is not None:
+        work[heavy] = heavy_factor
+    prefix = np.concatenate([[0.0], np.cumsum(work)])
+
+    def cost(first, last, submesh, view):
+        devices, (dp, tp) = submesh[0] * submesh[1], view
+        across_nodes = 5.0 if submesh[0] > 1 else 1.0
+        seconds = (prefix[last + 1] - prefix[first]) * (1.0 / devices + 0.02 * (tp - 1) + 0.01 * (dp - 1)
+                                                        * across_nodes)
+        return seconds, 0.0, 0.0
+
+    return StageCosts.from_fn(num_layers, submesh_shapes(*cluster), cost)
+
+
+def gpt_like_costs(num_layers, cluster, noise=0.0, seed=0, views_per_submesh=2) -> StageCosts:
+    """A 39B-GPT-flavoured table: embedding in the first layer, LM head in the last, tensor parallelism
+    slower across nodes, 8 GB/layer of weights and optimizer state sharded over the submesh, 0.3 GB/layer of
+    activations per micro-batch divided by the tensor-parallel degree; ``noise`` makes every entry distinct
+    (as profiling would)."""
+    n_nodes, per_node = cluster
+    rng = np.random.default_rng(seed)
+    submeshes = submesh_shapes(*cluster)
+    views = [logical_shapes(n * m)[-views_per_submesh:] for n, m in submeshes]
+    shape = (num_layers, num_layers, len(submeshes), max(map(len, views)))
+    t, mem_stage, mem_act = np.full(shape, np.inf), np.zeros(shape), np.zeros(shape)
+    work = np.ones(num_layers)
+    work[0] += 0.5
+    work[-1] += 1.0
+    prefix = np.concatenate([[0.0], np.cumsum(work)])
+    first, last = np.triu_indices(num_layers)
+    stage_work = prefix[last + 1] - prefix[first]
+    for p, (n, m) in enumerate(submeshes):
+        for l, (dp, tp) in enumerate(views[p]):
+            tp_slowdown = 1.0 if tp <= per_node else 10.0
+            dp_slowdown = 1.0 if n == 1 else 5.0
+            seconds = stage_work * (0.2 / (n * m) + 0.01 * (tp - 1) * tp_slowdown
+                                    + 0.002 * (dp - 1) / dp * dp_slowdown)
+            t[first, last, p, l] = seconds * (1.0 + noise * rng.random(len(first)))
+            mem_stage[first, last, p, l] = stage_work * 8e9 / (n * m)
+            mem_act[first, last, p, l] = stage_work * 0.3e9 / tp
+    return StageCosts(num_layers=num_layers, submeshes=submeshes, logical_shapes=views, t_intra=t,
+                      mem_stage=mem_stage, mem_act=mem_act)
+
+
+def check_solution(solution, costs, cluster, batches, device_memory, schedule="1f1b"):
+    """The plan is well formed: contiguous layers, the whole cluster, table costs, Eq. 3.5 and Eq. 3.2."""
+    stages = solution.stages
+    assert stages[0].layers[0] == 0 and stages[-1].layers[1] == costs.num_layers - 1
+    for before, after in zip(stages, stages[1:]):
+        assert after.layers[0] == before.layers[1] + 1
+    assert sum(n * m for n, m in solution.submeshes) == cluster[0] * cluster[1]
+    for q, stage in enumerate(stages):
+        (i, j), p = stage.layers, stage.submesh_index
+        l = costs.logical_shapes[p].index(stage.logical_shape)
+        assert costs.submeshes[p] == stage.submesh
+        assert stage.t_intra == costs.t_intra[i, j, p, l]
+        held = batches if schedule == "gpipe" else min(len(stages) - q, batches)
+        memory = costs.mem_stage[i, j, p, l] + held * costs.mem_act[i, j, p, l]
+        assert stage.memory_per_device == pytest.approx(memory)
+        assert memory <= device_memory
+    times = [stage.t_intra for stage in stages]
+    assert solution.t_max == max(times)
+    assert solution.iteration_time == pytest.approx(sum(times) + (batches - 1) * max(times), rel=1e-12)
+    assign_devices(solution.submeshes, *cluster)  # Placeable (App. 3.11).
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_layers=st.integers(1, 5), cluster=st.sampled_from(SMALL_CLUSTERS),
+       batches=st.integers(1, 12), schedule=st.sampled_from(["1f1b", "gpipe"]))
+def test_dp_equals_brute_force(seed, num_layers, cluster, batches, schedule):
+    costs = random_costs(seed, num_layers, cluster)
+    expected = brute_force_stages(costs, cluster, batches, 10.0, schedule=schedule)
+    event("no plan" if expected is None else f"{len(expected.stages)} stage(s)")
+    if expected is None:
+        with pytest.raises(ValueError, match="no pipeline plan"):
+            solve_stages(costs, cluster, batches, 10.0, epsilon=0.0, schedule=schedule)
+        return
+    solution = solve_stages(costs, cluster, batches, 10.0, epsilon=0.0, schedule=schedule)
+    assert solution.iteration_time == pytest.approx(expected.iteration_time, rel=1e-12)
+    check_solution(solution, costs, cluster, batches, 10.0, schedule)
+    check_solution(expected, costs, cluster, batches, 10.0, schedule)
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_layers=st.integers(4, 5),
+       cluster=st.sampled_from([(1, 8), (2, 4), (4, 2), (8, 1), (3, 2)]), batches=st.integers(8, 32),
+       device_memory=st.sampled_from([10.0, 100.0]))
+def test_dp_equals_brute_force_deep_pipelines(seed, num_layers, cluster, batches, device_memory):
+    """Many devices, many micro-batches and (often) loose memory: pipelines of 3-5 stages are common."""
+    costs = random_costs(seed, num_layers, cluster)
+    expected = brute_force_stages(costs, cluster, batches, device_memory)
+    event("no plan" if expected is None else f"{len(expected.stages)} stage(s)")
+    if expected is None:
+        with pytest.raises(ValueError, match="no pipeline plan"):
+            solve_stages(costs, cluster, batches, device_memory, epsilon=0.0)
+        return
+    solution = solve_stages(costs, cluster, batches, device_memory, epsilon=0.0)
+    assert solution.iteration_time == pytest.approx(expected.iteration_time, rel=1e-12)
+    check_solution(solution, costs, cluster, batches, device_memory)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_layers=st.integers(1, 10),
+       cluster=st.sampled_from([(1, 4), (2, 4), (4, 4), (2, 8)]), batches=st.integers(1, 32))
+def test_pruned_enumeration_equals_full_enumeration(seed, num_layers, cluster, batches):
+    """Bisection + ``B * t_max >= T*`` + interval bounds find what solving every t_max (epsilon = 0) finds."""
+    costs = random_costs(seed, num_layers, cluster)
+    try:
+        full = solve_stages(costs, cluster, batches, 10.0, epsilon=0.0, prune=False)
+    except ValueError:
+        with pytest.raises(ValueError, match="no pipeline plan"):
+            solve_stages(costs, cluster, batches, 10.0, epsilon=0.0)
+        return
+    pruned = solve_stages(costs, cluster, batches, 10.0, epsilon=0.0)
+    assert pruned.iteration_time == pytest.approx(full.iteration_time, rel=1e-12)
+    assert pruned.num_t_max_evaluated <= full.num_t_max_evaluated
+    default = solve_stages(costs, cluster, batches, 10.0)  # epsilon = 1e-6 s on a 0.1 s grid: same answer.
+    assert default.iteration_time == pytest.approx(full.iteration_time, rel=1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_layers=st.integers(1, 5), cluster=st.sampled_from(SMALL_CLUSTERS),
+       batches=st.integers(1, 8), epsilon=st.sampled_from([0.05, 0.3, 1.0, 3.0]))
+def test_epsilon_costs_at_most_b_minus_1_epsilon(seed, num_layers, cluster, batches, epsilon):
+    costs = random_costs(seed, num_layers, cluster)
+    exact = brute_force_stages(costs, cluster, batches, 10.0)
+    if exact is None:
+        return
+    solution = solve_stages(costs, cluster, batches, 10.0, epsilon=epsilon)
+    check_solution(solution, costs, cluster, batches, 10.0)
+    assert exact.iteration_time - 1e-9 <= solution.iteration_time <= exact.iteration_time + (batches - 1) * epsilon
+
+
+def test_epsilon_groups_are_solved_at_their_largest_value():
+    """t_intra values 1.0, 1.3 and 5.0 with epsilon = 0.5. Skipping 1.3 because it is within epsilon of the
+    last solved 1.0 (which is infeasible) would admit the two-stage plan only at t_max = 5.0."""
+    costs = StageCosts.from_fn(2, [(1, 1), (1, 2)], lambda i, j, sub, view: (
+        {(0, 0, 1): 1.0, (1, 1, 1): 1.3, (0, 1, 2): 5.0}.get((i, j, sub[1]), math.inf), 0.0, 0.0),
+        logical_shapes=[[(1, 1)], [(1, 2)]])
+    solution = solve_stages(costs, (1, 2), num_micro_batches=4, device_memory=1.0, epsilon=0.5)
+    assert solution.layers_per_stage == (1, 1)
+    assert solution.iteration_time == pytest.approx(1.0 + 1.3 + 3 * 1.3)
+
+
+@pytest.mark.parametrize("num_layers, cluster, batches", [(8, (2, 4), 16), (16, (2, 8), 32), (24, (4, 8), 64),
+                                                          (12, (1, 8), 16)])
+def test_gpt_gets_equal_layers_per_stage(num_layers, cluster, batches):
+    costs = uniform_layers(num_layers, cluster)
+    solution = solve_stages(costs, cluster, batches, device_memory=GIB)
+    assert len(solution.stages) > 1
+    assert len(set(solution.layers_per_stage)) == 1, solution.layers_per_stage
+    assert len(set(solution.submeshes)) == 1
+
+
+@pytest.mark.parametrize("num_layers, cluster, batches, heavy", [(8, (2, 4), 16, 2), (16, (2, 8), 32, 5),
+                                                                 (12, (1, 8), 16, 4)])
+def test_a_heavy_layer_gets_uneven_stages(num_layers, cluster, batches, heavy):
+    solution = solve_stages(uniform_layers(num_layers, cluster, heavy=heavy), cluster, batches, GIB)
+    lengths = solution.layers_per_stage
+    assert len(set(lengths)) > 1, lengths
+    with_heavy = next(s for s in solution.stages if s.layers[0] <= heavy <= s.layers[1])
+    assert with_heavy.num_layers == min(lengths) or with_heavy.submesh[0] * with_heavy.submesh[1] > min(
+        n * m for n, m in solution.submeshes)
+
+
+def _two_layer_costs(mem_stage_first, mem_act_first):
+    """Two unit layers on a 1 x 2 cluster: two (1, 1) stages (t = 1 each) beat one (1, 2) stage (t = 2.5)
+    unless layer 0, as the first of two 1F1B stages (2 micro-batches in flight), runs out of memory."""
+    def cost(i, j, sub, view):
+        if sub == (1, 2):
+            return (2.5 if (i, j) == (0, 1) else math.inf), 1.0, 1.0
+        if i == j == 0:
+            return 1.0, mem_stage_first, mem_act_first
+        return (1.0 if i == j else math.inf), 1.0, 1.0
+    return StageCosts.from_fn(2, [(1, 1), (1, 2)], cost, logical_shapes=[[(1, 1)], [(1, 2)]])
+
+
+def test_stage_over_memory_is_never_chosen():
+    roomy = solve_stages(_two_layer_costs(4.0, 2.0), (1, 2), 4, device_memory=8.0)
+    assert roomy.layers_per_stage == (1, 1)  # 4 + 2 * 2 = 8 <= 8 fits.
+    tight = solve_stages(_two_layer_costs(4.0, 2.5), (1, 2), 4, device_memory=8.0)
+    assert tight.layers_per_stage == (2,)  # 4 + 2 * 2.5 = 9 > 8: only the one-stage plan is left.
+    assert tight.stages[0].memory_per_device == 2.0  # The last stage holds one micro-batch: 1 + 1 * 1.
+
+
+def test_eq_3_5_counts_this_stage_and_caps_at_b():
+    costs = _two_layer_costs(4.0, 2.5)
+    # With B = 1 only one micro-batch exists: the first stage holds 4 + 1 * 2.5 <= 8.
+    assert solve_stages(costs, (1, 2), 1, 8.0).layers_per_stage == (1, 1)
+    # GPipe holds all B = 4 micro-batches on every stage: 4 + 4 * 1 = 8 fits, 4 + 4 * 1.5 does not.
+    assert solve_stages(_two_layer_costs(4.0, 1.0), (1, 2), 4, 8.0, schedule="gpipe").layers_per_stage == (1, 1)
+    assert solve_stages(_two_layer_costs(4.0, 1.5), (1, 2), 4, 8.0, schedule="gpipe").layers_per_stage == (2,)
+    # 1F1B with 4 + 2 * 1.5 = 7 fits where GPipe did not.
+    assert solve_stages(_two_layer_costs(4.0, 1.5), (1, 2), 4, 8.0).layers_per_stage == (1, 1)
+
+
+def test_memory_shortfall_is_reported_in_gib():
+    one = StageCosts.from_fn(1, [(1, 1)], lambda i, j, sub, view: (1.0, 15 * GIB, 2 * GIB))
+    with pytest.raises(ValueError, match=r"still needs 1 GiB more per device .*more devices, more micro-batches"
+                                         r".*remat"):
+        solve_stages(one, (1, 1), 8, device_memory=16 * GIB)
+    with pytest.raises(ValueError, match=r"needs 15 GiB more per device.*or the 1F1B schedule"):
+        solve_stages(one, (1, 1), 8, device_memory=16 * GIB, schedule="gpipe")  # 15 + 8 * 2 = 31.
+
+
+def test_memory_shortfall_is_the_best_plan_over_its_worst_stage():
+    """Plan A: two (1, 1) stages, excess 3 GiB (first) and 0.5 GiB (last). Plan B: one (1, 2) stage, 2 GiB.
+    The shortfall is min over plans of max over stages: 2 GiB."""
+    def cost(i, j, sub, view):
+        if sub == (1, 2):
+            return (1.0 if (i, j) == (0, 1) else math.inf), 10 * GIB, 0.0
+        if i == j == 0:
+            return 1.0, 9 * GIB, 1 * GIB  # First of two 1F1B stages: 9 + 2 * 1 = 11 GiB.
+        return (1.0 if i == j == 1 else math.inf), 8.5 * GIB, 0.0
+    costs = StageCosts.from_fn(2, [(1, 1), (1, 2)], cost, logical_shapes=[[(1, 1)], [(1, 2)]])
+    with pytest.raises(ValueError, match=r"needs 2 GiB more per device \(2147483648 bytes\)"):
+        solve_stages(costs, (1, 2), 4, device_memory=8 * GIB)
+
+
+def test_no_plan_covers_the_cluster():
+    costs = StageCosts.from_fn(2, [(1, 1)], lambda i, j, sub, view: (1.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match=r"no pipeline plan with finite t_intra covers all 4 devices of the 1 x 4"):
+        solve_stages(costs, (1, 4), 4, GIB)  # Two layers cannot make four one-device stages.
+
+
+def test_bad_inputs_are_rejected_with_their_values():
+    good = uniform_layers(2, (1, 2))
+    with pytest.raises(ValueError, match=r"submeshes \[\(2, 2\)\] are not submesh shapes of the 1 x 4 cluster"):
+        solve_stages(StageCosts.from_fn(1, [(2, 2)], lambda *a: (1.0, 0, 0)), (1, 4), 1, GIB)
+    with pytest.raises(ValueError, match=r"unknown schedule 'zb'; valid: \['1f1b', 'gpipe'\]"):
+        solve_stages(good, (1, 2), 4, GIB, schedule="zb")
+    with pytest.raises(ValueError, match="num_micro_batches must be an int >= 1, got 0"):
+        solve_stages(good, (1, 2), 0, GIB)
+    with pytest.raises(ValueError, match="device_memory must be a number of bytes > 0, got -1"):
+        solve_stages(good, (1, 2), 4, -1)
+    with pytest.raises(ValueError, match="epsilon must be a finite number of seconds >= 0, got -0.1"):
+        solve_stages(good, (1, 2), 4, GIB, epsilon=-0.1)
+    with pytest.raises(ValueError, match=r"cluster_shape must be a pair of ints >= 1, got \(0, 2\)"):
+        solve_stages(good, (0, 2), 4, GIB)
+    arrays = dict(t_intra=np.ones((1, 1, 1, 1)), mem_stage=np.zeros((1, 1, 1, 1)), mem_act=np.zeros((1, 1, 1, 1)))
+    with pytest.raises(ValueError, match=r"t_intra must have shape \(K, K, P, L\) = \(2, 2, 1, 1\)"):
+        StageCosts(num_layers=2, submeshes=[(1, 1)], logical_shapes=[[(1, 1)]], **arrays)
+    with pytest.raises(ValueError, match=r"logical shapes of submesh \(1, 2\) must .* have 2 devices"):
+        StageCosts(num_layers=1, submeshes=[(1, 2)], logical_shapes=[[(1, 1)]], **arrays)
+    with pytest.raises(ValueError, match="mem_act must hold numbers >= 0"):
+        StageCosts(num_layers=1, submeshes=[(1, 1)], logical_shapes=[[(1, 1)]],
+                   **{**arrays, "mem_act": np.full((1, 1, 1, 1), np.nan)})
+    with pytest.raises(ValueError, match=r"t_intra\[..., 0, l\] must be inf for l >= 1"):
+        StageCosts(num_layers=1, submeshes=[(1, 1), (1, 2)], logical_shapes=[[(1, 1)], [(1, 2), (2, 1)]],
+                   t_intra=np.ones((1, 1, 2, 2)), mem_stage=np.zeros((1, 1, 2, 2)), mem_act=np.zeros((1, 1, 2, 2)))
+    with pytest.raises(ValueError, match=r"submeshes must be non-empty and distinct"):
+        StageCosts(num_layers=1, submeshes=[(1, 1), (1, 1)], logical_shapes=[[(1, 1)], [(1, 1)]],
+                   t_intra=np.ones((1, 1, 2, 1)), mem_stage=np.zeros((1, 1, 2, 1)), mem_act=np.zeros((1, 1, 2, 1)))
+    assert not good.t_intra.flags.writeable
+
+
+def test_solution_prints_a_stage_table():
+    solution = solve_stages(uniform_layers(8, (2, 4)), (2, 4), 16, GIB)
+    text = str(solution)
+    assert text.splitlines()[0].startswith("2 stage(s), B = 16: iteration")
+    assert "stage 1: layers 4-7 on (1, 4) as (2, 2)" in text
+    assert [solution.stage_of_layer(layer) for layer in (0, 3, 4, 7)] == [0, 0, 1, 1]
+    with pytest.raises(ValueError, match=r"layer 8 is not in any stage; stages hold layers 0..7"):
+        solution.stage_of_layer(8)
+
+
+def test_benchmark_gpt_48_layers_64_devices():
+    """Alpa Table 3.5 reports 1.65 s for the DP of GPT-39B on 64 GPUs (48 layers, B = 64). Noise makes every
+    t_intra distinct (16,800 candidate t_max values), as profiled costs would be."""
+    costs = gpt_like_costs(48, (8, 8), noise=0.05)
+    assert sum(len(v) for v in costs.logical_shapes) == 21
+    start = time.perf_counter()
+    solution = solve_stages(costs, (8, 8), num_micro_batches=64, device_memory=16 * GIB)
+    elapsed = time.perf_counter() - start
+    print(f"\nK=48, 8x8, 21 (submesh, logical) pairs, B=64: {elapsed:.2f} s, "
+          f"{solution.num_t_max_evaluated} t_max solved\n{solution}")
+    check_solution(solution, costs, (8, 8), 64, 16 * GIB)
+    assert elapsed < 10.0
+    assert len(solution.stages) > 1
+
+
+def test_doctests():
+    assert doctest.testmod(stage_dp_module).failed == 0
