@@ -84,12 +84,21 @@ class AutoStageOption:
 
     submesh_shapes: tuple[Shape, ...] | None = None
     """Restrict the submesh shapes the DP may use; None: (1,1), (1,2), (1,4)..(1,M), (2,M)..(N,M)."""
+    logical_shape_space: str = "all"
+    """Logical views profiled per submesh: ``"all"`` 2-D factorisations, or ``"single_node_model_parallel"``:
+    only views whose second axis fits inside a node (b divides M), as Alpa's default benchmark setting."""
     epsilon: float = 1e-6
     """Seconds: t_max candidates closer than this are solved once (the pruned enumeration's step)."""
     max_workers: int | None = None
     """Parallel intra-op solves (threads); None: up to 4."""
     show_progress: bool = True
     """Print planning progress to stderr."""
+
+    def __post_init__(self):
+        spaces = ("all", "single_node_model_parallel")
+        if self.logical_shape_space not in spaces:
+            raise ValueError(f"AutoStageOption.logical_shape_space must be one of {spaces}, got "
+                             f"{self.logical_shape_space!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -225,7 +234,10 @@ def _candidate_meshes(option: StageOption, cluster: ClusterSpec, num_layers: int
     n, m = cluster.num_nodes, cluster.num_devices_per_node
     if isinstance(option, AutoStageOption):
         submeshes = list(option.submesh_shapes or submesh_shapes(n, m))
-        return submeshes, [logical_shapes(a * b) for a, b in submeshes]
+        views = [logical_shapes(a * b) for a, b in submeshes]
+        if option.logical_shape_space == "single_node_model_parallel":
+            views = [[(x, y) for x, y in v if m % y == 0 and y <= b] for v, (_, b) in zip(views, submeshes)]
+        return submeshes, views
     if isinstance(option, ManualStageOption):
         _check_manual(option, num_layers)
         pairs = list(dict.fromkeys(zip(map(tuple, option.submesh_physical_shapes),

@@ -56,19 +56,6 @@ def _batch_dependent(eqns: Sequence[JaxprEqn], batch_vars: set[Var]) -> set[Var]
     return dependent
 
 
-def _ancestors(eqns: Sequence[JaxprEqn], targets: Sequence[Var]) -> set[int]:
-    """Indices of ``eqns`` that the ``targets`` depend on."""
-    producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
-    needed, stack = set(), [v for v in targets if isinstance(v, Var)]
-    while stack:
-        i = producer.get(stack.pop())
-        if i is None or i in needed:
-            continue
-        needed.add(i)
-        stack.extend(jax_compat.eqn_inputs(eqns[i]))
-    return needed
-
-
 def split_at_grad_marker(closed: ClosedJaxpr, batch_mask: Sequence[bool]) -> GradSplit:
     """Groups the equations of ``closed`` around its single grad marker (see the module docstring).
 
@@ -95,9 +82,9 @@ def split_at_grad_marker(closed: ClosedJaxpr, batch_mask: Sequence[bool]) -> Gra
                 "num_micro_batches > 1 these values are averaged over micro-batches, so they must be floating "
                 "point (return integer metrics from outside the grad call)")
     batch_vars = {v for v, b in zip(closed.jaxpr.invars, batch_mask, strict=True) if b}
-    live = _ancestors(eqns, closed.jaxpr.outvars)  # dead code (e.g. jax.grad's unused loss) is dropped
+    live = jax_compat.ancestors(eqns, closed.jaxpr.outvars)  # dead code (e.g. jax.grad's unused loss) is dropped
     dependent = _batch_dependent(eqns[:k], batch_vars)
-    feeds_marker = _ancestors(eqns[:k], marker.invars)
+    feeds_marker = jax_compat.ancestors(eqns[:k], marker.invars)
     per_micro = [i for i in sorted(feeds_marker) if set(eqns[i].outvars) & dependent]
     hoisted = [i for i in range(k) if i in live and i not in per_micro and not set(eqns[i].outvars) & dependent]
     apply = [i for i in range(len(eqns)) if i in live and i != k and i not in per_micro and i not in hoisted]

@@ -139,3 +139,18 @@ def bypass_eqns(jaxpr: Jaxpr, drop: Callable[[JaxprEqn], bool]) -> Jaxpr:
         eqns.append(eqn.replace(invars=[read(v) for v in eqn.invars]))
     return Jaxpr(constvars=jaxpr.constvars, invars=jaxpr.invars, outvars=[read(v) for v in jaxpr.outvars],
                  eqns=eqns, effects=jaxpr.effects, debug_info=jaxpr.debug_info)
+
+
+def ancestors(eqns: Sequence[JaxprEqn], targets: Sequence[Any]) -> set[int]:
+    """Indices of ``eqns`` that the ``targets`` (Vars; literals ignored) depend on: the live equations
+    when ``targets`` are the outputs."""
+    producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+    needed: set[int] = set()
+    stack = [v for v in targets if isinstance(v, Var)]
+    while stack:
+        i = producer.get(stack.pop())
+        if i is None or i in needed:
+            continue
+        needed.add(i)
+        stack.extend(eqn_inputs(eqns[i]))
+    return needed

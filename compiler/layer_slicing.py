@@ -75,6 +75,7 @@ def slice_layers(jaxpr: Jaxpr) -> list[Piece | None]:
     if not any(is_marker(e, "fwd_start") for e in eqns):
         raise ValueError("the step has no pipeline layers: call al.grad / al.value_and_grad in it (plain "
                          "jax.grad cannot be cut into layers)")
+    live = jax_compat.ancestors(eqns, jaxpr.outvars)
     pieces = _region_pieces(eqns)
     grad_index = next((i for i, e in enumerate(eqns) if is_marker(e, "grad")), len(eqns))
     consumers: dict[Var, list[int]] = {}
@@ -107,7 +108,7 @@ def slice_layers(jaxpr: Jaxpr) -> list[Piece | None]:
             pieces[i] = Piece(max(layers) if layers else 0, APPLY)
             for v in eqns[i].outvars:
                 grad_layer.setdefault(v, pieces[i].layer)
-    return pieces
+    return [p if i in live else None for i, p in enumerate(pieces)]  # dead code runs nowhere
 
 
 def _region_order(piece: Piece) -> tuple[int, int]:

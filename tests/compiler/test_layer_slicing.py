@@ -61,3 +61,23 @@ def test_a_step_without_layers_is_a_clear_error():
     traced = trace_step(lambda x: x * 2, (jnp.ones(3),))
     with pytest.raises(ValueError, match="no pipeline layers"):
         slice_layers(traced.closed_jaxpr.jaxpr)
+
+
+def test_dead_code_gets_no_piece():
+    def loss_with_dead_code(params, batch):
+        jnp.sin(batch["x"]).sum()  # computed, never used
+        return loss_fn(params, batch)
+
+    def dead_step(state, batch):
+        loss, grads = al.value_and_grad(loss_with_dead_code)(state.params, batch)
+        return state.apply_gradients(grads=grads), loss
+
+    sizes = {"w0": (8, 16), "w1": (16, 16), "w2": (16, 4)}
+    state = train_state.TrainState.create(apply_fn=None, params={k: jnp.ones(s) for k, s in sizes.items()},
+                                          tx=optax.adam(1e-3))
+    with layering(Layering(assign=manual_layers)):
+        traced = trace_step(dead_step, (state, {"x": jnp.ones((32, 8))}), batch_argnums=(1,))
+    jaxpr = traced.closed_jaxpr.jaxpr
+    pieces = slice_layers(jaxpr)
+    sins = [p for e, p in zip(jaxpr.eqns, pieces) if e.primitive.name == "sin"]
+    assert sins == [None]
