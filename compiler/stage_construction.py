@@ -1,0 +1,176 @@
+"""Cut a sliced step into per-stage programs: forward, backward and apply-grad of each pipeline stage.
+
+Input: the step jaxpr with layer markers, the :class:`Piece` of every equation (``slice_layers``), and the
+stages' layer ranges from the plan. Output: plain data the runtime executes. Each stage ``q`` gets three
+:class:`StagePiece` jaxprs:
+
+* ``forward`` (once per micro-batch): the forward regions of its layers;
+* ``backward`` (once per micro-batch): the backward regions; it reads the forward's *residuals* (values the
+  forward produced for the backward), kept on the stage's mesh;
+* ``apply`` (once per step): its layers' apply-grad equations (the optimizer update).
+
+Every value is named by a :data:`ValueId` (its index in :attr:`StageProgram.values`). A piece reads values
+that are step inputs (parameters and optimizer state: per step; batch leaves: per micro-batch), outputs of
+other pieces (maybe on another mesh: the runtime moves them), or accumulated gradients. The grad marker is
+not executed: its inputs (gradients, loss, aux) are summed over micro-batches where they are produced and
+divided by the number of micro-batches, and that mean is the value of its outputs (Alpa 3.5,
+"gradient accumulation").
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import NewType
+
+from jax.extend.core import ClosedJaxpr, Literal, Var
+
+from alpa_like.compiler import jax_compat
+from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD, Piece
+from alpa_like.compiler.markers import is_marker
+
+ValueId = NewType("ValueId", int)
+PHASES = (FORWARD, BACKWARD, APPLY)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StagePiece:
+    """One executable piece: a stage's forward, backward or apply-grad."""
+
+    stage: int
+    phase: str
+    jaxpr: ClosedJaxpr
+    inputs: tuple[ValueId, ...]
+    outputs: tuple[ValueId, ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageProgram:
+    """Every stage's pieces and how values flow between them."""
+
+    num_stages: int
+    pieces: dict[tuple[int, str], StagePiece]
+    """(stage, phase) -> piece; every stage has all three phases (possibly empty)."""
+    values: tuple[Var, ...]
+    """ValueId -> the jaxpr Var it names."""
+    step_inputs: tuple[ValueId, ...]
+    """ValueId of each step input leaf (jaxpr invar), in order."""
+    batch_inputs: frozenset[ValueId]
+    """Step inputs that are split into micro-batches."""
+    step_outputs: tuple[ValueId | None, ...]
+    """ValueId of each step output (None for a literal output; see ``literal_outputs``)."""
+    literal_outputs: dict[int, object]
+    constants: dict[ValueId, object]
+    """Values closed over by the step (numpy/jax arrays), sent to whichever stage reads them."""
+    accumulated: tuple[tuple[ValueId, ValueId], ...]
+    """(grad-marker input, grad-marker output) pairs: the output is the micro-batch mean of the input."""
+    home: dict[ValueId, int]
+    """Stage whose mesh holds each value: its producer's stage, or for a step input its first reader's."""
+
+    def piece(self, stage: int, phase: str) -> StagePiece:
+        return self.pieces[(stage, phase)]
+
+
+def stage_of_layer(stage_layers: Sequence[Sequence[int]]) -> dict[int, int]:
+    return {layer: q for q, layers in enumerate(stage_layers) for layer in layers}
+
+
+def build_stage_program(closed: ClosedJaxpr, pieces: Sequence[Piece | None], stage_layers: Sequence[Sequence[int]],
+                        batch_mask: Sequence[bool]) -> StageProgram:
+    """Groups the equations by (stage, phase) and derives each group's inputs and outputs.
+
+    Args:
+      closed: the step jaxpr (parameter markers bypassed), traced for one micro-batch.
+      pieces: ``slice_layers(closed.jaxpr)``.
+      stage_layers: the layer ids of each stage, in pipeline order.
+      batch_mask: per step input, whether it is a batch leaf.
+    """
+    jaxpr = closed.jaxpr
+    layer_stage = stage_of_layer(stage_layers)
+    marker = next((e for e in jaxpr.eqns if is_marker(e, "grad")), None)
+    if marker is None:
+        raise ValueError("the step has no al.grad / al.value_and_grad call: a pipeline needs one")
+    ids: dict[Var, ValueId] = {}
+
+    def vid(v: Var) -> ValueId:
+        return ids.setdefault(v, ValueId(len(ids)))
+
+    step_inputs = tuple(vid(v) for v in jaxpr.invars)
+    consts = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+    groups: dict[tuple[int, str], list] = {(q, ph): [] for q in range(len(stage_layers)) for ph in PHASES}
+    for eqn, piece in zip(jaxpr.eqns, pieces, strict=True):
+        if piece is None or eqn is marker:
+            continue
+        groups[(layer_stage[piece.layer], piece.phase)].append(eqn)
+    producer_group = {v: key for key, eqns in groups.items() for e in eqns for v in e.outvars}
+    accumulated = tuple((vid(i), vid(o)) for i, o in zip(marker.invars, marker.outvars, strict=True)
+                        if isinstance(i, Var))
+    for i, o in zip(marker.invars, marker.outvars, strict=True):  # the mean lives where its input is made
+        if i in producer_group:
+            producer_group[o] = (producer_group[i][0], APPLY)
+    readers: dict[Var, set] = {}
+    for key, eqns in groups.items():
+        for e in eqns:
+            for v in jax_compat.eqn_inputs(e):
+                readers.setdefault(v, set()).add(key)
+    step_out_vars = {v for v in jaxpr.outvars if isinstance(v, Var)}
+    marker_inputs = {v for v in marker.invars if isinstance(v, Var)}
+    built = {}
+    for key, eqns in groups.items():
+        defined = {v for e in eqns for v in e.outvars}
+        inputs: list[Var] = []
+        for e in eqns:
+            for v in jax_compat.eqn_inputs(e):
+                if v not in defined and v not in inputs:
+                    inputs.append(v)
+        outputs = [v for e in eqns for v in e.outvars
+                   if v in step_out_vars or v in marker_inputs or any(r != key for r in readers.get(v, ()))]
+        sub = ClosedJaxpr(jax_compat.subjaxpr(eqns, inputs, outputs), [])
+        built[key] = StagePiece(stage=key[0], phase=key[1], jaxpr=sub, inputs=tuple(vid(v) for v in inputs),
+                                outputs=tuple(vid(v) for v in outputs))
+    home: dict[ValueId, int] = {}
+    for v, (q, _) in producer_group.items():
+        home[vid(v)] = q
+    for v in [*jaxpr.invars, *jaxpr.constvars]:
+        stages = sorted(q for q, _ in readers.get(v, ()))
+        home.setdefault(vid(v), stages[0] if stages else 0)
+    for v in step_out_vars:
+        vid(v)
+    values = [None] * len(ids)
+    for v, i in ids.items():
+        values[i] = v
+    return StageProgram(num_stages=len(stage_layers), pieces=built, values=tuple(values), step_inputs=step_inputs,
+                        batch_inputs=frozenset(i for i, b in zip(step_inputs, batch_mask, strict=True) if b),
+                        step_outputs=tuple(ids[v] if isinstance(v, Var) else None for v in jaxpr.outvars),
+                        literal_outputs={k: v.val for k, v in enumerate(jaxpr.outvars) if isinstance(v, Literal)},
+                        constants={ids[v]: c for v, c in consts.items() if v in ids},
+                        accumulated=accumulated, home=home)
+
+
+def run_sequentially(program: StageProgram, flat_inputs: Sequence, num_micro_batches: int) -> list:
+    """Runs ``program`` on the current default device in GPipe order: all forwards, all backwards, the mean
+    of the accumulated values, then every apply. The reference the pipelined runtimes are tested against."""
+    from alpa_like.compiler.grad_accumulation import to_micro_batches
+
+    env: dict[ValueId, object] = dict(program.constants)
+    for i, x in zip(program.step_inputs, flat_inputs, strict=True):
+        env[i] = x
+    micro = {i: to_micro_batches(env[i], num_micro_batches) for i in program.batch_inputs}
+    per_mb: list[dict[ValueId, object]] = []
+    for mb in range(num_micro_batches):
+        local = dict(env)
+        local.update({i: x[mb] for i, x in micro.items()})
+        for phase in (FORWARD, BACKWARD):
+            order = range(program.num_stages) if phase == FORWARD else reversed(range(program.num_stages))
+            for q in order:
+                _run_piece(program.piece(q, phase), local)
+        per_mb.append(local)
+    for src, dst in program.accumulated:
+        env[dst] = sum(m[src] for m in per_mb) / num_micro_batches
+    for q in range(program.num_stages):
+        _run_piece(program.piece(q, APPLY), env)
+    return [program.literal_outputs[k] if v is None else env[v] for k, v in enumerate(program.step_outputs)]
+
+
+def _run_piece(piece: StagePiece, env: dict) -> None:
+    outs = jax_compat.eval_closed_jaxpr(piece.jaxpr, *[env[i] for i in piece.inputs])
+    env.update(zip(piece.outputs, outs, strict=True))
