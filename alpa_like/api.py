@@ -14,7 +14,7 @@ from alpa_like.methods import DataParallel, ManualShardParallel, Zero2Parallel, 
 from alpa_like.plan import ParallelPlan
 from alpa_like.planning import spmd_plan
 from alpa_like.runtime.spmd import SpmdExecutable, compile_spmd
-from alpa_like.pipeshard import PipeshardParallel, plan_pipeshard
+from alpa_like.pipeshard import PipeshardParallel, compile_pipeshard, plan_pipeshard
 from alpa_like.shard_parallel import ShardParallel
 
 CLUSTER_KINDS = ("local", "ray")
@@ -148,13 +148,11 @@ class ParallelizedFunc:
         for i in self.donate_argnums:
             if i >= len(args):
                 raise ValueError(f"donate_argnums contains {i}, but the step has {len(args)} arguments")
-        if isinstance(self.method, PipeshardParallel):
-            raise NotImplementedError(
-                "PipeshardParallel can plan (al.plan(step, *args, method=...)) but not run yet: the MPMD pipeline "
-                "runtime is not built; use an SPMD method (DataParallel, Zero2Parallel, Zero3Parallel, "
-                "ShardParallel, ManualShardParallel) to train")
-        traced = self._trace(args)
         devices = backend_devices()
+        if isinstance(self.method, PipeshardParallel):
+            return compile_pipeshard(self.method, self.fun, args, static_argnums=self.static_argnums,
+                                     batch_argnums=self.batch_argnums, devices=devices)
+        traced = self._trace(args)
         cluster = ClusterSpec.local(devices)
         layout = self.method.layout(traced, cluster)
         donate_flat = [k for k, leaf in enumerate(traced.in_leaves) if leaf.arg_index in self.donate_argnums]

@@ -177,13 +177,31 @@ class _Progress:
         return report
 
 
-def plan_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[Any], *, static_argnums: Sequence[int],
-                   batch_argnums: Sequence[int], cluster: ClusterSpec) -> ParallelPlan:
-    """Plans ``fun(*args)`` with ``method`` on ``cluster`` (nothing is allocated or run)."""
-    progress = _Progress(method.stage_option.show_progress)
-    times: dict[str, float] = {}
-    t0 = time.perf_counter()
-    progress.step("step 1/4: tracing the step and cutting it into layers")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SlicedStep:
+    """A step traced under layer construction and cut into per-layer pieces (what planning and the runtime
+    share)."""
+
+    traced: TracedStep
+    jaxpr: Any
+    """The step jaxpr with parameter markers bypassed."""
+    pieces: tuple
+    roles: tuple[str, ...]
+    warnings: tuple[str, ...]
+    summaries: tuple
+    optimizer_inputs: tuple[tuple[int, ...], ...]
+    seconds: float
+
+    @property
+    def closed_jaxpr(self):
+        from jax.extend.core import ClosedJaxpr
+        return ClosedJaxpr(self.jaxpr, self.traced.closed_jaxpr.consts)
+
+
+def slice_step(method: PipeshardParallel, fun: Callable, args: Sequence[Any], *, static_argnums: Sequence[int],
+               batch_argnums: Sequence[int]) -> SlicedStep:
+    """Traces ``fun(*args)`` under ``method``'s layer option (one micro-batch) and slices it into layers."""
+    start = time.perf_counter()
     with layering(method.layer_option.layering()):
         traced = trace_step(fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums,
                             num_micro_batches=method.num_micro_batches)
@@ -191,12 +209,32 @@ def plan_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[Any]
     jaxpr = jax_compat.bypass_eqns(traced.closed_jaxpr.jaxpr, lambda e: is_marker(e, "param"))
     pieces = slice_layers(jaxpr)
     roles, warnings = input_roles(traced)
-    param_mask = [r == "param" for r in roles]
-    summaries = layer_summaries(jaxpr, pieces, param_mask)
-    optimizer_inputs = [sorted(apply_phase_inputs(jaxpr, pieces, l) - set(s.param_inputs)
-                               - {i for i, r in enumerate(roles) if r == "batch"}) for l, s in enumerate(summaries)]
-    optimizer_bytes = [sum(traced.in_leaves[i].nbytes for i in inputs) for inputs in optimizer_inputs]
-    times["trace and layers"] = time.perf_counter() - t0
+    summaries = layer_summaries(jaxpr, pieces, [r == "param" for r in roles])
+    batch = {i for i, r in enumerate(roles) if r == "batch"}
+    optimizer_inputs = tuple(tuple(sorted(apply_phase_inputs(jaxpr, pieces, l) - set(s.param_inputs) - batch))
+                             for l, s in enumerate(summaries))
+    return SlicedStep(traced=traced, jaxpr=jaxpr, pieces=tuple(pieces), roles=tuple(roles), warnings=warnings,
+                      summaries=tuple(summaries), optimizer_inputs=optimizer_inputs,
+                      seconds=time.perf_counter() - start)
+
+
+def plan_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[Any], *, static_argnums: Sequence[int],
+                   batch_argnums: Sequence[int], cluster: ClusterSpec) -> ParallelPlan:
+    """Plans ``fun(*args)`` with ``method`` on ``cluster`` (nothing is allocated or run)."""
+    progress = _Progress(method.stage_option.show_progress)
+    progress.step("step 1/4: tracing the step and cutting it into layers")
+    sliced = slice_step(method, fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums)
+    return plan_sliced(method, sliced, cluster, progress)
+
+
+def plan_sliced(method: PipeshardParallel, sliced: SlicedStep, cluster: ClusterSpec,
+                progress: _Progress | None = None) -> ParallelPlan:
+    """Steps 2-4 of planning on an already sliced step."""
+    progress = progress or _Progress(method.stage_option.show_progress)
+    traced, jaxpr, pieces, summaries = sliced.traced, sliced.jaxpr, sliced.pieces, sliced.summaries
+    param_mask = [r == "param" for r in sliced.roles]
+    optimizer_bytes = [sum(traced.in_leaves[i].nbytes for i in inputs) for inputs in sliced.optimizer_inputs]
+    times: dict[str, float] = {"trace and layers": sliced.seconds}
 
     t1 = time.perf_counter()
     submeshes, views = _candidate_meshes(method.stage_option, cluster, len(summaries))
@@ -225,7 +263,7 @@ def plan_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[Any]
     progress.step(f"step 4/4: done: {len(stages)} stages, layers per stage {solution.layers_per_stage}")
     return ParallelPlan(method=repr(method), num_micro_batches=method.num_micro_batches, cluster=cluster,
                         stages=stages, pipeline_schedule=method.pipeline_schedule,
-                        estimated_iteration_time=float(solution.iteration_time), warnings=tuple(warnings),
+                        estimated_iteration_time=float(solution.iteration_time), warnings=tuple(sliced.warnings),
                         compile_times=tuple(times.items()))
 
 
@@ -332,3 +370,29 @@ def _stage_plan(q: int, choice: StageChoice, device_ids, traced: TracedStep, sum
                      logical_mesh_shape=tuple(mesh_shape), mesh_axis_names=("x", "y"),
                      device_ids=tuple(device_ids), inputs=tuple(inputs), outputs=(), communication=communication,
                      flops=flops, compute_seconds=compute, memory_per_device=int(choice.memory_per_device))
+
+
+def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[Any], *, static_argnums: Sequence[int],
+                      batch_argnums: Sequence[int], devices: Sequence[Any]):
+    """Plans ``fun(*args)`` on ``devices`` and builds the local MPMD executable that runs the plan."""
+    from alpa_like.compiler.stage_construction import build_stage_program
+    from alpa_like.runtime.instructions import emit_programs
+    from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable
+    from alpa_like.runtime.schedules import make_schedule
+
+    if method.pipeline_schedule == "terapipe":
+        raise NotImplementedError("pipeline_schedule='terapipe' can be planned but not run yet")
+    progress = _Progress(method.stage_option.show_progress)
+    progress.step("step 1/4: tracing the step and cutting it into layers")
+    sliced = slice_step(method, fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums)
+    plan = plan_sliced(method, sliced, ClusterSpec.local(devices), progress)
+    program = build_stage_program(sliced.closed_jaxpr, sliced.pieces, [s.layer_ids for s in plan.stages],
+                                  [r == "batch" for r in sliced.roles])
+    schedule = make_schedule(method.pipeline_schedule, num_meshes=len(plan.stages),
+                             num_micro_batches=method.num_micro_batches)
+    programs = emit_programs(program, schedule, stage_to_mesh=list(range(len(plan.stages))))
+    path_to_input = {leaf.path: program.step_inputs[k] for k, leaf in enumerate(sliced.traced.in_leaves)}
+    input_specs = {path_to_input[t.path]: t.spec for s in plan.stages for t in s.inputs
+                   if t.spec is not None and t.path in path_to_input}
+    return PipeshardExecutable(traced=sliced.traced, plan=plan, program=program, programs=programs,
+                               devices=devices, input_specs=input_specs)

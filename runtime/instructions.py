@@ -1,0 +1,209 @@
+"""Static instruction programs: emitted once from a stage program and a schedule, executed every step.
+
+Every value the pipeline computes is a buffer named ``(ValueId, micro_batch)`` (``micro_batch = -1`` for
+per-step values: parameters, optimizer state, accumulated gradients, apply-grad results). The driver emits
+one global instruction list, in schedule order; each mesh's program is the projection of that list on the
+mesh. Instructions:
+
+* ``LOAD v@mb``: the driver puts a step input (or one micro-batch of a batch leaf) on the mesh;
+* ``RECV v@mb <- mesh k``: cross-mesh resharding of a buffer another mesh computed;
+* ``RUN qPmb``: stage ``q``'s piece ``P`` (F, B or A = apply-grad) on micro-batch ``mb``;
+* ``ACC v@mb -> w``: adds a gradient (or loss) of one micro-batch into accumulator ``w``;
+* ``MEAN w``: divides an accumulator by the number of micro-batches (after the last backward);
+* ``FREE v@mb``: the buffer's last use on this mesh is done.
+
+Buffers are freed as soon as their last reader on the mesh has run, so the memory a mesh holds follows the
+schedule (its peak in-flight activations).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+
+from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
+from alpa_like.compiler.stage_construction import StageProgram, ValueId
+from alpa_like.runtime.schedules import Phase, Schedule
+
+PER_STEP = -1
+Key = tuple[ValueId, int]
+
+
+class Op(enum.StrEnum):
+    LOAD = "LOAD"
+    RECV = "RECV"
+    RUN = "RUN"
+    ACC = "ACC"
+    MEAN = "MEAN"
+    FREE = "FREE"
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One instruction of a mesh program (see the module docstring)."""
+
+    op: Op
+    mesh: int
+    key: Key | None = None
+    """The buffer read or written (LOAD, RECV, ACC source, MEAN, FREE)."""
+    stage: int | None = None
+    phase: str | None = None
+    micro_batch: int | None = None
+    src_mesh: int | None = None
+    """RECV: the mesh that holds the buffer."""
+    target: ValueId | None = None
+    """ACC: the accumulator (the grad marker's output)."""
+
+    def __str__(self) -> str:
+        if self.op is Op.RUN:
+            phase = {FORWARD: "F", BACKWARD: "B", APPLY: "A"}[self.phase]
+            return f"RUN {self.stage}{phase}{'' if self.micro_batch == PER_STEP else self.micro_batch}"
+        buf = f"v{self.key[0]}" + ("" if self.key[1] == PER_STEP else f"@{self.key[1]}")
+        if self.op is Op.RECV:
+            return f"RECV {buf} <- mesh {self.src_mesh}"
+        if self.op is Op.ACC:
+            return f"ACC {buf} -> v{self.target}"
+        return f"{self.op} {buf}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshPrograms:
+    """The global instruction order and each mesh's program."""
+
+    instructions: tuple[Instruction, ...]
+    num_meshes: int
+    stage_to_mesh: tuple[int, ...]
+    outputs: tuple[tuple[Key, int] | None, ...]
+    """Per step output: its buffer and the mesh holding it (None for a literal output)."""
+
+    def program(self, mesh: int) -> tuple[Instruction, ...]:
+        return tuple(i for i in self.instructions if i.mesh == mesh)
+
+    def table(self) -> str:
+        """Each mesh's program, one column per mesh, in global order."""
+        width = 24
+        lines = ["".join(f"mesh {k}".ljust(width) for k in range(self.num_meshes))]
+        for ins in self.instructions:
+            lines.append(" " * (width * ins.mesh) + str(ins))
+        return "\n".join(lines)
+
+
+_PHASE_OF = {Phase.F: FORWARD, Phase.B: BACKWARD}
+
+
+def emit_programs(program: StageProgram, schedule: Schedule, stage_to_mesh: Sequence[int]) -> MeshPrograms:
+    """The instruction programs that run ``program`` under ``schedule`` (see the module docstring).
+
+    Args:
+      program: the stages' pieces.
+      schedule: a validated schedule whose stages are the program's stages.
+      stage_to_mesh: the mesh of each stage.
+    """
+    if schedule.num_stages != program.num_stages:
+        raise ValueError(f"schedule has {schedule.num_stages} stages, the program {program.num_stages}")
+    per_micro_batch = set(program.batch_inputs)
+    for (_, phase), piece in program.pieces.items():
+        if phase in (FORWARD, BACKWARD):
+            per_micro_batch.update(piece.outputs)
+    step_inputs = set(program.step_inputs) | set(program.constants)
+    accumulator_of = dict(program.accumulated)
+    where: dict[Key, set[int]] = {}
+    out: list[Instruction] = []
+
+    def key_of(v: ValueId, mb: int) -> Key:
+        return (v, mb) if v in per_micro_batch else (v, PER_STEP)
+
+    def make_available(v: ValueId, mb: int, mesh: int) -> None:
+        key = key_of(v, mb)
+        holders = where.setdefault(key, set())
+        if mesh in holders:
+            return
+        if v in step_inputs and v not in per_micro_batch or v in program.batch_inputs:
+            out.append(Instruction(Op.LOAD, mesh, key=key))
+        elif holders:
+            src = min(holders, key=lambda k: (k != stage_to_mesh[program.home.get(v, 0)], k))
+            out.append(Instruction(Op.RECV, mesh, key=key, src_mesh=src))
+        else:
+            raise ValueError(f"value v{v} (micro-batch {mb}) is read on mesh {mesh} before it is computed; "
+                             "the schedule does not respect the pieces' data flow")
+        holders.add(mesh)
+
+    def run(stage: int, phase: str, mb: int) -> None:
+        mesh = stage_to_mesh[stage]
+        piece = program.piece(stage, phase)
+        for v in piece.inputs:
+            make_available(v, mb, mesh)
+        out.append(Instruction(Op.RUN, mesh, stage=stage, phase=phase, micro_batch=mb))
+        for v in piece.outputs:
+            where.setdefault(key_of(v, mb), set()).add(mesh)
+            if v in accumulator_of:
+                out.append(Instruction(Op.ACC, mesh, key=key_of(v, mb), target=accumulator_of[v]))
+
+    for row in schedule.ticks:
+        for task in row:
+            if task is not None:
+                run(task.stage, _PHASE_OF[task.phase], task.micro_batch)
+    for src, dst in program.accumulated:
+        mesh = stage_to_mesh[program.home.get(src, 0)]
+        out.append(Instruction(Op.MEAN, mesh, key=(dst, PER_STEP)))
+        where.setdefault((dst, PER_STEP), set()).add(mesh)
+    for stage in range(program.num_stages):
+        run(stage, APPLY, PER_STEP)
+    outputs = []
+    for v in program.step_outputs:
+        if v is None:
+            outputs.append(None)
+            continue
+        key = key_of(v, PER_STEP)
+        holders = where.get(key)
+        if not holders:
+            raise ValueError(f"step output v{v} is never computed")
+        outputs.append((key, min(holders)))
+    return MeshPrograms(instructions=tuple(_insert_frees(out, program, {o for o in outputs if o}, key_of)),
+                        num_meshes=schedule.num_meshes, stage_to_mesh=tuple(stage_to_mesh), outputs=tuple(outputs))
+
+
+def _reads(ins: Instruction, program: StageProgram, key_of) -> list[Key]:
+    if ins.op is Op.RUN:
+        piece = program.piece(ins.stage, ins.phase)
+        return [key_of(v, ins.micro_batch) for v in piece.inputs]
+    if ins.op in (Op.ACC, Op.RECV):
+        return [ins.key]
+    return []
+
+
+def _insert_frees(instructions: list[Instruction], program: StageProgram, keep: set, key_of) -> list[Instruction]:
+    """Adds ``FREE`` after the last use of each per-micro-batch buffer on each mesh (step inputs, outputs
+    and accumulators stay)."""
+    last: dict[tuple[int, Key], int] = {}
+    written: dict[tuple[int, Key], int] = {}
+    per_step_reads = set()
+    for i, ins in enumerate(instructions):
+        for key in _reads(ins, program, key_of):
+            if key[1] == PER_STEP:
+                per_step_reads.add(key)
+                continue
+            last[(ins.mesh, key)] = i
+        if ins.op is Op.RECV:
+            last[(ins.mesh, ins.key)] = max(last.get((ins.mesh, ins.key), i), i)
+        if ins.op is Op.RUN and ins.micro_batch != PER_STEP:
+            for v in program.piece(ins.stage, ins.phase).outputs:
+                written[(ins.mesh, (v, ins.micro_batch))] = i
+    for place, i in written.items():
+        last.setdefault(place, i)
+    # RECV reads the source mesh's buffer: the source must keep it until then.
+    for i, ins in enumerate(instructions):
+        if ins.op is Op.RECV and ins.key[1] != PER_STEP:
+            place = (ins.src_mesh, ins.key)
+            last[place] = max(last.get(place, i), i)
+    frees: dict[int, list[Instruction]] = {}
+    kept = {key for key, _ in keep}
+    for (mesh, key), i in last.items():
+        if key[1] == PER_STEP or key in kept:
+            continue
+        frees.setdefault(i, []).append(Instruction(Op.FREE, mesh, key=key))
+    result = []
+    for i, ins in enumerate(instructions):
+        result.append(ins)
+        result.extend(sorted(frees.get(i, []), key=lambda f: (f.mesh, f.key)))
+    return result
