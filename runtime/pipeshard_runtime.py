@@ -8,6 +8,7 @@ while the driver walks the global instruction order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Sequence
@@ -65,6 +66,7 @@ class PipeshardExecutable:
                        for stage in plan.stages]
         self._input_specs = input_specs
         self._jitted = {key: jax.jit(_piece_fn(piece)) for key, piece in program.pieces.items()}
+        self._fused: dict[tuple, Any] = {}
         self._reshard_plans: dict[tuple, Any] = {}
         self.last_step = StepStats()
 
@@ -81,9 +83,30 @@ class PipeshardExecutable:
         inputs = dict(zip(self.program.step_inputs, flat, strict=True))
         inputs.update(self.program.constants)
         micro = {}
-        for ins in self.programs.instructions:
+        instructions = self.programs.instructions
+        i = 0
+        while i < len(instructions):
+            ins = instructions[i]
+            i += 1
             stats.instructions += 1
-            self._execute(ins, buffers, accumulators, inputs, micro, stats)
+            if ins.op is Op.RUN:  # fused with the ACC instructions that follow it
+                accs, frees = [], []
+                while i < len(instructions) and instructions[i].op in (Op.ACC, Op.FREE):
+                    (accs if instructions[i].op is Op.ACC else frees).append(instructions[i])
+                    i += 1
+                stats.instructions += len(accs) + len(frees)
+                self._run(ins, accs, buffers, accumulators)
+                for free in frees:
+                    buffers[free.mesh].pop(free.key, None)
+            elif ins.op is Op.MEAN:
+                group = [ins]
+                while i < len(instructions) and instructions[i].op is Op.MEAN:
+                    group.append(instructions[i])
+                    i += 1
+                stats.instructions += len(group) - 1
+                self._mean(group, buffers, accumulators)
+            else:
+                self._execute(ins, buffers, inputs, micro, stats)
         outputs = []
         for k, out in enumerate(self.programs.outputs):
             if out is None:
@@ -97,38 +120,53 @@ class PipeshardExecutable:
 
     # ------------------------------------------------------------------------------------------ execution
 
-    def _execute(self, ins: Instruction, buffers, accumulators, inputs, micro, stats: StepStats) -> None:
-        mesh_buffers = buffers[ins.mesh]
-        if ins.op is Op.RUN:
-            piece = self.program.piece(ins.stage, ins.phase)
-            args = [mesh_buffers[(v, ins.micro_batch)] if (v, ins.micro_batch) in mesh_buffers
-                    else mesh_buffers[(v, PER_STEP)] for v in piece.inputs]
+    def _run(self, ins: Instruction, accs: list[Instruction], buffers, accumulators) -> None:
+        """RUN, and the ACCs of its outputs inside the same jitted call once the accumulators exist."""
+        mesh_buffers, acc = buffers[ins.mesh], accumulators[ins.mesh]
+        piece = self.program.piece(ins.stage, ins.phase)
+        args = [mesh_buffers[(v, ins.micro_batch)] if (v, ins.micro_batch) in mesh_buffers
+                else mesh_buffers[(v, PER_STEP)] for v in piece.inputs]
+        position = {v: k for k, v in enumerate(piece.outputs)}
+        fused = [a for a in accs if a.target in acc]
+        if fused:
+            slots = tuple(position[a.key[0]] for a in fused)
+            fn = self._fused.get((ins.stage, ins.phase, slots))
+            if fn is None:
+                fn = self._fused[(ins.stage, ins.phase, slots)] = jax.jit(_accumulating_fn(piece, slots))
+            outs, sums = fn([acc[a.target] for a in fused], *args)
+            acc.update({a.target: x for a, x in zip(fused, sums, strict=True)})
+        else:
             outs = self._jitted[(ins.stage, ins.phase)](*args)
-            for v, x in zip(piece.outputs, outs, strict=True):
-                mesh_buffers[(v, ins.micro_batch)] = x
-        elif ins.op is Op.LOAD:
+        for v, x in zip(piece.outputs, outs, strict=True):
+            mesh_buffers[(v, ins.micro_batch)] = x
+        for a in accs:
+            if a not in fused:
+                acc[a.target] = mesh_buffers[a.key]
+
+    def _mean(self, group: list[Instruction], buffers, accumulators) -> None:
+        for mesh in sorted({ins.mesh for ins in group}):
+            mine = [ins for ins in group if ins.mesh == mesh]
+            totals = [accumulators[mesh].pop(ins.key[0]) for ins in mine]
+            means = _divide_all(totals, self.num_micro_batches)
+            buffers[mesh].update({ins.key: x for ins, x in zip(mine, means, strict=True)})
+
+    def _execute(self, ins: Instruction, buffers, inputs, micro, stats: StepStats) -> None:
+        mesh_buffers = buffers[ins.mesh]
+        if ins.op is Op.LOAD:
             v, mb = ins.key
             value = inputs[v]
             if mb != PER_STEP:
                 if v not in micro:
-                    micro[v] = to_micro_batches(jax.numpy.asarray(value), self.num_micro_batches)
+                    micro[v] = _split_micro_batches(jax.numpy.asarray(value), self.num_micro_batches)
                 value = micro[v][mb]
             mesh_buffers[ins.key] = jax.device_put(value, self._load_sharding(v, np.shape(value), ins.mesh))
         elif ins.op is Op.RECV:
             x = buffers[ins.src_mesh][ins.key]
             mesh_buffers[ins.key] = self._move(x, ins.mesh, stats)
-        elif ins.op is Op.ACC:
-            x = mesh_buffers[ins.key]
-            acc = accumulators[ins.mesh]
-            acc[ins.target] = x if ins.target not in acc else acc[ins.target] + x
-        elif ins.op is Op.MEAN:
-            v = ins.key[0]
-            total = accumulators[ins.mesh].pop(v)
-            mesh_buffers[ins.key] = total / np.asarray(self.num_micro_batches, dtype=total.dtype)
         elif ins.op is Op.FREE:
             mesh_buffers.pop(ins.key, None)
         else:
-            raise AssertionError(f"unknown instruction {ins}")
+            raise AssertionError(f"unexpected instruction {ins}")
 
     def _load_sharding(self, value_id, shape, mesh_index: int) -> NamedSharding:
         mesh = self.meshes[mesh_index]
@@ -162,6 +200,24 @@ class PipeshardExecutable:
         piece = self.program.piece(stage, phase)
         return [jax.ShapeDtypeStruct(self.program.values[v].aval.shape, self.program.values[v].aval.dtype)
                 for v in piece.inputs]
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _divide_all(totals, count: int):
+    return [t / jax.numpy.asarray(count, t.dtype) for t in totals]
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _split_micro_batches(x, count: int):
+    return tuple(to_micro_batches(x, count))
+
+
+def _accumulating_fn(piece, slots: tuple[int, ...]):
+    """The piece, also adding its outputs at ``slots`` to the given accumulators."""
+    def run(totals, *args):
+        outs = jax_compat.eval_closed_jaxpr(piece.jaxpr, *args)
+        return outs, [t + outs[k] for t, k in zip(totals, slots, strict=True)]
+    return run
 
 
 def _piece_fn(piece):

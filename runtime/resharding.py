@@ -169,7 +169,8 @@ def reshard(x: jax.Array, plan: ReshardingPlan, dst_sharding: jax.sharding.Named
     src_tiles, dst_tiles = plan.src.tiles(plan.shape), plan.dst.tiles(plan.shape)
     received: dict[int, list[tuple[Box, jax.Array]]] = {}
     for t in plan.transfers:
-        piece = src_data[t.src][_local(t.box, src_tiles[t.src])]
+        whole = t.box == src_tiles[t.src]
+        piece = src_data[t.src] if whole else src_data[t.src][_local(t.box, src_tiles[t.src])]
         received.setdefault(t.dst, []).append((t.box, jax.device_put(piece, devices[t.dst])))
     gather_of = {d: g for g in plan.all_gathers for d in g.devices}
     tiles: dict[int, jax.Array] = {}

@@ -1,0 +1,647 @@
+r"""Pipeline schedules as plain data: a tick x mesh grid of tasks, validated by a simulator.
+
+A schedule says, for every mesh of a pipeline, in which order it runs the forward (``F``) and backward
+(``B``) pass of every (stage, micro-batch). It exists once, as a :class:`Schedule`: the instruction
+programs and executors read it, nothing re-implements it as a loop (STYLE principles 2, 4, 5).
+
+Vocabulary:
+
+- ``p`` meshes (:data:`MeshIdx`), ``v`` virtual stages per mesh, ``S = p v`` stages (:data:`StageIdx`);
+  looping schedules put stage ``s`` on mesh ``s mod p`` (Megatron-LM 2.2.2, BFPP 4.1 "looping pipeline").
+- ``m`` micro-batches (:data:`MicroBatchIdx`).
+- A task ``2F0`` is the forward of stage 2 on micro-batch 0 (:class:`Task`).
+- ``F(s, k)`` needs ``F(s-1, k)``; ``B(s, k)`` needs ``F(s, k)`` and ``B(s+1, k)``.
+
+The grid (:attr:`Schedule.ticks`) gives every task one tick; it is what the generators emit and what the
+golden files store. :meth:`Schedule.timeline` replays each mesh's order with real per-stage durations
+(as soon as dependencies and the mesh allow) and is what :meth:`~Schedule.bubble_fraction`, the Chrome
+trace and the plot use.
+
+Bubble, with :math:`t_f, t_b` the forward and backward time of one micro-batch through a whole mesh
+(all its ``v`` stages), :math:`t_{id} = m (t_f + t_b)` the ideal time and :math:`t_{pb}` the idle time of
+a mesh (Megatron-LM 2.2.1-2.2.2, seed 002; BFPP Eq. 4 and 9, seed 004):
+
+.. math::
+   \frac{t_{pb}}{t_{id}} = \frac{p-1}{m} \ \text{(GPipe, 1F1B)}, \qquad
+   \frac{t_{pb}}{t_{id}} = \frac{1}{v}\,\frac{p-1}{m} \ \text{(interleaved 1F1B, breadth-first)},
+
+and as a fraction of the whole step, :math:`t_{pb} / (t_{id} + t_{pb})`, e.g. :math:`(p-1)/(m+p-1)` for
+GPipe. Both hold exactly here for any ratio :math:`t_b / t_f` (breadth-first needs :math:`m \ge p` or
+:math:`v = 1`; see :func:`breadth_first`).
+
+Example:
+
+>>> s = one_f_one_b(num_meshes=2, num_micro_batches=3)
+>>> print(s.table())
+tick  mesh0  mesh1
+   0  0F0    .
+   1  0F1    1F0
+   2  .      1B0
+   3  0B0    1F1
+   4  0F2    1B1
+   5  0B1    1F2
+   6  .      1B2
+   7  0B2    .
+>>> s.bubble_fraction(), s.bubble_fraction(relative_to="ideal"), s.peak_in_flight()
+(Fraction(1, 4), Fraction(1, 3), (2, 1))
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import json
+import numbers
+import re
+from collections.abc import Callable, Mapping, Sequence
+from fractions import Fraction
+from typing import NewType
+
+StageIdx = NewType("StageIdx", int)
+"""Position of a stage in the pipeline, 0 = first. With ``v`` virtual stages per mesh, ``S = p v`` stages."""
+MeshIdx = NewType("MeshIdx", int)
+"""Position of a mesh (a pipeline device group) in the pipeline, 0 = first. Not an index into a list of
+submesh shapes (that is :data:`alpa_like.compiler.stage_dp.MeshIdx`)."""
+MicroBatchIdx = NewType("MicroBatchIdx", int)
+"""Index of a micro-batch within one step, 0 = first."""
+
+Duration = int | Fraction | float
+"""A task's duration in arbitrary units. Ints and Fractions give exact bubble fractions."""
+
+
+class Phase(enum.StrEnum):
+    """What a task computes. A ``W`` (weight gradient only) phase for zero-bubble schedules would go here;
+    it is not implemented."""
+
+    F = "F"
+    """Forward."""
+    B = "B"
+    """Backward: input and weight gradients."""
+
+
+class ScheduleName(enum.StrEnum):
+    """The schedules :func:`make_schedule` builds (same names as ``alpa_like.pipeshard.PIPELINE_SCHEDULES``)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+    BREADTH_FIRST = "breadth_first"
+
+
+_TASK_RE = re.compile(r"(\d+)([" + "".join(Phase) + r"])(\d+)(?:\.(\d+))?")
+
+
+def _is_int(x: object) -> bool:
+    return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, bool))
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One unit of work on one mesh: the ``phase`` of ``stage`` on ``micro_batch``.
+
+    Printed ``{stage}{phase}{micro_batch}``, e.g. ``2F0``, and ``2F0.1`` for token slice 1 (TeraPipe,
+    reserved: no schedule here uses slices). :meth:`from_str` parses the printed form back exactly.
+
+    >>> Task.from_str("2B10"), str(Task(StageIdx(0), MicroBatchIdx(3), Phase.F, slice=1))
+    (2B10, '0F3.1')
+    """
+
+    stage: StageIdx
+    micro_batch: MicroBatchIdx
+    phase: Phase
+    slice: int | None = None
+    """Token slice of the micro-batch (TeraPipe); ``None`` = the whole sequence."""
+
+    def __post_init__(self) -> None:
+        for field in ("stage", "micro_batch") + (("slice",) if self.slice is not None else ()):
+            value = getattr(self, field)
+            if not _is_int(value) or value < 0:
+                raise ValueError(f"Task.{field} must be an int >= 0, got {value!r}")
+        if not isinstance(self.phase, Phase):
+            if self.phase not in tuple(Phase):
+                raise ValueError(f"Task.phase must be one of {[str(x) for x in Phase]}, got {self.phase!r}")
+            object.__setattr__(self, "phase", Phase(self.phase))
+
+    def __str__(self) -> str:
+        suffix = "" if self.slice is None else f".{self.slice}"
+        return f"{self.stage}{self.phase}{self.micro_batch}{suffix}"
+
+    __repr__ = __str__
+
+    @classmethod
+    def from_str(cls, text: str) -> Task:
+        """Parse ``2F0`` / ``2F0.1`` (the inverse of ``str``)."""
+        match = _TASK_RE.fullmatch(text)
+        if match is None:
+            raise ValueError(f"not a task: {text!r}; expected <stage><phase><micro_batch>[.<slice>] with "
+                             f"phase in {[str(x) for x in Phase]}, e.g. '2F0' or '2F0.1'")
+        stage, phase, micro_batch, slice_ = match.groups()
+        return cls(StageIdx(int(stage)), MicroBatchIdx(int(micro_batch)), Phase(phase),
+                   None if slice_ is None else int(slice_))
+
+
+def forward(stage: int, micro_batch: int) -> Task:
+    """``F`` of (stage, micro_batch)."""
+    return Task(StageIdx(stage), MicroBatchIdx(micro_batch), Phase.F)
+
+
+def backward(stage: int, micro_batch: int) -> Task:
+    """``B`` of (stage, micro_batch)."""
+    return Task(StageIdx(stage), MicroBatchIdx(micro_batch), Phase.B)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def dependencies(task: Task, num_stages: int) -> tuple[Task, ...]:
+    """The tasks whose outputs ``task`` reads: ``F(s-1, k)`` for ``F(s, k)``; ``F(s, k)`` (stashed
+    activations) and ``B(s+1, k)`` (output gradient) for ``B(s, k)``."""
+    s, k = task.stage, task.micro_batch
+    if task.phase == Phase.F:
+        return (forward(s - 1, k),) if s > 0 else ()
+    return (forward(s, k),) + ((backward(s + 1, k),) if s + 1 < num_stages else ())
+
+
+# --------------------------------------------------------------------------------------------- timeline
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """When ``task`` ran on ``mesh``: ``[start, end)``."""
+
+    task: Task
+    mesh: MeshIdx
+    start: Duration
+    end: Duration
+
+
+def _ratio(num: Duration, den: Duration) -> Duration:
+    exact = all(isinstance(x, (numbers.Integral, Fraction)) for x in (num, den))
+    return Fraction(num, den) if exact else num / den
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """A schedule replayed with durations: every task's span, per mesh in execution order."""
+
+    name: str
+    num_meshes: int
+    num_stages: int
+    spans: tuple[Span, ...]
+    """Sorted by (mesh, start)."""
+
+    @property
+    def makespan(self) -> Duration:
+        """End of the last task (every mesh starts at 0)."""
+        return max((s.end for s in self.spans), default=0)
+
+    def busy_time(self) -> tuple[Duration, ...]:
+        """Time each mesh spends running tasks."""
+        busy: list[Duration] = [0] * self.num_meshes
+        for span in self.spans:
+            busy[span.mesh] += span.end - span.start
+        return tuple(busy)
+
+    def bubble_fraction(self, relative_to: str = "total") -> Duration:
+        r"""Idle time summed over meshes, divided by
+
+        - ``"total"``: the whole step on every mesh, :math:`p \cdot T`
+          (e.g. :math:`(p-1)/(m+p-1)` for GPipe);
+        - ``"ideal"``: the busy time, Megatron-LM's :math:`t_{pb} / t_{id}` (e.g. :math:`(p-1)/m`).
+        """
+        busy = sum(self.busy_time())
+        idle = self.num_meshes * self.makespan - busy
+        bases = {"total": self.num_meshes * self.makespan, "ideal": busy}
+        if relative_to not in bases:
+            raise ValueError(f"relative_to must be one of {sorted(bases)}, got {relative_to!r}")
+        return _ratio(idle, bases[relative_to]) if bases[relative_to] else 0
+
+    def to_chrome_trace(self, path: str, *, us_per_unit: float = 1000.0) -> None:
+        """Write Chrome/Perfetto trace events (one track per mesh, one event per task) to ``path``."""
+        from alpa_like.runtime.schedule_trace import write_chrome_trace
+        write_chrome_trace(self, path, us_per_unit=us_per_unit)
+
+    def plot(self, path: str) -> None:
+        """Draw the timeline (one row per mesh) as a PNG at ``path`` (matplotlib, Agg canvas)."""
+        from alpa_like.runtime.schedule_trace import plot_timeline
+        plot_timeline(self, path)
+
+
+def _per_stage(value: Duration | Sequence[Duration], num_stages: int, arg: str) -> tuple[Duration, ...]:
+    values = (value,) * num_stages if isinstance(value, numbers.Real) else tuple(value)
+    if len(values) != num_stages:
+        raise ValueError(f"{arg} needs one duration per stage ({num_stages}), got {len(values)}")
+    for x in values:
+        if not isinstance(x, numbers.Real) or isinstance(x, bool) or not x > 0:
+            raise ValueError(f"{arg} durations must be positive numbers, got {x!r}")
+    return values
+
+
+def _run(orders: Sequence[Sequence[Task]], num_stages: int, duration: Callable[[Task], Duration]
+         ) -> tuple[dict[Task, Duration], tuple[int, ...]]:
+    """Replay per-mesh orders as soon as possible: a task starts when its mesh is free and its dependencies
+    have ended. Returns the start times of the tasks that ran and, per mesh, how many of its tasks ran
+    (all of them unless the orders deadlock)."""
+    start: dict[Task, Duration] = {}
+    end: dict[Task, Duration] = {}
+    done = [0] * len(orders)
+    free: list[Duration] = [0] * len(orders)
+    progressed = True
+    while progressed:
+        progressed = False
+        for mesh, order in enumerate(orders):
+            while done[mesh] < len(order):
+                task = order[done[mesh]]
+                deps = dependencies(task, num_stages)
+                if any(d not in end for d in deps):
+                    break
+                start[task] = max([free[mesh]] + [end[d] for d in deps])
+                end[task] = free[mesh] = start[task] + duration(task)
+                done[mesh] += 1
+                progressed = True
+    return start, tuple(done)
+
+
+def _ticks_from_orders(orders: Sequence[Sequence[Task]], num_stages: int
+                       ) -> tuple[tuple[Task | None, ...], ...]:
+    """Place per-mesh orders on unit ticks, each task as early as its mesh and dependencies allow."""
+    start, _ = _run(orders, num_stages, lambda task: 1)
+    num_ticks = max(start.values(), default=-1) + 1
+    grid: list[list[Task | None]] = [[None] * len(orders) for _ in range(num_ticks)]
+    for mesh, order in enumerate(orders):
+        for task in order:
+            grid[start[task]][mesh] = task
+    return tuple(tuple(row) for row in grid)
+
+
+# --------------------------------------------------------------------------------------------- schedule
+
+
+def format_ticks(ticks: Sequence[Sequence[Task | None]], marks: Mapping[int, str] | None = None) -> str:
+    """The tick x mesh grid as text, bubbles as ``.``; ``marks`` appends ``<-- ERROR: note`` to ticks."""
+    marks = marks or {}
+    num_meshes = max((len(row) for row in ticks), default=0)
+    cells = [[("." if t is None else str(t)) for t in row] for row in ticks]
+    width = max([len(f"mesh{num_meshes - 1}")] + [len(c) for row in cells for c in row])
+    tick_width = max(4, len(str(len(ticks) - 1)))
+    lines = ["tick".rjust(tick_width) + "  " + "  ".join(f"mesh{i}".ljust(width) for i in range(num_meshes))]
+    for tick, row in enumerate(cells):
+        line = str(tick).rjust(tick_width) + "  " + "  ".join(c.ljust(width) for c in row)
+        lines.append(line.rstrip() + (f"  <-- ERROR: {marks[tick]}" if tick in marks else ""))
+    return "\n".join(lines)
+
+
+_JSON_FORMAT = "alpa_like.schedule/1"
+_JSON_KEYS = ("format", "name", "num_meshes", "num_stages", "num_micro_batches", "stage_to_mesh", "ticks")
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule: which task each mesh runs at each tick (``None`` = bubble).
+
+    Build one with a generator (:func:`gpipe`, :func:`one_f_one_b`, :func:`interleaved_one_f_one_b`,
+    :func:`breadth_first`, :func:`make_schedule`) or by hand: construction runs :meth:`validate`, so an
+    invalid schedule cannot exist and consumers need not check again.
+    """
+
+    name: str
+    num_meshes: int
+    num_stages: int
+    """``num_meshes * virtual_stages`` for the looping schedules here."""
+    num_micro_batches: int
+    stage_to_mesh: tuple[MeshIdx, ...]
+    """Mesh of each stage."""
+    ticks: tuple[tuple[Task | None, ...], ...]
+    """``ticks[t][mesh]``: the task ``mesh`` runs at tick ``t`` (one tick each with unit durations)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise ValueError(f"Schedule.name must be a str, got {self.name!r}")
+        for field in ("num_meshes", "num_stages", "num_micro_batches"):
+            value = getattr(self, field)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"Schedule.{field} must be an int >= 1, got {value!r}")
+        object.__setattr__(self, "stage_to_mesh", tuple(self.stage_to_mesh))
+        object.__setattr__(self, "ticks", tuple(tuple(row) for row in self.ticks))
+        if len(self.stage_to_mesh) != self.num_stages or not all(
+                _is_int(x) and 0 <= x < self.num_meshes for x in self.stage_to_mesh):
+            raise ValueError(f"stage_to_mesh must give each of the {self.num_stages} stages a mesh in "
+                             f"0..{self.num_meshes - 1}, got {list(self.stage_to_mesh)}")
+        for tick, row in enumerate(self.ticks):
+            if len(row) != self.num_meshes or not all(t is None or isinstance(t, Task) for t in row):
+                raise ValueError(f"tick {tick} must hold {self.num_meshes} entries, each a Task or None, "
+                                 f"got {row!r}")
+        self.validate()
+
+    # ------------------------------------------------------------------------------------ views
+
+    @property
+    def virtual_stages(self) -> int:
+        """Stages per mesh (``v``), the most any mesh holds."""
+        return max(self.stage_to_mesh.count(MeshIdx(i)) for i in range(self.num_meshes))
+
+    def mesh_orders(self) -> tuple[tuple[Task, ...], ...]:
+        """Each mesh's tasks in execution order (bubbles dropped)."""
+        return tuple(tuple(row[mesh] for row in self.ticks if row[mesh] is not None)
+                     for mesh in range(self.num_meshes))
+
+    def table(self) -> str:
+        """The tick x mesh grid as text (see the module example)."""
+        return format_ticks(self.ticks)
+
+    def to_csv(self) -> str:
+        """One line per tick, ``tick,mesh0,...``; bubbles are empty cells (the golden-file format)."""
+        header = ",".join(["tick"] + [f"mesh{i}" for i in range(self.num_meshes)])
+        rows = [",".join([str(tick)] + ["" if t is None else str(t) for t in row])
+                for tick, row in enumerate(self.ticks)]
+        return "\n".join([header] + rows) + "\n"
+
+    # ------------------------------------------------------------------------------------ checks
+
+    def _fail(self, message: str, marks: Mapping[int, str] | None = None) -> ValueError:
+        return ValueError(f"schedule {self.name!r} is invalid: {message}\n{format_ticks(self.ticks, marks)}")
+
+    def validate(self) -> None:
+        """Dry-run the schedule (done on construction); raise ``ValueError`` with the grid, the offending
+        tick marked, unless
+
+        - every (stage, micro-batch) has exactly one ``F`` and one ``B``, on the stage's mesh;
+        - replaying each mesh's order, no mesh waits forever (no deadlock);
+        - on the grid, every task's dependencies ran at earlier ticks (so the grid is a valid timeline
+          with unit durations, one task per mesh per tick).
+        """
+        seen: dict[Task, int] = {}
+        for tick, row in enumerate(self.ticks):
+            for mesh, task in enumerate(row):
+                if task is None:
+                    continue
+                if task.slice is not None:
+                    raise self._fail(f"{task} at tick {tick} has a token slice; token-sliced (TeraPipe) "
+                                     f"schedules are not supported yet", {tick: f"{task} has a slice"})
+                if task.stage >= self.num_stages or task.micro_batch >= self.num_micro_batches:
+                    raise self._fail(f"{task} at tick {tick} is out of range: stages 0..{self.num_stages - 1}, "
+                                     f"micro-batches 0..{self.num_micro_batches - 1}", {tick: f"{task}"})
+                if self.stage_to_mesh[task.stage] != mesh:
+                    raise self._fail(f"{task} at tick {tick} runs on mesh {mesh}, but stage {task.stage} "
+                                     f"lives on mesh {self.stage_to_mesh[task.stage]}",
+                                     {tick: f"{task} on the wrong mesh"})
+                if task in seen:
+                    raise self._fail(f"{task} runs twice, at ticks {seen[task]} and {tick}",
+                                     {seen[task]: f"{task} (first)", tick: f"{task} again"})
+                seen[task] = tick
+        missing = [task for s in range(self.num_stages) for k in range(self.num_micro_batches)
+                   for task in (forward(s, k), backward(s, k)) if task not in seen]
+        if missing:
+            shown = " ".join(map(str, missing[:12])) + (" ..." if len(missing) > 12 else "")
+            raise self._fail(f"{len(missing)} task(s) never run: {shown}")
+
+        orders = self.mesh_orders()
+        ran, done = _run(orders, self.num_stages, lambda task: 1)
+        stuck = {mesh: orders[mesh][n] for mesh, n in enumerate(done) if n < len(orders[mesh])}
+        if stuck:
+            what = "; ".join(f"mesh{m} waits at {t} for "
+                             + " ".join(str(d) for d in dependencies(t, self.num_stages) if d not in ran)
+                             for m, t in stuck.items())
+            marks: dict[int, str] = {}
+            for m, t in stuck.items():
+                marks[seen[t]] = "; ".join(filter(None, [marks.get(seen[t]), f"mesh{m} stuck at {t}"]))
+            raise self._fail(f"deadlock: no mesh can run its next task ({what})", marks)
+
+        for task, tick in seen.items():
+            late = [d for d in dependencies(task, self.num_stages) if seen[d] >= tick]
+            if late:
+                needs = ", ".join(f"{d} (tick {seen[d]})" for d in late)
+                raise self._fail(f"{task} at tick {tick} needs {needs}, which must run at an earlier tick",
+                                 {tick: f"{task} needs {needs}"})
+
+    # ------------------------------------------------------------------------------------ metrics
+
+    def timeline(self, t_f: Duration | Sequence[Duration] = 1,
+                 t_b: Duration | Sequence[Duration] | None = None) -> Timeline:
+        """Replay each mesh's order with per-stage durations, every task as early as its mesh and its
+        dependencies allow (no communication time).
+
+        Args:
+          t_f: duration of one stage's forward on one micro-batch; one number or one per stage.
+          t_b: the same for the backward; default ``2 * t_f`` (Megatron-LM Fig. 3).
+        """
+        fwd = _per_stage(t_f, self.num_stages, "t_f")
+        bwd = _per_stage(tuple(2 * x for x in fwd) if t_b is None else t_b, self.num_stages, "t_b")
+        orders = self.mesh_orders()
+        start, done = _run(orders, self.num_stages,
+                           lambda t: fwd[t.stage] if t.phase == Phase.F else bwd[t.stage])
+        if done != tuple(len(o) for o in orders):  # unreachable: construction validated the orders
+            raise RuntimeError(f"schedule {self.name!r} deadlocks\n{self.table()}")
+        spans = tuple(Span(t, MeshIdx(mesh), start[t],
+                           start[t] + (fwd[t.stage] if t.phase == Phase.F else bwd[t.stage]))
+                      for mesh, order in enumerate(orders) for t in order)
+        return Timeline(self.name, self.num_meshes, self.num_stages, spans)
+
+    def bubble_fraction(self, t_f: Duration | Sequence[Duration] = 1,
+                        t_b: Duration | Sequence[Duration] | None = None, *,
+                        relative_to: str = "total") -> Duration:
+        """Idle / total over meshes (``relative_to="ideal"``: idle / busy) for :meth:`timeline` with these
+        durations; a ``Fraction`` when the durations are ints or Fractions (see
+        :meth:`Timeline.bubble_fraction`)."""
+        return self.timeline(t_f, t_b).bubble_fraction(relative_to)
+
+    def peak_in_flight(self) -> tuple[int, ...]:
+        """Per mesh, the most (stage, micro-batch) pairs whose ``F`` has run and ``B`` has not: the stashed
+        activations. With ``v`` stages per mesh each pair is ``1/v`` of a mesh's layers, so a whole
+        micro-batch's activations on a mesh count ``v``. Depends only on each mesh's order."""
+        peaks = []
+        for order in self.mesh_orders():
+            held = peak = 0
+            for task in order:
+                held += 1 if task.phase == Phase.F else -1
+                peak = max(peak, held)
+            peaks.append(peak)
+        return tuple(peaks)
+
+    # ------------------------------------------------------------------------------------ export
+
+    def to_json(self) -> str:
+        """Exact JSON (tasks as ``2F0`` strings, bubbles as ``null``); :meth:`from_json` reads it back."""
+        return json.dumps({
+            "format": _JSON_FORMAT, "name": self.name, "num_meshes": self.num_meshes,
+            "num_stages": self.num_stages, "num_micro_batches": self.num_micro_batches,
+            "stage_to_mesh": list(self.stage_to_mesh),
+            "ticks": [[None if t is None else str(t) for t in row] for row in self.ticks]})
+
+    @classmethod
+    def from_json(cls, text: str) -> Schedule:
+        """Parse :meth:`to_json` output (the schedule validates on construction)."""
+        data = json.loads(text)
+        if not isinstance(data, dict) or sorted(data) != sorted(_JSON_KEYS) or data["format"] != _JSON_FORMAT:
+            got = sorted(data) if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"not a schedule JSON ({_JSON_FORMAT}): expected keys {sorted(_JSON_KEYS)}, "
+                             f"got {got}")
+        return cls(name=data["name"], num_meshes=data["num_meshes"], num_stages=data["num_stages"],
+                   num_micro_batches=data["num_micro_batches"],
+                   stage_to_mesh=tuple(MeshIdx(x) for x in data["stage_to_mesh"]),
+                   ticks=tuple(tuple(None if t is None else Task.from_str(t) for t in row)
+                               for row in data["ticks"]))
+
+    def to_chrome_trace(self, path: str, t_f: Duration | Sequence[Duration] = 1,
+                        t_b: Duration | Sequence[Duration] | None = None, *,
+                        us_per_unit: float = 1000.0) -> None:
+        """Write the :meth:`timeline` as Chrome/Perfetto trace events (open in ui.perfetto.dev)."""
+        self.timeline(t_f, t_b).to_chrome_trace(path, us_per_unit=us_per_unit)
+
+    def plot(self, path: str, t_f: Duration | Sequence[Duration] = 1,
+             t_b: Duration | Sequence[Duration] | None = None) -> None:
+        """Draw the :meth:`timeline` as a PNG."""
+        self.timeline(t_f, t_b).plot(path)
+
+
+# ------------------------------------------------------------------------------------------- generators
+
+
+def _check_count(arg: str, value: object) -> None:
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{arg} must be a positive int (1, 2, 3, ...), got {value!r}")
+
+
+def _looping(name: str, num_meshes: int, num_micro_batches: int, virtual_stages: int,
+             orders: Sequence[Sequence[Task]]) -> Schedule:
+    """The schedule with stage ``s`` on mesh ``s mod p`` and the given per-mesh orders (validated)."""
+    num_stages = num_meshes * virtual_stages
+    return Schedule(name=str(name), num_meshes=num_meshes, num_stages=num_stages,
+                    num_micro_batches=num_micro_batches,
+                    stage_to_mesh=tuple(MeshIdx(s % num_meshes) for s in range(num_stages)),
+                    ticks=_ticks_from_orders(orders, num_stages))
+
+
+def _breadth_first_orders(p: int, m: int, v: int) -> list[list[Task]]:
+    """Mesh ``i``: the forwards of its stages ``i, i+p, ...`` in turn, each on micro-batches ``0..m-1``;
+    then the backwards of its stages in reverse, each on micro-batches ``0..m-1``."""
+    return [[forward(c * p + i, k) for c in range(v) for k in range(m)]
+            + [backward(c * p + i, k) for c in reversed(range(v)) for k in range(m)]
+            for i in range(p)]
+
+
+def _depth_first_orders(p: int, m: int, v: int, warmup: Callable[[int], int]) -> list[list[Task]]:
+    """Mesh ``i``: ``warmup(i)`` forwards, then one forward and one backward in turn, then the remaining
+    backwards. The ``j``-th forward runs local chunk ``(j // p) mod v`` on micro-batch
+    ``(j // (p v)) p + j mod p`` (micro-batches in groups of ``p``, Megatron-LM 2.2.2); the ``j``-th
+    backward runs chunk ``v - 1 - (j // p) mod v`` on the same micro-batch."""
+    n = m * v
+
+    def task(i: int, j: int, phase: Phase) -> Task:
+        chunk = (j // p) % v
+        if phase == Phase.B:
+            chunk = v - 1 - chunk
+        micro_batch = (j // (p * v)) * p + j % p
+        return Task(StageIdx(chunk * p + i), MicroBatchIdx(micro_batch), phase)
+
+    orders = []
+    for i in range(p):
+        w = min(warmup(i), n)
+        order = [task(i, j, Phase.F) for j in range(w)]
+        for j in range(n - w):
+            order += [task(i, w + j, Phase.F), task(i, j, Phase.B)]
+        order += [task(i, j, Phase.B) for j in range(n - w, n)]
+        orders.append(order)
+    return orders
+
+
+def gpipe(num_meshes: int, num_micro_batches: int) -> Schedule:
+    r"""GPipe: every mesh runs all forwards, then all backwards (Megatron-LM 2.2.1, Fig. 3).
+
+    .. math::
+       \frac{t_{pb}}{t_{id}} = \frac{(p-1)(t_f + t_b)}{m (t_f + t_b)} = \frac{p-1}{m},
+       \qquad \text{in flight} = m \text{ on every mesh}.
+    """
+    _check_count("num_meshes", num_meshes)
+    _check_count("num_micro_batches", num_micro_batches)
+    return _looping(ScheduleName.GPIPE, num_meshes, num_micro_batches, 1,
+                    _breadth_first_orders(num_meshes, num_micro_batches, 1))
+
+
+def one_f_one_b(num_meshes: int, num_micro_batches: int) -> Schedule:
+    r"""Synchronous 1F1B (PipeDream-Flush; Megatron-LM 2.2.1, Fig. 4 top): mesh ``i`` runs
+    :math:`\min(p-1-i, m)` warm-up forwards, then one forward and one backward in turn, then the remaining
+    backwards (cool-down). Same bubble as GPipe, fewer activations:
+
+    .. math::
+       \frac{t_{pb}}{t_{id}} = \frac{p-1}{m}, \qquad \text{in flight on mesh } i = \min(p - i, m) \le p.
+    """
+    _check_count("num_meshes", num_meshes)
+    _check_count("num_micro_batches", num_micro_batches)
+    p = num_meshes
+    return _looping(ScheduleName.ONE_F_ONE_B, p, num_micro_batches, 1,
+                    _depth_first_orders(p, num_micro_batches, 1, lambda i: p - 1 - i))
+
+
+def interleaved_one_f_one_b(num_meshes: int, num_micro_batches: int, virtual_stages: int) -> Schedule:
+    r"""Interleaved 1F1B (Megatron-LM 2.2.2, Fig. 4 bottom; BFPP's "depth-first" looping pipeline): stage
+    ``s`` on mesh ``s mod p``, micro-batches in groups of ``p`` go through each local chunk in turn.
+    Mesh ``i`` runs :math:`w_i = \min((v-1)p + 2(p-1-i),\ m v)` warm-up forwards (Megatron-LM's code;
+    not in the seed), then 1F1B, then the cool-down backwards; ``v = 1`` is :func:`one_f_one_b` (warm-up
+    :math:`p-1-i`), as in Megatron-LM. With per-stage times :math:`t_f/v, t_b/v`:
+
+    .. math::
+       t_{pb}^{int.} = \frac{(p-1)(t_f+t_b)}{v}, \qquad
+       \frac{t_{pb}^{int.}}{t_{id}} = \frac{1}{v}\,\frac{p-1}{m}, \qquad
+       \text{in flight on mesh } i = \min(w_i + 1,\ m v) \text{ (stage, micro-batch) pairs}.
+
+    Requires ``num_micro_batches`` to be a multiple of ``num_meshes`` (Megatron-LM 2.2.2).
+
+    NOTE: without transfer time, the smaller warm-up :math:`(v-1)p + (p-1-i)` gives the same bubble with
+    fewer activations; the extra :math:`p-1-i` forwards are slack that absorbs transfer latency (with a
+    latency of 1/4 of a forward, ``p=4, m=8, v=2`` takes 60.5 instead of 64.5 forward-times; 57 without).
+    """
+    _check_count("num_meshes", num_meshes)
+    _check_count("num_micro_batches", num_micro_batches)
+    _check_count("virtual_stages", virtual_stages)
+    p, m, v = num_meshes, num_micro_batches, virtual_stages
+    if m % p:
+        raise ValueError(f"interleaved_1f1b needs num_micro_batches divisible by num_meshes (Megatron-LM "
+                         f"2.2.2): got num_micro_batches={m}, num_meshes={p}; valid num_micro_batches are "
+                         f"{p}, {2 * p}, {3 * p}, ... (breadth_first accepts any)")
+    extra = 2 if v > 1 else 1
+    return _looping(ScheduleName.INTERLEAVED_1F1B, p, m, v,
+                    _depth_first_orders(p, m, v, lambda i: (v - 1) * p + extra * (p - 1 - i)))
+
+
+def breadth_first(num_meshes: int, num_micro_batches: int, virtual_stages: int) -> Schedule:
+    r"""Breadth-first looping pipeline (BFPP 4.1, seed 004): stage ``s`` on mesh ``s mod p``; a mesh runs
+    the forward of each of its stages on all micro-batches before the next stage, then the backwards in
+    reverse stage order. Any ``num_micro_batches``; ``virtual_stages = 1`` is GPipe.
+
+    .. math::
+       \frac{t_{pb}}{t_{id}} = \frac{p - 1 + (v-1)\max(0,\ p-m)}{v\,m}
+       \quad\Big(= \frac{p-1}{v\,m} \text{ (BFPP Eq. 9) for } m \ge p\Big),
+       \qquad \text{in flight} = m v \text{ pairs on every mesh}.
+
+    With per-stage times :math:`t_f/v, t_b/v` the step takes :math:`T = (vm + p - 1)(t_f + t_b)/v` for
+    :math:`m \ge p`. For :math:`m < p`, mesh 0 finishes a loop's ``m`` forwards before micro-batch 0
+    comes back from mesh ``p-1`` (``p`` stage times after it left), so each of the ``v-1`` loop-backs
+    idles :math:`p - m` stage times (forward and backward alike): the pipeline is a plain
+    :math:`pv`-stage GPipe, :math:`T = (pv + m - 1)(t_f + t_b)/v`.
+    """
+    _check_count("num_meshes", num_meshes)
+    _check_count("num_micro_batches", num_micro_batches)
+    _check_count("virtual_stages", virtual_stages)
+    return _looping(ScheduleName.BREADTH_FIRST, num_meshes, num_micro_batches, virtual_stages,
+                    _breadth_first_orders(num_meshes, num_micro_batches, virtual_stages))
+
+
+_FLAT: dict[str, Callable[[int, int], Schedule]] = {
+    ScheduleName.GPIPE: gpipe, ScheduleName.ONE_F_ONE_B: one_f_one_b}
+_LOOPING: dict[str, Callable[[int, int, int], Schedule]] = {
+    ScheduleName.INTERLEAVED_1F1B: interleaved_one_f_one_b, ScheduleName.BREADTH_FIRST: breadth_first}
+
+
+def make_schedule(name: str, num_meshes: int, num_micro_batches: int, virtual_stages: int = 1) -> Schedule:
+    """Build the schedule called ``name`` (one of :class:`ScheduleName`).
+
+    >>> make_schedule("breadth_first", 2, 4, virtual_stages=2).num_stages
+    4
+    """
+    if name in _FLAT:
+        if virtual_stages != 1:
+            raise ValueError(f"{name} has one stage per mesh: virtual_stages must be 1, got {virtual_stages!r} "
+                             f"(looping schedules: {sorted(map(str, _LOOPING))})")
+        return _FLAT[name](num_meshes, num_micro_batches)
+    if name in _LOOPING:
+        return _LOOPING[name](num_meshes, num_micro_batches, virtual_stages)
+    raise ValueError(f"unknown schedule {name!r}; valid: {sorted(map(str, [*_FLAT, *_LOOPING]))}")
