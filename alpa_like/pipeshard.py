@@ -141,12 +141,21 @@ class PipeshardParallel:
     """One of PIPELINE_SCHEDULES."""
     auto_sharding_option: AutoShardingOption = AutoShardingOption(solver="highs")
     """Options of the intra-op pass run on every layer and mesh."""
+    virtual_stages: int = 1
+    """Layer chunks per mesh for the looping schedules (``interleaved_1f1b``, ``breadth_first``): the
+    layers are cut into ``meshes x virtual_stages`` equal chunks and chunk ``s`` runs on mesh ``s mod p``
+    (Megatron-LM's interleaved layout). 1 for the other schedules."""
 
     def __post_init__(self):
         _check_micro_batches(self.num_micro_batches)
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got "
                              f"{self.pipeline_schedule!r}")
+        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
+            raise ValueError(f"virtual_stages must be an int >= 1, got {self.virtual_stages!r}")
+        if self.virtual_stages > 1 and self.pipeline_schedule not in ("interleaved_1f1b", "breadth_first"):
+            raise ValueError(f"virtual_stages={self.virtual_stages} needs a looping schedule "
+                             f"('interleaved_1f1b' or 'breadth_first'), got {self.pipeline_schedule!r}")
         if not isinstance(self.layer_option, (AutoLayerOption, ManualLayerOption)):
             raise TypeError(f"layer_option must be AutoLayerOption or ManualLayerOption, got {self.layer_option!r}")
         if not isinstance(self.stage_option, (AutoStageOption, ManualStageOption, UniformStageOption)):
@@ -386,13 +395,34 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
     progress.step("step 1/4: tracing the step and cutting it into layers")
     sliced = slice_step(method, fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums)
     plan = plan_sliced(method, sliced, ClusterSpec.local(devices), progress)
-    program = build_stage_program(sliced.closed_jaxpr, sliced.pieces, [s.layer_ids for s in plan.stages],
+    stage_layers, stage_to_mesh = [s.layer_ids for s in plan.stages], list(range(len(plan.stages)))
+    if method.virtual_stages > 1:
+        plan, stage_layers, stage_to_mesh = _loop_layers(plan, len(sliced.summaries), method.virtual_stages)
+    program = build_stage_program(sliced.closed_jaxpr, sliced.pieces, stage_layers,
                                   [r == "batch" for r in sliced.roles])
     schedule = make_schedule(method.pipeline_schedule, num_meshes=len(plan.stages),
-                             num_micro_batches=method.num_micro_batches)
-    programs = emit_programs(program, schedule, stage_to_mesh=list(range(len(plan.stages))))
+                             num_micro_batches=method.num_micro_batches, virtual_stages=method.virtual_stages)
+    programs = emit_programs(program, schedule, stage_to_mesh=stage_to_mesh)
     path_to_input = {leaf.path: program.step_inputs[k] for k, leaf in enumerate(sliced.traced.in_leaves)}
     input_specs = {path_to_input[t.path]: t.spec for s in plan.stages for t in s.inputs
                    if t.spec is not None and t.path in path_to_input}
     return PipeshardExecutable(traced=sliced.traced, plan=plan, program=program, programs=programs,
                                devices=devices, input_specs=input_specs)
+
+
+def _loop_layers(plan: ParallelPlan, num_layers: int, virtual_stages: int):
+    """Megatron-LM's interleaved layout on the plan's meshes: ``p * v`` equal layer chunks, chunk ``s`` on
+    mesh ``s mod p``. Returns the plan with each mesh's layers updated (parameters keep no hand-picked
+    layout), the chunks' layers and their meshes."""
+    p = len(plan.stages)
+    chunks = p * virtual_stages
+    if num_layers % chunks:
+        raise ValueError(f"virtual_stages={virtual_stages} on {p} meshes needs the layer count to be a multiple "
+                         f"of {chunks}; the step has {num_layers} layers (change layer_num)")
+    size = num_layers // chunks
+    stage_layers = [tuple(range(s * size, (s + 1) * size)) for s in range(chunks)]
+    stage_to_mesh = [s % p for s in range(chunks)]
+    stages = tuple(dataclasses.replace(
+        stage, inputs=(), layer_ids=tuple(l for s, layers in enumerate(stage_layers) if s % p == q for l in layers))
+        for q, stage in enumerate(plan.stages))
+    return dataclasses.replace(plan, stages=stages), stage_layers, stage_to_mesh

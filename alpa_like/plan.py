@@ -352,7 +352,9 @@ def format_plan(plan: ParallelPlan, *, group_layers: bool = True) -> str:
         lines.append(f"  planning time: {format_seconds(total)} ({parts})")
     lines += [f"  warning: {w}" for w in plan.warnings]
     for s in plan.stages:
-        layers = "all" if not s.layer_ids else f"{s.layer_ids[0]}-{s.layer_ids[-1]}"
+        contiguous = list(s.layer_ids) == list(range(s.layer_ids[0], s.layer_ids[-1] + 1)) if s.layer_ids else True
+        layers = ("all" if not s.layer_ids else f"{s.layer_ids[0]}-{s.layer_ids[-1]}" if contiguous
+                  else ",".join(map(str, s.layer_ids)))
         lines.append("")
         lines.append(f"Stage {s.stage_id}: layers {layers}, submesh {s.submesh_shape}, logical mesh "
                      f"{s.logical_mesh_shape} axes {s.mesh_axis_names}"

@@ -137,3 +137,19 @@ def test_programs_are_static_and_one_step_runs_no_new_compilation():
     assert f.num_compilations == 1 and exe.programs is before
     assert exe.last_step.bytes_moved > 0 and exe.last_step.instructions == len(before.instructions)
     assert "RUN 0F0" in before.table() and "RECV" in before.table()
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "breadth_first"])
+def test_looping_schedules_with_virtual_stages_match_jit(schedule):
+    loss_fn, state, batches = gpt_case(num_layers=4)
+    step = train_step_for(loss_fn)
+    method = al.PipeshardParallel(num_micro_batches=4, layer_option=al.AutoLayerOption(layer_num=4),
+                                  stage_option=stages(((0, 1), (2, 3)), ((1, 4), (1, 4)), ((2, 2), (4, 1))),
+                                  pipeline_schedule=schedule, virtual_stages=2)
+    f = al.parallelize(step, method=method)
+    plan = f.get_executable(state, batches[0]).plan
+    assert [s.layer_ids for s in plan.stages] == [(0, 2), (1, 3)]  # chunk s on mesh s mod 2
+    ref_state, ref_losses = reference_on_one_device(step, state, batches)
+    got_state, got_losses = run_steps(f, state, batches)
+    assert_trees_close(got_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
