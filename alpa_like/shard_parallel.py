@@ -206,11 +206,7 @@ def realize(traced: TracedStep, graph: OpGraph, solution: ShardingSolution,
             out_specs.append(ShardingSpec.replicated(len(traced.out_leaves[j].shape)))
         else:
             out_specs.append(solution.tensor_spec(t))
-    constraints = []
-    for node in graph.nodes:
-        if node.primitive in PINNED_PRIMITIVES and not node.inlined and node.id not in rewritten_nodes:
-            constraints += [(node.eqn_index, k, spec) for k, spec in enumerate(solution.strategies[node.id].out_specs)]
-    constraints += grad_pins
+    constraints = pins(graph, solution, skip=rewritten_nodes) + grad_pins
     return SpmdLayout(mesh_shape=solution.mesh.shape, axis_names=MESH_AXIS_NAMES, roles=tuple(roles),
                       in_specs=tuple(in_specs), out_specs=tuple(out_specs), shard_grads=False,
                       eqn_constraints=tuple(constraints), warnings=tuple(warnings),
@@ -221,6 +217,40 @@ def realize(traced: TracedStep, graph: OpGraph, solution: ShardingSolution,
                                           num_edges=solution.ilp.num_edges,
                                           num_variables=solution.ilp.num_variables,
                                           num_constraints=solution.ilp.num_constraints, views=tuple(views)))
+
+
+def pins(graph: OpGraph, solution: ShardingSolution, skip=frozenset()) -> list[tuple[int, int, ShardingSpec]]:
+    """``with_sharding_constraint`` sites that make XLA follow the plan.
+
+    Every value of the step that has an equation index gets the layout the plan gives it, so that XLA's
+    propagation cannot move a layout change elsewhere. Then, for the pinned operators (matmuls,
+    convolutions, gathers, scatters), an operand that only this operator reads is pinned to the spec the
+    chosen algorithm needs, where it is produced: the resharding the plan pays happens there, and XLA's
+    partitioner sees the algorithm's operand and output layouts, which leaves it one way to compute the
+    operator. An operator's own output layout wins over a reader's wish. ``skip``: nodes whose output layout
+    another pass decides.
+    """
+    readers: dict[int, int] = {}
+    for node in graph.nodes:
+        for t in node.operands:
+            if t is not None:
+                readers[t] = readers.get(t, 0) + 1
+    outputs = set(t for t in graph.output_tensors if t is not None)
+    sites: dict[tuple[int, int], ShardingSpec] = {}
+    for t, site in graph.pins.items():
+        if graph.tensors[t].producer not in skip:
+            sites[site] = solution.tensor_spec(t)
+    heavy = [n for n in graph.nodes if n.primitive in PINNED_PRIMITIVES]
+    for node in heavy:
+        for t, spec in zip(node.operands, solution.strategies[node.id].in_specs):
+            site = graph.pins.get(t) if t is not None else None
+            if site is not None and readers[t] == 1 and t not in outputs and graph.tensors[t].producer not in skip:
+                sites[site] = spec
+    for node in heavy:
+        if not node.inlined and node.id not in skip:
+            for k, spec in enumerate(solution.strategies[node.id].out_specs):
+                sites[(node.eqn_index, k)] = spec
+    return [(eqn, k, spec) for (eqn, k), spec in sites.items()]
 
 
 def predicted_collectives(graph: OpGraph, solution: ShardingSolution, rewrites: Sequence[WeightUpdateSharding],

@@ -38,6 +38,7 @@ from alpa_like.compiler.sharding_spec import (
     resharding_cost,
 )
 from alpa_like.compiler.strategies import (
+    HEAVY_PRIMITIVES,
     ROOT_RULES,
     Strategy,
     StrategyContext,
@@ -141,6 +142,22 @@ def control_flow_strategies(node: OpNode, ctx: StrategyContext) -> list[Strategy
     return out
 
 
+def with_replicated_work(strategy: Strategy, node: OpNode, graph: OpGraph, ctx: StrategyContext) -> Strategy:
+    """Adds to a light operator's ``d_v`` the time of the work it repeats on replicated devices.
+
+    The dissertation sets ``d_v = 0`` for light operators ("their computation costs are negligible"); we
+    charge one FLOP per element of the larger of its first operand and its outputs, at ``peak_flops``, times
+    ``1/shards - 1/devices`` (0 when the work is split over every device). This is orders of magnitude below
+    any collective, so it only breaks ties between plans of equal communication in favour of split work.
+    """
+    elements = max([math.prod(graph.tensors[t].shape) for t in node.outputs]
+                   + [math.prod(graph.tensors[t].shape) for t in node.operands[:1] if t is not None])
+    spec = strategy.out_specs[0] if strategy.out_specs else None
+    split = shards(spec, ctx.mesh.shape) if spec is not None else 1
+    extra = elements / ctx.peak_flops * (1.0 / split - 1.0 / ctx.mesh.num_devices)
+    return dataclasses.replace(strategy, compute_seconds=strategy.compute_seconds + extra) if extra > 0 else strategy
+
+
 def strategy_table(graph: OpGraph, ctx: StrategyContext,
                    input_candidates: Mapping[int, Sequence[ShardingSpec]] | None = None) -> list[list[Strategy]]:
     """Per node, its strategies; a merged node has exactly one per strategy of its group (same order)."""
@@ -163,11 +180,14 @@ def strategy_table(graph: OpGraph, ctx: StrategyContext,
                 spec = s.out_specs[producer.out_index]
                 key = (node.id, spec)
                 if key not in cache:
-                    cache[key] = rule.derive(node.eqn, node.follow, spec, ctx)
+                    cache[key] = with_replicated_work(rule.derive(node.eqn, node.follow, spec, ctx), node, graph, ctx)
                 derived.append(cache[key])
             table.append(derived)
         elif node.primitive in ROOT_RULES:
-            table.append(ROOT_RULES[node.primitive](node.eqn, ctx) or [replicated_strategy(node.eqn)])
+            strategies = ROOT_RULES[node.primitive](node.eqn, ctx) or [replicated_strategy(node.eqn)]
+            if node.primitive not in HEAVY_PRIMITIVES:  # heavy operators price their own replicated work
+                strategies = [with_replicated_work(s, node, graph, ctx) for s in strategies]
+            table.append(strategies)
         elif node.primitive in CONTROL_FLOW:
             table.append(control_flow_strategies(node, ctx))
         else:  # sources (iota, RNG) and primitives without rules: replicated

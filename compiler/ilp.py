@@ -20,11 +20,11 @@ Exact reductions before the solver call (they never change the optimum):
   :math:`e` row (column); an edge whose matrix has one distinct row or column folds into a cost vector.
 
 The reduced model is assembled as sparse matrices with numpy (:func:`matrix_model`) and handed to CBC (the
-binary PuLP bundles, Alpa's solver; the model goes through an MPS file) or to HiGHS
-(``scipy.optimize.milp``, several times faster on these LPs). When the solver stops at the time limit the
-best integer solution found is used; when it finds none, a stated heuristic is used instead (greedy in node
-order: each node takes the strategy cheapest given the choices already made). The report says which
-happened.
+binary PuLP bundles, Alpa's solver; the model goes through an MPS file, and CBC's presolve, which costs more
+than the solve on these models, is off) or to HiGHS (``scipy.optimize.milp``). When the solver stops at the
+time limit the best integer solution found is used; when it finds none, a stated heuristic is used
+instead (greedy in node order: each node takes the strategy cheapest given the choices already made). The
+report says which happened.
 """
 from __future__ import annotations
 
@@ -355,7 +355,8 @@ def _solve_highs(model: MatrixModel, time_limit: float) -> tuple[np.ndarray | No
 
 
 def write_mps(path: str, model: MatrixModel) -> None:
-    """Writes ``model`` as an MPS file (indented like PuLP's, which CBC's reader accepts) (columns ``x<j>``, rows ``e<i>`` and ``m<i>``)."""
+    """Writes ``model`` as an MPS file, indented like PuLP's (which CBC's reader accepts): columns ``x<j>``,
+    equality rows ``e<i>``, memory rows ``m<i>``."""
     a = sparse.vstack([model.a_eq] + ([model.a_ub] if model.a_ub is not None else [])).tocsc()
     n_eq = model.a_eq.shape[0]
     n_ub = 0 if model.a_ub is None else model.a_ub.shape[0]

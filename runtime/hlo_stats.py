@@ -13,6 +13,7 @@ _DTYPES = {"f64": 8, "f32": 4, "f16": 2, "bf16": 2, "s64": 8, "s32": 4, "s16": 2
 # "%name = f32[8,16]{1,0} all-reduce(" or "= (f32[8], f32[4]) all-reduce-start(" ...
 _LINE = re.compile(r"=\s*(?P<shape>\([^=]*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
                    r"(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+_COMMENT = re.compile(r"/\*.*?\*/")
 _ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
 
 
@@ -28,7 +29,7 @@ def collectives(hlo_text: str) -> list[HloCollective]:
     """Every collective op in an HLO module text, in program order (async pairs counted once)."""
     found = []
     for line in hlo_text.splitlines():
-        m = _LINE.search(line)
+        m = _LINE.search(_COMMENT.sub("", line))  # tuple shapes carry /*index=5*/ comments
         if not m:
             continue
         nbytes = 0

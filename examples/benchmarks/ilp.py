@@ -1,0 +1,197 @@
+"""Benchmark of the intra-op ILP (Alpa dissertation Eq. 3.1): problem size and solve time, and the step time
+of its plans beside hand-written ones.
+
+Part 1 (shapes only, nothing allocated): for one GPT layer and the GPT-1.3B / 2.6B / 6.7B training steps
+(Adam, micro-batch ``--batch`` sequences of 1024 tokens) on p3.16xlarge clusters of 8 and 16 V100s, every
+logical view of the devices: graph nodes, ILP nodes / edges / variables / constraints, seconds per phase
+(trace, strategies + costs, solve) and the objective.
+
+Part 2 (8 CPU devices): measured seconds per training step of ShardParallel's plan beside DataParallel,
+Zero2Parallel, Zero3Parallel and a Megatron-style ManualShardParallel (2-way data x 4-way tensor
+parallelism) for gpt-tiny and gpt-small, all run side by side in this process; ratios to the best
+hand-written method.
+
+    python examples/benchmarks/ilp.py                     # both parts, JSON to results/ilp.json
+    python examples/benchmarks/ilp.py --models gpt-1.3b --devices 8 --skip-step-time
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402  (after XLA_FLAGS on purpose)
+import optax  # noqa: E402
+from flax.training import train_state  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import alpa_like as al  # noqa: E402
+from alpa_like import models  # noqa: E402
+from alpa_like.compiler.auto_sharding import PassOptions, alias_pairs, auto_shard  # noqa: E402
+from alpa_like.compiler.logical_mesh import LogicalMesh, logical_shapes  # noqa: E402
+from alpa_like.compiler.op_graph import build_op_graph  # noqa: E402
+from alpa_like.compiler.trace import trace_step  # noqa: E402
+from alpa_like.methods import match_outputs_to_inputs  # noqa: E402
+from alpa_like.models import gpt  # noqa: E402
+
+
+def train_step(model):
+    loss_fn = gpt.gpt_loss(model)
+
+    def step(state, batch):
+        loss, grads = al.value_and_grad(loss_fn)(state.params, batch)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+    return step
+
+
+def state_shapes(config):
+    params = gpt.gpt_param_shapes(config)
+    return jax.eval_shape(lambda p: train_state.TrainState.create(apply_fn=None, params=p, tx=optax.adam(1e-4)),
+                          params)
+
+
+# ----------------------------------------------------------------------------------------------- part 1
+
+def ilp_size(name: str, config, num_devices: int, batch: int, solver: str, time_limit: float) -> list[dict]:
+    """One row per logical view: sizes and seconds of each phase of the pass."""
+    cluster = al.ClusterSpec.preset("p3.16xlarge", num_nodes=max(1, num_devices // 8))
+    model = gpt.GPTModel(config)
+    start = time.perf_counter()
+    traced = trace_step(train_step(model), (state_shapes(config), gpt.gpt_batch_shapes(config, batch)),
+                        batch_argnums=(1,))
+    graph = build_op_graph(traced.closed_jaxpr, [leaf.path for leaf in traced.in_leaves])
+    trace_seconds = time.perf_counter() - start
+    aliases = alias_pairs(graph, match_outputs_to_inputs(traced))
+    rows = []
+    for shape in logical_shapes(num_devices):
+        mesh = LogicalMesh.from_cluster(cluster, (cluster.num_nodes, cluster.num_devices_per_node), shape)
+        start = time.perf_counter()
+        solution = auto_shard(graph, mesh, PassOptions(peak_flops=cluster.peak_flops, solver=solver,
+                                                       solver_time_limit=time_limit), aliases=aliases)
+        total = time.perf_counter() - start
+        ilp = solution.ilp
+        rows.append({"model": name, "layers": config.num_layers, "devices": num_devices, "view": list(shape),
+                     "equations": len(traced.closed_jaxpr.jaxpr.eqns), "graph_nodes": len(graph.nodes),
+                     "ilp_nodes": ilp.num_nodes, "ilp_edges": ilp.num_edges, "variables": ilp.num_variables,
+                     "constraints": ilp.num_constraints, "trace_seconds": trace_seconds,
+                     "solve_seconds": ilp.solve_seconds, "pass_seconds": total, "status": ilp.status,
+                     "objective_seconds": solution.objective, "solver": solver})
+        print(f"  {name:10s} {num_devices:3d} dev view {shape[0]:2d}x{shape[1]:<2d}  nodes {ilp.num_nodes:5d}  "
+              f"edges {ilp.num_edges:5d}  vars {ilp.num_variables:7d}  cons {ilp.num_constraints:6d}  "
+              f"trace {trace_seconds:5.2f}s  pass {total:6.2f}s (solver {ilp.solve_seconds:6.2f}s)  "
+              f"{ilp.status:8s} objective {solution.objective * 1e3:9.3f} ms", flush=True)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------- part 2
+
+def megatron_specs(state):
+    """Megatron-LM's tensor parallelism on the "model" axis: QKV and fc_in column-split, out and fc_out
+    row-split; everything else (embeddings, LayerNorms, biases of row-split layers) replicated. Adam's moments
+    mirror the parameters."""
+    def spec(path, leaf):
+        keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        name = ".".join(keys)
+        if name.endswith(("qkv.kernel", "fc_in.kernel")):
+            return P(None, "model")
+        if name.endswith(("qkv.bias", "fc_in.bias")):
+            return P("model")
+        if name.endswith(("attn.out.kernel", "fc_out.kernel")):
+            return P("model", None)
+        return P()
+    params = jax.tree_util.tree_map_with_path(spec, state.params)
+    adam, rest = state.opt_state[0], state.opt_state[1:]
+    opt = (adam._replace(count=P(), mu=params, nu=params), *jax.tree.map(lambda _: P(), rest))
+    return state.replace(step=P(), params=params, opt_state=opt)
+
+
+def step_times(name: str, batch_size: int, steps: int) -> list[dict]:
+    config = models.get_config(name)
+    model = gpt.GPTModel(config)
+    variables = model.init(jax.random.PRNGKey(0), gpt.gpt_batch(config, 2, jax.random.PRNGKey(1))["input_ids"])
+    state = train_state.TrainState.create(apply_fn=model.apply, params=variables["params"], tx=optax.adam(1e-4))
+    batches = [gpt.gpt_batch(config, batch_size, jax.random.PRNGKey(10 + i)) for i in range(2)]
+    methods = {
+        "ShardParallel (ILP)": al.ShardParallel(),
+        "DataParallel": al.DataParallel(),
+        "Zero2Parallel": al.Zero2Parallel(),
+        "Zero3Parallel": al.Zero3Parallel(),
+        "Megatron (Manual 2x4)": al.ManualShardParallel(mesh_shape=(2, 4), mesh_axis_names=("data", "model"),
+                                                        in_specs=(megatron_specs(state), P("data"))),
+    }
+    step = train_step(model)
+    compiled = {}
+    for label, method in methods.items():
+        f = al.parallelize(step, method=method)
+        start = time.perf_counter()
+        exe = f.get_executable(state, batches[0])
+        compiled[label] = (exe, time.perf_counter() - start)
+    timings: dict[str, list[float]] = {label: [] for label in methods}
+    states = {label: state for label in compiled}
+    for label, (exe, _) in compiled.items():  # warm-up, each method once
+        states[label], _ = exe(states[label], batches[0])
+    for i in range(steps):  # interleaved, so that machine noise hits every method alike
+        for label, (exe, _) in compiled.items():
+            start = time.perf_counter()
+            states[label], metrics = exe(states[label], batches[i % 2])
+            jax.block_until_ready(metrics)
+            timings[label].append(time.perf_counter() - start)
+    hand = min(statistics.median(timings[label]) for label in methods if label != "ShardParallel (ILP)")
+    rows = []
+    for label, (exe, compile_seconds) in compiled.items():
+        median = statistics.median(timings[label])
+        stage = exe.plan.stages[0]
+        rows.append({"model": name, "batch": batch_size, "method": label, "step_seconds_median": median,
+                     "ratio_to_best_hand_written": median / hand, "compile_seconds": compile_seconds,
+                     "logical_mesh": list(stage.logical_mesh_shape),
+                     "modelled_communication_seconds": stage.communication_seconds})
+        print(f"  {name:9s} batch {batch_size:3d}  {label:22s} {median * 1e3:8.2f} ms/step  "
+              f"x{median / hand:5.2f} of best hand-written  mesh {tuple(stage.logical_mesh_shape)}  "
+              f"compile {compile_seconds:5.1f}s", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="results/ilp.json", help="JSON output path")
+    parser.add_argument("--models", default="layer,gpt-1.3b,gpt-2.6b,gpt-6.7b",
+                        help="comma list of 'layer' (one gpt-1.3b layer) and GPT config names")
+    parser.add_argument("--devices", default="8,16", help="comma list of device counts (p3.16xlarge nodes of 8)")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step for the shapes-only part")
+    parser.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
+    parser.add_argument("--time-limit", type=float, default=300.0, help="solver seconds per view")
+    parser.add_argument("--step-models", default="gpt-tiny,gpt-small", help="models timed on the CPU devices")
+    parser.add_argument("--step-batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--skip-ilp", action="store_true")
+    parser.add_argument("--skip-step-time", action="store_true")
+    args = parser.parse_args(argv)
+    jax.config.update("jax_default_matmul_precision", "highest")
+    result = {"ilp": [], "step_time": [], "solver": args.solver}
+    if not args.skip_ilp:
+        print("Part 1: ILP size and solve time (shapes only, p3.16xlarge)")
+        for name in args.models.split(","):
+            config = dataclasses.replace(models.get_config("gpt-1.3b"), num_layers=1) if name == "layer" else \
+                models.get_config(name)
+            for n in (int(d) for d in args.devices.split(",")):
+                result["ilp"] += ilp_size(name, config, n, args.batch, args.solver, args.time_limit)
+    if not args.skip_step_time:
+        print(f"Part 2: measured step time on {len(jax.devices())} CPU devices")
+        for name in args.step_models.split(","):
+            result["step_time"] += step_times(name, args.step_batch, args.steps)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

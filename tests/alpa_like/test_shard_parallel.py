@@ -1,0 +1,263 @@
+"""ShardParallel: numerical equality with single-device jax.jit on 1-D and 2-D meshes, the plan it prints,
+the collectives XLA compiled against the ones the ILP predicted, and bad input."""
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import alpa_like as al
+from alpa_like import models
+from alpa_like.models import gpt, moe, wide_resnet
+from alpa_like.runtime import hlo_stats
+from tests.helpers import (assert_trees_close, make_train_step, mlp_batch, mlp_loss, mlp_state,
+                           reference_on_one_device, run_steps)
+
+MESHES = {"1d": (1, 8), "2d": (2, 4)}
+
+
+def shard_parallel(mesh: str, **kw) -> al.ShardParallel:
+    return al.ShardParallel(auto_sharding_option=al.AutoShardingOption(logical_mesh_shape=MESHES[mesh], **kw))
+
+
+def _mlp_case():
+    rng = np.random.default_rng(1)
+    return make_train_step(mlp_loss), mlp_state(), [mlp_batch(rng) for _ in range(3)]
+
+
+def _gpt_like_case(name, model_cls, loss):
+    config = models.get_config(name)
+    model = model_cls(config)
+    params = model.init(jax.random.PRNGKey(0), gpt.gpt_batch(config, 2, jax.random.PRNGKey(1))["input_ids"])
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params["params"], tx=optax.adam(1e-3))
+    batches = [gpt.gpt_batch(config, 16, jax.random.PRNGKey(10 + i)) for i in range(3)]
+    return make_train_step(loss(model)), state, batches
+
+
+def _wresnet_case():
+    config = models.get_config("wresnet-tiny")
+    model = wide_resnet.WideResNet(config)
+    variables = model.init(jax.random.PRNGKey(0), jnp.zeros((2, config.image_size, config.image_size, 3)),
+                           train=False)
+    loss_fn = wide_resnet.wresnet_loss(model)
+    tx = optax.adam(1e-3)
+
+    def step(state, batch):
+        params, stats, opt_state = state
+        (loss, stats), grads = al.value_and_grad(loss_fn, has_aux=True)(params, stats, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), stats, opt_state), {"loss": loss}
+
+    state = (variables["params"], variables["batch_stats"], tx.init(variables["params"]))
+    batches = [wide_resnet.wresnet_batch(config, 16, jax.random.PRNGKey(10 + i)) for i in range(3)]
+    return step, state, batches
+
+
+# (case builder, atol). Everything is float32 and compared at rtol 1e-5 after 3 Adam steps. Adam divides
+# the update by sqrt(nu): a weight whose gradient is only float32 rounding noise gets an update of ~lr times
+# that noise's sign, which changes with the summation order of the sharded reductions. GPT's key bias
+# (softmax ignores a per-row shift, so its gradient is exactly 0 up to rounding) and MoE experts that
+# receive few tokens have such weights: atol 5e-6 and 2e-5 absolute on lr = 1e-3.
+CASES = {
+    "mlp": (_mlp_case, 1e-6),
+    "gpt": (lambda: _gpt_like_case("gpt-tiny", gpt.GPTModel, gpt.gpt_loss), 5e-6),
+    "moe": (lambda: _gpt_like_case("moe-tiny", moe.MoEModel, moe.moe_loss), 2e-5),
+    "wresnet": (_wresnet_case, 1e-6),
+}
+
+
+def _params_and_state(state):
+    if isinstance(state, tuple):  # the Wide-ResNet step's (params, batch_stats, opt_state)
+        return state[0], state[1:]
+    return state.params, state.opt_state
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", sorted(MESHES))
+@pytest.mark.parametrize("model", sorted(CASES))
+def test_shard_parallel_matches_single_device_jit(model, mesh):
+    build, atol = CASES[model]
+    step, state, batches = build()
+    ref_state, ref_metrics = reference_on_one_device(step, state, batches)
+    par_state, par_metrics = run_steps(al.parallelize(step, method=shard_parallel(mesh)), state, batches)
+    for actual, expected in zip(_params_and_state(par_state), _params_and_state(ref_state)):
+        assert_trees_close(actual, expected, rtol=1e-5, atol=atol)
+    assert_trees_close(par_metrics, ref_metrics, rtol=1e-5, atol=atol)
+
+
+def test_mlp_with_gradient_accumulation_matches_single_device_jit():
+    step, state, batches = _mlp_case()
+    ref_state, _ = reference_on_one_device(step, state, batches[:2])
+    method = al.ShardParallel(num_micro_batches=2,
+                              auto_sharding_option=al.AutoShardingOption(logical_mesh_shape=(2, 4)))
+    par_state, _ = run_steps(al.parallelize(step, method=method), state, batches[:2])
+    assert_trees_close(par_state.params, ref_state.params)
+    assert_trees_close(par_state.opt_state, ref_state.opt_state)
+
+
+# ------------------------------------------------------------------------------------------- the plan
+
+@pytest.fixture(scope="module")
+def mlp_exe():
+    step, state, batches = _mlp_case()
+    return al.parallelize(step, method=al.ShardParallel()).get_executable(state, batches[0])
+
+
+def test_every_logical_view_is_tried_and_the_cheapest_kept(mlp_exe):
+    solver = mlp_exe.plan.stages[0].solver
+    assert [shape for shape, _ in solver.views] == [(1, 8), (2, 4), (4, 2), (8, 1)]
+    best = min(objective for _, objective in solver.views)
+    assert solver.objective == best
+    assert mlp_exe.plan.stages[0].logical_mesh_shape in [shape for shape, o in solver.views if o == best]
+    assert solver.status == "optimal" and solver.num_nodes > 0
+
+
+def test_plan_shows_each_parameter_and_heavy_op_with_its_spec_and_cost(mlp_exe):
+    stage = mlp_exe.plan.stages[0]
+    params = {o.name: o for o in stage.ops if o.kind == "param"}
+    assert set(params) == {f"state.params.dense_{i}.{w}" for i in range(2) for w in ("kernel", "bias")}
+    dots = [o for o in stage.ops if o.kind == "dot_general"]
+    assert len(dots) == 5 and all(o.strategy and o.seconds >= 0 for o in dots)
+    text = str(mlp_exe.plan)
+    assert "intra-op ILP: optimal" in text and "chosen strategies" in text
+    assert "state.params.dense_0.kernel" in text and "dot_general" in text
+    # The modelled communication is the ILP's (after weight-update sharding), not data parallelism's.
+    assert stage.communication_seconds == pytest.approx(
+        sum(c.seconds for c in stage.communication))
+    assert al.ParallelPlan.from_json(mlp_exe.plan.to_json()) == mlp_exe.plan
+
+
+def test_weight_update_sharding_shards_optimizer_state_on_the_data_axes():
+    # Batch 4096 and narrow layers on links without latency: data parallelism on the 2x4 mesh, gradients
+    # all-reduced; the post-ILP pass turns each into reduce-scatter + all-gather and shards the Adam moments
+    # 8 ways, as Zero2Parallel does.
+    step = make_train_step(mlp_loss)
+    state, batch = mlp_state(), mlp_batch(np.random.default_rng(0), batch_size=4096)
+    cluster = dataclasses.replace(al.ClusterSpec.preset("p3.16xlarge"), intra_node_latency=0.0)
+    plan = al.plan(step, state, batch, method=shard_parallel("2d"), cluster=cluster)
+    kernel = plan.tensor("state.params.dense_0.kernel")
+    mu = plan.tensor("state.opt_state.0.mu.dense_0.kernel")
+    assert str(kernel.spec) == "RR" and mu.bytes_per_device == kernel.bytes_per_device // 8
+    kinds = {c.kind for c in plan.stages[0].communication}
+    assert {"reduce-scatter", "all-gather"} <= kinds and "all-reduce" in kinds  # the loss stays all-reduced
+    off = al.plan(step, state, batch, method=shard_parallel("2d", prefer_reduce_scatter=False), cluster=cluster)
+    assert str(off.tensor("state.opt_state.0.mu.dense_0.kernel").spec) == "RR"
+    assert off.stages[0].solver.objective == pytest.approx(plan.stages[0].solver.objective)
+
+
+# --------------------------------------------------------------------------- compiled vs predicted HLO
+
+def _compiled_all_reduces(exe) -> list[tuple[int, list[str]]]:
+    """(bytes, operator names) of every all-reduce XLA compiled; a combined all-reduce names all its parts."""
+    # hlo_stats' tuple-shape pattern stops at the '=' of "/*index=5*/" comments: strip them first.
+    text = re.sub(r"/\*.*?\*/", "", exe.get_hlo_text())
+    out = []
+    for c in hlo_stats.collectives(text):
+        if c.kind != "all-reduce":
+            continue
+        op = re.search(r'op_name="jit\(step\)/([^"]*)"', c.line).group(1)
+        if op.endswith(")") and (op.startswith("(") or "/(" in op):  # "prefix/(a:b:c)": a combined op
+            cut = 0 if op.startswith("(") else op.rfind("/(") + 1
+            out.append((c.result_bytes, [op[:cut] + item for item in op[cut + 1:-1].split(":")]))
+        else:
+            out.append((c.result_bytes, [op]))
+    return out
+
+
+def _predicted_all_reduces(exe) -> dict[str, list[int]]:
+    """Operator name -> bytes of each all-reduce the plan's strategy for it performs."""
+    out: dict[str, list[int]] = {}
+    for o in exe.plan.stages[0].ops:
+        for num_bytes in re.findall(r"all-reduce\((\d+) B", o.communication):
+            out.setdefault(o.name, []).append(int(num_bytes))
+    return out
+
+
+def test_compiled_collectives_match_the_ilp_for_mlp():
+    # Megatron on 8 CPU devices (the measured latency makes fewer collectives cheaper): the ILP predicts one
+    # all-reduce of the second matmul's [batch, 8] partial sums and nothing else; XLA compiles exactly that.
+    step, state, batches = _mlp_case()
+    exe = al.parallelize(step, method=shard_parallel("1d", prefer_reduce_scatter=False)).get_executable(
+        state, batches[0])
+    predicted = exe.plan.stages[0].communication
+    assert [(c.kind, c.num_bytes) for c in predicted] == [("all-reduce", 32 * 8 * 4)]
+    compiled = hlo_stats.collectives(exe.get_hlo_text())
+    assert [(c.kind, c.result_bytes) for c in compiled] == [("all-reduce", 32 * 8 * 4)]
+    assert _compiled_all_reduces(exe) == [(32 * 8 * 4, ["jvp()/dot_general"])]
+    assert _predicted_all_reduces(exe) == {"jvp()/dot_general": [32 * 8 * 4]}
+
+
+@pytest.mark.slow
+def test_compiled_all_reduces_are_the_ones_the_ilp_predicted_for_tiny_gpt():
+    """Every all-reduce XLA compiles for tiny GPT is one the plan predicts, at the same operator, with the
+    same bytes; XLA never all-reduces more than predicted.
+
+    Known gap: an operand read by several operators is pinned once, where it is produced; when the plan
+    reshards it for one heavy reader (e.g. an all-to-all into a k-split matmul), XLA may pick its own
+    algorithm for that reader (e.g. all-gather and compute replicated), so some predicted all-reduces are
+    missing from the HLO. Pinning operands per reader needs the runtime to constrain operands.
+    """
+    step, state, batches = CASES["gpt"][0]()
+    exe = al.parallelize(step, method=shard_parallel("1d", prefer_reduce_scatter=False)).get_executable(
+        state, batches[0])
+    predicted = _predicted_all_reduces(exe)
+    compiled = _compiled_all_reduces(exe)
+    singles = [(num_bytes, names[0]) for num_bytes, names in compiled if len(names) == 1]
+    assert singles, "the plan's tensor-parallel all-reduces are compiled one by one"
+    for num_bytes, name in singles:
+        assert num_bytes in predicted.get(name, []), (name, num_bytes, predicted.get(name))
+    total_predicted = sum(c.num_bytes for c in exe.plan.stages[0].communication if c.kind == "all-reduce")
+    assert sum(b for b, _ in compiled) <= total_predicted
+
+
+# ------------------------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"memory_budget_per_device": -1}, ValueError, "memory_budget_per_device must be a number of bytes > 0"),
+    ({"allow_all_to_all": "yes"}, TypeError, "allow_all_to_all must be a bool"),
+    ({"force_batch_dim_to_mesh_axis": 2}, ValueError, "force_batch_dim_to_mesh_axis must be 0, 1 or None"),
+    ({"solver_time_limit": 0}, ValueError, "solver_time_limit must be a number of seconds > 0"),
+    ({"logical_mesh_shape": (8,)}, ValueError, r"logical_mesh_shape must be a tuple \(n0, n1\)"),
+    ({"solver": "gurobi"}, ValueError, r"solver must be one of \('cbc', 'highs'\), got 'gurobi'"),
+])
+def test_bad_options_name_the_argument(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        al.AutoShardingOption(**kwargs)
+
+
+def test_bad_method_arguments_name_the_argument():
+    with pytest.raises(ValueError, match="num_micro_batches must be a positive int"):
+        al.ShardParallel(num_micro_batches=0)
+    with pytest.raises(TypeError, match="auto_sharding_option must be an al.AutoShardingOption"):
+        al.ShardParallel(auto_sharding_option={"solver": "cbc"})
+    step, state, batches = _mlp_case()
+    method = al.ShardParallel(auto_sharding_option=al.AutoShardingOption(logical_mesh_shape=(3, 3)))
+    with pytest.raises(ValueError, match=r"logical_mesh_shape \(3, 3\) has 9 devices, but the cluster has 8"):
+        al.parallelize(step, method=method)(state, batches[0])
+    forced = al.ShardParallel(auto_sharding_option=al.AutoShardingOption(logical_mesh_shape=(2, 4),
+                                                                         force_batch_dim_to_mesh_axis=1))
+    with pytest.raises(ValueError, match="batch leaf batch.x has 6 rows per micro-batch, not divisible by the 4"):
+        al.plan(step, state, mlp_batch(np.random.default_rng(0), batch_size=6), method=forced)
+
+
+def test_force_batch_dim_to_mesh_axis_pins_the_batch():
+    step, state, batches = _mlp_case()
+    method = al.ShardParallel(auto_sharding_option=al.AutoShardingOption(logical_mesh_shape=(2, 4),
+                                                                         force_batch_dim_to_mesh_axis=1))
+    plan = al.plan(step, state, batches[0], method=method)
+    assert plan.tensor("batch.x").spec.axes[0] == (1,)
+
+
+def test_unsupported_primitive_warns_and_is_computed_replicated():
+    def loss(params, batch):
+        y = batch["x"] @ params["w"]
+        return jnp.mean(jnp.linalg.eigvalsh(y.T @ y))  # eigh has no sharding rule
+    state = train_state.TrainState.create(apply_fn=None, params={"w": jnp.ones((4, 4))}, tx=optax.sgd(0.1))
+    batch = {"x": jnp.ones((8, 4))}
+    with pytest.warns(UserWarning, match="no sharding rule for primitive\\(s\\) eigh"):
+        plan = al.plan(make_train_step(loss), state, batch, method=shard_parallel("1d"))
+    assert any("eigh" in w for w in plan.warnings)
