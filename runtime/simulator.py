@@ -1,0 +1,114 @@
+"""The simulated backend: run the instruction programs against a clock instead of devices.
+
+Every mesh has a clock. An instruction starts when its mesh is free and its inputs are ready, and lasts:
+
+* ``RUN qFmb`` / ``RUN qBmb``: the stage's modelled time per micro-batch (the plan's compute plus intra-op
+  communication, divided over the micro-batches), split 1 : 2 between forward and backward as in
+  Megatron-LM's analysis; ``RUN qA``: the stage's apply-grad FLOPs at the device peak;
+* ``RECV``: the resharding plan's alpha-beta time between the two meshes (inter-node link when the meshes
+  are on different nodes);
+* ``LOAD``: host-to-device bytes at the intra-node bandwidth; ``ACC``, ``MEAN``, ``FREE``: free.
+
+The result is a :class:`~alpa_like.runtime.schedules.Timeline` of the RUN instructions (so the measured and
+simulated timelines export and plot the same way) and the predicted step time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from alpa_like.compiler.flops import jaxpr_flops
+from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
+from alpa_like.compiler.stage_construction import StageProgram
+from alpa_like.runtime.instructions import PER_STEP, MeshPrograms, Op
+from alpa_like.runtime.resharding import MeshLayout, plan_resharding
+from alpa_like.runtime.schedules import MeshIdx, MicroBatchIdx, Phase, Span, StageIdx, Task, Timeline
+
+_FORWARD_SHARE = 1 / 3
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Simulation:
+    step_seconds: float
+    timeline: Timeline
+    """The RUN instructions of forward and backward, in seconds."""
+    busy_seconds: tuple[float, ...]
+    """Per mesh: time spent in RUN instructions."""
+    transfer_seconds: float
+    """Sum of RECV durations."""
+
+
+def _mesh_layout(stage_plan, shape) -> MeshLayout:
+    from alpa_like.runtime.pipeshard_runtime import activation_spec
+
+    n0, n1 = stage_plan.logical_mesh_shape
+    ids = stage_plan.device_ids
+    grid = tuple(tuple(ids[i * n1:(i + 1) * n1]) for i in range(n0))
+    return MeshLayout(device_ids=grid, spec=activation_spec(shape, (n0, n1)))
+
+
+def simulate(plan, program: StageProgram, programs: MeshPrograms) -> Simulation:
+    """Runs ``programs`` on the clock described in the module docstring."""
+    cluster = plan.cluster
+    m = plan.num_micro_batches
+    stage_time = {}
+    for q in range(program.num_stages):
+        mesh = programs.stage_to_mesh[q]
+        stage_plan = plan.stages[mesh]
+        chunks = sum(1 for s in programs.stage_to_mesh if s == mesh)
+        per_mb = (stage_plan.compute_seconds + stage_plan.communication_seconds) / m / chunks
+        devices = len(stage_plan.device_ids)
+        apply_flops = jaxpr_flops(program.piece(q, APPLY).jaxpr)
+        stage_time[(q, FORWARD)] = per_mb * _FORWARD_SHARE
+        stage_time[(q, BACKWARD)] = per_mb * (1 - _FORWARD_SHARE)
+        stage_time[(q, APPLY)] = apply_flops / (devices * cluster.peak_flops)
+    per_node = cluster.num_devices_per_node
+    clock = [0.0] * programs.num_meshes
+    ready: dict[tuple[int, tuple], float] = {}
+    spans, busy, transfers = [], [0.0] * programs.num_meshes, 0.0
+    for ins in programs.instructions:
+        mesh = ins.mesh
+        start, duration = clock[mesh], 0.0
+        if ins.op is Op.RUN:
+            piece = program.piece(ins.stage, ins.phase)
+            for v in piece.inputs:
+                key = (v, ins.micro_batch) if (mesh, (v, ins.micro_batch)) in ready else (v, PER_STEP)
+                start = max(start, ready.get((mesh, key), 0.0))
+            duration = stage_time[(ins.stage, ins.phase)]
+            for v in piece.outputs:
+                ready[(mesh, (v, ins.micro_batch))] = start + duration
+            busy[mesh] += duration
+            if ins.phase != APPLY:
+                phase = Phase.F if ins.phase == FORWARD else Phase.B
+                spans.append(Span(Task(StageIdx(ins.stage), MicroBatchIdx(ins.micro_batch), phase), MeshIdx(mesh),
+                                  start, start + duration))
+        elif ins.op is Op.RECV:
+            start = max(start, ready.get((ins.src_mesh, ins.key), 0.0))
+            aval = program.values[ins.key[0]].aval
+            src_plan, dst_plan = plan.stages[ins.src_mesh], plan.stages[mesh]
+            reshard = plan_resharding(aval.shape, np.dtype(aval.dtype).itemsize,
+                                      _mesh_layout(src_plan, aval.shape), _mesh_layout(dst_plan, aval.shape))
+            cross = {d // per_node for d in src_plan.device_ids} != {d // per_node for d in dst_plan.device_ids}
+            bandwidth = cluster.inter_node_bandwidth if cross else cluster.intra_node_bandwidth
+            latency = cluster.inter_node_latency if cross else cluster.intra_node_latency
+            duration = reshard.estimated_seconds(bandwidth, latency, cluster.intra_node_bandwidth)
+            transfers += duration
+            ready[(mesh, ins.key)] = start + duration
+        elif ins.op is Op.LOAD:
+            aval = program.values[ins.key[0]].aval
+            nbytes = math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+            if ins.key[1] != PER_STEP:
+                nbytes //= m
+            duration = cluster.intra_node_latency + nbytes / cluster.intra_node_bandwidth
+            ready[(mesh, ins.key)] = start + duration
+        elif ins.op in (Op.ACC, Op.MEAN):
+            key = ins.key if ins.op is Op.ACC else ins.key
+            start = max(start, ready.get((mesh, key), start))
+            ready[(mesh, ins.key)] = start
+        clock[mesh] = start + duration
+    timeline = Timeline(name=plan.pipeline_schedule or "pipeline", num_meshes=programs.num_meshes,
+                        num_stages=program.num_stages, spans=tuple(sorted(spans, key=lambda s: (s.mesh, s.start))))
+    return Simulation(step_seconds=max(clock), timeline=timeline, busy_seconds=tuple(busy),
+                      transfer_seconds=transfers)

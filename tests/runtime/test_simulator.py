@@ -1,0 +1,48 @@
+"""The simulated backend runs the same instruction programs against the cost model's clock."""
+import dataclasses
+
+import pytest
+
+import alpa_like as al
+from alpa_like.runtime.simulator import simulate
+from alpa_like.runtime.schedules import Phase
+from tests.runtime.test_pipeshard_runtime import TWO_STAGES, gpt_case, train_step_for
+
+
+def executable(schedule, num_micro_batches=4):
+    loss_fn, state, batches = gpt_case()
+    method = al.PipeshardParallel(num_micro_batches=num_micro_batches, layer_option=al.AutoLayerOption(layer_num=4),
+                                  stage_option=TWO_STAGES, pipeline_schedule=schedule)
+    return al.parallelize(train_step_for(loss_fn), method=method).get_executable(state, batches[0])
+
+
+def idealised(plan, seconds_per_stage=1.0):
+    """Equal stages, free communication and apply-grad: the textbook pipeline."""
+    cluster = dataclasses.replace(plan.cluster, peak_flops=1e30, intra_node_bandwidth=1e30, inter_node_bandwidth=1e30,
+                                  intra_node_latency=0.0, inter_node_latency=0.0)
+    stages = tuple(dataclasses.replace(s, compute_seconds=seconds_per_stage, communication=()) for s in plan.stages)
+    return dataclasses.replace(plan, cluster=cluster, stages=stages)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_idealised_pipeline_has_the_textbook_bubble(schedule):
+    exe = executable(schedule, num_micro_batches=4)
+    sim = simulate(idealised(exe.plan), exe.program, exe.programs)
+    p, m = 2, 4
+    assert sim.timeline.bubble_fraction("ideal") == pytest.approx((p - 1) / m)
+    assert sim.step_seconds == pytest.approx((m + p - 1) * 1.0 / m)  # (m + p - 1)(t_f + t_b), t_f + t_b = 1 s / m
+
+
+def test_simulated_timeline_respects_dependencies_and_mesh_order():
+    exe = executable("1f1b")
+    sim = simulate(exe.plan, exe.program, exe.programs)
+    spans = {(s.task.stage, s.task.micro_batch, s.task.phase): s for s in sim.timeline.spans}
+    for (stage, mb, phase), span in spans.items():
+        if phase is Phase.F and stage > 0:
+            assert span.start >= spans[(stage - 1, mb, Phase.F)].end
+        if phase is Phase.B and stage < 1:
+            assert span.start >= spans[(stage + 1, mb, Phase.B)].end
+    for mesh in range(2):
+        mine = sorted((s for s in sim.timeline.spans if s.mesh == mesh), key=lambda s: s.start)
+        assert all(a.end <= b.start + 1e-15 for a, b in zip(mine, mine[1:]))
+    assert sim.step_seconds >= max(sim.busy_seconds) and sim.transfer_seconds > 0
