@@ -28,6 +28,19 @@ from alpa_like.models import gpt  # noqa: E402
 from alpa_like.models.sharding import megatron_specs  # noqa: E402
 
 
+def write_timeline(executable, prefix: str) -> None:
+    """The schedule's timeline under the cost model (simulated backend) as a Chrome trace and a PNG."""
+    from alpa_like.runtime.simulator import simulate
+
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    sim = simulate(executable.plan, executable.program, executable.programs)
+    sim.timeline.to_chrome_trace(prefix + ".json", us_per_unit=1e6)
+    sim.timeline.plot(prefix + ".png")
+    print(executable.programs.table().splitlines()[0])
+    print(f"schedule timeline (simulated, {sim.step_seconds * 1e3:.3f} ms per step, bubble "
+          f"{sim.timeline.bubble_fraction():.1%}): {prefix}.json (chrome://tracing, ui.perfetto.dev), {prefix}.png\n")
+
+
 def counting_batch(config, batch_size: int, key):
     """Learnable synthetic text: each row counts up from a random start with a random stride (1-4), so the
     loss falls as the model learns to read the stride from the context."""
@@ -38,7 +51,11 @@ def counting_batch(config, batch_size: int, key):
     return {"input_ids": tokens[:, :-1].astype(jnp.int32), "labels": tokens[:, 1:].astype(jnp.int32)}
 
 
-def make_method(name: str, micro_batches: int, state):
+METHOD_NAMES = ("data", "zero2", "zero3", "megatron", "shard", "pipeshard")
+
+
+def make_method(name: str, micro_batches: int, state, schedule: str = "1f1b", num_layers: int = 4,
+                stages: int = 0):
     if name == "data":
         return al.DataParallel(num_micro_batches=micro_batches)
     if name == "zero2":
@@ -49,13 +66,26 @@ def make_method(name: str, micro_batches: int, state):
         return al.ManualShardParallel(mesh_shape=(2, 4), mesh_axis_names=("data", "model"),
                                       in_specs=(megatron_specs(state), P("data")),
                                       num_micro_batches=micro_batches)
-    raise ValueError(f"--method must be one of data, zero2, zero3, megatron; got {name!r}")
+    if name == "shard":
+        return al.ShardParallel(num_micro_batches=micro_batches)
+    if name == "pipeshard":
+        stage_option = (al.UniformStageOption(num_stages=stages) if stages else al.AutoStageOption())
+        return al.PipeshardParallel(num_micro_batches=max(micro_batches, 2),
+                                    layer_option=al.AutoLayerOption(layer_num=num_layers),
+                                    stage_option=stage_option, pipeline_schedule=schedule)
+    raise ValueError(f"--method must be one of {METHOD_NAMES}; got {name!r}")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt-small", help="a name from alpa_like.models (default gpt-small)")
-    parser.add_argument("--method", default="data", choices=("data", "zero2", "zero3", "megatron"))
+    parser.add_argument("--method", default="data", choices=METHOD_NAMES)
+    parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"),
+                        help="pipeline schedule for --method pipeshard")
+    parser.add_argument("--stages", type=int, default=0,
+                        help="for --method pipeshard: force this many equal stages (0: the stage DP decides)")
+    parser.add_argument("--timeline", default="results/gpt_timeline",
+                        help="for --method pipeshard: path prefix of the simulated timeline (.json trace, .png)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--micro-batches", type=int, default=1)
     parser.add_argument("--steps", type=int, default=10)
@@ -78,13 +108,16 @@ def main():
         loss, grads = al.value_and_grad(loss_fn)(state.params, batch)
         return state.apply_gradients(grads=grads), {"loss": loss}
 
-    step = al.parallelize(train_step, method=make_method(args.method, args.micro_batches, state),
+    step = al.parallelize(train_step, method=make_method(args.method, args.micro_batches, state, args.schedule,
+                                                         config.num_layers, args.stages),
                           donate_argnums=(0,))
     start = time.perf_counter()
     executable = step.get_executable(state, batch)
     print(f"compiled in {time.perf_counter() - start:.1f} s\n")
     print(executable.plan)
     print()
+    if args.method == "pipeshard":
+        write_timeline(executable, args.timeline)
     for i in range(args.steps):
         batch = counting_batch(config, args.batch_size, jax.random.PRNGKey(100 + i))
         start = time.perf_counter()
