@@ -10,8 +10,10 @@ Planning (Alpa dissertation 3.5, Alg. 2), each step a pass of :mod:`alpa_like.co
     assign_devices                           (submeshes onto the cluster, larger first, neighbours close)
     -> ParallelPlan
 
-Running these plans needs the MPMD pipeline runtime, which is not built yet: ``al.plan`` works today,
-calling a parallelized step with this method raises an error saying so.
+``al.plan`` stops at the plan; calling a parallelized step also builds the per-stage programs
+(:mod:`alpa_like.compiler.stage_construction`), the schedule (:mod:`alpa_like.runtime.schedules`) and the
+static instruction programs, and runs them on the local MPMD backend
+(:mod:`alpa_like.runtime.pipeshard_runtime`).
 """
 from __future__ import annotations
 

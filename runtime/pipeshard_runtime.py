@@ -49,6 +49,15 @@ class StepStats:
     instructions: int = 0
     bytes_moved: int = 0
     """Bytes sent across meshes by RECV."""
+    op_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    """With ``profile=True``: seconds per instruction kind, each instruction waited for (so the rest of
+    ``seconds`` is the driver's own work)."""
+    spans: list[tuple[int, str, float, float]] = dataclasses.field(default_factory=list)
+    """With ``profile=True``: (mesh, instruction, start, end) in seconds from the start of the step."""
+
+    @property
+    def driver_seconds(self) -> float:
+        return self.seconds - sum(self.op_seconds.values())
 
 
 class PipeshardExecutable:
@@ -71,6 +80,10 @@ class PipeshardExecutable:
         self.last_step = StepStats()
 
     def __call__(self, *args):
+        return self.run(*args)
+
+    def run(self, *args, profile: bool = False):
+        """One step. With ``profile`` every instruction is waited for and timed (slower, for measurement)."""
         start = time.perf_counter()
         dynamic = tuple(args[i] for i in self.traced.dynamic_argnums)
         flat, tree = jax.tree_util.tree_flatten(dynamic)
@@ -89,6 +102,7 @@ class PipeshardExecutable:
             ins = instructions[i]
             i += 1
             stats.instructions += 1
+            t0 = time.perf_counter() if profile else 0.0
             if ins.op is Op.RUN:  # fused with the ACC instructions that follow it
                 accs, frees = [], []
                 while i < len(instructions) and instructions[i].op in (Op.ACC, Op.FREE):
@@ -107,6 +121,11 @@ class PipeshardExecutable:
                 self._mean(group, buffers, accumulators)
             else:
                 self._execute(ins, buffers, inputs, micro, stats)
+            if profile:
+                jax.block_until_ready(buffers[ins.mesh])
+                t1 = time.perf_counter()
+                stats.op_seconds[str(ins.op)] = stats.op_seconds.get(str(ins.op), 0.0) + t1 - t0
+                stats.spans.append((ins.mesh, str(ins), t0 - start, t1 - start))
         outputs = []
         for k, out in enumerate(self.programs.outputs):
             if out is None:

@@ -132,13 +132,3 @@ def test_bad_options_are_named():
         al.PipeshardParallel(pipeline_schedule="zigzag")
     with pytest.raises(ValueError, match="layer_num must be an int >= 1"):
         al.AutoLayerOption(layer_num=0)
-
-
-def test_running_a_pipeshard_step_is_a_clear_error():
-    step, _, _ = gpt_case()
-    f = al.parallelize(step, method=al.PipeshardParallel(stage_option=QUIET))
-    config = models.get_config("gpt-tiny")
-    params = gpt.GPTModel(config).init(jax.random.PRNGKey(0), jnp.zeros((2, config.seq_len), jnp.int32))
-    state = train_state.TrainState.create(apply_fn=None, params=params["params"], tx=optax.adam(1e-3))
-    with pytest.raises(NotImplementedError, match="pipeline runtime is not built"):
-        f(state, gpt.gpt_batch(config, 8, jax.random.PRNGKey(1)))
