@@ -307,6 +307,18 @@ def resharding_cost(src: ShardingSpec, dst: ShardingSpec, shape: Sequence[int], 
     >>> resharding_cost(ShardingSpec.from_str("S0R"), ShardingSpec.from_str("RR"), (8, 8), 4, mesh)
     128.0
     """
+    try:
+        return _resharding_cost(src, dst, tuple(shape), itemsize, mesh)
+    except TypeError:  # unhashable arguments: let the validation below explain what is wrong
+        total = _check_resharding_args(src, dst, shape, itemsize, mesh)
+        return _plan(_drop_trivial_axes(src, mesh), _drop_trivial_axes(dst, mesh), total, mesh)[1]
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def _resharding_cost(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], itemsize: int,
+                     mesh: LogicalMesh) -> float:
+    """:func:`resharding_cost`, memoised: the ILP asks for the same (shape, spec pair, mesh) across the
+    layers and solves of a planning run."""
     total = _check_resharding_args(src, dst, shape, itemsize, mesh)
     return _plan(_drop_trivial_axes(src, mesh), _drop_trivial_axes(dst, mesh), total, mesh)[1]
 
