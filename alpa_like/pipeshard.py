@@ -54,16 +54,18 @@ class AutoLayerOption:
 
     layer_num: int
     """Number of layers L (the stage DP groups them into stages)."""
-    eps: float = 0.6
-    """delta of Eq. 3.6: each layer has at most (1 + eps) x the average FLOPs."""
+    eps: float | None = 0.6
+    """delta of Eq. 3.6: each layer has at most (1 + eps) x the average FLOPs. None: the smallest slack
+    that admits a clustering (an operator heavier than an average layer, like a large vocabulary's
+    logits, otherwise makes the clustering infeasible)."""
     remat_layer: bool = False
     """Recompute each layer's forward in its backward (`jax.checkpoint` per layer)."""
 
     def __post_init__(self):
         if not isinstance(self.layer_num, int) or self.layer_num < 1:
             raise ValueError(f"AutoLayerOption.layer_num must be an int >= 1, got {self.layer_num!r}")
-        if not self.eps >= 0:
-            raise ValueError(f"AutoLayerOption.eps must be >= 0, got {self.eps!r}")
+        if self.eps is not None and not self.eps >= 0:
+            raise ValueError(f"AutoLayerOption.eps must be >= 0 or None, got {self.eps!r}")
 
     def layering(self) -> Layering:
         return Layering(assign=auto_layers(self.layer_num, self.eps), remat=self.remat_layer)

@@ -236,6 +236,15 @@ def _feasible(prefix: np.ndarray, num_layers: int, limit: float) -> bool:
     return True
 
 
+def least_delta(flops: Sequence[float], num_layers: int) -> float:
+    """The smallest delta of Eq. 3.6 for which some clustering of ``flops`` into ``num_layers`` layers
+    exists (0 when the operators split evenly), rounded up so that it suffices."""
+    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(flops, dtype=np.float64))])
+    if prefix[-1] <= 0:
+        return 0.0
+    return _round_up(max(0.0, _least_max_layer_flops(prefix, num_layers) * num_layers / prefix[-1] - 1.0))
+
+
 def _least_max_layer_flops(prefix: np.ndarray, num_layers: int) -> float:
     """The least possible largest layer FLOPs over all clusterings (bisection on :func:`_feasible`)."""
     lo, hi = float(np.diff(prefix).max()), float(prefix[-1])

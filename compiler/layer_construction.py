@@ -22,7 +22,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.flops import eqn_flops
-from alpa_like.compiler.layer_clustering import cluster_layers, incoming_bytes
+from alpa_like.compiler.layer_clustering import cluster_layers, incoming_bytes, least_delta
 from alpa_like.compiler.markers import is_marker, mark
 
 LayerAssignment = Callable[[Jaxpr], list[int]]
@@ -159,8 +159,10 @@ def operator_segments(jaxpr: Jaxpr) -> list[int]:
     return out
 
 
-def auto_layers(layer_num: int, delta: float) -> LayerAssignment:
-    """The assignment of operator clustering (Eq. 3.6) into ``layer_num`` layers with slack ``delta``."""
+def auto_layers(layer_num: int, delta: float | None) -> LayerAssignment:
+    """The assignment of operator clustering (Eq. 3.6) into ``layer_num`` layers with slack ``delta``
+    (None: the smallest slack that admits a clustering, e.g. when one operator, like GPT's logits, is
+    heavier than an average layer)."""
     def assign(jaxpr: Jaxpr) -> list[int]:
         segments = operator_segments(jaxpr)
         num_segments = segments[-1] + 1 if segments else 0
@@ -178,7 +180,8 @@ def auto_layers(layer_num: int, delta: float) -> LayerAssignment:
                 if src is not None and src < segments[i]:
                     nbytes = float(np.prod(v.aval.shape, dtype=np.float64) * np.dtype(v.aval.dtype).itemsize)
                     edges.append((src, segments[i], nbytes, id(v)))
-        clustering = cluster_layers(flops, incoming_bytes(num_segments, edges), layer_num, delta)
+        slack = least_delta(flops, layer_num) if delta is None else delta
+        clustering = cluster_layers(flops, incoming_bytes(num_segments, edges), layer_num, slack)
         layer_of_segment = np.zeros(num_segments, dtype=int)
         for layer, ops in enumerate(clustering.layers):
             layer_of_segment[list(ops)] = layer

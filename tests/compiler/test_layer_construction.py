@@ -61,3 +61,10 @@ def test_auto_layers_cut_a_gpt_into_equal_blocks():
     assert flops.max() <= 1.6 * flops.mean()
     with pytest.raises(ValueError, match="use a smaller layer_num"):
         auto_layers(1000, delta=0.6)(jaxpr)
+
+
+def test_auto_layers_can_find_the_least_slack():
+    from alpa_like.compiler.layer_clustering import least_delta
+
+    assert least_delta([1.0, 1.0, 1.0, 1.0], 2) == 0.0
+    assert least_delta([1.0, 1.0, 1.0, 5.0], 2) == pytest.approx(5 / 4 - 1)  # the heavy op alone: 5 of 8
