@@ -154,3 +154,14 @@ def ancestors(eqns: Sequence[JaxprEqn], targets: Sequence[Any]) -> set[int]:
         needed.add(i)
         stack.extend(eqn_inputs(eqns[i]))
     return needed
+
+
+def free_vars(eqns: Sequence[JaxprEqn]) -> list[Var]:
+    """The Vars ``eqns`` read without defining them, in order of first use: the inputs of the group."""
+    defined = {v for e in eqns for v in e.outvars}
+    inputs: dict[Var, None] = {}
+    for eqn in eqns:
+        for v in eqn_inputs(eqn):
+            if v not in defined:
+                inputs.setdefault(v)
+    return list(inputs)

@@ -116,12 +116,7 @@ def build_stage_program(closed: ClosedJaxpr, pieces: Sequence[Piece | None], sta
     marker_inputs = {v for v in marker.invars if isinstance(v, Var)}
     built = {}
     for key, eqns in groups.items():
-        defined = {v for e in eqns for v in e.outvars}
-        inputs: list[Var] = []
-        for e in eqns:
-            for v in jax_compat.eqn_inputs(e):
-                if v not in defined and v not in inputs:
-                    inputs.append(v)
+        inputs = jax_compat.free_vars(eqns)
         outputs = [v for e in eqns for v in e.outvars
                    if v in step_out_vars or v in marker_inputs or any(r != key for r in readers.get(v, ()))]
         sub = ClosedJaxpr(jax_compat.subjaxpr(eqns, inputs, outputs), [])

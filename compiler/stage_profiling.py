@@ -71,12 +71,7 @@ def layer_jaxpr(jaxpr: Jaxpr, pieces: Sequence[Piece | None], layer: int) -> tup
     each of its inputs the index of the step input it is (-1 for values computed elsewhere)."""
     eqns = [e for e, p in zip(jaxpr.eqns, pieces, strict=True)
             if p is not None and p.layer == layer and p.phase in (FORWARD, BACKWARD)]
-    defined = {v for e in eqns for v in e.outvars}
-    invars: list[Var] = []
-    for eqn in eqns:
-        for v in jax_compat.eqn_inputs(eqn):
-            if v not in defined and v not in invars:
-                invars.append(v)
+    invars = jax_compat.free_vars(eqns)
     used_outside = {v for e, p in zip(jaxpr.eqns, pieces, strict=True)
                     if not (p is not None and p.layer == layer and p.phase in (FORWARD, BACKWARD))
                     for v in jax_compat.eqn_inputs(e)}
