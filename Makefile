@@ -16,7 +16,7 @@ $(STAMP): setup.py
 venv: $(STAMP)
 
 demo: $(STAMP)
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) examples/gpt_train.py --steps 20
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) examples/gpt_train.py --method shard --steps 20
 
 test: $(STAMP)
 	$(PY) -m pytest tests -q
