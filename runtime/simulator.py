@@ -49,8 +49,27 @@ def _mesh_layout(stage_plan, shape) -> MeshLayout:
     return MeshLayout(device_ids=grid, spec=activation_spec(shape, (n0, n1)))
 
 
-def simulate(plan, program: StageProgram, programs: MeshPrograms) -> Simulation:
-    """Runs ``programs`` on the clock described in the module docstring."""
+def measured_durations(programs: MeshPrograms, spans) -> dict[str, float]:
+    """Median measured seconds per instruction text without its micro-batch (``RUN 0F``, ``RECV v12``),
+    from the spans of a profiled step (``PipeshardExecutable.run(..., profile=True)``)."""
+    samples: dict[str, list[float]] = {}
+    for _, text, start, end in spans:
+        samples.setdefault(_strip_micro_batch(text), []).append(end - start)
+    return {k: float(np.median(v)) for k, v in samples.items()}
+
+
+def _strip_micro_batch(text: str) -> str:
+    head = text.split(" <-")[0]
+    if head.startswith("RUN "):
+        return head.rstrip("0123456789")
+    return head.split("@")[0]
+
+
+def simulate(plan, program: StageProgram, programs: MeshPrograms,
+             measured: dict[str, float] | None = None) -> Simulation:
+    """Runs ``programs`` on the clock described in the module docstring. With ``measured`` (from
+    :func:`measured_durations`) RUN, RECV and LOAD take their measured median durations instead of the
+    cost model's: the schedule and the dependencies are then the only model (a calibrated simulation)."""
     cluster = plan.cluster
     m = plan.num_micro_batches
     stage_time = {}
@@ -77,6 +96,8 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms) -> Simulation:
                 key = (v, ins.micro_batch) if (mesh, (v, ins.micro_batch)) in ready else (v, PER_STEP)
                 start = max(start, ready.get((mesh, key), 0.0))
             duration = stage_time[(ins.stage, ins.phase)]
+            if measured is not None:
+                duration = measured.get(_strip_micro_batch(str(ins)), duration)
             for v in piece.outputs:
                 ready[(mesh, (v, ins.micro_batch))] = start + duration
             busy[mesh] += duration
@@ -94,6 +115,8 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms) -> Simulation:
             bandwidth = cluster.inter_node_bandwidth if cross else cluster.intra_node_bandwidth
             latency = cluster.inter_node_latency if cross else cluster.intra_node_latency
             duration = reshard.estimated_seconds(bandwidth, latency, cluster.intra_node_bandwidth)
+            if measured is not None:
+                duration = measured.get(_strip_micro_batch(str(ins)), duration)
             transfers += duration
             ready[(mesh, ins.key)] = start + duration
         elif ins.op is Op.LOAD:
@@ -102,6 +125,8 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms) -> Simulation:
             if ins.key[1] != PER_STEP:
                 nbytes //= m
             duration = cluster.intra_node_latency + nbytes / cluster.intra_node_bandwidth
+            if measured is not None:
+                duration = measured.get(_strip_micro_batch(str(ins)), duration)
             ready[(mesh, ins.key)] = start + duration
         elif ins.op in (Op.ACC, Op.MEAN):
             key = ins.key if ins.op is Op.ACC else ins.key

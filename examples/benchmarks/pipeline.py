@@ -5,6 +5,8 @@ it, and prints, side by side in one run:
 
 * measured: median wall time of a step (asynchronous dispatch, as in training);
 * simulated: the same instruction programs on the cost model's clock for ``ClusterSpec.local()``;
+* calibrated: the same simulation with each instruction's measured duration (from the profiled step), so
+  only the schedule and dependencies are modelled;
 * executables / driver: from a profiled step where every instruction is waited for: time inside RUN and
   RECV instructions versus the driver's own Python work;
 * bubble: the simulated timeline's idle fraction.
@@ -30,7 +32,7 @@ from flax.training import train_state  # noqa: E402
 import alpa_like as al  # noqa: E402
 from alpa_like import models  # noqa: E402
 from alpa_like.models import gpt  # noqa: E402
-from alpa_like.runtime.simulator import simulate  # noqa: E402
+from alpa_like.runtime.simulator import measured_durations, simulate  # noqa: E402
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("breadth_first", 2)]
 
@@ -74,10 +76,13 @@ def main():
         exe.run(state, batch, profile=True)
         prof = exe.last_step
         sim = simulate(exe.plan, exe.program, exe.programs)
+        calibrated = simulate(exe.plan, exe.program, exe.programs, measured_durations(exe.programs, prof.spans))
         measured = statistics.median(times)
         in_exe = prof.op_seconds.get("RUN", 0.0) + prof.op_seconds.get("RECV", 0.0)
         rows.append({"schedule": schedule, "virtual_stages": virtual, "measured_s": measured,
                      "simulated_s": sim.step_seconds, "simulated_over_measured": sim.step_seconds / measured,
+                     "calibrated_s": calibrated.step_seconds,
+                     "calibrated_over_measured": calibrated.step_seconds / measured,
                      "profiled_step_s": prof.seconds, "executables_s": in_exe, "driver_s": prof.driver_seconds,
                      "driver_share": prof.driver_seconds / prof.seconds, "bubble": float(sim.timeline.bubble_fraction()),
                      "op_seconds": prof.op_seconds, "instructions": prof.instructions})
@@ -85,10 +90,11 @@ def main():
     print(f"{args.model}, batch {args.batch_size}, {args.micro_batches} micro-batches, 2 stages x 4 CPU devices, "
           f"median of {args.steps} steps")
     print(f"{'schedule':18} {'v':>2} {'measured ms':>12} {'simulated ms':>13} {'sim/meas':>9} "
-          f"{'exec ms':>8} {'driver ms':>10} {'driver %':>9} {'bubble':>7}")
+          f"{'calibrated ms':>14} {'cal/meas':>9} {'exec ms':>8} {'driver ms':>10} {'driver %':>9} {'bubble':>7}")
     for r in rows:
         print(f"{r['schedule']:18} {r['virtual_stages']:>2} {r['measured_s'] * 1e3:>12.1f} {r['simulated_s'] * 1e3:>13.2f} "
-              f"{r['simulated_over_measured']:>9.2f} {r['executables_s'] * 1e3:>8.1f} {r['driver_s'] * 1e3:>10.1f} "
+              f"{r['simulated_over_measured']:>9.2f} {r['calibrated_s'] * 1e3:>14.1f} "
+              f"{r['calibrated_over_measured']:>9.2f} {r['executables_s'] * 1e3:>8.1f} {r['driver_s'] * 1e3:>10.1f} "
               f"{r['driver_share']:>9.1%} {r['bubble']:>7.1%}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

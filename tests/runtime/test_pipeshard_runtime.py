@@ -139,11 +139,20 @@ def test_programs_are_static_and_one_step_runs_no_new_compilation():
     assert "RUN 0F0" in before.table() and "RECV" in before.table()
 
 
+LOOPING = {  # name: (builder, layer option)
+    "mlp": (mlp_case, al.ManualLayerOption()),
+    "gpt": (gpt_case, al.AutoLayerOption(layer_num=4)),
+    "moe": (moe_case, al.AutoLayerOption(layer_num=4)),
+}
+
+
 @pytest.mark.parametrize("schedule", ["interleaved_1f1b", "breadth_first"])
-def test_looping_schedules_with_virtual_stages_match_jit(schedule):
-    loss_fn, state, batches = gpt_case(num_layers=4)
+@pytest.mark.parametrize("case", sorted(LOOPING))
+def test_looping_schedules_with_virtual_stages_match_jit(case, schedule):
+    build, layer_option = LOOPING[case]
+    loss_fn, state, batches = build()
     step = train_step_for(loss_fn)
-    method = al.PipeshardParallel(num_micro_batches=4, layer_option=al.AutoLayerOption(layer_num=4),
+    method = al.PipeshardParallel(num_micro_batches=4, layer_option=layer_option,
                                   stage_option=stages(((0, 1), (2, 3)), ((1, 4), (1, 4)), ((2, 2), (4, 1))),
                                   pipeline_schedule=schedule, virtual_stages=2)
     f = al.parallelize(step, method=method)

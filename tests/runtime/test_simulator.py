@@ -46,3 +46,16 @@ def test_simulated_timeline_respects_dependencies_and_mesh_order():
         mine = sorted((s for s in sim.timeline.spans if s.mesh == mesh), key=lambda s: s.start)
         assert all(a.end <= b.start + 1e-15 for a, b in zip(mine, mine[1:]))
     assert sim.step_seconds >= max(sim.busy_seconds) and sim.transfer_seconds > 0
+
+
+def test_calibrated_simulation_uses_measured_durations():
+    from alpa_like.runtime.simulator import measured_durations
+
+    exe = executable("gpipe", num_micro_batches=4)
+    spans = [(0, "RUN 0F0", 0.0, 1.0), (0, "RUN 0F1", 1.0, 2.0), (1, "RUN 1F0", 1.0, 2.0), (0, "RUN 0B0", 2.0, 4.0),
+             (1, "RUN 1B0", 4.0, 6.0), (0, "RUN 0A", 6.0, 6.0), (1, "RUN 1A", 6.0, 6.0)]
+    measured = measured_durations(exe.programs, spans)
+    assert measured == {"RUN 0F": 1.0, "RUN 1F": 1.0, "RUN 0B": 2.0, "RUN 1B": 2.0, "RUN 0A": 0.0, "RUN 1A": 0.0}
+    sim = simulate(idealised(exe.plan), exe.program, exe.programs, measured)
+    p, m = 2, 4
+    assert sim.step_seconds == pytest.approx((m + p - 1) * 3.0)  # GPipe: (m + p - 1)(t_f + t_b)
