@@ -14,14 +14,13 @@ it, and prints, side by side in one run:
     python examples/benchmarks/pipeline.py --out results/pipeline.json
 """
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
-from _common import use_cpu_devices  # noqa: E402
+from _common import use_cpu_devices, write_results  # noqa: E402
 
 use_cpu_devices()
 
@@ -96,10 +95,7 @@ def main():
               f"{r['simulated_over_measured']:>9.2f} {r['calibrated_s'] * 1e3:>14.1f} "
               f"{r['calibrated_over_measured']:>9.2f} {r['executables_s'] * 1e3:>8.1f} {r['driver_s'] * 1e3:>10.1f} "
               f"{r['driver_share']:>9.1%} {r['bubble']:>7.1%}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1))
-    print(f"wrote {out}")
+    write_results(args.out, rows)
 
 
 if __name__ == "__main__":

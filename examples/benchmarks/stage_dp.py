@@ -10,19 +10,21 @@ logical shapes, the predicted iteration time and the planning-time breakdown (Al
 """
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import optax
-from flax.training import train_state
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from _common import write_results  # noqa: E402
 
-import alpa_like as al
-from alpa_like import models
-from alpa_like.models import gpt
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from flax.training import train_state  # noqa: E402
+
+import alpa_like as al  # noqa: E402
+from alpa_like import models  # noqa: E402
+from alpa_like.models import gpt  # noqa: E402
 
 GLOBAL_BATCH = 1024  # Alpa's GPT benchmark
 
@@ -90,10 +92,7 @@ def main():
         print(f"{r['model']:10} {r['gpus']:>4} {r['stages']:>6}  {str(r['layers_per_stage']):24} "
               f"{str([tuple(s) for s in r['submeshes']]):28.28} {str([tuple(s) for s in r['logical_meshes']]):28.28} "
               f"{r['iteration_time_s']:>9.3f} {r['planning_s']:>8.1f}  {breakdown}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1))
-    print(f"wrote {out}")
+    write_results(args.out, rows)
 
 
 if __name__ == "__main__":
