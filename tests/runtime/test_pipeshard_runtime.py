@@ -92,18 +92,18 @@ def test_pipeline_matches_single_device_jit(case, schedule):
     assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
 
 
-def live_micro_batches(programs, mesh):
-    """Peak number of micro-batches with live buffers on ``mesh`` while its program runs."""
+def live_micro_batches(exe, mesh):
+    """Peak number of distinct micro-batches whose buffers are alive on ``mesh``, following the program's
+    writes (RUN outputs, LOAD, RECV) and FREEs: the activation memory the program holds."""
     live, peak = set(), 0
-    for ins in programs.program(mesh):
+    for ins in exe.programs.program(mesh):
         if ins.op is Op.RUN and ins.micro_batch != PER_STEP:
-            live.add(ins.micro_batch)
-        if ins.op is Op.FREE:
-            remaining = [i for i in programs.program(mesh) if i.op is Op.FREE]
-            del remaining
-        peak = max(peak, len(live))
-        if ins.op is Op.RUN and ins.phase == "bwd":
-            live.discard(ins.micro_batch)
+            live.update((v, ins.micro_batch) for v in exe.program.piece(ins.stage, ins.phase).outputs)
+        elif ins.op in (Op.LOAD, Op.RECV) and ins.key[1] != PER_STEP:
+            live.add(ins.key)
+        elif ins.op is Op.FREE:
+            live.discard(ins.key)
+        peak = max(peak, len({mb for _, mb in live}))
     return peak
 
 
@@ -114,7 +114,7 @@ def test_buffers_follow_the_schedule(schedule, expected):
                                   stage_option=TWO_STAGES, pipeline_schedule=schedule)
     exe = al.parallelize(train_step_for(loss_fn), method=method).get_executable(state, batches[0])
     programs = exe.programs
-    assert live_micro_batches(programs, 0) == expected
+    assert live_micro_batches(exe, 0) == expected
     # Every per-micro-batch buffer a mesh writes is freed on that mesh before the step ends.
     for mesh in range(2):
         written, freed = set(), set()

@@ -3,7 +3,6 @@ import math
 
 import jax
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
