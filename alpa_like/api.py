@@ -13,11 +13,15 @@ from alpa_like.compiler.trace import TracedStep, argument_names, leaf_aval, path
 from alpa_like.methods import DataParallel, ManualShardParallel, Zero2Parallel, Zero3Parallel
 from alpa_like.plan import ParallelPlan
 from alpa_like.planning import spmd_plan
+from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable
 from alpa_like.runtime.spmd import SpmdExecutable, compile_spmd
 from alpa_like.pipeshard import PipeshardParallel, compile_pipeshard, plan_pipeshard
 from alpa_like.shard_parallel import ShardParallel
 
 CLUSTER_KINDS = ("local", "ray")
+Executable = SpmdExecutable | PipeshardExecutable
+"""What ``get_executable`` returns: one SPMD program, or a pipeline's stage programs (donation is not
+applied to pipeline steps yet)."""
 SPMD_METHODS = (DataParallel, Zero2Parallel, Zero3Parallel, ManualShardParallel, ShardParallel)
 
 
@@ -116,7 +120,7 @@ class ParallelizedFunc:
         self.static_argnums = static_argnums
         self.donate_argnums = donate_argnums
         self.batch_argnums = batch_argnums
-        self._cache: dict[Hashable, SpmdExecutable] = {}
+        self._cache: dict[Hashable, Executable] = {}
         functools.update_wrapper(self, fun)
 
     def __call__(self, *args, **kwargs):
@@ -124,7 +128,7 @@ class ParallelizedFunc:
             raise TypeError(f"{self.__name__}: pass arguments positionally (got keywords {sorted(kwargs)})")
         return self.get_executable(*args)(*args)
 
-    def get_executable(self, *args) -> SpmdExecutable:
+    def get_executable(self, *args) -> Executable:
         """The compiled executable for these arguments (compiled now if this signature is new)."""
         key = _signature(self.fun, args, self.static_argnums)
         exe = self._cache.get(key)
@@ -144,7 +148,7 @@ class ParallelizedFunc:
         return trace_step(self.fun, args, static_argnums=self.static_argnums, batch_argnums=self.batch_argnums,
                           num_micro_batches=self.method.num_micro_batches)
 
-    def _compile(self, args) -> SpmdExecutable:
+    def _compile(self, args) -> Executable:
         for i in self.donate_argnums:
             if i >= len(args):
                 raise ValueError(f"donate_argnums contains {i}, but the step has {len(args)} arguments")
