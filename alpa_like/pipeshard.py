@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+from jax.extend.core import ClosedJaxpr
 
 from alpa_like.cluster import ClusterSpec
 from alpa_like.compiler import jax_compat
@@ -33,11 +34,15 @@ from alpa_like.compiler.layer_slicing import layer_summaries, slice_layers
 from alpa_like.compiler.logical_mesh import logical_shapes
 from alpa_like.compiler.markers import is_marker
 from alpa_like.compiler.stage_dp import StageChoice, StageCosts, StageSolution, solve_stages
+from alpa_like.compiler.stage_construction import build_stage_program
 from alpa_like.compiler.stage_profiling import StageProfile, apply_phase_inputs, profile_stage_costs
 from alpa_like.compiler.submesh import assign_devices, submesh_shapes
 from alpa_like.compiler.trace import TracedStep, trace_step
 from alpa_like.methods import _check_micro_batches, input_roles
 from alpa_like.plan import CommEstimate, ParallelPlan, StagePlan, TensorPlan
+from alpa_like.runtime.instructions import emit_programs
+from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable
+from alpa_like.runtime.schedules import make_schedule
 from alpa_like.shard_parallel import AutoShardingOption
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "breadth_first", "terapipe")
@@ -207,7 +212,6 @@ class SlicedStep:
 
     @property
     def closed_jaxpr(self):
-        from jax.extend.core import ClosedJaxpr
         return ClosedJaxpr(self.jaxpr, self.traced.closed_jaxpr.consts)
 
 
@@ -388,11 +392,6 @@ def _stage_plan(q: int, choice: StageChoice, device_ids, traced: TracedStep, sum
 def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[Any], *, static_argnums: Sequence[int],
                       batch_argnums: Sequence[int], devices: Sequence[Any]):
     """Plans ``fun(*args)`` on ``devices`` and builds the local MPMD executable that runs the plan."""
-    from alpa_like.compiler.stage_construction import build_stage_program
-    from alpa_like.runtime.instructions import emit_programs
-    from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable
-    from alpa_like.runtime.schedules import make_schedule
-
     if method.pipeline_schedule == "terapipe":
         raise NotImplementedError("pipeline_schedule='terapipe' can be planned but not run yet")
     progress = _Progress(method.stage_option.show_progress)

@@ -74,7 +74,6 @@ def check_assignment(jaxpr: Jaxpr, layers: Sequence[int]) -> int:
 
 def _layer_io(jaxpr: Jaxpr, layers: Sequence[int], num_layers: int):
     """For each layer: its input Vars (defined before it) and output Vars (used after it), in order."""
-    defined_in = {v: layers[i] for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
     used_after: dict[Var, int] = {}
     for i, eqn in enumerate(jaxpr.eqns):
         for v in jax_compat.eqn_inputs(eqn):
@@ -82,16 +81,11 @@ def _layer_io(jaxpr: Jaxpr, layers: Sequence[int], num_layers: int):
     for v in jaxpr.outvars:
         if isinstance(v, Var):
             used_after[v] = num_layers  # the function's outputs: after every layer
-    inputs = [[] for _ in range(num_layers)]
+    inputs = [jax_compat.free_vars([e for e, a in zip(jaxpr.eqns, layers, strict=True) if a == layer])
+              for layer in range(num_layers)]
     outputs = [[] for _ in range(num_layers)]
-    for i, eqn in enumerate(jaxpr.eqns):
-        layer = layers[i]
-        for v in jax_compat.eqn_inputs(eqn):
-            if defined_in.get(v, -1) != layer and v not in inputs[layer]:
-                inputs[layer].append(v)
-        for v in eqn.outvars:
-            if used_after.get(v, -1) > layer:
-                outputs[layer].append(v)
+    for eqn, layer in zip(jaxpr.eqns, layers, strict=True):
+        outputs[layer].extend(v for v in eqn.outvars if used_after.get(v, -1) > layer)
     return inputs, outputs
 
 

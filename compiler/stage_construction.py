@@ -25,6 +25,7 @@ from typing import NewType
 from jax.extend.core import ClosedJaxpr, Literal, Var
 
 from alpa_like.compiler import jax_compat
+from alpa_like.compiler.grad_accumulation import to_micro_batches
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD, Piece
 from alpa_like.compiler.markers import is_marker
 
@@ -144,8 +145,6 @@ def build_stage_program(closed: ClosedJaxpr, pieces: Sequence[Piece | None], sta
 def run_sequentially(program: StageProgram, flat_inputs: Sequence, num_micro_batches: int) -> list:
     """Runs ``program`` on the current default device in GPipe order: all forwards, all backwards, the mean
     of the accumulated values, then every apply. The reference the pipelined runtimes are tested against."""
-    from alpa_like.compiler.grad_accumulation import to_micro_batches
-
     env: dict[ValueId, object] = dict(program.constants)
     for i, x in zip(program.step_inputs, flat_inputs, strict=True):
         env[i] = x

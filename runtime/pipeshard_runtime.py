@@ -76,6 +76,7 @@ class PipeshardExecutable:
         self._input_specs = input_specs
         self._jitted = {key: jax.jit(_piece_fn(piece)) for key, piece in program.pieces.items()}
         self._fused: dict[tuple, Any] = {}
+        self._arg_specs: dict[tuple[int, str], list[jax.ShapeDtypeStruct]] = {}
         self._reshard_plans: dict[tuple, Any] = {}
         self.last_step = StepStats()
 
@@ -156,6 +157,8 @@ class PipeshardExecutable:
             acc.update({a.target: x for a, x in zip(fused, sums, strict=True)})
         else:
             outs = self._jitted[(ins.stage, ins.phase)](*args)
+            self._arg_specs.setdefault((ins.stage, ins.phase), [
+                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in args])
         for v, x in zip(piece.outputs, outs, strict=True):
             mesh_buffers[(v, ins.micro_batch)] = x
         for a in accs:
@@ -206,19 +209,15 @@ class PipeshardExecutable:
         return reshard(x, plan, dst)
 
     def get_hlo_text(self) -> str:
-        """The compiled HLO of every stage piece that has run, concatenated."""
+        """The compiled HLO of every stage piece, for the input layouts of the first step (which must have
+        run: pieces compile on it)."""
+        if not self._arg_specs:
+            raise RuntimeError("get_hlo_text: run one step first (stage pieces compile on the first step)")
         texts = []
-        for (stage, phase), fn in self._jitted.items():
-            try:
-                texts.append(f"// stage {stage} {phase}\n" + fn.lower(*self._example_args(stage, phase)).as_text())
-            except Exception:  # pieces are compiled lazily; skip those never lowered
-                continue
+        for (stage, phase), args in self._arg_specs.items():
+            compiled = self._jitted[(stage, phase)].lower(*args).compile()
+            texts.append(f"// stage {stage} {phase}\n{compiled.as_text()}")
         return "\n".join(texts)
-
-    def _example_args(self, stage, phase):
-        piece = self.program.piece(stage, phase)
-        return [jax.ShapeDtypeStruct(self.program.values[v].aval.shape, self.program.values[v].aval.dtype)
-                for v in piece.inputs]
 
 
 @functools.partial(jax.jit, static_argnums=1)

@@ -23,6 +23,7 @@ from alpa_like.compiler.flops import jaxpr_flops
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
 from alpa_like.compiler.stage_construction import StageProgram
 from alpa_like.runtime.instructions import PER_STEP, MeshPrograms, Op
+from alpa_like.runtime.pipeshard_runtime import activation_spec
 from alpa_like.runtime.resharding import MeshLayout, plan_resharding
 from alpa_like.runtime.schedules import MeshIdx, MicroBatchIdx, Phase, Span, StageIdx, Task, Timeline
 
@@ -41,8 +42,6 @@ class Simulation:
 
 
 def _mesh_layout(stage_plan, shape) -> MeshLayout:
-    from alpa_like.runtime.pipeshard_runtime import activation_spec
-
     n0, n1 = stage_plan.logical_mesh_shape
     ids = stage_plan.device_ids
     grid = tuple(tuple(ids[i * n1:(i + 1) * n1]) for i in range(n0))
@@ -129,8 +128,7 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
                 duration = measured.get(_strip_micro_batch(str(ins)), duration)
             ready[(mesh, ins.key)] = start + duration
         elif ins.op in (Op.ACC, Op.MEAN):
-            key = ins.key if ins.op is Op.ACC else ins.key
-            start = max(start, ready.get((mesh, key), start))
+            start = max(start, ready.get((mesh, ins.key), start))
             ready[(mesh, ins.key)] = start
         clock[mesh] = start + duration
     timeline = Timeline(name=plan.pipeline_schedule or "pipeline", num_meshes=programs.num_meshes,

@@ -137,6 +137,8 @@ def test_programs_are_static_and_one_step_runs_no_new_compilation():
     assert f.num_compilations == 1 and exe.programs is before
     assert exe.last_step.bytes_moved > 0 and exe.last_step.instructions == len(before.instructions)
     assert "RUN 0F0" in before.table() and "RECV" in before.table()
+    hlo = exe.get_hlo_text()
+    assert hlo.count("// stage") == len(exe.program.pieces) and "HloModule" in hlo
 
 
 LOOPING = {  # name: (builder, layer option)
