@@ -333,25 +333,31 @@ def _solve(method: PipeshardParallel, costs: StageCosts, cluster: ClusterSpec) -
     if isinstance(option, ManualStageOption):
         layout = [((ids[0], ids[-1]), tuple(p), tuple(v)) for ids, p, v in zip(
             option.forward_stage_layer_ids, option.submesh_physical_shapes, option.submesh_logical_shapes)]
-        return _fixed_solution(costs, layout, b, choose_view=False)
+        return _fixed_solution(costs, layout, b, choose_view=False, device_memory=cluster.device_memory)
     if costs.num_layers % option.num_stages:
         raise ValueError(f"UniformStageOption(num_stages={option.num_stages}) needs a layer count divisible by "
                          f"it; the step has {costs.num_layers} layers")
     per = costs.num_layers // option.num_stages
     layout = [((q * per, q * per + per - 1), costs.submeshes[0], None) for q in range(option.num_stages)]
-    return _fixed_solution(costs, layout, b, choose_view=True)
+    return _fixed_solution(costs, layout, b, choose_view=True, device_memory=cluster.device_memory)
 
 
-def _fixed_solution(costs: StageCosts, layout, num_micro_batches: int, choose_view: bool) -> StageSolution:
-    """Evaluates Eq. 3.2 for stages given by hand (for uniform stages, each with its cheapest view)."""
+def _fixed_solution(costs: StageCosts, layout, num_micro_batches: int, choose_view: bool,
+                    device_memory: float) -> StageSolution:
+    """Evaluates Eq. 3.2 for stages given by hand. Per stage, among the entries of its logical view (or of
+    every view, for uniform stages) the fastest that fits in memory, else the one needing the least."""
     stages = []
     for (i, j), sub, view in layout:
         p = costs.submeshes.index(sub)
         views = costs.logical_shapes[p]
-        v = int(np.argmin(costs.t_intra[i, j, p, :len(views)])) if choose_view else views.index(view)
-        stages.append(StageChoice(layers=(i, j), submesh_index=p, submesh=sub, logical_shape=views[v],
-                                  t_intra=float(costs.t_intra[i, j, p, v]),
-                                  memory_per_device=float(costs.mem_stage[i, j, p, v] + costs.mem_act[i, j, p, v])))
+        options = [e for e, v in enumerate(views) if choose_view or v == view]
+        memory = {e: float(costs.mem_stage[i, j, p, e] + costs.mem_act[i, j, p, e]) for e in options}
+        fitting = [e for e in options if memory[e] <= device_memory]
+        e = (min(fitting, key=lambda e: costs.t_intra[i, j, p, e]) if fitting
+             else min(options, key=memory.__getitem__))
+        stages.append(StageChoice(layers=(i, j), submesh_index=p, submesh=sub, logical_shape=views[e],
+                                  view_index=e, variant=costs.variants[p][e],
+                                  t_intra=float(costs.t_intra[i, j, p, e]), memory_per_device=memory[e]))
     t = [s.t_intra for s in stages]
     return StageSolution(stages=tuple(stages), iteration_time=sum(t) + (num_micro_batches - 1) * max(t),
                          t_max=max(t), num_micro_batches=num_micro_batches, num_t_max_evaluated=0)
@@ -365,7 +371,7 @@ def _stage_plan(q: int, choice: StageChoice, device_ids, traced: TracedStep, sum
     stage's devices (weight-update sharding)."""
     first, last = choice.layers
     p = choice.submesh_index
-    v = profile.costs.logical_shapes[p].index(choice.logical_shape)
+    v = choice.view_index
     mesh_shape = choice.logical_shape
     inputs, comm_seconds, comm_bytes, compute, flops = [], 0.0, 0.0, 0.0, 0.0
     for l in range(first, last + 1):

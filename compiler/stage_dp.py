@@ -113,13 +113,20 @@ class StageCosts:
     submeshes: tuple[Shape, ...]
     """Submesh shapes ``(n, m)`` the DP may use, distinct; see ``submesh_shapes``."""
     logical_shapes: tuple[tuple[tuple[int, int], ...], ...]
-    """For each submesh, the logical views profiled (each with ``n * m`` devices), distinct."""
+    """For each submesh, the logical views profiled (each with ``n * m`` devices); a view may appear more
+    than once with different :attr:`variants`."""
     t_intra: np.ndarray
     """Seconds per micro-batch, forward plus backward, shape ``(K, K, P, L)``; ``inf`` = infeasible."""
     mem_stage: np.ndarray
     """Bytes per device of weights, gradients and optimizer state, shape ``(K, K, P, L)``."""
     mem_act: np.ndarray
     """Bytes per device of the activations one micro-batch keeps for the backward, shape ``(K, K, P, L)``."""
+    variants: tuple[tuple[str, ...], ...] = ()
+    """For each submesh, a label per logical view entry naming how the intra-op pass was constrained there
+    (e.g. ``"params-sharded"``: a memory-lean solve beside the fastest one); () labels every entry ``""``.
+    ``(logical shape, variant)`` pairs are distinct per submesh. The DP picks, per stage, the fastest entry
+    that fits in memory (Eq. 3.5), so a memory-lean variant is chosen exactly where the fastest one does not
+    fit."""
 
     def __post_init__(self) -> None:
         k = self.num_layers
@@ -131,12 +138,16 @@ class StageCosts:
         if len(self.logical_shapes) != len(submeshes):
             raise ValueError(f"logical_shapes needs one list per submesh ({len(submeshes)}), "
                              f"got {len(self.logical_shapes)}")
+        labels = self.variants or tuple(("",) * len(v) for v in self.logical_shapes)
+        if len(labels) != len(submeshes) or any(len(a) != len(b) for a, b in zip(labels, self.logical_shapes)):
+            raise ValueError(f"variants needs one label per logical shape entry of each submesh, got {labels!r}")
         views = []
-        for (n, m), shapes in zip(submeshes, self.logical_shapes, strict=True):
+        for (n, m), shapes, names in zip(submeshes, self.logical_shapes, labels, strict=True):
             shapes = tuple(_pair(v, "logical shape") for v in shapes)
-            if not shapes or len(set(shapes)) != len(shapes) or any(a * b != n * m for a, b in shapes):
-                raise ValueError(f"logical shapes of submesh {(n, m)} must be distinct, non-empty and have "
-                                 f"{n * m} devices each, got {list(shapes)}")
+            entries = list(zip(shapes, names))
+            if not shapes or len(set(entries)) != len(entries) or any(a * b != n * m for a, b in shapes):
+                raise ValueError(f"logical shapes of submesh {(n, m)} must be non-empty, have {n * m} devices "
+                                 f"each and be distinct (per variant), got {entries}")
             views.append(shapes)
         shape = (k, k, len(submeshes), max(len(v) for v in views))
         arrays = {}
@@ -155,6 +166,7 @@ class StageCosts:
                                  f"{submeshes[p]} has {len(v)} logical shapes)")
         object.__setattr__(self, "submeshes", submeshes)
         object.__setattr__(self, "logical_shapes", tuple(views))
+        object.__setattr__(self, "variants", tuple(tuple(str(x) for x in names) for names in labels))
         for name, array in arrays.items():
             object.__setattr__(self, name, array)
 
@@ -198,6 +210,10 @@ class StageChoice:
     submesh_index: MeshIdx
     submesh: Shape
     logical_shape: tuple[int, int]
+    view_index: int
+    """Index of the chosen entry in ``StageCosts.logical_shapes[submesh_index]`` (the ``l`` of the arrays)."""
+    variant: str
+    """That entry's label in :attr:`StageCosts.variants`."""
     t_intra: float
     """Seconds per micro-batch (forward + backward)."""
     memory_per_device: float
@@ -208,7 +224,8 @@ class StageChoice:
         return self.layers[1] - self.layers[0] + 1
 
     def __str__(self) -> str:
-        return (f"layers {self.layers[0]}-{self.layers[1]} on {self.submesh} as {self.logical_shape}: "
+        variant = f" ({self.variant})" if self.variant else ""
+        return (f"layers {self.layers[0]}-{self.layers[1]} on {self.submesh} as {self.logical_shape}{variant}: "
                 f"{self.t_intra * 1e3:.4g} ms, {self.memory_per_device / _GIB:.4g} GiB")
 
 
@@ -328,7 +345,8 @@ def brute_force_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_mi
                 held = batches if schedule is Schedule.GPIPE else min(num_stages - q, batches)
                 options.append([
                     StageChoice(layers=(first, last), submesh_index=MeshIdx(p), submesh=sub,
-                                logical_shape=costs.logical_shapes[p][l], t_intra=float(t),
+                                logical_shape=costs.logical_shapes[p][l], view_index=l,
+                                variant=costs.variants[p][l], t_intra=float(t),
                                 memory_per_device=float(costs.mem_stage[first, last, p, l]
                                                         + held * costs.mem_act[first, last, p, l]))
                     for p, sub in enumerate(costs.submeshes) for l in range(len(costs.logical_shapes[p]))
@@ -488,7 +506,8 @@ def _reconstruct(costs: StageCosts, eff: np.ndarray, view: np.ndarray, t_max: fl
         l = int(view[s - 1, first, last, p])
         stages.append(StageChoice(
             layers=(first, last), submesh_index=MeshIdx(p), submesh=costs.submeshes[p],
-            logical_shape=costs.logical_shapes[p][l], t_intra=float(eff[s - 1, first, last, p]),
+            logical_shape=costs.logical_shapes[p][l], view_index=l, variant=costs.variants[p][l],
+            t_intra=float(eff[s - 1, first, last, p]),
             memory_per_device=float(costs.mem_stage[first, last, p, l]
                                     + in_flight[s - 1] * costs.mem_act[first, last, p, l])))
         first, devices, s = last + 1, devices - int(sizes[p]), s - 1

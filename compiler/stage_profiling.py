@@ -15,6 +15,14 @@ share one solve: the cache key is the layer's equations (primitive, parameters, 
 same (layer, submesh, logical shape) is never solved twice. Independent solves run on a thread pool; the
 MILP solver releases the GIL while it works.
 
+Two variants per (layer, logical mesh), Alpa's per-stage memory budget made cheap: the fastest solve
+(``variant ""``), and, when that one leaves some parameter less than fully sharded, a memory-lean solve
+(``"params-sharded"``) in which every parameter must be split over as many of the mesh's devices as its
+shape allows (the ILP then chooses between tensor parallelism and gathering the weights, ZeRO-3 style). The
+stage DP keeps both as entries of the logical-view axis and takes, per stage, the fastest that fits
+(Eq. 3.5); so a large model is not declared out of memory because every layer's fastest layout replicates
+its weights.
+
 Memory per device (Eq. 3.5 inputs): ``mem_stage`` = parameters and gradients under the ILP's specs plus the
 optimizer state sharded over all the mesh's devices (weight-update sharding, on by default as in Alpa);
 ``mem_act`` = the activations a micro-batch keeps from forward to backward, divided over the mesh's
@@ -41,10 +49,12 @@ from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD, LayerSumm
 from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.compiler.markers import is_marker
 from alpa_like.compiler.op_graph import build_op_graph
-from alpa_like.compiler.sharding_spec import ShardingSpec
+from alpa_like.compiler.sharding_spec import ShardingSpec, enumerate_specs
 from alpa_like.compiler.stage_dp import StageCosts
 
 Shape = tuple[int, int]
+PARAMS_SHARDED = "params-sharded"
+"""The variant label of the memory-lean solves (see the module docstring)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -110,9 +120,28 @@ def structure_key(closed: ClosedJaxpr) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
+def sharded_param_candidates(closed: ClosedJaxpr, param_inputs: Sequence[bool],
+                             mesh: LogicalMesh) -> dict[int, tuple[ShardingSpec, ...]]:
+    """Per parameter input of ``closed``, the specs that split it over the most devices its shape allows on
+    ``mesh`` (for the ``"params-sharded"`` variant)."""
+    candidates = {}
+    for k, (var, is_param) in enumerate(zip(closed.jaxpr.invars, param_inputs, strict=True)):
+        if is_param:
+            specs = enumerate_specs(var.aval.shape, mesh.shape)
+            most = max(spec.num_shards(mesh.shape) for spec in specs)
+            candidates[k] = tuple(spec for spec in specs if spec.num_shards(mesh.shape) == most)
+    return candidates
+
+
+def is_params_sharded(cost: LayerCost, candidates: dict[int, tuple[ShardingSpec, ...]]) -> bool:
+    """Whether ``cost``'s parameter specs are already among ``candidates`` (the lean variant would repeat it)."""
+    return all(cost.input_specs[k] in specs for k, specs in candidates.items())
+
+
 def profile_layer(closed: ClosedJaxpr, param_inputs: Sequence[bool], mesh: LogicalMesh, peak_flops: float,
                   options: PassOptions) -> LayerCost:
-    """Runs the intra-op pass on one layer and returns its cost on ``mesh``."""
+    """Runs the intra-op pass on one layer and returns its cost on ``mesh`` (``options.input_candidates``
+    constrains the layer's inputs, e.g. to :func:`sharded_param_candidates`)."""
     solution = auto_shard(build_op_graph(closed), mesh, options)
     param_bytes = 0.0
     for spec, var, is_param in zip(solution.input_specs(), closed.jaxpr.invars, param_inputs, strict=True):
@@ -131,81 +160,103 @@ class StageProfile:
 
     costs: StageCosts
     layer_costs: dict[tuple[int, int, int], LayerCost] = dataclasses.field(repr=False)
-    """(layer, submesh index, view index) -> the layer's cost there."""
+    """(layer, submesh index, entry index) -> the layer's cost there; the entry indexes
+    ``costs.logical_shapes[submesh]`` / ``costs.variants[submesh]``."""
     layer_inputs: tuple[tuple[int, ...], ...]
     """Per layer, the step input index of each input of its jaxpr (-1: computed by another layer)."""
     num_pairs: int
     """(layer, submesh, logical shape) pairs in the table."""
     num_solves: int
-    """Distinct ILP solves after structural de-duplication."""
+    """ILP solves run: one per distinct (layer structure, mesh) after de-duplication, two where the
+    ``"params-sharded"`` variant differs from the fastest solve."""
     seconds: float
 
-    def input_spec(self, layer: int, submesh: int, view: int, step_input: int) -> ShardingSpec | None:
+    def input_spec(self, layer: int, submesh: int, entry: int, step_input: int) -> ShardingSpec | None:
         """The ILP's spec of step input ``step_input`` inside ``layer`` (None if the layer does not read it)."""
         inputs = self.layer_inputs[layer]
         if step_input not in inputs:
             return None
-        return self.layer_costs[(layer, submesh, view)].input_specs[inputs.index(step_input)]
+        return self.layer_costs[(layer, submesh, entry)].input_specs[inputs.index(step_input)]
 
 
 def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries: Sequence[LayerSummary],
                         param_mask: Sequence[bool], optimizer_bytes: Sequence[float], cluster: ClusterSpec,
                         submeshes: Sequence[Shape], logical_shapes: Sequence[Sequence[Shape]],
                         options: PassOptions, *, max_workers: int | None = None,
-                        progress: Callable[[int, int], None] | None = None) -> StageProfile:
+                        progress: Callable[[int, int], None] | None = None,
+                        memory_variants: bool = True) -> StageProfile:
     """The :class:`StageCosts` table of Alg. 2 (see the module docstring) and the layer costs behind it.
 
     Args:
       optimizer_bytes: per layer, bytes of optimizer state of its parameters (all devices together).
       progress: called as ``progress(done, total)`` after each distinct solve.
+      memory_variants: also profile the ``"params-sharded"`` variant on submeshes of more than one device.
+        The table then lists each such submesh's views twice (``costs.variants`` says which is which).
     """
     start = time.perf_counter()
     num_layers = len(summaries)
     layers = [layer_jaxpr(jaxpr, pieces, l) for l in range(num_layers)]
     keys = [structure_key(closed) for closed, _ in layers]
+    entries = [[(tuple(view), "") for view in views]
+               + [(tuple(view), PARAMS_SHARDED) for view in views if memory_variants and sub[0] * sub[1] > 1]
+               for sub, views in zip(submeshes, logical_shapes, strict=True)]
     jobs: dict[tuple, tuple[int, LogicalMesh]] = {}
     pair_job = {}
     for l in range(num_layers):
         _, inputs = layers[l]
         param_key = tuple(i >= 0 and param_mask[i] for i in inputs)
-        for p, (sub, views) in enumerate(zip(submeshes, logical_shapes, strict=True)):
-            for v, view in enumerate(views):
-                mesh = LogicalMesh.from_cluster(cluster, tuple(sub), tuple(view))
+        for p, sub in enumerate(submeshes):
+            for e, (view, variant) in enumerate(entries[p]):
+                mesh = LogicalMesh.from_cluster(cluster, tuple(sub), view)
                 key = (keys[l], param_key, mesh)
                 jobs.setdefault(key, (l, mesh))
-                pair_job[(l, p, v)] = key
-    results: dict[tuple, LayerCost] = {}
+                pair_job[(l, p, e)] = (key, variant)
+    results: dict[tuple, tuple[LayerCost, LayerCost]] = {}
 
     def run(key):
         l, mesh = jobs[key]
         closed, inputs = layers[l]
         params = [i >= 0 and param_mask[i] for i in inputs]
-        return key, profile_layer(closed, params, mesh, cluster.peak_flops, options)
+        fastest = profile_layer(closed, params, mesh, cluster.peak_flops, options)
+        if not memory_variants or mesh.num_devices == 1:
+            return key, (fastest, fastest), 1
+        candidates = sharded_param_candidates(closed, params, mesh)
+        if is_params_sharded(fastest, candidates):
+            return key, (fastest, fastest), 1
+        lean_options = dataclasses.replace(options, input_candidates={**options.input_candidates, **candidates})
+        return key, (fastest, profile_layer(closed, params, mesh, cluster.peak_flops, lean_options)), 2
 
     workers = max_workers or min(4, os.cpu_count() or 1)
+    num_solves = 0
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
         for done, future in enumerate(concurrent.futures.as_completed([pool.submit(run, k) for k in jobs]), 1):
-            key, cost = future.result()
-            results[key] = cost
+            key, costs, solves = future.result()
+            results[key] = costs
+            num_solves += solves
             if progress is not None:
                 progress(done, len(jobs))
 
-    width = max(len(v) for v in logical_shapes)
+    def cost_of(pair) -> LayerCost:
+        key, variant = pair_job[pair]
+        return results[key][variant == PARAMS_SHARDED]
+
+    width = max(len(e) for e in entries)
     shape = (num_layers, len(submeshes), width)
     t_layer, mem_layer, act_layer = np.full(shape, np.inf), np.zeros(shape), np.zeros(shape)
-    for (l, p, v), key in pair_job.items():
-        cost = results[key]
+    for (l, p, e) in pair_job:
+        cost = cost_of((l, p, e))
         n = submeshes[p][0] * submeshes[p][1]
-        t_layer[l, p, v] = cost.seconds
-        mem_layer[l, p, v] = 2 * cost.param_bytes_per_device + optimizer_bytes[l] / n
-        act_layer[l, p, v] = summaries[l].activation_bytes / n
+        t_layer[l, p, e] = cost.seconds
+        mem_layer[l, p, e] = 2 * cost.param_bytes_per_device + optimizer_bytes[l] / n
+        act_layer[l, p, e] = summaries[l].activation_bytes / n
     costs = StageCosts(num_layers=num_layers, submeshes=tuple(map(tuple, submeshes)),
-                       logical_shapes=tuple(tuple(map(tuple, v)) for v in logical_shapes),
+                       logical_shapes=tuple(tuple(view for view, _ in e) for e in entries),
+                       variants=tuple(tuple(variant for _, variant in e) for e in entries),
                        t_intra=_range_sums(t_layer), mem_stage=_range_sums(mem_layer),
                        mem_act=_range_sums(act_layer))
-    return StageProfile(costs=costs, layer_costs={pair: results[key] for pair, key in pair_job.items()},
+    return StageProfile(costs=costs, layer_costs={pair: cost_of(pair) for pair in pair_job},
                         layer_inputs=tuple(tuple(inputs) for _, inputs in layers), num_pairs=len(pair_job),
-                        num_solves=len(jobs), seconds=time.perf_counter() - start)
+                        num_solves=num_solves, seconds=time.perf_counter() - start)
 
 
 def _range_sums(per_layer: np.ndarray) -> np.ndarray:

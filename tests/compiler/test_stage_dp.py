@@ -18,16 +18,20 @@ SMALL_CLUSTERS = [(1, 1), (1, 2), (2, 1), (1, 4), (2, 2), (4, 1), (1, 8), (2, 4)
 
 
 def random_costs(seed: int, num_layers: int, cluster: tuple[int, int]) -> StageCosts:
-    """A random subset of submeshes and views; times roughly ``layers / devices^0.5`` times a random factor
-    in [0.3, 3], on a 0.1 s grid (ties happen), 15% infeasible; with
-    ``device_memory = 10`` memory binds for some stages, more often the earlier ones (Eq. 3.5)."""
+    """A random subset of submeshes and views, some views listed twice (a second, ``"lean"`` variant); times
+    roughly ``layers / devices^0.5`` times a random factor in [0.3, 3], on a 0.1 s grid (ties happen), 15%
+    infeasible; with ``device_memory = 10`` memory binds for some stages, more often the earlier ones
+    (Eq. 3.5)."""
     rng = np.random.default_rng(seed)
     allowed = submesh_shapes(*cluster)
     submeshes = [s for s in allowed if rng.random() < 0.8] or [allowed[-1]]
-    views = []
+    views, variants = [], []
     for n, m in submeshes:
         shapes = logical_shapes(n * m)
-        views.append([v for v in shapes if rng.random() < 0.6] or [shapes[0]])
+        chosen = [v for v in shapes if rng.random() < 0.6] or [shapes[0]]
+        lean = [v for v in chosen if rng.random() < 0.3]
+        views.append(chosen + lean)
+        variants.append([""] * len(chosen) + ["lean"] * len(lean))
     shape = (num_layers, num_layers, len(submeshes), max(map(len, views)))
     layers = (np.arange(num_layers)[None, :] - np.arange(num_layers)[:, None] + 1)[:, :, None, None]
     devices = np.array([n * m for n, m in submeshes])[None, None, :, None]
@@ -35,8 +39,8 @@ def random_costs(seed: int, num_layers: int, cluster: tuple[int, int]) -> StageC
     t[rng.random(shape) < 0.15] = np.inf
     for p, v in enumerate(views):
         t[:, :, p, len(v):] = np.inf
-    return StageCosts(num_layers=num_layers, submeshes=submeshes, logical_shapes=views, t_intra=t,
-                      mem_stage=rng.uniform(0.0, 5.0, shape), mem_act=rng.uniform(0.0, 2.0, shape))
+    return StageCosts(num_layers=num_layers, submeshes=submeshes, logical_shapes=views, variants=variants,
+                      t_intra=t, mem_stage=rng.uniform(0.0, 5.0, shape), mem_act=rng.uniform(0.0, 2.0, shape))
 
 
 def uniform_layers(num_layers, cluster, heavy=None, heavy_factor=4.0) -> StageCosts:
@@ -96,7 +100,8 @@ def check_solution(solution, costs, cluster, batches, device_memory, schedule="1
     assert sum(n * m for n, m in solution.submeshes) == cluster[0] * cluster[1]
     for q, stage in enumerate(stages):
         (i, j), p = stage.layers, stage.submesh_index
-        l = costs.logical_shapes[p].index(stage.logical_shape)
+        l = stage.view_index
+        assert costs.logical_shapes[p][l] == stage.logical_shape and costs.variants[p][l] == stage.variant
         assert costs.submeshes[p] == stage.submesh
         assert stage.t_intra == costs.t_intra[i, j, p, l]
         held = batches if schedule == "gpipe" else min(len(stages) - q, batches)
@@ -237,6 +242,25 @@ def test_eq_3_5_counts_this_stage_and_caps_at_b():
     assert solve_stages(_two_layer_costs(4.0, 1.5), (1, 2), 4, 8.0, schedule="gpipe").layers_per_stage == (2,)
     # 1F1B with 4 + 2 * 1.5 = 7 fits where GPipe did not.
     assert solve_stages(_two_layer_costs(4.0, 1.5), (1, 2), 4, 8.0).layers_per_stage == (1, 1)
+
+
+def test_a_memory_lean_variant_is_chosen_exactly_where_the_fastest_does_not_fit():
+    """One layer on (1, 2): the fastest entry needs 10 GiB, its "params-sharded" twin 6 GiB but is slower."""
+    def costs(fast_memory):
+        t, mem = np.array([1.0, 1.5]).reshape(1, 1, 1, 2), np.array([fast_memory, 6.0]).reshape(1, 1, 1, 2) * GIB
+        return StageCosts(num_layers=1, submeshes=[(1, 2)], logical_shapes=[[(1, 2), (1, 2)]],
+                          variants=[["", "params-sharded"]], t_intra=t, mem_stage=mem, mem_act=np.zeros_like(t))
+    roomy = solve_stages(costs(7.0), (1, 2), 4, device_memory=8 * GIB).stages[0]
+    assert (roomy.view_index, roomy.variant, roomy.t_intra) == (0, "", 1.0)
+    tight = solve_stages(costs(10.0), (1, 2), 4, device_memory=8 * GIB).stages[0]
+    assert (tight.view_index, tight.variant, tight.t_intra) == (1, "params-sharded", 1.5)
+    assert "as (1, 2) (params-sharded)" in str(tight)
+    with pytest.raises(ValueError, match=r"distinct \(per variant\)"):
+        StageCosts(num_layers=1, submeshes=[(1, 2)], logical_shapes=[[(1, 2), (1, 2)]],
+                   t_intra=np.ones((1, 1, 1, 2)), mem_stage=np.zeros((1, 1, 1, 2)), mem_act=np.zeros((1, 1, 1, 2)))
+    with pytest.raises(ValueError, match="variants needs one label per logical shape entry"):
+        StageCosts(num_layers=1, submeshes=[(1, 2)], logical_shapes=[[(1, 2)]], variants=[["", "x"]],
+                   t_intra=np.ones((1, 1, 1, 1)), mem_stage=np.zeros((1, 1, 1, 1)), mem_act=np.zeros((1, 1, 1, 1)))
 
 
 def test_memory_shortfall_is_reported_in_gib():

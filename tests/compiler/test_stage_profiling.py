@@ -1,0 +1,119 @@
+"""Per-layer intra-op profiling for the stage DP: structural de-duplication, range sums, and the memory-lean
+``"params-sharded"`` variant that lets large models fit (Eq. 3.5)."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import alpa_like as al
+from alpa_like.compiler.auto_sharding import PassOptions
+from alpa_like.compiler.stage_dp import StageCosts, solve_stages
+from alpa_like.compiler.stage_profiling import PARAMS_SHARDED, profile_stage_costs
+from alpa_like.pipeshard import slice_step
+
+HIDDEN, ROWS, LAYERS = 1024, 8192, 4
+
+
+def mlp_loss(params, batch):
+    x = batch["x"]
+    for i in range(LAYERS):
+        x = jnp.tanh(x @ params[f"w{i}"])
+        if i < LAYERS - 1:
+            al.mark_pipeline_boundary()
+    return jnp.mean(x ** 2)
+
+
+def train_step(state, batch):
+    loss, grads = al.value_and_grad(mlp_loss)(state.params, batch)
+    return state.apply_gradients(grads=grads), loss
+
+
+def sliced_mlp(num_micro_batches=1):
+    """Four equal (HIDDEN x HIDDEN) layers on a large batch: activations dominate, so the fastest layout is
+    data parallel with replicated weights."""
+    params = {f"w{i}": jax.ShapeDtypeStruct((HIDDEN, HIDDEN), jnp.float32) for i in range(LAYERS)}
+    state = jax.eval_shape(lambda p: train_state.TrainState.create(apply_fn=None, params=p, tx=optax.adam(1e-3)),
+                           params)
+    batch = {"x": jax.ShapeDtypeStruct((ROWS, HIDDEN), jnp.float32)}
+    method = al.PipeshardParallel(num_micro_batches=num_micro_batches, layer_option=al.ManualLayerOption(),
+                                  stage_option=al.AutoStageOption(show_progress=False))
+    return method, slice_step(method, train_step, (state, batch), static_argnums=(), batch_argnums=(1,))
+
+
+@pytest.fixture(scope="module")
+def profile():
+    _, sliced = sliced_mlp(num_micro_batches=4)
+    cluster = al.ClusterSpec.preset("p3.16xlarge")
+    param_mask = [r == "param" for r in sliced.roles]
+    optimizer_bytes = [sum(sliced.traced.in_leaves[i].nbytes for i in inputs) for inputs in sliced.optimizer_inputs]
+    return profile_stage_costs(sliced.jaxpr, sliced.pieces, sliced.summaries, param_mask, optimizer_bytes, cluster,
+                               [(1, 1), (1, 2)], [[(1, 1)], [(1, 2)]], PassOptions(peak_flops=cluster.peak_flops))
+
+
+def test_the_table_lists_a_params_sharded_twin_for_multi_device_submeshes(profile):
+    costs = profile.costs
+    assert costs.logical_shapes == (((1, 1),), ((1, 2), (1, 2)))
+    assert costs.variants == (("",), ("", PARAMS_SHARDED))
+
+
+def test_the_lean_variant_shards_every_weight_and_costs_time_not_memory(profile):
+    weight = HIDDEN * HIDDEN * 4
+    for layer in range(LAYERS):
+        fastest, lean = profile.layer_costs[(layer, 1, 0)], profile.layer_costs[(layer, 1, 1)]
+        assert fastest.param_bytes_per_device == weight  # data parallel: replicated
+        assert lean.param_bytes_per_device == weight / 2
+        assert lean.seconds >= fastest.seconds
+    assert (profile.costs.mem_stage[:, :, 1, 1] < profile.costs.mem_stage[:, :, 1, 0]).all(where=np.triu(
+        np.ones((LAYERS, LAYERS), bool)))
+
+
+def test_a_range_costs_the_sum_of_its_layers(profile):
+    for (i, j) in [(0, 0), (0, 3), (1, 2)]:
+        for p, e in [(0, 0), (1, 0), (1, 1)]:
+            expected = sum(profile.layer_costs[(l, p, e)].seconds for l in range(i, j + 1))
+            assert profile.costs.t_intra[i, j, p, e] == pytest.approx(expected, rel=1e-12)
+
+
+def test_equal_layers_are_solved_once(profile):
+    """Layers 1 and 2 have the same equations: they share every solve (layers 0 and 3 differ: the batch
+    input and the loss)."""
+    assert profile.layer_costs[(1, 1, 0)] is profile.layer_costs[(2, 1, 0)]
+    assert profile.num_solves < 2 * profile.num_pairs
+
+
+def lean_budget(costs):
+    """Bytes per device of all four layers as one stage on (1, 2) under the lean variant (1F1B holds one
+    micro-batch in the last stage)."""
+    return float(costs.mem_stage[0, LAYERS - 1, 1, 1] + costs.mem_act[0, LAYERS - 1, 1, 1])
+
+
+def test_the_dp_takes_the_lean_variant_exactly_where_nothing_else_fits(profile):
+    """With the lean one-stage plan's memory as the budget and 4 micro-batches, no plan of fastest entries
+    fits (one stage: replicated weights; two one-device stages: the first holds 2 micro-batches)."""
+    costs, budget = profile.costs, lean_budget(profile.costs)
+    solution = solve_stages(costs, (1, 2), 4, budget)
+    assert [(s.layers, s.submesh, s.variant) for s in solution.stages] == [((0, 3), (1, 2), PARAMS_SHARDED)]
+    fastest_only = StageCosts(num_layers=LAYERS, submeshes=costs.submeshes, logical_shapes=[[(1, 1)], [(1, 2)]],
+                              t_intra=costs.t_intra[..., :1], mem_stage=costs.mem_stage[..., :1],
+                              mem_act=costs.mem_act[..., :1])
+    with pytest.raises(ValueError, match="no pipeline plan fits"):
+        solve_stages(fastest_only, (1, 2), 4, budget)
+
+
+def test_plan_shards_every_weight_when_replicated_weights_do_not_fit(profile):
+    method, _ = sliced_mlp(num_micro_batches=4)
+    params = {f"w{i}": jax.ShapeDtypeStruct((HIDDEN, HIDDEN), jnp.float32) for i in range(LAYERS)}
+    state = jax.eval_shape(lambda p: train_state.TrainState.create(apply_fn=None, params=p, tx=optax.adam(1e-3)),
+                           params)
+    batch = {"x": jax.ShapeDtypeStruct((ROWS, HIDDEN), jnp.float32)}
+    cluster = dataclasses.replace(al.ClusterSpec.preset("p3.16xlarge"), num_devices_per_node=2,
+                                  device_memory=int(lean_budget(profile.costs)) + 1)
+    plan = al.plan(train_step, state, batch, method=method, cluster=cluster)
+    assert [s.submesh_shape for s in plan.stages] == [(1, 2)], plan
+    for t in plan.stages[0].inputs:
+        assert t.spec.num_shards(plan.stages[0].logical_mesh_shape) == 2, plan
+    assert plan.stages[0].memory_per_device <= cluster.device_memory
