@@ -45,6 +45,9 @@ class ClusterSpec:
     """Seconds: fixed cost (alpha) of one collective inside a node."""
     inter_node_latency: float
     """Seconds: fixed cost (alpha) of one collective across nodes."""
+    shared_host_compute: bool = False
+    """True when the devices of a node are virtual and share the host's cores (XLA's CPU devices): work on
+    two meshes of one node then takes turns instead of overlapping, which the simulated backend models."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -82,7 +85,8 @@ class ClusterSpec:
         ``peak_flops`` is the best of a few timed float32 matmuls on the first device (not a datasheet
         peak). The intra-node bandwidth and latency come from timed ``jax.device_put`` copies between the
         first two devices (host -> device when there is only one). There is no inter-node link, so the
-        inter-node fields repeat the intra-node ones. ``device_memory`` is ``device.memory_stats()
+        inter-node fields repeat the intra-node ones. CPU devices share the host's cores
+        (``shared_host_compute``). ``device_memory`` is ``device.memory_stats()
         ["bytes_limit"]`` when the backend reports it, else the host's RAM divided by the device count.
         The measurements are cached per device and take well under a second.
         """
@@ -105,6 +109,7 @@ class ClusterSpec:
             inter_node_bandwidth=bandwidth,
             intra_node_latency=latency,
             inter_node_latency=latency,
+            shared_host_compute=first.platform == "cpu",
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -113,10 +118,11 @@ class ClusterSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ClusterSpec:
-        """Inverse of :meth:`to_dict`; missing or unknown keys raise ``ValueError``."""
+        """Inverse of :meth:`to_dict`; unknown keys, or missing keys without a default, raise ``ValueError``."""
         names = {f.name for f in dataclasses.fields(cls)}
+        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
         unknown = sorted(set(data) - names)
-        missing = sorted(names - set(data))
+        missing = sorted(required - set(data))
         if unknown or missing:
             raise ValueError(f"ClusterSpec.from_dict: unknown keys {unknown}, missing keys {missing}")
         return cls(**data)
@@ -136,6 +142,8 @@ def _validate(spec: ClusterSpec) -> None:
         raise ValueError(f"name must be a non-empty str, got {spec.name!r}")
     if not isinstance(spec.device_name, str):
         raise ValueError(f"device_name must be a str, got {spec.device_name!r}")
+    if not isinstance(spec.shared_host_compute, bool):
+        raise ValueError(f"shared_host_compute must be a bool, got {spec.shared_host_compute!r}")
     for field in ("num_nodes", "num_devices_per_node", "device_memory"):
         value = getattr(spec, field)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -99,7 +99,7 @@ class AutoStageOption:
     epsilon: float = 1e-6
     """Seconds: t_max candidates closer than this are solved once (the pruned enumeration's step)."""
     max_workers: int | None = None
-    """Parallel intra-op solves (threads); None: up to 4."""
+    """Worker processes for the intra-op solves; None: one per core."""
     show_progress: bool = True
     """Print planning progress to stderr."""
 

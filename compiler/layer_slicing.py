@@ -6,7 +6,8 @@ bwd_end(l)``, then the grad marker, then apply-grad. :func:`slice_layers` gives 
 :class:`Piece`: the equations inside a region belong to it; glue outside regions (the gradient seed, sums of
 gradients of shared parameters) joins the region of its first consumer, or failing that of its last
 producer; apply-grad equations join the layer whose backward produced the gradients they read (the optimizer
-update is placed with the parameters it updates, Alpa 3.5). :func:`layer_summaries` then gives the numbers
+update is placed with the parameters it updates, Alpa 3.5), and those that read no gradient join their
+first consumer's layer. :func:`layer_summaries` then gives the numbers
 the stage DP needs per layer: FLOPs, parameter leaves, and activation bytes kept from forward to backward.
 """
 from __future__ import annotations
@@ -45,7 +46,8 @@ class LayerSummary:
     """Indices of the step's input leaves that are parameters first used by this layer's forward."""
     param_bytes: int
     activation_bytes: int
-    """Bytes produced by the forward and read by the backward of this layer (per micro-batch)."""
+    """Bytes produced by the forward and read by the backward of this layer (per micro-batch); parameters
+    passed through the layer's markers are not activations."""
 
 
 def _nbytes(var: Var) -> int:
@@ -103,11 +105,18 @@ def slice_layers(jaxpr: Jaxpr) -> list[Piece | None]:
                       for inp, out in zip(grad_eqn.invars, grad_eqn.outvars, strict=True)}
         for i in range(grad_index + 1, len(eqns)):
             layers = [grad_layer[v] for v in jax_compat.eqn_inputs(eqns[i]) if v in grad_layer]
-            layers += [pieces[producer[v]].layer for v in jax_compat.eqn_inputs(eqns[i])
-                       if v in producer and producer[v] > grad_index]
-            pieces[i] = Piece(max(layers) if layers else 0, APPLY)
-            for v in eqns[i].outvars:
-                grad_layer.setdefault(v, pieces[i].layer)
+            if layers:
+                pieces[i] = Piece(max(layers), APPLY)
+                for v in eqns[i].outvars:
+                    grad_layer.setdefault(v, pieces[i].layer)
+        # Apply-grad equations that read no gradient (optimizer state scaled before it meets one, shared
+        # scalars such as Adam's step count) join their first consumer's layer, so each layer's optimizer
+        # state is read where that layer's update runs.
+        for i in reversed(range(grad_index + 1, len(eqns))):
+            if pieces[i] is None:
+                users = [pieces[j].layer for v in eqns[i].outvars for j in consumers.get(v, ())
+                         if pieces[j] is not None]
+                pieces[i] = Piece(min(users) if users else 0, APPLY)
     return [p if i in live else None for i, p in enumerate(pieces)]  # dead code runs nowhere
 
 
@@ -129,10 +138,10 @@ def layer_summaries(jaxpr: Jaxpr, pieces: Sequence[Piece | None], param_mask: Se
         if piece is not None:
             flops[piece.layer, phase_index[piece.phase]] += eqn_flops(eqn)
     invar_index = {v: i for i, v in enumerate(jaxpr.invars)}
-    for eqn in jaxpr.eqns:  # a parameter seen through its "param" marker is still that input leaf
-        if is_marker(eqn, "param"):
+    for eqn in jaxpr.eqns:  # a parameter seen through markers (param, layer boundaries) is still that leaf
+        if is_marker(eqn):
             for inp, out in zip(eqn.invars, eqn.outvars, strict=True):
-                if inp in invar_index:
+                if isinstance(inp, Var) and inp in invar_index:
                     invar_index[out] = invar_index[inp]
     params: list[list[int]] = [[] for _ in range(num_layers)]
     seen = set()
@@ -148,7 +157,8 @@ def layer_summaries(jaxpr: Jaxpr, pieces: Sequence[Piece | None], param_mask: Se
                 seen.add(k)
                 params[piece.layer].append(k)
             source = defined.get(v)
-            if (piece.phase == BACKWARD and source is not None and source.phase == FORWARD
+            is_param = k is not None and param_mask[k]  # per step, counted with the weights, not per micro-batch
+            if (piece.phase == BACKWARD and not is_param and source is not None and source.phase == FORWARD
                     and source.layer == piece.layer and v not in counted):
                 counted.add(v)
                 activations[piece.layer] += _nbytes(v)

@@ -12,8 +12,9 @@ build the table of a layer range by adding its layers:
 which omits the resharding of the activations between consecutive layers of one stage (an approximation:
 the layers' ILPs are solved separately). Layers with the same structure (the blocks of a transformer)
 share one solve: the cache key is the layer's equations (primitive, parameters, shapes) and the mesh, so the
-same (layer, submesh, logical shape) is never solved twice. Independent solves run on a thread pool; the
-MILP solver releases the GIL while it works.
+same (layer, submesh, logical shape) is never solved twice. Independent solves run in parallel worker
+processes (forked, so they inherit the layers' jaxprs; they only build and solve ILPs and never touch the
+XLA runtime), one per core; where ``fork`` is not available they run on a thread pool.
 
 Two variants per (layer, logical mesh), Alpa's per-stage memory budget made cheap: the fastest solve
 (``variant ""``), and, when that one leaves some parameter less than fully sharded, a memory-lean solve
@@ -32,10 +33,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import math
+import multiprocessing
 import os
 import time
+import warnings
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -189,7 +193,8 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
 
     Args:
       optimizer_bytes: per layer, bytes of optimizer state of its parameters (all devices together).
-      progress: called as ``progress(done, total)`` after each distinct solve.
+      max_workers: worker processes (default: one per core).
+      progress: called as ``progress(done, total)`` after each distinct (layer, mesh) job.
       memory_variants: also profile the ``"params-sharded"`` variant on submeshes of more than one device.
         The table then lists each such submesh's views twice (``costs.variants`` says which is which).
     """
@@ -211,30 +216,14 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
                 key = (keys[l], param_key, mesh)
                 jobs.setdefault(key, (l, mesh))
                 pair_job[(l, p, e)] = (key, variant)
+    job_keys = list(jobs)
+    context = _SolveContext(layers=layers, jobs=[jobs[k] for k in job_keys], param_mask=tuple(param_mask),
+                            peak_flops=cluster.peak_flops, options=options, memory_variants=memory_variants)
     results: dict[tuple, tuple[LayerCost, LayerCost]] = {}
-
-    def run(key):
-        l, mesh = jobs[key]
-        closed, inputs = layers[l]
-        params = [i >= 0 and param_mask[i] for i in inputs]
-        fastest = profile_layer(closed, params, mesh, cluster.peak_flops, options)
-        if not memory_variants or mesh.num_devices == 1:
-            return key, (fastest, fastest), 1
-        candidates = sharded_param_candidates(closed, params, mesh)
-        if is_params_sharded(fastest, candidates):
-            return key, (fastest, fastest), 1
-        lean_options = dataclasses.replace(options, input_candidates={**options.input_candidates, **candidates})
-        return key, (fastest, profile_layer(closed, params, mesh, cluster.peak_flops, lean_options)), 2
-
-    workers = max_workers or min(4, os.cpu_count() or 1)
     num_solves = 0
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        for done, future in enumerate(concurrent.futures.as_completed([pool.submit(run, k) for k in jobs]), 1):
-            key, costs, solves = future.result()
-            results[key] = costs
-            num_solves += solves
-            if progress is not None:
-                progress(done, len(jobs))
+    for index, variants, solves in _run_solves(context, max_workers, progress):
+        results[job_keys[index]] = variants
+        num_solves += solves
 
     def cost_of(pair) -> LayerCost:
         key, variant = pair_job[pair]
@@ -257,6 +246,72 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
     return StageProfile(costs=costs, layer_costs={pair: cost_of(pair) for pair in pair_job},
                         layer_inputs=tuple(tuple(inputs) for _, inputs in layers), num_pairs=len(pair_job),
                         num_solves=num_solves, seconds=time.perf_counter() - start)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SolveContext:
+    """What every solve needs; forked workers inherit it through :data:`_FORKED`."""
+
+    layers: list
+    jobs: list[tuple[int, LogicalMesh]]
+    param_mask: tuple[bool, ...]
+    peak_flops: float
+    options: PassOptions
+    memory_variants: bool
+
+
+_FORKED: _SolveContext | None = None
+
+
+def _solve_job(context: _SolveContext, index: int) -> tuple[int, tuple[LayerCost, LayerCost], int]:
+    """The fastest solve of job ``index`` and its ``"params-sharded"`` twin (the fastest again when the
+    twin would be the same problem), with the number of ILPs solved."""
+    l, mesh = context.jobs[index]
+    closed, inputs = context.layers[l]
+    params = [i >= 0 and context.param_mask[i] for i in inputs]
+    fastest = profile_layer(closed, params, mesh, context.peak_flops, context.options)
+    if not context.memory_variants or mesh.num_devices == 1:
+        return index, (fastest, fastest), 1
+    candidates = sharded_param_candidates(closed, params, mesh)
+    if is_params_sharded(fastest, candidates):
+        return index, (fastest, fastest), 1
+    lean = dataclasses.replace(context.options, input_candidates={**context.options.input_candidates, **candidates})
+    return index, (fastest, profile_layer(closed, params, mesh, context.peak_flops, lean)), 2
+
+
+def _solve_forked(index: int):
+    return _solve_job(_FORKED, index)
+
+
+def _run_solves(context: _SolveContext, max_workers: int | None, progress):
+    """Yields ``_solve_job`` results as they finish, from forked processes (threads without ``fork``)."""
+    global _FORKED
+    total = len(context.jobs)
+    workers = max(1, min(max_workers or os.cpu_count() or 1, total))
+    if workers == 1:
+        for done, index in enumerate(range(total), 1):
+            yield _solve_job(context, index)
+            if progress is not None:
+                progress(done, total)
+        return
+    if "fork" in multiprocessing.get_all_start_methods():
+        _FORKED = context
+        pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+        submit = functools.partial(pool.submit, _solve_forked)
+    else:
+        pool = concurrent.futures.ThreadPoolExecutor(workers)
+        submit = functools.partial(pool.submit, _solve_job, context)
+    try:
+        with warnings.catch_warnings():  # JAX warns on every fork; the workers never touch XLA.
+            warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+            futures = [submit(index) for index in range(total)]
+        for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+            yield future.result()
+            if progress is not None:
+                progress(done, total)
+    finally:
+        pool.shutdown(cancel_futures=True)
+        _FORKED = None
 
 
 def _range_sums(per_layer: np.ndarray) -> np.ndarray:

@@ -9,6 +9,10 @@ Every mesh has a clock. An instruction starts when its mesh is free and its inpu
   are on different nodes);
 * ``LOAD``: host-to-device bytes at the intra-node bandwidth; ``ACC``, ``MEAN``, ``FREE``: free.
 
+When the cluster's devices share their host's cores (``ClusterSpec.shared_host_compute``: XLA's virtual
+CPU devices), each node also has a clock: RUN, RECV and LOAD instructions of different meshes on one node
+take turns instead of overlapping (each one already keeps every core of the host busy).
+
 The result is a :class:`~alpa_like.runtime.schedules.Timeline` of the RUN instructions (so the measured and
 simulated timelines export and plot the same way) and the predicted step time.
 """
@@ -83,9 +87,17 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
         stage_time[(q, BACKWARD)] = per_mb * (1 - _FORWARD_SHARE)
         stage_time[(q, APPLY)] = apply_flops / (devices * cluster.peak_flops)
     per_node = cluster.num_devices_per_node
+    nodes_of = [frozenset(d // per_node for d in plan.stages[mesh].device_ids) for mesh in range(programs.num_meshes)]
+    node_clock = dict.fromkeys(range(cluster.num_nodes), 0.0)
     clock = [0.0] * programs.num_meshes
     ready: dict[tuple[int, tuple], float] = {}
     spans, busy, transfers = [], [0.0] * programs.num_meshes, 0.0
+    def hosts(ins) -> frozenset[int]:
+        """The nodes whose shared cores ``ins`` occupies (none when devices compute independently)."""
+        if not cluster.shared_host_compute:
+            return frozenset()
+        return nodes_of[ins.mesh] | (nodes_of[ins.src_mesh] if ins.op is Op.RECV else frozenset())
+
     for ins in programs.instructions:
         mesh = ins.mesh
         start, duration = clock[mesh], 0.0
@@ -94,6 +106,7 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
             for v in piece.inputs:
                 key = (v, ins.micro_batch) if (mesh, (v, ins.micro_batch)) in ready else (v, PER_STEP)
                 start = max(start, ready.get((mesh, key), 0.0))
+            start = max([start, *(node_clock[n] for n in hosts(ins))])
             duration = stage_time[(ins.stage, ins.phase)]
             if measured is not None:
                 duration = measured.get(_strip_micro_batch(str(ins)), duration)
@@ -105,7 +118,7 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
                 spans.append(Span(Task(StageIdx(ins.stage), MicroBatchIdx(ins.micro_batch), phase), MeshIdx(mesh),
                                   start, start + duration))
         elif ins.op is Op.RECV:
-            start = max(start, ready.get((ins.src_mesh, ins.key), 0.0))
+            start = max([start, ready.get((ins.src_mesh, ins.key), 0.0), *(node_clock[n] for n in hosts(ins))])
             aval = program.values[ins.key[0]].aval
             src_plan, dst_plan = plan.stages[ins.src_mesh], plan.stages[mesh]
             reshard = plan_resharding(aval.shape, np.dtype(aval.dtype).itemsize,
@@ -119,6 +132,7 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
             transfers += duration
             ready[(mesh, ins.key)] = start + duration
         elif ins.op is Op.LOAD:
+            start = max([start, *(node_clock[n] for n in hosts(ins))])
             aval = program.values[ins.key[0]].aval
             nbytes = math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
             if ins.key[1] != PER_STEP:
@@ -131,6 +145,8 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
             start = max(start, ready.get((mesh, ins.key), start))
             ready[(mesh, ins.key)] = start
         clock[mesh] = start + duration
+        if ins.op in (Op.RUN, Op.RECV, Op.LOAD):
+            node_clock.update(dict.fromkeys(hosts(ins), start + duration))
     timeline = Timeline(name=plan.pipeline_schedule or "pipeline", num_meshes=programs.num_meshes,
                         num_stages=program.num_stages, spans=tuple(sorted(spans, key=lambda s: (s.mesh, s.start))))
     return Simulation(step_seconds=max(clock), timeline=timeline, busy_seconds=tuple(busy),

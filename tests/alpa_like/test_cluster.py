@@ -13,7 +13,8 @@ GIB = 2**30
 
 # Public fields: adding one is an API change (and needs a docstring with units).
 FIELDS = ("name", "num_nodes", "num_devices_per_node", "device_name", "peak_flops", "device_memory",
-          "intra_node_bandwidth", "inter_node_bandwidth", "intra_node_latency", "inter_node_latency")
+          "intra_node_bandwidth", "inter_node_bandwidth", "intra_node_latency", "inter_node_latency",
+          "shared_host_compute")
 
 PRESETS = {
     # name: (device_name, peak_flops, device_memory, intra bytes/s, inter bytes/s per device)
@@ -93,6 +94,9 @@ def test_from_dict_rejects_unknown_and_missing_keys():
     del data["peak_flops"]
     with pytest.raises(ValueError, match=r"missing keys \['peak_flops'\]"):
         ClusterSpec.from_dict(data)
+    data = ClusterSpec.preset("p3.16xlarge").to_dict()
+    del data["shared_host_compute"]  # a JSON file from before the field existed: the default applies
+    assert ClusterSpec.from_dict(data) == ClusterSpec.preset("p3.16xlarge")
 
 
 def test_str_is_one_readable_line():
@@ -107,6 +111,8 @@ def test_local_measures_this_process():
     assert (spec.num_nodes, spec.num_devices_per_node) == (1, len(jax.local_devices()))
     assert spec.name == "local-cpu"
     assert spec.peak_flops > 0 and spec.intra_node_bandwidth > 0 and spec.device_memory > 0
+    assert spec.shared_host_compute  # virtual CPU devices share the host's cores
+    assert not ClusterSpec.preset("p3.16xlarge").shared_host_compute
     assert spec.inter_node_bandwidth == spec.intra_node_bandwidth
     assert ClusterSpec.local() == spec  # measurements are cached per device
     assert ClusterSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec

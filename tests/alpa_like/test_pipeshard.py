@@ -132,3 +132,26 @@ def test_bad_options_are_named():
         al.PipeshardParallel(pipeline_schedule="zigzag")
     with pytest.raises(ValueError, match="layer_num must be an int >= 1"):
         al.AutoLayerOption(layer_num=0)
+
+
+def test_remat_layers_keep_only_their_non_parameter_inputs_for_the_backward():
+    """With per-layer remat the backward recomputes the layer from its inputs: the activation bytes of a
+    micro-batch are at most the layer's non-parameter inputs (the weights are per-step memory, counted once
+    in the stage's weights, not once per micro-batch in flight)."""
+    from alpa_like.compiler.markers import is_marker
+    from alpa_like.pipeshard import slice_step
+
+    step, state, batch = gpt_case(num_layers=4, hidden=64, seq=16, batch=8)
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=4, remat_layer=True),
+                                  stage_option=QUIET)
+    sliced = slice_step(method, step, (state, batch), static_argnums=(), batch_argnums=(1,))
+    jaxpr = sliced.jaxpr
+    param_vars = {v for v, role in zip(jaxpr.invars, sliced.roles) if role == "param"}
+    for eqn in jaxpr.eqns:  # parameters seen through markers
+        if is_marker(eqn):
+            param_vars |= {out for inp, out in zip(eqn.invars, eqn.outvars) if not hasattr(inp, 'val') and inp in param_vars}
+    for summary in sliced.summaries[1:]:
+        start = next(e for e in jaxpr.eqns if is_marker(e, "fwd_start") and e.params["layer"] == summary.layer)
+        inputs = sum(v.aval.size * v.aval.dtype.itemsize for v in start.invars
+                     if not hasattr(v, 'val') and v not in param_vars)
+        assert 0 < summary.activation_bytes <= inputs, (summary, inputs)

@@ -81,3 +81,20 @@ def test_dead_code_gets_no_piece():
     pieces = slice_layers(jaxpr)
     sins = [p for e, p in zip(jaxpr.eqns, pieces) if e.primitive.name == "sin"]
     assert sins == [None]
+
+
+def test_each_layers_optimizer_state_is_read_by_its_own_apply_grad(traced):
+    """Adam scales mu by b1 before the gradient joins it: that equation reads no gradient, yet it must run
+    with layer l's update (else every layer's optimizer state would live on the first stage)."""
+    jaxpr = traced.closed_jaxpr.jaxpr
+    pieces = slice_layers(jaxpr)
+    readers: dict[str, set[int]] = {}
+    for eqn, piece in zip(jaxpr.eqns, pieces):
+        if piece is not None and piece.phase == APPLY:
+            for v in eqn.invars:
+                if v in jaxpr.invars:
+                    path = traced.in_leaves[jaxpr.invars.index(v)].path
+                    readers.setdefault(path, set()).add(piece.layer)
+    for layer in range(3):
+        for moment in ("mu", "nu"):
+            assert readers[f"state.opt_state.0.{moment}.w{layer}"] == {layer}, readers

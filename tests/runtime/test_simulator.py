@@ -16,10 +16,12 @@ def executable(schedule, num_micro_batches=4):
     return al.parallelize(train_step_for(loss_fn), method=method).get_executable(state, batches[0])
 
 
-def idealised(plan, seconds_per_stage=1.0):
-    """Equal stages, free communication and apply-grad: the textbook pipeline."""
+def idealised(plan, seconds_per_stage=1.0, shared_host_compute=False):
+    """Equal stages, free communication and apply-grad, devices that compute independently: the textbook
+    pipeline."""
     cluster = dataclasses.replace(plan.cluster, peak_flops=1e30, intra_node_bandwidth=1e30, inter_node_bandwidth=1e30,
-                                  intra_node_latency=0.0, inter_node_latency=0.0)
+                                  intra_node_latency=0.0, inter_node_latency=0.0,
+                                  shared_host_compute=shared_host_compute)
     stages = tuple(dataclasses.replace(s, compute_seconds=seconds_per_stage, communication=()) for s in plan.stages)
     return dataclasses.replace(plan, cluster=cluster, stages=stages)
 
@@ -31,6 +33,18 @@ def test_idealised_pipeline_has_the_textbook_bubble(schedule):
     p, m = 2, 4
     assert sim.timeline.bubble_fraction("ideal") == pytest.approx((p - 1) / m)
     assert sim.step_seconds == pytest.approx((m + p - 1) * 1.0 / m)  # (m + p - 1)(t_f + t_b), t_f + t_b = 1 s / m
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_meshes_sharing_the_host_cores_take_turns(schedule):
+    """Virtual CPU devices: no two RUNs of one host overlap, so the step is every RUN back to back:
+    p stages x m micro-batches x (t_f + t_b) = 2 x 4 x 1/4 s (the idealised apply-grad is free)."""
+    exe = executable(schedule, num_micro_batches=4)
+    assert exe.plan.cluster.shared_host_compute  # ClusterSpec.local() on CPU devices
+    sim = simulate(idealised(exe.plan, shared_host_compute=True), exe.program, exe.programs)
+    assert sim.step_seconds == pytest.approx(2.0)
+    spans = sorted(sim.timeline.spans, key=lambda s: s.start)
+    assert all(a.end <= b.start + 1e-12 for a, b in zip(spans, spans[1:]))
 
 
 def test_simulated_timeline_respects_dependencies_and_mesh_order():
