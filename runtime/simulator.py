@@ -11,7 +11,8 @@ Every mesh has a clock. An instruction starts when its mesh is free and its inpu
 
 When the cluster's devices share their host's cores (``ClusterSpec.shared_host_compute``: XLA's virtual
 CPU devices), each node also has a clock: RUN, RECV and LOAD instructions of different meshes on one node
-take turns instead of overlapping (each one already keeps every core of the host busy).
+take turns instead of overlapping, and a RUN computes with the whole node (``num_devices_per_node`` devices
+worth of ``peak_flops``, the per-device rate with every device busy), not only its mesh's devices.
 
 The result is a :class:`~alpa_like.runtime.schedules.Timeline` of the RUN instructions (so the measured and
 simulated timelines export and plot the same way) and the predicted step time.
@@ -75,20 +76,23 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
     cost model's: the schedule and the dependencies are then the only model (a calibrated simulation)."""
     cluster = plan.cluster
     m = plan.num_micro_batches
+    per_node = cluster.num_devices_per_node
+    nodes_of = [frozenset(d // per_node for d in plan.stages[mesh].device_ids) for mesh in range(programs.num_meshes)]
+    node_clock = dict.fromkeys(range(cluster.num_nodes), 0.0)
     stage_time = {}
     for q in range(program.num_stages):
         mesh = programs.stage_to_mesh[q]
         stage_plan = plan.stages[mesh]
         chunks = sum(1 for s in programs.stage_to_mesh if s == mesh)
-        per_mb = (stage_plan.compute_seconds + stage_plan.communication_seconds) / m / chunks
         devices = len(stage_plan.device_ids)
+        # With shared host cores a mesh computes with every core of its hosts while the others wait.
+        speedup = (cluster.num_devices_per_node * len(nodes_of[mesh]) / devices if cluster.shared_host_compute
+                   else 1.0)
+        per_mb = (stage_plan.compute_seconds / speedup + stage_plan.communication_seconds) / m / chunks
         apply_flops = jaxpr_flops(program.piece(q, APPLY).jaxpr)
         stage_time[(q, FORWARD)] = per_mb * _FORWARD_SHARE
         stage_time[(q, BACKWARD)] = per_mb * (1 - _FORWARD_SHARE)
-        stage_time[(q, APPLY)] = apply_flops / (devices * cluster.peak_flops)
-    per_node = cluster.num_devices_per_node
-    nodes_of = [frozenset(d // per_node for d in plan.stages[mesh].device_ids) for mesh in range(programs.num_meshes)]
-    node_clock = dict.fromkeys(range(cluster.num_nodes), 0.0)
+        stage_time[(q, APPLY)] = apply_flops / (devices * speedup * cluster.peak_flops)
     clock = [0.0] * programs.num_meshes
     ready: dict[tuple[int, tuple], float] = {}
     spans, busy, transfers = [], [0.0] * programs.num_meshes, 0.0
