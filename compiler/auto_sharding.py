@@ -35,7 +35,7 @@ from alpa_like.compiler.sharding_spec import (
     ShardingSpec,
     describe_resharding,
     enumerate_specs,
-    resharding_cost,
+    resharding_seconds,
 )
 from alpa_like.compiler.strategies import (
     HEAVY_PRIMITIVES,
@@ -212,14 +212,12 @@ class _ReshardTable:
     def cost(self, shape, itemsize, src: ShardingSpec, dst: ShardingSpec) -> float:
         if src == dst:
             return 0.0
-        key = (shape, itemsize, src, dst)
+        num_bytes = math.prod(shape) * itemsize
+        key = (num_bytes, src, dst)
         value = self.cache.get(key)
         if value is None:
-            if self.allow_all_to_all:
-                value = resharding_cost(src, dst, shape, itemsize, self.mesh)
-            else:
-                common = _common_prefix(src, dst)
-                value = resharding_cost(src, common, shape, itemsize, self.mesh)
+            target = dst if self.allow_all_to_all else _common_prefix(src, dst)
+            value = resharding_seconds(src, target, num_bytes, self.mesh)
             self.cache[key] = value
         return value
 
