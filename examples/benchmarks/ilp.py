@@ -8,8 +8,9 @@ logical view of the devices: graph nodes, ILP nodes / edges / variables / constr
 
 Part 2 (8 CPU devices): measured seconds per training step of ShardParallel's plan beside DataParallel,
 Zero2Parallel, Zero3Parallel and a Megatron-style ManualShardParallel (2-way data x 4-way tensor
-parallelism) for gpt-tiny and gpt-small, all run side by side in this process; ratios to the best
-hand-written method.
+parallelism) for gpt-tiny and gpt-small, all run side by side in this process (interleaved step by step,
+in a rotating order, each step timed until its new state is ready); median per method and its ratio to the
+best hand-written method's median.
 
     python examples/benchmarks/ilp.py                     # both parts, JSON to results/ilp.json
     python examples/benchmarks/ilp.py --models gpt-1.3b --devices 8 --skip-step-time
@@ -137,11 +138,13 @@ def step_times(name: str, batch_size: int, steps: int) -> list[dict]:
     states = {label: state for label in compiled}
     for label, (exe, _) in compiled.items():  # warm-up, each method once
         states[label], _ = exe(states[label], batches[0])
-    for i in range(steps):  # interleaved, so that machine noise hits every method alike
-        for label, (exe, _) in compiled.items():
+    labels = list(compiled)
+    for i in range(steps):  # interleaved, in a rotating order, so that machine noise hits every method alike
+        for label in labels[i % len(labels):] + labels[:i % len(labels)]:
+            exe = compiled[label][0]
             start = time.perf_counter()
             states[label], metrics = exe(states[label], batches[i % 2])
-            jax.block_until_ready(metrics)
+            jax.block_until_ready((states[label], metrics))  # the whole step, not only its loss
             timings[label].append(time.perf_counter() - start)
     hand = min(statistics.median(timings[label]) for label in methods if label != "ShardParallel (ILP)")
     rows = []
@@ -169,7 +172,7 @@ def main(argv=None) -> int:
     parser.add_argument("--time-limit", type=float, default=300.0, help="solver seconds per view")
     parser.add_argument("--step-models", default="gpt-tiny,gpt-small", help="models timed on the CPU devices")
     parser.add_argument("--step-batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--skip-ilp", action="store_true")
     parser.add_argument("--skip-step-time", action="store_true")
     args = parser.parse_args(argv)
