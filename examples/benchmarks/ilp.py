@@ -113,6 +113,15 @@ def megatron_specs(state):
     return state.replace(step=P(), params=params, opt_state=opt)
 
 
+def hlo_collectives(exe) -> dict[str, tuple[int, int]]:
+    """Collective kind -> (count, result bytes per device) in the compiled step."""
+    out: dict[str, tuple[int, int]] = {}
+    for c in exe.collectives():
+        n, b = out.get(c.kind, (0, 0))
+        out[c.kind] = (n + 1, b + c.result_bytes)
+    return out
+
+
 def step_times(name: str, batch_size: int, steps: int) -> list[dict]:
     config = models.get_config(name)
     model = gpt.GPTModel(config)
@@ -151,13 +160,17 @@ def step_times(name: str, batch_size: int, steps: int) -> list[dict]:
     for label, (exe, compile_seconds) in compiled.items():
         median = statistics.median(timings[label])
         stage = exe.plan.stages[0]
+        collectives = hlo_collectives(exe)
+        flops = exe.cost_analysis().get("flops", 0.0)
         rows.append({"model": name, "batch": batch_size, "method": label, "step_seconds_median": median,
                      "ratio_to_best_hand_written": median / hand, "compile_seconds": compile_seconds,
                      "logical_mesh": list(stage.logical_mesh_shape),
-                     "modelled_communication_seconds": stage.communication_seconds})
+                     "modelled_communication_seconds": stage.communication_seconds,
+                     "hlo_collectives": collectives, "hlo_flops_per_device": flops})
         print(f"  {name:9s} batch {batch_size:3d}  {label:22s} {median * 1e3:8.2f} ms/step  "
               f"x{median / hand:5.2f} of best hand-written  mesh {tuple(stage.logical_mesh_shape)}  "
-              f"compile {compile_seconds:5.1f}s", flush=True)
+              f"compile {compile_seconds:5.1f}s  HLO {flops / 1e6:7.1f} MFLOP/device, "
+              + ", ".join(f"{n} {k} {b / 1e3:.0f} kB" for k, (n, b) in sorted(collectives.items())), flush=True)
     return rows
 
 
