@@ -82,13 +82,17 @@ class ClusterSpec:
     def local(cls, devices: Sequence[Any] | None = None) -> ClusterSpec:
         """The devices of this process (default ``jax.local_devices()``) as one node, with measured speed.
 
-        ``peak_flops`` is the best of a few timed float32 matmuls on the first device (not a datasheet
-        peak). The intra-node bandwidth and latency come from timed ``jax.device_put`` copies between the
-        first two devices (host -> device when there is only one). There is no inter-node link, so the
-        inter-node fields repeat the intra-node ones. CPU devices share the host's cores
-        (``shared_host_compute``). ``device_memory`` is ``device.memory_stats()
-        ["bytes_limit"]`` when the backend reports it, else the host's RAM divided by the device count.
-        The measurements are cached per device and take well under a second.
+        ``peak_flops`` is the best of a few timed float32 matmuls run on every device at once, per device
+        (not a datasheet peak): devices that share host cores (virtual CPU devices) slow each other down,
+        and a plan runs on all of them together. The intra-node bandwidth and latency are fitted to timed
+        all-reduces over all the devices at two sizes, ``t = alpha + 2 (n - 1) / n * bytes / bandwidth``
+        (the ring model of :class:`~alpa_like.compiler.logical_mesh.LogicalMesh`), each minus the time of
+        launching a trivial program on the devices; with one device, to timed ``jax.device_put`` copies from
+        the host. There is no inter-node link, so the inter-node fields repeat the intra-node ones. CPU devices
+        share the host's cores (``shared_host_compute``).
+        ``device_memory`` is ``device.memory_stats()["bytes_limit"]`` when the backend reports it, else
+        the host's RAM divided by the device count. The measurements are cached per device set and take
+        about a second.
         """
         import jax  # Local import: presets and JSON loading need no JAX.
 
@@ -97,13 +101,13 @@ class ClusterSpec:
             raise ValueError("devices must not be empty")
         first = devices[0]
         peer = devices[1] if len(devices) > 1 else None
-        bandwidth, latency = _measure_copy(first, peer)
+        bandwidth, latency = _measure_all_reduce(devices) if peer is not None else _measure_copy(first, None)
         return cls(
             name=f"local-{first.platform}",
             num_nodes=1,
             num_devices_per_node=len(devices),
             device_name=str(getattr(first, "device_kind", first.platform)),
-            peak_flops=_measure_matmul_flops(first),
+            peak_flops=_measure_concurrent_matmul_flops(devices),
             device_memory=_device_memory(first, len(devices)),
             intra_node_bandwidth=bandwidth,
             inter_node_bandwidth=bandwidth,
@@ -261,6 +265,60 @@ def _measure_matmul_flops(device: Any) -> float:
     matmul(a, a).block_until_ready()  # Compile outside the timing.
     seconds = _best_time(lambda: matmul(a, a).block_until_ready())
     return 2.0 * _MATMUL_N**3 / seconds
+
+
+@functools.cache
+def _measure_concurrent_matmul_flops(devices: tuple[Any, ...]) -> float:
+    """Per-device FLOP/s of a jitted float32 ``(n, n) @ (n, n)`` on every device of ``devices`` at once."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    if len(devices) == 1:
+        return _measure_matmul_flops(devices[0])
+    mesh = Mesh(np.array(devices), ("d",))
+    a = jax.device_put(np.ones((len(devices) * _MATMUL_N, _MATMUL_N), np.float32),
+                       NamedSharding(mesh, PartitionSpec("d")))
+    b = jax.device_put(np.ones((_MATMUL_N, _MATMUL_N), np.float32), NamedSharding(mesh, PartitionSpec()))
+    matmul = jax.jit(lambda x, y: x @ y)
+    matmul(a, b).block_until_ready()  # Compile outside the timing.
+    seconds = _best_time(lambda: matmul(a, b).block_until_ready())
+    return 2.0 * _MATMUL_N**3 / seconds
+
+
+_ALL_REDUCE_BYTES = (4 * 2**10, 4 * 2**20)  # per device: latency-bound and bandwidth-bound
+
+
+@functools.cache
+def _measure_all_reduce(devices: tuple[Any, ...]) -> tuple[float, float]:
+    """(bytes/s, latency s) fitted to ring all-reduces over ``devices`` (see :meth:`ClusterSpec.local`)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    n = len(devices)
+    mesh = Mesh(np.array(devices), ("d",))
+    spec = PartitionSpec("d")
+
+    def program(body):
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+
+    all_reduce = program(lambda v: jax.lax.psum(v, "d"))
+    launch = program(lambda v: v + 1.0)  # launching a program on every device, on a 4-byte buffer each
+    tiny = jax.device_put(np.ones((n, 1), np.float32), NamedSharding(mesh, spec))
+    launch(tiny).block_until_ready()
+    overhead = _best_time(lambda: launch(tiny).block_until_ready(), repeats=3 * _REPEATS)
+    times = []
+    for num_bytes in _ALL_REDUCE_BYTES:
+        x = jax.device_put(np.ones((n, num_bytes // 4), np.float32), NamedSharding(mesh, spec))
+        all_reduce(x).block_until_ready()
+        times.append(max(_best_time(lambda: all_reduce(x).block_until_ready(), repeats=3 * _REPEATS) - overhead,
+                         1e-7))
+    (small, big), (t_small, t_big) = _ALL_REDUCE_BYTES, times
+    volume = 2.0 * (n - 1) / n
+    seconds_per_byte = max((t_big - t_small) / (volume * (big - small)), 1e-13)
+    latency = max(t_small - volume * small * seconds_per_byte, 1e-7)
+    return 1.0 / seconds_per_byte, latency
 
 
 @functools.cache

@@ -47,6 +47,9 @@ class SpmdLayout:
     eqn_constraints: tuple[tuple[int, int, ShardingSpec], ...] = ()
     """(equation index in the traced jaxpr, output index, spec): intermediate values pinned with
     `with_sharding_constraint` (how the intra-op pass makes XLA follow its choice)."""
+    operand_constraints: tuple[tuple[int, int, ShardingSpec], ...] = ()
+    """(equation index, operand position, spec): an operand pinned as that one equation reads it (the layout
+    its chosen algorithm needs), leaving the value itself, and its other readers, alone."""
     warnings: tuple[str, ...] = ()
     communication: tuple[CommEstimate, ...] | None = None
     """Modelled collectives per step when the method predicts them itself (the intra-op pass); None lets

@@ -197,6 +197,10 @@ def realize(traced: TracedStep, graph: OpGraph, solution: ShardingSolution,
             in_specs[i] = r.spec
         grad_pins += [(eqn, pos, r.spec) for eqn, pos in r.grad_pins]
         rewritten_nodes.update(r.grad_nodes)
+        for t in r.update_tensors:  # the update runs on shards: pin its values (new moments, new parameter)
+            rewritten_nodes.add(graph.tensors[t].producer)
+            if t in graph.pins:
+                grad_pins.append((*graph.pins[t], r.spec))
     out_specs = []
     for j, t in enumerate(graph.output_tensors):
         i = output_to_input[j]
@@ -209,7 +213,8 @@ def realize(traced: TracedStep, graph: OpGraph, solution: ShardingSolution,
     constraints = pins(graph, solution, skip=rewritten_nodes) + grad_pins
     return SpmdLayout(mesh_shape=solution.mesh.shape, axis_names=MESH_AXIS_NAMES, roles=tuple(roles),
                       in_specs=tuple(in_specs), out_specs=tuple(out_specs), shard_grads=False,
-                      eqn_constraints=tuple(constraints), warnings=tuple(warnings),
+                      eqn_constraints=tuple(constraints), operand_constraints=tuple(operand_pins(graph, solution)),
+                      warnings=tuple(warnings),
                       communication=communication(graph, solution, rewrites, weight),
                       op_plans=op_plans(traced, graph, solution, roles, weight),
                       solver=SolverReport(status=solution.ilp.status, objective=solution.objective,
@@ -220,37 +225,36 @@ def realize(traced: TracedStep, graph: OpGraph, solution: ShardingSolution,
 
 
 def pins(graph: OpGraph, solution: ShardingSolution, skip=frozenset()) -> list[tuple[int, int, ShardingSpec]]:
-    """``with_sharding_constraint`` sites that make XLA follow the plan.
+    """``with_sharding_constraint`` sites on values that make XLA follow the plan.
 
-    Every value of the step that has an equation index gets the layout the plan gives it, so that XLA's
-    propagation cannot move a layout change elsewhere. Then, for the pinned operators (matmuls,
-    convolutions, gathers, scatters), an operand that only this operator reads is pinned to the spec the
-    chosen algorithm needs, where it is produced: the resharding the plan pays happens there, and XLA's
-    partitioner sees the algorithm's operand and output layouts, which leaves it one way to compute the
-    operator. An operator's own output layout wins over a reader's wish. ``skip``: nodes whose output layout
-    another pass decides.
+    Every value of the step that has an equation index gets the layout the plan gives it where it is
+    produced, so that XLA's propagation cannot move a layout change elsewhere. ``skip``: nodes whose output
+    layout another pass decides (the weight-update sharding).
     """
-    readers: dict[int, int] = {}
-    for node in graph.nodes:
-        for t in node.operands:
-            if t is not None:
-                readers[t] = readers.get(t, 0) + 1
-    outputs = set(t for t in graph.output_tensors if t is not None)
     sites: dict[tuple[int, int], ShardingSpec] = {}
     for t, site in graph.pins.items():
         if graph.tensors[t].producer not in skip:
             sites[site] = solution.tensor_spec(t)
-    heavy = [n for n in graph.nodes if n.primitive in PINNED_PRIMITIVES]
-    for node in heavy:
-        for t, spec in zip(node.operands, solution.strategies[node.id].in_specs):
-            site = graph.pins.get(t) if t is not None else None
-            if site is not None and readers[t] == 1 and t not in outputs and graph.tensors[t].producer not in skip:
-                sites[site] = spec
-    for node in heavy:
-        if not node.inlined and node.id not in skip:
-            for k, spec in enumerate(solution.strategies[node.id].out_specs):
-                sites[(node.eqn_index, k)] = spec
     return [(eqn, k, spec) for (eqn, k), spec in sites.items()]
+
+
+def operand_pins(graph: OpGraph, solution: ShardingSolution) -> list[tuple[int, int, ShardingSpec]]:
+    """(equation index, operand position, spec): every operand of a pinned operator (matmul, convolution,
+    gather, scatter) as that operator reads it, in the layout its chosen algorithm needs.
+
+    With the value pinned where it is produced and again as each heavy reader sees it, the resharding the
+    plan pays on that edge happens between the two constraints, and XLA's partitioner sees the algorithm's
+    operand and output layouts, which leaves it one way to compute the operator; a value read by several
+    operators in different layouts is resharded once per reader, as Eq. 3.1 prices it.
+    """
+    out = []
+    for node in graph.nodes:
+        if node.primitive not in PINNED_PRIMITIVES or node.inlined:
+            continue
+        for pos, (t, spec) in enumerate(zip(node.operands, solution.strategies[node.id].in_specs)):
+            if t is not None and spec is not None:
+                out.append((node.eqn_index, pos, spec))
+    return out
 
 
 def predicted_collectives(graph: OpGraph, solution: ShardingSolution, rewrites: Sequence[WeightUpdateSharding],

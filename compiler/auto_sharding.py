@@ -28,14 +28,14 @@ from jax.extend.core import Literal
 
 from alpa_like.compiler.ilp import IlpEdge, IlpProblem, IlpSolution, solve
 from alpa_like.compiler.logical_mesh import LogicalMesh
-from alpa_like.compiler.op_graph import CONTROL_FLOW, OpGraph, OpNode, merged_groups
+from alpa_like.compiler.op_graph import CONTROL_FLOW, OpGraph, OpNode, gradient_nodes, merged_groups
 from alpa_like.compiler.propagation import FOLLOW_RULES
 from alpa_like.compiler.sharding_spec import (
     ReshardStep,
     ShardingSpec,
     describe_resharding,
     enumerate_specs,
-    resharding_cost,
+    resharding_seconds,
 )
 from alpa_like.compiler.strategies import (
     HEAVY_PRIMITIVES,
@@ -69,6 +69,10 @@ class PassOptions:
     node_weights: tuple[float, ...] | None = None
     """Per graph node, how many times it runs per step (e.g. ``num_micro_batches`` for compute-grad
     equations under gradient accumulation); its costs and its operands' resharding are scaled by it."""
+    combine_gradient_all_reduces: bool = True
+    """Price the all-reduces of the operators that compute gradients as XLA runs them: independent of each
+    other until the update, they are combined into one all-reduce per set of mesh axes, so each pays its
+    bytes but not its own latency ``alpha`` (one ``alpha`` per step is added to the objective)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -208,14 +212,12 @@ class _ReshardTable:
     def cost(self, shape, itemsize, src: ShardingSpec, dst: ShardingSpec) -> float:
         if src == dst:
             return 0.0
-        key = (shape, itemsize, src, dst)
+        num_bytes = math.prod(shape) * itemsize
+        key = (num_bytes, src, dst)
         value = self.cache.get(key)
         if value is None:
-            if self.allow_all_to_all:
-                value = resharding_cost(src, dst, shape, itemsize, self.mesh)
-            else:
-                common = _common_prefix(src, dst)
-                value = resharding_cost(src, common, shape, itemsize, self.mesh)
+            target = dst if self.allow_all_to_all else _common_prefix(src, dst)
+            value = resharding_seconds(src, target, num_bytes, self.mesh)
             self.cache[key] = value
         return value
 
@@ -284,8 +286,12 @@ def _required(table, graph: OpGraph, use: _Uses) -> list[ShardingSpec]:
 def build_problem(graph: OpGraph, table: list[list[Strategy]], mesh: LogicalMesh, *,
                   aliases: Sequence[tuple[int, int]] = (), memory_budget: float | None = None,
                   allow_all_to_all: bool = True,
-                  node_weights: Sequence[float] | None = None) -> tuple[IlpProblem, IlpProblem, np.ndarray]:
+                  node_weights: Sequence[float] | None = None,
+                  combined: frozenset[int] = frozenset()) -> tuple[IlpProblem, IlpProblem, np.ndarray]:
     """The ILP of Eq. 3.1 over the merged groups (costs scaled by ``node_weights``, default 1).
+
+    ``combined``: nodes whose all-reduces XLA combines into one (see
+    :attr:`PassOptions.combine_gradient_all_reduces`); their ``c_v`` leaves out each all-reduce's latency.
 
     Returns:
       (problem with the tie-break, the same problem without it, ILP node index of every graph node).
@@ -302,7 +308,8 @@ def build_problem(graph: OpGraph, table: list[list[Strategy]], mesh: LogicalMesh
     weight = np.ones(len(graph.nodes)) if node_weights is None else np.asarray(node_weights, dtype=float)
     for node in graph.nodes:
         v = node_of[node.id]
-        comm[v] += weight[node.id] * np.array([s.cost for s in table[node.id]])
+        costs = [s.cost - (all_reduce_latency(s, mesh) if node.id in combined else 0.0) for s in table[node.id]]
+        comm[v] += weight[node.id] * np.array(costs)
         for k, t in enumerate(node.outputs):
             tensor = graph.tensors[t]
             tie[v] += per_byte * tensor.nbytes / np.array([shards(s.out_specs[k], mesh.shape)
@@ -331,6 +338,12 @@ def build_problem(graph: OpGraph, table: list[list[Strategy]], mesh: LogicalMesh
     exact = IlpProblem(node_costs=tuple(comm), edges=edge_list, memory_rows=rows, memory_constants=consts,
                        memory_budget=memory_budget)
     return with_tie, exact, node_of
+
+
+def all_reduce_latency(strategy: Strategy, mesh: LogicalMesh) -> float:
+    """The latency (``alpha``) part of the strategy's all-reduces: what combining them with others saves."""
+    no_latency = dataclasses.replace(mesh, alpha=(0.0,) * mesh.ndim)
+    return sum(c.seconds(mesh) - c.seconds(no_latency) for c in strategy.collectives if c.kind == "all-reduce")
 
 
 def memory_rows(graph: OpGraph, table, node_of: np.ndarray, mesh: LogicalMesh):
@@ -375,10 +388,11 @@ def auto_shard(graph: OpGraph, mesh: LogicalMesh, options: PassOptions = PassOpt
     """
     ctx = StrategyContext(mesh=mesh, peak_flops=options.peak_flops)
     table = strategy_table(graph, ctx, options.input_candidates)
+    combined = gradient_nodes(graph) if options.combine_gradient_all_reduces else frozenset()
     problem, exact, node_of = build_problem(graph, table, mesh, aliases=aliases,
                                             memory_budget=options.memory_budget,
                                             allow_all_to_all=options.allow_all_to_all,
-                                            node_weights=options.node_weights)
+                                            node_weights=options.node_weights, combined=combined)
     solution = solve(problem, time_limit=options.solver_time_limit, solver=options.solver)
     if solution.status == "infeasible":
         warnings.warn(f"no sharding plan fits memory_budget={options.memory_budget} bytes per device on mesh "
@@ -386,8 +400,10 @@ def auto_shard(graph: OpGraph, mesh: LogicalMesh, options: PassOptions = PassOpt
     chosen = tuple(table[n.id][solution.choice[node_of[n.id]]] for n in graph.nodes)
     reshards = _reshards(graph, chosen, mesh, aliases, options.allow_all_to_all)
     peak = exact.peak_memory(solution.choice) if options.memory_budget is not None else None
+    latencies = [all_reduce_latency(chosen[n], mesh) for n in combined]
     return ShardingSolution(mesh=mesh, graph=graph, strategies=chosen, reshards=reshards, ilp=solution,
-                            objective=exact.objective(solution.choice), peak_memory=peak)
+                            objective=exact.objective(solution.choice) + max(latencies, default=0.0),
+                            peak_memory=peak)
 
 
 def _reshards(graph: OpGraph, chosen: Sequence[Strategy], mesh: LogicalMesh, aliases, allow_all_to_all: bool):

@@ -119,7 +119,8 @@ def to_micro_batches(x, num_micro_batches: int):
 
 
 def make_step_fn(closed: ClosedJaxpr, batch_mask: Sequence[bool], *, num_micro_batches: int = 1,
-                 eqn_hook: jax_compat.EqnHook | None = None, on_micro_batch: ValuesFn | None = None) -> Callable:
+                 eqn_hook: jax_compat.EqnHook | None = None, on_micro_batch: ValuesFn | None = None,
+                 operand_hook: jax_compat.EqnHook | None = None) -> Callable:
     """A function of the flat inputs that computes the flat outputs of ``closed``.
 
     Args:
@@ -129,10 +130,12 @@ def make_step_fn(closed: ClosedJaxpr, batch_mask: Sequence[bool], *, num_micro_b
       eqn_hook: ``hook(eqn, outvals) -> outvals`` applied to every equation (the grad marker after
         accumulation), e.g. to pin shardings with `with_sharding_constraint`.
       on_micro_batch: applied to the batch leaves of one micro-batch, e.g. to pin their sharding.
+      operand_hook: ``hook(eqn, invals) -> invals`` applied to every equation's operands as that equation
+        reads them (e.g. to pin the layout one reader needs).
     """
     if num_micro_batches == 1:
         def step(*flat):
-            return jax_compat.eval_closed_jaxpr(closed, *flat, hook=eqn_hook)
+            return jax_compat.eval_closed_jaxpr(closed, *flat, hook=eqn_hook, operand_hook=operand_hook)
         return step
 
     split = split_at_grad_marker(closed, batch_mask)
@@ -143,7 +146,7 @@ def make_step_fn(closed: ClosedJaxpr, batch_mask: Sequence[bool], *, num_micro_b
     def step(*flat):
         env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
         env.update(zip(jaxpr.invars, flat, strict=True))
-        jax_compat.eval_eqns(split.hoisted, env, hook=eqn_hook)
+        jax_compat.eval_eqns(split.hoisted, env, hook=eqn_hook, operand_hook=operand_hook)
         micro_batches = [to_micro_batches(env[v], m) for v in batch_vars]
 
         def body(acc, batch_values):
@@ -151,7 +154,7 @@ def make_step_fn(closed: ClosedJaxpr, batch_mask: Sequence[bool], *, num_micro_b
                 batch_values = on_micro_batch(list(batch_values))
             local = dict(env)
             local.update(zip(batch_vars, batch_values, strict=True))
-            jax_compat.eval_eqns(split.per_micro_batch, local, hook=eqn_hook)
+            jax_compat.eval_eqns(split.per_micro_batch, local, hook=eqn_hook, operand_hook=operand_hook)
             values = [v.val if not isinstance(v, Var) else local[v] for v in split.marker.invars]
             return [a + v for a, v in zip(acc, values, strict=True)], None
 
@@ -159,9 +162,9 @@ def make_step_fn(closed: ClosedJaxpr, batch_mask: Sequence[bool], *, num_micro_b
         total, _ = jax.lax.scan(body, zeros, micro_batches)
         mean = [t / np.asarray(m, dtype=t.dtype) for t in total]
         marker_env = dict(zip(split.marker.invars, mean, strict=True))
-        jax_compat.eval_eqns([split.marker], marker_env, hook=eqn_hook)
+        jax_compat.eval_eqns([split.marker], marker_env, hook=eqn_hook, operand_hook=operand_hook)
         env.update({v: marker_env[v] for v in split.marker.outvars})
-        jax_compat.eval_eqns(split.apply, env, hook=eqn_hook)
+        jax_compat.eval_eqns(split.apply, env, hook=eqn_hook, operand_hook=operand_hook)
         return [v.val if not isinstance(v, Var) else env[v] for v in jaxpr.outvars]
 
     return step

@@ -15,6 +15,7 @@ from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, JaxprEqn, Literal, Va
 CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
 
 EqnHook = Callable[[JaxprEqn, list[Any]], list[Any]]
+"""``hook(eqn, values) -> values``: replaces an equation's outputs (or, as an operand hook, its operands)."""
 
 
 def is_call(eqn: JaxprEqn) -> bool:
@@ -32,17 +33,20 @@ def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
 
 
 def eval_eqns(eqns: Sequence[JaxprEqn], env: dict[Var, Any], *, inline_calls: bool = False,
-              hook: EqnHook | None = None) -> dict[Var, Any]:
+              hook: EqnHook | None = None, operand_hook: EqnHook | None = None) -> dict[Var, Any]:
     """Evaluates ``eqns`` in order, reading and writing ``env`` (a map from Var to value); returns env.
 
     With ``inline_calls`` nested ``jit`` calls are evaluated equation by equation (so that tracing this
-    evaluation gives a flat jaxpr). ``hook(eqn, outvals)`` may replace the outputs of any top-level eqn.
+    evaluation gives a flat jaxpr). ``hook(eqn, outvals)`` may replace the outputs of any top-level eqn,
+    ``operand_hook(eqn, invals)`` its operands as that equation alone sees them (``env`` keeps the originals).
     """
     def read(v):
         return v.val if isinstance(v, Literal) else env[v]
 
     for eqn in eqns:
         invals = [read(v) for v in eqn.invars]
+        if operand_hook is not None:
+            invals = operand_hook(eqn, invals)
         if inline_calls and is_call(eqn):
             inner = eqn.params["jaxpr"]
             outvals = eval_closed_jaxpr(inner, *invals, inline_calls=True)
@@ -56,12 +60,12 @@ def eval_eqns(eqns: Sequence[JaxprEqn], env: dict[Var, Any], *, inline_calls: bo
 
 
 def eval_closed_jaxpr(closed: ClosedJaxpr, *args, inline_calls: bool = False,
-                      hook: EqnHook | None = None) -> list[Any]:
+                      hook: EqnHook | None = None, operand_hook: EqnHook | None = None) -> list[Any]:
     """Evaluates ``closed`` on ``args`` with :func:`eval_eqns`; returns the list of outputs."""
     jaxpr = closed.jaxpr
     env: dict[Var, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
-    eval_eqns(jaxpr.eqns, env, inline_calls=inline_calls, hook=hook)
+    eval_eqns(jaxpr.eqns, env, inline_calls=inline_calls, hook=hook, operand_hook=operand_hook)
     return [v.val if isinstance(v, Literal) else env[v] for v in jaxpr.outvars]
 
 

@@ -251,3 +251,28 @@ def merged_groups(graph: OpGraph) -> np.ndarray:
             producer = graph.tensors[node.operands[node.follow]].producer
             group[node.id] = group[producer]
     return group
+
+
+def gradient_producers(graph: OpGraph, grad_tensor: int) -> set[int]:
+    """Nodes that compute a gradient: backwards from it through merged (trivial) operators of the same
+    number of elements, including the first non-merged operators reached."""
+    size = math.prod(graph.tensors[grad_tensor].shape)
+    nodes, stack = set(), [graph.tensors[grad_tensor].producer]
+    while stack:
+        n = stack.pop()
+        node = graph.nodes[n]
+        if n in nodes or node.kind != "op":
+            continue
+        nodes.add(n)
+        if node.follow is None:
+            continue
+        stack.extend(graph.tensors[x].producer for x in node.operands
+                     if x is not None and math.prod(graph.tensors[x].shape) == size)
+    return nodes
+
+
+def gradient_nodes(graph: OpGraph) -> frozenset[int]:
+    """Every node that computes some gradient (a value of the ``"grad"`` marker): see
+    :func:`gradient_producers`."""
+    grads = [t for t, marks in graph.markers.items() if any(kind == "grad" for _, _, kind in marks)]
+    return frozenset().union(*(gradient_producers(graph, g) for g in grads))

@@ -71,8 +71,14 @@ def _specs_for(eqn: JaxprEqn, spec_of_shape: Callable[[tuple[int, ...]], Shardin
 
 
 def _same_shape_as_output(eqn: JaxprEqn) -> tuple[int, ...]:
+    """Operands of the output's shape; when there is none (``(b, s, 1) * (1, 1, h)``, as in LayerNorm's
+    ``rsqrt(var) * scale``), the operands of the output's rank that broadcast to it."""
     shape = tuple(eqn.outvars[0].aval.shape)
-    return tuple(p for p, v in enumerate(eqn.invars) if not isinstance(v, Literal) and tuple(v.aval.shape) == shape)
+    same = tuple(p for p, v in enumerate(eqn.invars) if not isinstance(v, Literal) and tuple(v.aval.shape) == shape)
+    if same:
+        return same
+    return tuple(p for p, v in enumerate(eqn.invars) if not isinstance(v, Literal) and len(v.aval.shape) == len(shape)
+                 and all(n in (1, m) for n, m in zip(v.aval.shape, shape)))
 
 
 def _all_vars(eqn: JaxprEqn) -> tuple[int, ...]:
@@ -102,6 +108,9 @@ def derive_elementwise(eqn, pos, spec, ctx):
     """Output and every same-shape operand take the followed operand's spec; size-1 dims of an operand
     that broadcasts against the others, and scalars, are R."""
     shape = tuple(eqn.outvars[0].aval.shape)
+    followed = tuple(eqn.invars[pos].aval.shape)
+    if followed != shape:  # a broadcasting operand: its size-1 dims carry no axes into the output
+        spec = make_spec([a if n == m else () for a, n, m in zip(spec.axes, followed, shape)])
     spec = fit(spec, shape, ctx.mesh.shape)
 
     def operand_spec(s):

@@ -314,6 +314,14 @@ def resharding_cost(src: ShardingSpec, dst: ShardingSpec, shape: Sequence[int], 
         return _plan(_drop_trivial_axes(src, mesh), _drop_trivial_axes(dst, mesh), total, mesh)[1]
 
 
+def resharding_seconds(src: ShardingSpec, dst: ShardingSpec, num_bytes: float, mesh: LogicalMesh) -> float:
+    """:func:`resharding_cost` of a tensor of ``num_bytes`` without argument checks, for callers whose
+    specs were enumerated for the tensor's shape on ``mesh`` (the ILP's inner loop)."""
+    if src == dst:
+        return 0.0
+    return _plan(_drop_trivial_axes(src, mesh), _drop_trivial_axes(dst, mesh), float(num_bytes), mesh)[1]
+
+
 @functools.lru_cache(maxsize=1 << 18)
 def _resharding_cost(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], itemsize: int,
                      mesh: LogicalMesh) -> float:

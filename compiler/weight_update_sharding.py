@@ -17,6 +17,9 @@ On those axes the gradient and the optimizer state are split as well (one more m
 dim it divides): the all-reduce becomes a reduce-scatter, the update runs on a shard, and the new parameter
 is all-gathered back to its layout. Same bytes (``2 (n-1)/n M`` either way), ``1/n`` of the optimizer
 state and update compute per device.
+
+Parameters so small that their all-gather is latency-bound (:func:`latency_bound`) are left alone: there
+the rewrite adds a collective's latency per step and saves almost no memory.
 """
 from __future__ import annotations
 
@@ -25,10 +28,11 @@ import math
 from collections.abc import Sequence
 
 from alpa_like.compiler.auto_sharding import ShardingSolution
-from alpa_like.compiler.op_graph import OpGraph
+from alpa_like.compiler.logical_mesh import LogicalMesh
+from alpa_like.compiler.op_graph import OpGraph, gradient_producers
 from alpa_like.compiler.propagation import ELEMENTWISE
 from alpa_like.compiler.sharding_spec import ShardingSpec
-from alpa_like.compiler.strategies import make_spec
+from alpa_like.compiler.strategies import make_spec, shards
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,12 +51,20 @@ class WeightUpdateSharding:
     """(marker equation index, operand position) of the gradient values to pin to ``spec``."""
     grad_nodes: tuple[int, ...]
     """Graph nodes whose all-reduces (over ``axes``) become reduce-scatters."""
+    update_tensors: tuple[int, ...] = ()
+    """Tensors computed on the update path (new moments, the new parameter, ...): laid out as ``spec``."""
 
 
 def update_path(graph: OpGraph, output_tensor: int, shape: tuple[int, ...]) -> tuple[set[int], set[int]]:
     """(input tensors, gradient tensors) reached backwards from a new parameter through element-wise
     operators of ``shape``; the walk stops at values of the ``"grad"`` marker."""
-    inputs, grads, seen = set(), set(), set()
+    inputs, grads, _ = update_walk(graph, output_tensor, shape)
+    return inputs, grads
+
+
+def update_walk(graph: OpGraph, output_tensor: int, shape: tuple[int, ...]) -> tuple[set[int], set[int], set[int]]:
+    """:func:`update_path` plus the tensors computed on the path (the third set)."""
+    inputs, grads, seen, computed = set(), set(), set(), set()
     stack = [output_tensor]
     while stack:
         t = stack.pop()
@@ -68,26 +80,9 @@ def update_path(graph: OpGraph, output_tensor: int, shape: tuple[int, ...]) -> t
             continue
         if node.kind != "op" or node.primitive not in ELEMENTWISE:
             continue
+        computed.add(t)
         stack.extend(x for x in node.operands if x is not None and graph.tensors[x].shape == shape)
-    return inputs, grads
-
-
-def gradient_producers(graph: OpGraph, grad_tensor: int) -> set[int]:
-    """Nodes that compute a gradient: backwards from it through merged (trivial) operators of the same
-    number of elements, including the first non-merged operators reached."""
-    size = math.prod(graph.tensors[grad_tensor].shape)
-    nodes, stack = set(), [graph.tensors[grad_tensor].producer]
-    while stack:
-        n = stack.pop()
-        node = graph.nodes[n]
-        if n in nodes or node.kind != "op":
-            continue
-        nodes.add(n)
-        if node.follow is None:
-            continue
-        stack.extend(graph.tensors[x].producer for x in node.operands
-                     if x is not None and math.prod(graph.tensors[x].shape) == size)
-    return nodes
+    return inputs, grads, computed
 
 
 def add_axes(spec: ShardingSpec, shape: Sequence[int], axes: Sequence[int],
@@ -101,6 +96,19 @@ def add_axes(spec: ShardingSpec, shape: Sequence[int], axes: Sequence[int],
         if shape[d] % (have * extra) == 0:
             return make_spec([tuple(a) + tuple(axes) if i == d else a for i, a in enumerate(spec.axes)])
     return None
+
+
+def latency_bound(num_bytes: float, axes: tuple[int, ...], mesh: LogicalMesh) -> bool:
+    """Whether gathering ``num_bytes`` over ``axes`` takes less time on the wire than its latency ``alpha``.
+
+    There the rewrite does not pay: the extra all-gather per step costs about ``alpha`` more than the
+    all-reduce it splits (which XLA also combines with the other gradients'), while the optimizer state and
+    update compute it shards are below ``alpha * bandwidth`` bytes.
+    """
+    axis = axes[0] if len(axes) == 1 else axes
+    no_latency = dataclasses.replace(mesh, alpha=(0.0,) * mesh.ndim)
+    transfer = no_latency.all_gather_cost(num_bytes, axis)
+    return transfer < mesh.all_gather_cost(num_bytes, axis) - transfer
 
 
 def plan_weight_update_sharding(graph: OpGraph, solution: ShardingSolution, param_inputs: Sequence[int],
@@ -124,7 +132,7 @@ def plan_weight_update_sharding(graph: OpGraph, solution: ShardingSolution, para
         p_tensor = graph.input_tensors[i]
         shape = graph.tensors[p_tensor].shape
         p_spec = solution.tensor_spec(p_tensor)
-        inputs, grads = update_path(graph, out, shape)
+        inputs, grads, computed = update_walk(graph, out, shape)
         if not grads:
             continue
         producers = set().union(*(gradient_producers(graph, g) for g in grads))
@@ -135,11 +143,13 @@ def plan_weight_update_sharding(graph: OpGraph, solution: ShardingSolution, para
         if not axes:
             continue
         spec = add_axes(p_spec, shape, axes, mesh_shape)
-        if spec is None:
+        if spec is None or latency_bound(graph.tensors[p_tensor].nbytes / shards(p_spec, mesh_shape), axes,
+                                         solution.mesh):
             continue
         states = tuple(sorted(graph.nodes[graph.tensors[t].producer].input_index for t in inputs
                               if t != p_tensor))
         pins = tuple((eqn, pos) for g in grads for eqn, pos, kind in graph.markers[g] if kind == "grad")
         rewrites.append(WeightUpdateSharding(param_input=i, spec=spec, axes=axes, state_inputs=states,
-                                             grad_pins=pins, grad_nodes=tuple(sorted(producers))))
+                                             grad_pins=pins, grad_nodes=tuple(sorted(producers)),
+                                             update_tensors=tuple(sorted(computed))))
     return tuple(rewrites)

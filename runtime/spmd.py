@@ -51,6 +51,20 @@ def _pin_values_hook(mesh, eqns, constraints) -> jax_compat.EqnHook:
     return hook
 
 
+def _pin_operands_hook(mesh, eqns, constraints) -> jax_compat.EqnHook:
+    """Pins operand ``k`` of equation ``i``, as that equation reads it, for each ``(i, k, spec)``."""
+    pins: dict[int, dict[int, NamedSharding]] = {}
+    for i, k, spec in constraints:
+        pins.setdefault(id(eqns[i]), {})[k] = named_sharding(mesh, spec)
+
+    def hook(eqn, invals):
+        pinned = pins.get(id(eqn))
+        if not pinned:
+            return invals
+        return [jax.lax.with_sharding_constraint(v, pinned[k]) if k in pinned else v for k, v in enumerate(invals)]
+    return hook
+
+
 def _chain_hooks(hooks: Sequence[jax_compat.EqnHook]) -> jax_compat.EqnHook | None:
     if not hooks:
         return None
@@ -98,7 +112,10 @@ def compile_spmd(traced: TracedStep, layout: SpmdLayout, devices: Sequence[Any],
     if layout.eqn_constraints:
         hooks.append(_pin_values_hook(mesh, traced.closed_jaxpr.jaxpr.eqns, layout.eqn_constraints))
     hook = _chain_hooks(hooks)
+    operand_hook = (_pin_operands_hook(mesh, traced.closed_jaxpr.jaxpr.eqns, layout.operand_constraints)
+                    if layout.operand_constraints else None)
     step = make_step_fn(traced.closed_jaxpr, batch_mask, num_micro_batches=num_micro_batches, eqn_hook=hook,
+                        operand_hook=operand_hook,
                         on_micro_batch=_micro_batch_pin(mesh, batch_specs) if num_micro_batches > 1 else None)
     jitted = jax.jit(step, in_shardings=in_shardings, out_shardings=out_shardings,
                      donate_argnums=tuple(donate_flat))

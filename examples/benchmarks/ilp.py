@@ -8,8 +8,9 @@ logical view of the devices: graph nodes, ILP nodes / edges / variables / constr
 
 Part 2 (8 CPU devices): measured seconds per training step of ShardParallel's plan beside DataParallel,
 Zero2Parallel, Zero3Parallel and a Megatron-style ManualShardParallel (2-way data x 4-way tensor
-parallelism) for gpt-tiny and gpt-small, all run side by side in this process; ratios to the best
-hand-written method.
+parallelism) for gpt-tiny and gpt-small, all run side by side in this process (interleaved step by step,
+in a rotating order, each step timed until its new state is ready); median per method and its ratio to the
+best hand-written method's median.
 
     python examples/benchmarks/ilp.py                     # both parts, JSON to results/ilp.json
     python examples/benchmarks/ilp.py --models gpt-1.3b --devices 8 --skip-step-time
@@ -112,6 +113,15 @@ def megatron_specs(state):
     return state.replace(step=P(), params=params, opt_state=opt)
 
 
+def hlo_collectives(exe) -> dict[str, tuple[int, int]]:
+    """Collective kind -> (count, result bytes per device) in the compiled step."""
+    out: dict[str, tuple[int, int]] = {}
+    for c in exe.collectives():
+        n, b = out.get(c.kind, (0, 0))
+        out[c.kind] = (n + 1, b + c.result_bytes)
+    return out
+
+
 def step_times(name: str, batch_size: int, steps: int) -> list[dict]:
     config = models.get_config(name)
     model = gpt.GPTModel(config)
@@ -137,24 +147,30 @@ def step_times(name: str, batch_size: int, steps: int) -> list[dict]:
     states = {label: state for label in compiled}
     for label, (exe, _) in compiled.items():  # warm-up, each method once
         states[label], _ = exe(states[label], batches[0])
-    for i in range(steps):  # interleaved, so that machine noise hits every method alike
-        for label, (exe, _) in compiled.items():
+    labels = list(compiled)
+    for i in range(steps):  # interleaved, in a rotating order, so that machine noise hits every method alike
+        for label in labels[i % len(labels):] + labels[:i % len(labels)]:
+            exe = compiled[label][0]
             start = time.perf_counter()
             states[label], metrics = exe(states[label], batches[i % 2])
-            jax.block_until_ready(metrics)
+            jax.block_until_ready((states[label], metrics))  # the whole step, not only its loss
             timings[label].append(time.perf_counter() - start)
     hand = min(statistics.median(timings[label]) for label in methods if label != "ShardParallel (ILP)")
     rows = []
     for label, (exe, compile_seconds) in compiled.items():
         median = statistics.median(timings[label])
         stage = exe.plan.stages[0]
+        collectives = hlo_collectives(exe)
+        flops = exe.cost_analysis().get("flops", 0.0)
         rows.append({"model": name, "batch": batch_size, "method": label, "step_seconds_median": median,
                      "ratio_to_best_hand_written": median / hand, "compile_seconds": compile_seconds,
                      "logical_mesh": list(stage.logical_mesh_shape),
-                     "modelled_communication_seconds": stage.communication_seconds})
+                     "modelled_communication_seconds": stage.communication_seconds,
+                     "hlo_collectives": collectives, "hlo_flops_per_device": flops})
         print(f"  {name:9s} batch {batch_size:3d}  {label:22s} {median * 1e3:8.2f} ms/step  "
               f"x{median / hand:5.2f} of best hand-written  mesh {tuple(stage.logical_mesh_shape)}  "
-              f"compile {compile_seconds:5.1f}s", flush=True)
+              f"compile {compile_seconds:5.1f}s  HLO {flops / 1e6:7.1f} MFLOP/device, "
+              + ", ".join(f"{n} {k} {b / 1e3:.0f} kB" for k, (n, b) in sorted(collectives.items())), flush=True)
     return rows
 
 
@@ -169,7 +185,7 @@ def main(argv=None) -> int:
     parser.add_argument("--time-limit", type=float, default=300.0, help="solver seconds per view")
     parser.add_argument("--step-models", default="gpt-tiny,gpt-small", help="models timed on the CPU devices")
     parser.add_argument("--step-batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--skip-ilp", action="store_true")
     parser.add_argument("--skip-step-time", action="store_true")
     args = parser.parse_args(argv)

@@ -155,6 +155,17 @@ def test_elementwise_with_a_size_one_operand_replicates_its_broadcast_dims():
     assert s.in_specs == (S("S0S1"), S("RS1")) and s.out_specs == (S("S0S1"),)
 
 
+def test_elementwise_of_two_broadcasting_operands_follows_one_of_them():
+    # LayerNorm's rsqrt(var)[b, s, 1] * scale[1, 1, h]: no operand has the output's shape, yet the product is
+    # merged into the [b, s, 1] operand and keeps its split (it used to fall back to replicated).
+    eqn = eqn_of(lambda v, g: jax.lax.mul(v, g), (4, 6, 1), (1, 1, 8), primitive="mul")
+    rule = FOLLOW_RULES["mul"]
+    assert rule.candidates(eqn) == (0, 1)
+    s = rule.derive(eqn, 0, S("S0S1R"), CTX)
+    assert s.out_specs == (S("S0S1R"),) and s.in_specs == (S("S0S1R"), S("RRR"))
+    assert s.collectives == ()
+
+
 def test_transpose_permutes_the_spec():
     s = derive(lambda x: x.T, "S0S1", (4, 6))
     assert s.out_specs == (S("S1S0"),)
