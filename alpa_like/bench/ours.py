@@ -113,6 +113,12 @@ def _plan(variant: str, method: PipeshardParallel, sliced: SlicedStep, cluster: 
     except ValueError as e:  # no plan fits, or the variant cannot split this cluster
         return PlanResult(variant=variant, plan=None, simulated_seconds=None,
                           planning_seconds=time.perf_counter() - start, error=str(e))
+    worst = max(s.memory_per_device for s in plan.stages)
+    if worst > cluster.device_memory:  # fixed stages are not checked by the planner (no Eq. 3.5)
+        return PlanResult(variant=variant, plan=None, simulated_seconds=None,
+                          planning_seconds=time.perf_counter() - start,
+                          error=f"the {variant} stages need {worst / 2**30:.2f} GiB per device (one micro-batch of "
+                                f"activations), more than the {cluster.device_memory / 2**30:.4g} GiB of a device")
     simulated = simulate_plan(plan, sliced, method.num_micro_batches, method.pipeline_schedule)
     return PlanResult(variant=variant, plan=plan, simulated_seconds=simulated,
                       planning_seconds=time.perf_counter() - start + sliced.seconds)

@@ -23,7 +23,7 @@ OPT_GPUS = {"opt-125m": 1, "opt-350m": 1, "opt-1.3b": 4, "opt-2.7b": 8, "opt-6.7
             "opt-30b": 64, "opt-66b": 128, "opt-175b": 256}
 """GPUs per OPT model: weak scaling like Table 3.6 (175B needs at least 168 V100-16GB for its state alone)."""
 GLOBAL_BATCH = {"gpt": 1024, "opt": 1024, "moe": 1024, "wresnet": 1536}
-MICRO_BATCHES = {"gpt": 64, "opt": 64, "moe": 64, "wresnet": 32}
+MICRO_BATCHES = {"gpt": 64, "opt": 64, "moe": 64, "wresnet": 64}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,7 +74,8 @@ def run_case(case: Case, preset: str, ablations: bool = False) -> dict:
     flops = step_flops(workload, totals)
     row = {"suite": case.suite, "model": case.model, "gpus": case.gpus, "cluster": preset,
            "global_batch": case.global_batch, "micro_batches": m, "step_flops": flops,
-           "flops_formula": "Megatron-LM Eq. 3" if workload.family == "gpt" else "traced step (with remat)"}
+           "flops_formula": "Megatron-LM Eq. 3" if workload.family == "gpt" else
+           "traced step" + (" (with remat)" if workload.remat else "")}
 
     def tflops(seconds):
         return None if seconds is None else tflops_per_device(flops, seconds, case.gpus)

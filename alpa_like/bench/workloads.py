@@ -104,7 +104,11 @@ def transformer_costs(sliced: Any, workload: Workload, num_micro_batches: int) -
     """Per-sequence layer costs of a sliced GPT/MoE step (``alpa_like.pipeshard.slice_step``), whose layers
     were traced on micro-batches of ``global_batch / num_micro_batches`` sequences."""
     per = workload.global_batch / num_micro_batches
-    optimizer = [sum(sliced.traced.in_leaves[i].nbytes for i in inputs) for inputs in sliced.optimizer_inputs]
+    # Optimizer state in proportion to each layer's parameters (Adam keeps two moments per parameter).
+    # Not ``sliced.optimizer_inputs``: that attributes nearly all of it to the first layer's apply phase.
+    total_optimizer = sum(sliced.traced.in_leaves[i].nbytes for inputs in sliced.optimizer_inputs for i in inputs)
+    total_params = sum(s.param_bytes for s in sliced.summaries)
+    optimizer = [total_optimizer * s.param_bytes / total_params for s in sliced.summaries]
     config = workload.config
     return TransformerCosts(
         forward_flops=tuple(s.forward_flops / per for s in sliced.summaries),
