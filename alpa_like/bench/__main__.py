@@ -37,6 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plot", action="store_true", help="write a PNG chart beside the JSON")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per measured method (local/ray)")
     parser.add_argument("--out", help="JSON results path")
+    parser.add_argument("--update", action="store_true",
+                        help="replace only these models' rows in an existing results file (each row keeps the "
+                             "command that made it)")
     parser.add_argument("--results-dir", default="results", help="where results are written and read")
     args = parser.parse_args(argv)
     if args.micro_batches is not None and args.micro_batches < 1:
@@ -62,10 +65,15 @@ def run_simulated(args) -> int:
     for case in bar:
         bar.set_postfix_str(str(case))
         rows.append(suites.run_case(case, args.cluster, ablations=args.ablations))
+    command = "python -m alpa_like.bench " + " ".join(sys.argv[1:])
+    for row in rows:
+        row["command"] = command
+    out = args.out or os.path.join(args.results_dir, f"bench_{args.command}.json")
+    if args.update and os.path.exists(out):
+        rows = report.merge_rows(out, rows, [c.model for c in suites.suite_cases(args.command)])
     lines = report.table(rows)
     print(f"\n{args.command} suite, simulated {args.cluster} (TFLOP/s per GPU; {rows[0]['flops_formula']} FLOPs)")
     print(report.format_terminal(lines))
-    out = args.out or os.path.join(args.results_dir, f"bench_{args.command}.json")
     print(f"wrote {report.write_json(out, rows, suite=args.command, cluster=args.cluster, backend='simulate')}")
     if args.plot:
         png = os.path.splitext(out)[0] + ".png"

@@ -24,7 +24,7 @@ from flax.training import train_state
 import alpa_like as al
 from alpa_like import models
 from alpa_like.bench.flops import gpt_step_flops
-from alpa_like.bench.workloads import Workload, _step
+from alpa_like.bench.workloads import Workload, loss_train_step
 from alpa_like.models import gpt, moe, wide_resnet
 
 LOCAL_MODELS = {"gpt": ("gpt-small", 32), "opt": ("gpt-small", 32), "moe": ("moe-tiny", 32),
@@ -65,14 +65,14 @@ def local_workload(suite: str) -> Workload:
         batch = moe.moe_batch(config, batch_size, data_key)
         params = moe.MoEModel(config).init(key, batch["input_ids"])["params"]
         return Workload(name=name, family="moe", config=config, global_batch=batch_size,
-                        train_step=_step(moe.moe_loss(moe.MoEModel(config))),
+                        train_step=loss_train_step(moe.moe_loss(moe.MoEModel(config))),
                         args=(train_state.TrainState.create(apply_fn=None, params=params, tx=tx), batch),
                         num_layers=config.num_layers, remat=False)
     if isinstance(config, models.GPTConfig):
         batch = gpt.gpt_batch(config, batch_size, data_key)
         params = gpt.GPTModel(config).init(key, batch["input_ids"])["params"]
         return Workload(name=name, family="gpt", config=config, global_batch=batch_size,
-                        train_step=_step(gpt.gpt_loss(gpt.GPTModel(config))),
+                        train_step=loss_train_step(gpt.gpt_loss(gpt.GPTModel(config))),
                         args=(train_state.TrainState.create(apply_fn=None, params=params, tx=tx), batch),
                         num_layers=config.num_layers, remat=False)
     batch = wide_resnet.wresnet_batch(config, batch_size, data_key)

@@ -41,7 +41,11 @@ memory (its message is in the JSON).
 
 def suite_section(suite: str, data: dict) -> list[str]:
     rows = data["rows"]
-    out = [f"## {SUITE_TITLES.get(suite, suite)}", "", f"`{data['command']}`", ""]
+    commands = list(dict.fromkeys(r.get("command", data["command"]) for r in rows))
+    out = [f"## {SUITE_TITLES.get(suite, suite)}", ""] + [f"`{c}`" + ("  " if len(commands) > 1 else "")
+                                                         for c in commands] + [""]
+    if len(commands) > 1:
+        out += ["(rows were made by the commands above; each row's command is in the JSON)", ""]
     if data.get("backend", "simulate") == "simulate":
         out += [f"Simulated {data.get('cluster', '?')}.", ""]
     out += [format_markdown(table(rows)), ""]

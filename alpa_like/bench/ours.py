@@ -113,15 +113,29 @@ def _plan(variant: str, method: PipeshardParallel, sliced: SlicedStep, cluster: 
     except ValueError as e:  # no plan fits, or the variant cannot split this cluster
         return PlanResult(variant=variant, plan=None, simulated_seconds=None,
                           planning_seconds=time.perf_counter() - start, error=str(e))
-    worst = max(s.memory_per_device for s in plan.stages)
+    worst = max(_memory_with_in_flight(plan, sliced, method.num_micro_batches))
     if worst > cluster.device_memory:  # fixed stages are not checked by the planner (no Eq. 3.5)
         return PlanResult(variant=variant, plan=None, simulated_seconds=None,
                           planning_seconds=time.perf_counter() - start,
-                          error=f"the {variant} stages need {worst / 2**30:.2f} GiB per device (one micro-batch of "
-                                f"activations), more than the {cluster.device_memory / 2**30:.4g} GiB of a device")
+                          error=f"the {variant} stages need {worst / 2**30:.2f} GiB per device with 1F1B's "
+                                f"activations in flight (Eq. 3.5), more than the "
+                                f"{cluster.device_memory / 2**30:.4g} GiB of a device")
     simulated = simulate_plan(plan, sliced, method.num_micro_batches, method.pipeline_schedule)
     return PlanResult(variant=variant, plan=plan, simulated_seconds=simulated,
                       planning_seconds=time.perf_counter() - start + sliced.seconds)
+
+
+def _memory_with_in_flight(plan: ParallelPlan, sliced: SlicedStep, num_micro_batches: int) -> list[float]:
+    """Per stage, Eq. 3.5's memory under 1F1B: the plan's figure (state plus one micro-batch of activations)
+    plus the activations of the ``min(S - q, m) - 1`` further micro-batches stage ``q`` of ``S`` holds, with
+    activations divided over the stage's devices as the stage DP does."""
+    out = []
+    for q, stage in enumerate(plan.stages):
+        devices = stage.submesh_shape[0] * stage.submesh_shape[1]
+        act = sum(sliced.summaries[l].activation_bytes for l in stage.layer_ids) / devices
+        held = min(len(plan.stages) - q, num_micro_batches)
+        out.append(stage.memory_per_device + (held - 1) * act)
+    return out
 
 
 def plan_variant(variant: str, workload: Workload, cluster: ClusterSpec, num_micro_batches: int,

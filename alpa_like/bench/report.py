@@ -20,6 +20,14 @@ def write_json(path: str | Path, rows: list, **meta) -> Path:
     return out
 
 
+def merge_rows(path: str | Path, new_rows: list, order: Sequence[str]) -> list:
+    """The rows of the results file at ``path`` with those of ``new_rows``' models replaced, in ``order``."""
+    data = json.loads(Path(path).read_text())
+    by_model = {r["model"]: dict(r, command=r.get("command", data.get("command"))) for r in data["rows"]}
+    by_model.update({r["model"]: r for r in new_rows})
+    return [by_model[m] for m in order if m in by_model]
+
+
 def _fmt(value, spec=".1f", missing="-") -> str:
     return missing if value is None else format(value, spec)
 

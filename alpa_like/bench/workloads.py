@@ -58,7 +58,8 @@ def _adam_state(params: Any) -> Any:
                           params)
 
 
-def _step(loss_fn: Callable) -> Callable:
+def loss_train_step(loss_fn: Callable) -> Callable:
+    """``train_step(state, batch)``: ``al.value_and_grad`` of ``loss_fn`` and the state's optimizer update."""
     def train_step(state, batch):
         loss, grads = al.value_and_grad(loss_fn)(state.params, batch)
         return state.apply_gradients(grads=grads), loss
@@ -72,14 +73,14 @@ def make_workload(name: str, global_batch: int) -> Workload:
         config = dataclasses.replace(config, dtype=jnp.float16)
         state = _adam_state(moe.moe_param_shapes(config))
         return Workload(name=name, family="moe", config=config, global_batch=global_batch,
-                        train_step=_step(moe.moe_loss(moe.MoEModel(config))),
+                        train_step=loss_train_step(moe.moe_loss(moe.MoEModel(config))),
                         args=(state, moe.moe_batch_shapes(config, global_batch)), num_layers=config.num_layers,
                         remat=True)
     if isinstance(config, models.GPTConfig):
         config = dataclasses.replace(config, dtype=jnp.float16)
         state = _adam_state(gpt.gpt_param_shapes(config))
         return Workload(name=name, family="gpt", config=config, global_batch=global_batch,
-                        train_step=_step(gpt.gpt_loss(gpt.GPTModel(config))),
+                        train_step=loss_train_step(gpt.gpt_loss(gpt.GPTModel(config))),
                         args=(state, gpt.gpt_batch_shapes(config, global_batch)), num_layers=config.num_layers,
                         remat=True)
     return _wresnet_workload(name, config, global_batch)
