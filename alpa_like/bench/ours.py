@@ -113,7 +113,8 @@ def _plan(variant: str, method: PipeshardParallel, sliced: SlicedStep, cluster: 
     except ValueError as e:  # no plan fits, or the variant cannot split this cluster
         return PlanResult(variant=variant, plan=None, simulated_seconds=None,
                           planning_seconds=time.perf_counter() - start, error=str(e))
-    worst = max(_memory_with_in_flight(plan, sliced, method.num_micro_batches))
+    fixed = isinstance(method.stage_option, UniformStageOption)  # the stage DP checks Eq. 3.5 itself
+    worst = max(_memory_with_in_flight(plan, sliced, method.num_micro_batches)) if fixed else 0.0
     if worst > cluster.device_memory:  # fixed stages are not checked by the planner (no Eq. 3.5)
         return PlanResult(variant=variant, plan=None, simulated_seconds=None,
                           planning_seconds=time.perf_counter() - start,
