@@ -1,0 +1,128 @@
+"""``python -m alpa_like.bench``: the benchmark suite.
+
+    python -m alpa_like.bench gpt --cluster p3.16xlarge            # Table 3.6 vs Megatron-LM, simulated
+    python -m alpa_like.bench moe --plot                           # Table 3.7 vs ZeRO-2/3, expert parallel
+    python -m alpa_like.bench wresnet --ablations                  # Table 3.8, equal layer/operator, Fig. 3.8
+    python -m alpa_like.bench opt --models opt-125m opt-1.3b       # any subset of a suite
+    python -m alpa_like.bench gpt --backend local                  # measured on this machine's devices
+    python -m alpa_like.bench repro                                # the seeds' numbers reproduced
+    python -m alpa_like.bench docs                                 # docs/benchmarks.md from results/
+
+Each suite prints a progress bar per case and a table, and writes its JSON rows to
+``results/bench_<suite>[_<backend>].json`` (``--out`` to change); ``--plot`` also writes a PNG chart.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+SUITES = ("gpt", "moe", "wresnet", "opt")
+COMMANDS = SUITES + ("repro", "docs")
+CLUSTERS = ("p3.16xlarge", "dgx-a100", "h100")
+BACKEND_NAMES = ("simulate", "local", "ray")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m alpa_like.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=COMMANDS, help="a suite, 'repro' or 'docs'")
+    parser.add_argument("--cluster", default="p3.16xlarge", choices=CLUSTERS,
+                        help="ClusterSpec preset the simulated backend plans for (default p3.16xlarge)")
+    parser.add_argument("--backend", default="simulate", choices=BACKEND_NAMES,
+                        help="simulate: plan and simulate the suite's sizes; local/ray: run small models and measure")
+    parser.add_argument("--models", nargs="*", help="only these models of the suite")
+    parser.add_argument("--micro-batches", type=int, help="micro-batches of our plans (default per suite)")
+    parser.add_argument("--ablations", action="store_true", help="add intra-op-only and inter-op-only plans")
+    parser.add_argument("--plot", action="store_true", help="write a PNG chart beside the JSON")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per measured method (local/ray)")
+    parser.add_argument("--out", help="JSON results path")
+    parser.add_argument("--update", action="store_true",
+                        help="replace only these models' rows in an existing results file (each row keeps the "
+                             "command that made it)")
+    parser.add_argument("--results-dir", default="results", help="where results are written and read")
+    args = parser.parse_args(argv)
+    if args.micro_batches is not None and args.micro_batches < 1:
+        parser.error(f"--micro-batches must be >= 1, got {args.micro_batches}")
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    if args.command in ("repro", "docs") and args.backend != "simulate":
+        parser.error(f"{args.command} has no --backend (it is analytic / reads saved results)")
+    return args
+
+
+def _progress(items, desc):
+    from tqdm import tqdm
+    return tqdm(items, desc=desc, unit="case", file=sys.stderr, dynamic_ncols=True)
+
+
+def run_simulated(args) -> int:
+    from alpa_like.bench import report, suites
+
+    cases = suites.suite_cases(args.command, args.models, args.micro_batches)
+    rows = []
+    bar = _progress(cases, f"{args.command} on {args.cluster}")
+    for case in bar:
+        bar.set_postfix_str(str(case))
+        rows.append(suites.run_case(case, args.cluster, ablations=args.ablations))
+    command = "python -m alpa_like.bench " + " ".join(sys.argv[1:])
+    for row in rows:
+        row["command"] = command
+    out = args.out or os.path.join(args.results_dir, f"bench_{args.command}.json")
+    if args.update and os.path.exists(out):
+        rows = report.merge_rows(out, rows, [c.model for c in suites.suite_cases(args.command)])
+    lines = report.table(rows)
+    print(f"\n{args.command} suite, simulated {args.cluster} (TFLOP/s per GPU; {rows[0]['flops_formula']} FLOPs)")
+    print(report.format_terminal(lines))
+    print(f"wrote {report.write_json(out, rows, suite=args.command, cluster=args.cluster, backend='simulate')}")
+    if args.plot:
+        png = os.path.splitext(out)[0] + ".png"
+        print(f"wrote {report.plot(rows, png, f'{args.command}: simulated {args.cluster}')}")
+    return 0
+
+
+def run_measured(args) -> int:
+    from alpa_like.bench import backends, report
+
+    runner = backends.BACKENDS[args.backend]
+    workload = backends.local_workload(args.command)
+    rows = []
+    bar = _progress(backends.measured_methods(workload), f"{workload.name} on {args.backend}")
+    for method in bar:
+        bar.set_postfix_str(type(method).__name__)
+        try:
+            m = runner(workload, method, args.steps)
+        except backends.BackendUnavailable as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        rows.append({"suite": args.command, "model": workload.name, "batch": workload.global_batch,
+                     "backend": args.backend, **m.summary()})
+    lines = [["method", "measured ms", "predicted ms", "predicted/measured", "measured TFLOP/s per device"]]
+    lines += [[r["method"], f"{r['measured_s'] * 1e3:.1f}", f"{r['predicted_s'] * 1e3:.2f}",
+               f"{r['predicted_over_measured']:.2f}", f"{r['measured_tflops_per_device']:.4f}"] for r in rows]
+    print(f"\n{workload.name}, batch {workload.global_batch}, {args.backend} backend, median of {args.steps} steps")
+    print(report.format_terminal(lines))
+    out = args.out or os.path.join(args.results_dir, f"bench_{args.command}_{args.backend}.json")
+    print(f"wrote {report.write_json(out, rows, suite=args.command, backend=args.backend)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.backend == "local":  # before jax is imported: the 8 virtual CPU devices of the tests
+        flag = "--xla_force_host_platform_device_count=8"
+        if flag not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    if args.command == "repro":
+        from alpa_like.bench import repro
+        return repro.main(args)
+    if args.command == "docs":
+        from alpa_like.bench import docs
+        return docs.main(args)
+    if args.backend == "simulate":
+        return run_simulated(args)
+    return run_measured(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

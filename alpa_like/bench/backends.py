@@ -1,0 +1,156 @@
+"""Measured backends: run a plan on real devices and time the step; compare with the simulated prediction.
+
+The interface is one function per backend, :data:`StepRunner`: ``runner(workload, method, steps) ->
+Measurement``. ``local`` runs on the devices of this process (the 8 virtual CPU devices here); ``ray`` runs
+the same code after ``al.init("ray")``, so it works as soon as the Ray backend exists, and until then fails
+with a clear message instead of a stack trace.
+
+Each measurement also carries the prediction for the same compiled plan: the instruction programs on the
+simulated backend's clock (pipeline plans) or the SPMD plan's modelled time, both for
+``ClusterSpec.local()`` (the measured speed of this machine's devices): this is the simulator-accuracy check
+the suite reports per case.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import optax
+from flax.training import train_state
+
+import alpa_like as al
+from alpa_like import models
+from alpa_like.bench.flops import gpt_step_flops
+from alpa_like.bench.workloads import Workload, loss_train_step
+from alpa_like.models import gpt, moe, wide_resnet
+
+LOCAL_MODELS = {"gpt": ("gpt-small", 32), "opt": ("gpt-small", 32), "moe": ("moe-tiny", 32),
+                "wresnet": ("wresnet-tiny", 32)}
+"""Per suite, the model and batch size that run on the 8 CPU devices (the suites' own sizes cannot)."""
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested backend cannot run here (e.g. the Ray backend is not built yet)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Measurement:
+    method: str
+    measured_seconds: float
+    """Median wall time of a step after warm-up."""
+    predicted_seconds: float
+    """The cost model's step time for the same plan on ``ClusterSpec.local()``."""
+    step_flops: float
+    num_devices: int
+
+    def summary(self) -> dict:
+        return {"method": self.method, "measured_s": self.measured_seconds, "predicted_s": self.predicted_seconds,
+                "predicted_over_measured": self.predicted_seconds / self.measured_seconds,
+                "measured_tflops_per_device": self.step_flops / self.measured_seconds / self.num_devices / 1e12}
+
+
+StepRunner = Callable[[Workload, object, int], Measurement]
+
+
+def local_workload(suite: str) -> Workload:
+    """The suite's small model with real arrays (``LOCAL_MODELS``), FP32."""
+    name, batch_size = LOCAL_MODELS[suite]
+    config = models.get_config(name)
+    key, data_key = jax.random.PRNGKey(0), jax.random.PRNGKey(1)
+    tx = optax.adam(1e-3)
+    if isinstance(config, models.MoEConfig):
+        batch = moe.moe_batch(config, batch_size, data_key)
+        params = moe.MoEModel(config).init(key, batch["input_ids"])["params"]
+        return Workload(name=name, family="moe", config=config, global_batch=batch_size,
+                        train_step=loss_train_step(moe.moe_loss(moe.MoEModel(config))),
+                        args=(train_state.TrainState.create(apply_fn=None, params=params, tx=tx), batch),
+                        num_layers=config.num_layers, remat=False)
+    if isinstance(config, models.GPTConfig):
+        batch = gpt.gpt_batch(config, batch_size, data_key)
+        params = gpt.GPTModel(config).init(key, batch["input_ids"])["params"]
+        return Workload(name=name, family="gpt", config=config, global_batch=batch_size,
+                        train_step=loss_train_step(gpt.gpt_loss(gpt.GPTModel(config))),
+                        args=(train_state.TrainState.create(apply_fn=None, params=params, tx=tx), batch),
+                        num_layers=config.num_layers, remat=False)
+    batch = wide_resnet.wresnet_batch(config, batch_size, data_key)
+    variables = wide_resnet.WideResNet(config).init(key, batch["images"], train=False)
+    state = {"train": train_state.TrainState.create(apply_fn=None, params=variables["params"], tx=tx),
+             "batch_stats": variables.get("batch_stats", {})}
+    loss_fn = wide_resnet.wresnet_loss(wide_resnet.WideResNet(config))
+
+    def train_step(state, batch):
+        (loss, new_stats), grads = al.value_and_grad(loss_fn, has_aux=True)(
+            state["train"].params, state["batch_stats"], batch)
+        return {"train": state["train"].apply_gradients(grads=grads), "batch_stats": new_stats}, loss
+
+    return Workload(name=name, family="wresnet", config=config, global_batch=batch_size, train_step=train_step,
+                    args=(state, batch), num_layers=sum(config.stage_sizes), remat=False)
+
+
+def _predicted(exe) -> float:
+    if hasattr(exe, "programs"):
+        from alpa_like.runtime.simulator import simulate
+        return simulate(exe.plan, exe.program, exe.programs).step_seconds
+    return exe.plan.estimated_iteration_time
+
+
+def _measure(workload: Workload, method, steps: int) -> Measurement:
+    step = al.parallelize(workload.train_step, method=method)
+    state, batch = workload.args
+    exe = step.get_executable(state, batch)
+    out = None
+    for _ in range(2):  # compile and warm up
+        state, out = step(state, batch)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        state, out = step(state, batch)
+        jax.block_until_ready((state, out))
+        times.append(time.perf_counter() - start)
+    flops = _step_flops(workload, exe)
+    return Measurement(method=type(method).__name__, measured_seconds=statistics.median(times),
+                       predicted_seconds=_predicted(exe), step_flops=flops, num_devices=len(jax.devices()))
+
+
+def _step_flops(workload: Workload, exe) -> float:
+    """Eq. 3 (without the recomputation term: these runs do not recompute) for GPT, the traced step otherwise."""
+    c = workload.config
+    if workload.family == "gpt":
+        return gpt_step_flops(batch_size=workload.global_batch, seq_len=c.seq_len, num_layers=c.num_layers,
+                              hidden_size=c.hidden_size, vocab_size=c.vocab_size, recompute=workload.remat)
+    from alpa_like.compiler.flops import jaxpr_flops
+    return float(jaxpr_flops(exe.traced.closed_jaxpr))
+
+
+def run_local(workload: Workload, method, steps: int) -> Measurement:
+    """Runs on the devices of this process (``al.init("local")``)."""
+    al.init("local")
+    return _measure(workload, method, steps)
+
+
+def run_ray(workload: Workload, method, steps: int) -> Measurement:
+    """Runs on a Ray cluster (``al.init("ray")``); BackendUnavailable until the Ray backend lands."""
+    try:
+        al.init("ray")
+    except NotImplementedError as e:
+        raise BackendUnavailable(f"--backend ray: {e}. Use --backend simulate (any cluster preset) or "
+                                 "--backend local (this machine's devices) meanwhile.") from None
+    try:
+        return _measure(workload, method, steps)
+    finally:
+        al.shutdown()
+
+
+BACKENDS: dict[str, StepRunner] = {"local": run_local, "ray": run_ray}
+
+
+def measured_methods(workload: Workload) -> list:
+    """What a measured row runs: our automatic pipeline plan beside data parallelism and ZeRO-2/3."""
+    pipeshard = al.PipeshardParallel(
+        num_micro_batches=4, layer_option=al.AutoLayerOption(layer_num=workload.num_layers, eps=None),
+        stage_option=al.AutoStageOption(show_progress=False))
+    return [pipeshard, al.ShardParallel(), al.DataParallel(), al.Zero2Parallel(), al.Zero3Parallel()]

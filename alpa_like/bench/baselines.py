@@ -1,0 +1,154 @@
+"""Data-parallel baselines: ZeRO-2, ZeRO-3 and DeepSpeed-style expert parallelism for MoE.
+
+All are priced with the cost model our own plans use, on the same cluster:
+
+* compute: the traced FLOPs of the step with per-layer recomputation (the same layer summaries the stage
+  DP sees, so every system does the same arithmetic) at the device's peak, spread over all ``N`` devices,
+  plus the optimizer update over ``N`` (ZeRO shards it);
+* communication: ``al.plan`` with :class:`~alpa_like.Zero2Parallel` / :class:`~alpa_like.Zero3Parallel`
+  prices the gradient reduce-scatter, the all-gather of updated (ZeRO-2) or used (ZeRO-3, per micro-batch)
+  parameters with the cluster's alpha-beta links;
+* expert parallelism (DeepSpeed-MoE, as Alpa's MoE baseline): the experts of every MoE layer are split over
+  ``EP = gcd(E, N)`` devices, dense parameters are ZeRO-2 data parallel over all ``N``; each MoE layer
+  moves its dispatched tokens with an all-to-all over the ``EP`` group twice in the forward (dispatch,
+  combine), twice in the backward and twice in the recomputed forward; expert gradients are all-reduced
+  over the ``N / EP`` replicas of each expert;
+* memory: parameters and gradients (sharded as the method says), optimizer state over ``N``, and the
+  activations each device keeps for its share of one micro-batch; the number of gradient-accumulation
+  micro-batches is the smallest power of two that fits (the fewest ZeRO-3 gathers).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+import alpa_like as al
+from alpa_like.cluster import ClusterSpec
+from alpa_like.compiler.logical_mesh import LogicalMesh
+
+from alpa_like.bench.workloads import Workload
+
+BASELINES = ("zero2", "zero3", "expert parallel")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BaselineResult:
+    name: str
+    step_seconds: float | None
+    """None when no micro-batch count fits in memory."""
+    num_micro_batches: int | None
+    memory_per_device: float
+    compute_seconds: float
+    communication_seconds: float
+    detail: str = ""
+
+    def summary(self) -> dict:
+        return {"baseline": self.name, "step_s": self.step_seconds, "micro_batches": self.num_micro_batches,
+                "memory_gib": self.memory_per_device / 2**30, "compute_s": self.compute_seconds,
+                "communication_s": self.communication_seconds, "detail": self.detail}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepTotals:
+    """What the baselines need from the sliced step, for the whole global batch."""
+
+    step_flops: float
+    """Forward and backward (with recomputation) of every layer, over the global batch."""
+    apply_flops: float
+    activation_bytes_per_sequence: float
+    """Kept from forward to backward, summed over layers."""
+
+
+def step_totals(sliced: Any, workload: Workload, num_micro_batches: int) -> StepTotals:
+    """Totals of a step sliced with ``num_micro_batches`` micro-batches (``ours.slice_workload``)."""
+    per_mb = sum(s.forward_flops + s.backward_flops for s in sliced.summaries)
+    sequences = workload.global_batch / num_micro_batches
+    return StepTotals(step_flops=per_mb * num_micro_batches, apply_flops=sum(s.apply_flops for s in sliced.summaries),
+                      activation_bytes_per_sequence=sum(s.activation_bytes for s in sliced.summaries) / sequences)
+
+
+def _micro_batch_counts(global_batch: int, num_devices: int) -> list[int]:
+    per_device = global_batch // num_devices
+    return [m for m in (2**k for k in range(0, 20)) if m <= per_device and per_device % m == 0]
+
+
+def _tree_bytes(tree: Any) -> int:
+    return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+def zero_baseline(stage: int, workload: Workload, totals: StepTotals, cluster: ClusterSpec) -> BaselineResult:
+    """ZeRO stage 2 or 3 over all devices (module docstring)."""
+    if stage not in (2, 3):
+        raise ValueError(f"ZeRO stage must be 2 or 3, got {stage!r}")
+    n = cluster.num_devices
+    state = workload.args[0]
+    params = state["train"].params if isinstance(state, dict) else state.params
+    param_bytes = _tree_bytes(params)
+    compute = (totals.step_flops + totals.apply_flops) / (n * cluster.peak_flops)
+    method_cls = al.Zero2Parallel if stage == 2 else al.Zero3Parallel
+    name = f"zero{stage}"
+    counts = _micro_batch_counts(workload.global_batch, n)
+    if not counts:
+        return BaselineResult(name=name, step_seconds=None, num_micro_batches=None, memory_per_device=0.0,
+                              compute_seconds=compute, communication_seconds=0.0,
+                              detail="batch smaller than the device count")
+
+    def memory_at(state_bytes: float, m: int) -> float:
+        return state_bytes + param_bytes / n + totals.activation_bytes_per_sequence * workload.global_batch / (n * m)
+
+    def plan_at(m: int):
+        return al.plan(workload.train_step, *workload.args, method=method_cls(num_micro_batches=m), cluster=cluster)
+
+    plan = plan_at(1)  # the state's memory does not depend on the micro-batch count; ZeRO-3's gathers do
+    state_bytes = plan.stages[0].memory_per_device
+    fitting = [m for m in counts if memory_at(state_bytes, m) <= cluster.device_memory]
+    m = fitting[0] if fitting else counts[-1]
+    if m != 1:
+        plan = plan_at(m)
+    comm = plan.stages[0].communication_seconds
+    return BaselineResult(name=name, step_seconds=compute + comm if fitting else None, num_micro_batches=m,
+                          memory_per_device=memory_at(state_bytes, m), compute_seconds=compute,
+                          communication_seconds=comm,
+                          detail="" if fitting else "does not fit at any micro-batch count")
+
+
+def _is_expert(leaf: Any, num_experts: int) -> bool:
+    return len(leaf.shape) == 3 and leaf.shape[0] == num_experts
+
+
+def expert_parallel_baseline(workload: Workload, totals: StepTotals, cluster: ClusterSpec) -> BaselineResult:
+    """DeepSpeed-style expert parallelism with ZeRO-2 for the dense part (module docstring)."""
+    config = workload.config
+    if workload.family != "moe":
+        raise ValueError(f"expert parallelism needs an MoE workload, got {workload.family!r}")
+    n, e = cluster.num_devices, config.num_experts
+    ep = math.gcd(e, n)
+    leaves = jax.tree.leaves(workload.args[0].params)
+    expert_bytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves if _is_expert(x, e))
+    dense_bytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves if not _is_expert(x, e))
+    optimizer_bytes = 2 * (expert_bytes + dense_bytes)  # Adam's two moments, float32 like the parameters
+    per_node = cluster.num_devices_per_node
+    submesh = (1, n) if n <= per_node else (n // per_node, per_node)
+    mesh = LogicalMesh.from_cluster(cluster, submesh, (n // ep, ep))
+    ring = LogicalMesh.from_cluster(cluster, submesh, (n,))
+    compute = (totals.step_flops + totals.apply_flops) / (n * cluster.peak_flops)
+    sync = 2 * ring.reduce_scatter_cost(dense_bytes, 0) + mesh.all_reduce_cost(expert_bytes / ep, 0)
+    moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
+    itemsize = np.dtype(config.dtype).itemsize
+    last = None
+    for m in _micro_batch_counts(workload.global_batch, n):
+        tokens = workload.global_batch * config.seq_len / (n * m)
+        dispatched = tokens * 2 * config.capacity_factor * config.hidden_size * itemsize  # top-2 slots per token
+        all_to_all = 6 * moe_layers * m * mesh.all_to_all_cost(dispatched * ep, 1)
+        memory = 2 * (dense_bytes + expert_bytes / ep) + optimizer_bytes / n \
+            + totals.activation_bytes_per_sequence * workload.global_batch / (n * m)
+        last = BaselineResult(name="expert parallel", step_seconds=compute + sync + all_to_all, num_micro_batches=m,
+                              memory_per_device=memory, compute_seconds=compute,
+                              communication_seconds=sync + all_to_all, detail=f"EP={ep}")
+        if memory <= cluster.device_memory:
+            return last
+    return dataclasses.replace(last, step_seconds=None, detail=f"EP={ep}; does not fit at any micro-batch count")

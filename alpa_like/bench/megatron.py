@@ -1,0 +1,251 @@
+"""The Megatron-LM baseline: 3D parallelism (tensor t, pipeline p, data d) chosen by grid search.
+
+Megatron-LM (seed 002) partitions a transformer by hand: every layer's matmuls are split over ``t``
+devices inside a node (two all-reduces of the hidden state in the forward, two in the backward, two more
+when the forward is recomputed), the layers are cut into ``p`` equal pipeline stages (or ``p * v`` equal
+chunks, chunk ``k`` on stage ``k mod p``, for the interleaved schedule), and the whole is replicated ``d``
+times with a gradient all-reduce at the end of the step. Ranks are ordered tensor, then data, then
+pipeline (Megatron's default), so a stage holds ``t * d`` consecutive devices.
+
+The cost model is the one our own planner uses, so the comparison is like for like:
+
+* compute: the traced layers' FLOPs (:class:`TransformerCosts`, taken from the same sliced step the stage
+  DP sees) at the device's peak FLOP/s;
+* communication: the alpha-beta model of :class:`~alpa_like.compiler.logical_mesh.LogicalMesh` on the
+  same :class:`~alpa_like.cluster.ClusterSpec` (tensor all-reduces on the ``t`` axis, the gradient all-reduce
+  on the ``d`` axis, point-to-point sends between stages, across nodes with Megatron's scatter/gather
+  optimisation: ``1/t`` of the bytes per NIC);
+* pipeline: Alpa Eq. 3.2 generalised to ``v`` chunks per device,
+
+  .. math:: T = m \\max_q W_q + \\frac{1}{v}\\Big(\\sum_q W_q - \\max_q W_q\\Big)
+
+  with ``W_q`` the forward plus backward time of one micro-batch on stage ``q`` (Megatron-LM §2.2.2: a
+  bubble of ``(p - 1) / v`` micro-batch times); :func:`replay` checks it by replaying the real schedule;
+* memory (Alpa Eq. 3.5, 1F1B): parameters and gradients and optimizer state divided over ``t`` (no ZeRO:
+  Megatron-LM of the seeds replicates them over ``d``), plus ``min(p - q, m)`` micro-batches of activations
+  on stage ``q``, divided over ``t``.
+
+:func:`grid_search` evaluates every configuration of :func:`enumerate_configs` (``t`` dividing the GPUs
+per node and the number of heads, ``p`` dividing the layers, micro-batch sizes ``b``, and ``v > 1`` when the
+interleaved schedule is possible: ``m mod p = 0`` and ``p v`` dividing the layers) and keeps the fastest
+that fits in memory.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from alpa_like.cluster import ClusterSpec
+from alpa_like.compiler.logical_mesh import LogicalMesh
+from alpa_like.runtime.schedules import make_schedule
+
+MICRO_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+VIRTUAL_STAGES = (1, 2, 4, 8)
+REPLAY_LIMIT = 200_000
+"""Most forward/backward tasks :func:`replay` simulates; larger schedules use the closed form."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TransformerCosts:
+    """Per-layer costs of a traced model, for one sequence (what the 3D-parallel model needs)."""
+
+    forward_flops: tuple[float, ...]
+    """FLOPs of each layer's forward for one sequence."""
+    backward_flops: tuple[float, ...]
+    """FLOPs of each layer's backward for one sequence (with its recomputed forward when remat is on)."""
+    apply_flops: tuple[float, ...]
+    """FLOPs of each layer's optimizer update, per step."""
+    param_bytes: tuple[float, ...]
+    optimizer_bytes: tuple[float, ...]
+    activation_bytes: tuple[float, ...]
+    """Bytes each layer keeps from forward to backward for one sequence."""
+    hidden_bytes: float
+    """Bytes of one sequence's hidden state (``s * h * itemsize``): what a stage sends to the next and what a
+    tensor-parallel all-reduce moves."""
+    num_heads: int
+    recompute: bool
+    """Whether the backward recomputes the forward (two more tensor-parallel all-reduces per layer)."""
+
+    def __post_init__(self):
+        n = len(self.forward_flops)
+        for name in ("backward_flops", "apply_flops", "param_bytes", "optimizer_bytes", "activation_bytes"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"TransformerCosts.{name} must have one entry per layer ({n}), got "
+                                 f"{len(getattr(self, name))}")
+        if n < 1:
+            raise ValueError("TransformerCosts needs at least one layer")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.forward_flops)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MegatronConfig:
+    """One point of the grid: ``t * p * d`` devices, micro-batches of ``b`` sequences, ``v`` chunks per stage."""
+
+    t: int
+    p: int
+    d: int
+    b: int
+    v: int = 1
+
+    def num_micro_batches(self, global_batch: int) -> int:
+        """``m = B / (b d)`` micro-batches per pipeline per step."""
+        return global_batch // (self.b * self.d)
+
+    @property
+    def schedule(self) -> str:
+        return "interleaved_1f1b" if self.v > 1 else "1f1b"
+
+    def __str__(self) -> str:
+        return f"t={self.t} p={self.p} d={self.d} b={self.b}" + (f" v={self.v}" if self.v > 1 else "")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MegatronEstimate:
+    """The modelled step of one configuration."""
+
+    config: MegatronConfig
+    num_micro_batches: int
+    step_seconds: float
+    pipeline_seconds: float
+    sync_seconds: float
+    """Gradient all-reduce over ``d`` and the optimizer update (after the pipeline drains)."""
+    stage_forward_seconds: tuple[float, ...]
+    """Per chunk (``p * v`` of them), one micro-batch's forward, with its tensor all-reduces and send."""
+    stage_backward_seconds: tuple[float, ...]
+    memory_per_device: float
+    """Bytes on the most loaded device."""
+    fits: bool
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MegatronSearch:
+    best: MegatronEstimate | None
+    """The fastest configuration that fits; None when none does."""
+    evaluated: tuple[MegatronEstimate, ...]
+
+    @property
+    def num_fitting(self) -> int:
+        return sum(e.fits for e in self.evaluated)
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def enumerate_configs(*, num_devices: int, devices_per_node: int, num_layers: int, num_heads: int,
+                      global_batch: int, micro_batch_sizes: Sequence[int] = MICRO_BATCH_SIZES,
+                      virtual_stages: Sequence[int] = VIRTUAL_STAGES) -> tuple[MegatronConfig, ...]:
+    """Every valid Megatron-LM configuration for these sizes (see the module docstring for the rules)."""
+    for name, value in (("num_devices", num_devices), ("devices_per_node", devices_per_node),
+                        ("num_layers", num_layers), ("num_heads", num_heads), ("global_batch", global_batch)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"enumerate_configs: {name} must be an int >= 1, got {value!r}")
+    configs = []
+    for t in _divisors(min(devices_per_node, num_devices)):
+        if num_devices % t or num_heads % t:
+            continue
+        for p in _divisors(num_devices // t):
+            d = num_devices // (t * p)
+            stage = t * d
+            if num_layers % p or (stage % devices_per_node and devices_per_node % stage):
+                continue
+            for b in micro_batch_sizes:
+                if global_batch % (b * d):
+                    continue
+                m = global_batch // (b * d)
+                for v in virtual_stages:
+                    if v > 1 and (p == 1 or m % p or num_layers % (p * v)):
+                        continue
+                    configs.append(MegatronConfig(t=t, p=p, d=d, b=b, v=v))
+    return tuple(configs)
+
+
+def _stage_mesh(cluster: ClusterSpec, config: MegatronConfig) -> LogicalMesh:
+    """The ``(d, t)`` view of one stage's ``t * d`` consecutive devices (axis 1 = tensor, inside a node)."""
+    size, per_node = config.t * config.d, cluster.num_devices_per_node
+    submesh = (1, size) if size <= per_node else (size // per_node, per_node)
+    return LogicalMesh.from_cluster(cluster, submesh, (config.d, config.t))
+
+
+def _nodes(stage: int, size: int, per_node: int) -> set[int]:
+    return {dev // per_node for dev in range(stage * size, (stage + 1) * size)}
+
+
+def _send_seconds(cluster: ClusterSpec, config: MegatronConfig, src: int, dst: int, nbytes: float) -> float:
+    """One micro-batch's activation from stage ``src`` to ``dst`` (scatter/gather across nodes)."""
+    size, per_node = config.t * config.d, cluster.num_devices_per_node
+    if _nodes(src, size, per_node) != _nodes(dst, size, per_node):
+        return cluster.inter_node_latency + nbytes / config.t / cluster.inter_node_bandwidth
+    return cluster.intra_node_latency + nbytes / cluster.intra_node_bandwidth
+
+
+def estimate(config: MegatronConfig, costs: TransformerCosts, cluster: ClusterSpec,
+             global_batch: int) -> MegatronEstimate:
+    """The modelled step time and memory of ``config`` (module docstring)."""
+    t, p, d, b, v = config.t, config.p, config.d, config.b, config.v
+    if t * p * d != cluster.num_devices:
+        raise ValueError(f"{config} uses {t * p * d} devices, the cluster has {cluster.num_devices}")
+    if costs.num_layers % (p * v):
+        raise ValueError(f"{config}: {costs.num_layers} layers do not split into {p * v} equal chunks")
+    m = config.num_micro_batches(global_batch)
+    mesh = _stage_mesh(cluster, config)
+    chunks, per = p * v, costs.num_layers // (p * v)
+    hidden = b * costs.hidden_bytes
+    all_reduce = mesh.all_reduce_cost(hidden, 1)
+    fwd_reduces, bwd_reduces = 2, 4 if costs.recompute else 2
+    forward, backward = [], []
+    for k in range(chunks):
+        layers = range(k * per, (k + 1) * per)
+        f = sum(costs.forward_flops[l] for l in layers) * b / (t * cluster.peak_flops) + per * fwd_reduces * all_reduce
+        g = sum(costs.backward_flops[l] for l in layers) * b / (t * cluster.peak_flops) + per * bwd_reduces * all_reduce
+        if k + 1 < chunks:
+            f += _send_seconds(cluster, config, k % p, (k + 1) % p, hidden)
+        if k > 0:
+            g += _send_seconds(cluster, config, k % p, (k - 1) % p, hidden)
+        forward.append(f)
+        backward.append(g)
+    work = [sum(forward[k] + backward[k] for k in range(q, chunks, p)) for q in range(p)]
+    pipeline = m * max(work) + (sum(work) - max(work)) / v
+    sync, memory = [], []
+    for q in range(p):
+        layers = [l for k in range(q, chunks, p) for l in range(k * per, (k + 1) * per)]
+        params = sum(costs.param_bytes[l] for l in layers) / t
+        sync.append(mesh.all_reduce_cost(params, 0)
+                    + sum(costs.apply_flops[l] for l in layers) / (t * cluster.peak_flops))
+        state = (2 * params + sum(costs.optimizer_bytes[l] for l in layers) / t)
+        activations = min(p - q, m) * b * sum(costs.activation_bytes[l] for l in layers) / t
+        memory.append(state + activations)
+    return MegatronEstimate(config=config, num_micro_batches=m, step_seconds=pipeline + max(sync),
+                            pipeline_seconds=pipeline, sync_seconds=max(sync), stage_forward_seconds=tuple(forward),
+                            stage_backward_seconds=tuple(backward), memory_per_device=max(memory),
+                            fits=max(memory) <= cluster.device_memory)
+
+
+def grid_search(costs: TransformerCosts, cluster: ClusterSpec, global_batch: int,
+                configs: Sequence[MegatronConfig] | None = None) -> MegatronSearch:
+    """Evaluates every configuration (default :func:`enumerate_configs` for this cluster and model) and
+    returns the fastest that fits in the cluster's device memory (ties: the first in grid order)."""
+    if configs is None:
+        configs = enumerate_configs(num_devices=cluster.num_devices, devices_per_node=cluster.num_devices_per_node,
+                                    num_layers=costs.num_layers, num_heads=costs.num_heads, global_batch=global_batch)
+    evaluated = tuple(estimate(c, costs, cluster, global_batch) for c in configs)
+    fitting = [e for e in evaluated if e.fits]
+    best = min(fitting, key=lambda e: e.step_seconds) if fitting else None
+    return MegatronSearch(best=best, evaluated=evaluated)
+
+
+def replay(est: MegatronEstimate, schedule_name: str | None = None) -> float | None:
+    """The step time of ``est`` with its real schedule (1F1B or interleaved 1F1B; or ``schedule_name``,
+    e.g. ``"breadth_first"``, on the same chunks) replayed task by task on the chunk durations, plus the
+    gradient synchronisation; None when the schedule has more than REPLAY_LIMIT tasks (the closed form of
+    :func:`estimate` stands then)."""
+    c = est.config
+    if 2 * c.p * c.v * est.num_micro_batches > REPLAY_LIMIT:
+        return None
+    schedule = make_schedule(schedule_name or c.schedule, num_meshes=c.p, num_micro_batches=est.num_micro_batches,
+                             virtual_stages=c.v)
+    timeline = schedule.timeline(est.stage_forward_seconds, est.stage_backward_seconds)
+    return float(timeline.makespan) + est.sync_seconds

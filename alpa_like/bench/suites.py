@@ -1,0 +1,121 @@
+"""The suites: which models on how many GPUs, and what each row compares.
+
+* ``gpt``: Alpa Table 3.6 (batch 1024). Ours against the best Megatron-LM 3D configuration.
+* ``opt``: the OPT family at batch 1024 (2M tokens), on the GPU counts of :data:`OPT_GPUS`; as ``gpt``.
+* ``moe``: Alpa Table 3.7 (batch 1024). Ours against ZeRO-2, ZeRO-3 and DeepSpeed-style expert parallelism.
+* ``wresnet``: Alpa Table 3.8 (batch 1536). Ours against the equal-layer and equal-operator ablations
+  (Fig. 3.9), and the stage shapes of the 16-GPU plan (the dissertation's case study: 4, 4, 8 GPUs).
+
+``--ablations`` adds intra-op-only and inter-op-only plans (Fig. 3.8) to every row.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from alpa_like import models
+from alpa_like.bench import baselines, megatron, ours
+from alpa_like.bench.flops import megatron_step_flops, tflops_per_device
+from alpa_like.bench.workloads import Workload, cluster_for, make_workload, transformer_costs
+
+SUITE_NAMES = ("gpt", "moe", "wresnet", "opt")
+OPT_GPUS = {"opt-125m": 1, "opt-350m": 1, "opt-1.3b": 4, "opt-2.7b": 8, "opt-6.7b": 16, "opt-13b": 32,
+            "opt-30b": 64, "opt-66b": 128, "opt-175b": 256}
+"""GPUs per OPT model: weak scaling like Table 3.6 (175B needs at least 168 V100-16GB for its state alone)."""
+GLOBAL_BATCH = {"gpt": 1024, "opt": 1024, "moe": 1024, "wresnet": 1536}
+MICRO_BATCHES = {"gpt": 64, "opt": 64, "moe": 64, "wresnet": 64}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Case:
+    suite: str
+    model: str
+    gpus: int
+    global_batch: int
+    num_micro_batches: int
+
+    def __str__(self) -> str:
+        return f"{self.model} on {self.gpus} GPUs"
+
+
+def suite_cases(suite: str, models_filter: list[str] | None = None, micro_batches: int | None = None) -> list[Case]:
+    """The rows of ``suite`` (optionally only ``models_filter``)."""
+    if suite not in SUITE_NAMES:
+        raise ValueError(f"suite must be one of {SUITE_NAMES}, got {suite!r}")
+    table = {"gpt": models.GPT_TABLE_3_6_GPUS, "moe": models.MOE_TABLE_3_7_GPUS,
+             "wresnet": models.WRESNET_TABLE_3_8_GPUS, "opt": OPT_GPUS}[suite]
+    if models_filter:
+        unknown = sorted(set(models_filter) - set(table))
+        if unknown:
+            raise ValueError(f"--models: {unknown} not in the {suite} suite; valid: {list(table)}")
+    m = micro_batches or MICRO_BATCHES[suite]
+    return [Case(suite=suite, model=name, gpus=gpus, global_batch=GLOBAL_BATCH[suite], num_micro_batches=m)
+            for name, gpus in table.items() if not models_filter or name in models_filter]
+
+
+def step_flops(workload: Workload, totals: baselines.StepTotals) -> float:
+    """The FLOPs a row's TFLOP/s divides: Megatron-LM Eq. 3 for GPT/OPT, the traced step otherwise."""
+    c = workload.config
+    if workload.family == "gpt":
+        return megatron_step_flops(batch_size=workload.global_batch, seq_len=c.seq_len, num_layers=c.num_layers,
+                                   hidden_size=c.hidden_size, vocab_size=c.vocab_size)
+    return totals.step_flops
+
+
+def run_case(case: Case, preset: str, ablations: bool = False) -> dict:
+    """Plans and simulates ``case``: ours, the suite's baselines and ablations; returns one JSON row."""
+    start = time.perf_counter()
+    workload = make_workload(case.model, case.global_batch)
+    cluster = cluster_for(case.gpus, preset)
+    m = case.num_micro_batches
+    method = ours.pipeshard_method(workload, m)
+    sliced = ours.slice_workload(workload, method)
+    totals = baselines.step_totals(sliced, workload, m)
+    flops = step_flops(workload, totals)
+    row = {"suite": case.suite, "model": case.model, "gpus": case.gpus, "cluster": preset,
+           "global_batch": case.global_batch, "micro_batches": m, "step_flops": flops,
+           "flops_formula": "Megatron-LM Eq. 3" if workload.family == "gpt" else
+           "traced step" + (" (with remat)" if workload.remat else "")}
+
+    def tflops(seconds):
+        return None if seconds is None else tflops_per_device(flops, seconds, case.gpus)
+
+    variants = ["auto"]
+    if case.suite == "wresnet":
+        variants += ["equal layer", "equal operator"]
+    if ablations:
+        variants += ["intra-op only", "inter-op only"]
+    row["ours"] = {}
+    for variant in variants:
+        result = ours.plan_variant(variant, workload, cluster, m, sliced)
+        summary = result.summary()
+        summary["tflops"] = tflops(result.simulated_seconds)
+        row["ours"][variant] = summary
+    row["baselines"] = {}
+    if workload.family == "gpt":
+        search = megatron.grid_search(transformer_costs(sliced, workload, m), cluster, case.global_batch)
+        best = search.best
+        entry = {"baseline": "megatron", "configs_evaluated": len(search.evaluated), "configs_fitting": search.num_fitting}
+        if best is not None:
+            replayed = megatron.replay(best)
+            seconds = best.step_seconds if replayed is None else replayed
+            entry.update(config=str(best.config), micro_batches=best.num_micro_batches, closed_form_s=best.step_seconds,
+                         step_s=seconds, simulated="schedule replay" if replayed is not None else "closed form",
+                         memory_gib=best.memory_per_device / 2**30)
+        else:
+            entry.update(step_s=None, detail="no configuration fits in memory")
+        row["baselines"]["megatron"] = entry
+    if workload.family == "moe":
+        row["baselines"]["zero2"] = baselines.zero_baseline(2, workload, totals, cluster).summary()
+        row["baselines"]["zero3"] = baselines.zero_baseline(3, workload, totals, cluster).summary()
+        row["baselines"]["expert parallel"] = baselines.expert_parallel_baseline(workload, totals, cluster).summary()
+    for entry in row["baselines"].values():
+        entry["tflops"] = tflops(entry.get("step_s"))
+    row["case_seconds"] = time.perf_counter() - start
+    return row
+
+
+def best_baseline(row: dict) -> tuple[str, dict] | None:
+    """The fastest baseline of a row that has a step time."""
+    timed = [(k, v) for k, v in row["baselines"].items() if v.get("step_s") is not None]
+    return min(timed, key=lambda kv: kv[1]["step_s"]) if timed else None

@@ -1,0 +1,122 @@
+"""The benchmark workloads: a model config, its training step and shapes, and the cluster it runs on.
+
+A :class:`Workload` is everything planning needs (``al.plan(workload.train_step, *workload.args, ...)``)
+built from shapes only, so Table 3.6's GPT-39B on 64 simulated GPUs costs no memory. GPT/OPT and MoE use
+FP16 activations with FP32 parameters and Adam state and per-layer recomputation, as Alpa's benchmark
+does; Wide-ResNet trains in FP32 (Alpa §3.8).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.training import train_state
+
+import alpa_like as al
+from alpa_like import models
+from alpa_like.bench.megatron import TransformerCosts
+from alpa_like.models import gpt, moe, wide_resnet
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Workload:
+    """One model at one global batch size, as shapes."""
+
+    name: str
+    family: str
+    """``gpt`` (also OPT), ``moe`` or ``wresnet``."""
+    config: Any
+    global_batch: int
+    train_step: Callable
+    args: tuple
+    """``(state, batch)`` as ``ShapeDtypeStruct`` pytrees (or arrays, for the local backend)."""
+    num_layers: int
+    """Layers handed to ``AutoLayerOption`` (transformer blocks, or bottleneck blocks for Wide-ResNet)."""
+    remat: bool
+
+
+def cluster_for(num_gpus: int, preset: str = "p3.16xlarge") -> al.ClusterSpec:
+    """``num_gpus`` devices of ``preset``: whole nodes, or part of one node below a node's size."""
+    if not isinstance(num_gpus, int) or num_gpus < 1:
+        raise ValueError(f"num_gpus must be an int >= 1, got {num_gpus!r}")
+    one = al.ClusterSpec.preset(preset)
+    per_node = one.num_devices_per_node
+    if num_gpus < per_node:
+        return dataclasses.replace(one, num_devices_per_node=num_gpus)
+    if num_gpus % per_node:
+        raise ValueError(f"{num_gpus} GPUs is not a whole number of {preset} nodes ({per_node} GPUs each)")
+    return al.ClusterSpec.preset(preset, num_nodes=num_gpus // per_node)
+
+
+def _adam_state(params: Any) -> Any:
+    return jax.eval_shape(lambda p: train_state.TrainState.create(apply_fn=None, params=p, tx=optax.adam(1e-4)),
+                          params)
+
+
+def loss_train_step(loss_fn: Callable) -> Callable:
+    """``train_step(state, batch)``: ``al.value_and_grad`` of ``loss_fn`` and the state's optimizer update."""
+    def train_step(state, batch):
+        loss, grads = al.value_and_grad(loss_fn)(state.params, batch)
+        return state.apply_gradients(grads=grads), loss
+    return train_step
+
+
+def make_workload(name: str, global_batch: int) -> Workload:
+    """The workload of a named config (any of ``models.ALL_CONFIG_TABLES``) at ``global_batch``."""
+    config = models.get_config(name)
+    if isinstance(config, models.MoEConfig):
+        config = dataclasses.replace(config, dtype=jnp.float16)
+        state = _adam_state(moe.moe_param_shapes(config))
+        return Workload(name=name, family="moe", config=config, global_batch=global_batch,
+                        train_step=loss_train_step(moe.moe_loss(moe.MoEModel(config))),
+                        args=(state, moe.moe_batch_shapes(config, global_batch)), num_layers=config.num_layers,
+                        remat=True)
+    if isinstance(config, models.GPTConfig):
+        config = dataclasses.replace(config, dtype=jnp.float16)
+        state = _adam_state(gpt.gpt_param_shapes(config))
+        return Workload(name=name, family="gpt", config=config, global_batch=global_batch,
+                        train_step=loss_train_step(gpt.gpt_loss(gpt.GPTModel(config))),
+                        args=(state, gpt.gpt_batch_shapes(config, global_batch)), num_layers=config.num_layers,
+                        remat=True)
+    return _wresnet_workload(name, config, global_batch)
+
+
+def _wresnet_workload(name: str, config: models.WResNetConfig, global_batch: int) -> Workload:
+    params, batch_stats = wide_resnet.wresnet_param_shapes(config)
+    loss_fn = wide_resnet.wresnet_loss(wide_resnet.WideResNet(config))
+    state = {"train": _adam_state(params), "batch_stats": batch_stats}
+
+    def train_step(state, batch):
+        (loss, new_stats), grads = al.value_and_grad(loss_fn, has_aux=True)(
+            state["train"].params, state["batch_stats"], batch)
+        return {"train": state["train"].apply_gradients(grads=grads), "batch_stats": new_stats}, loss
+
+    return Workload(name=name, family="wresnet", config=config, global_batch=global_batch, train_step=train_step,
+                    args=(state, wide_resnet.wresnet_batch_shapes(config, global_batch)),
+                    num_layers=sum(config.stage_sizes), remat=False)
+
+
+def transformer_costs(sliced: Any, workload: Workload, num_micro_batches: int) -> TransformerCosts:
+    """Per-sequence layer costs of a sliced GPT/MoE step (``alpa_like.pipeshard.slice_step``), whose layers
+    were traced on micro-batches of ``global_batch / num_micro_batches`` sequences."""
+    per = workload.global_batch / num_micro_batches
+    # Optimizer state in proportion to each layer's parameters (Adam keeps two moments per parameter).
+    # Not ``sliced.optimizer_inputs``: that attributes nearly all of it to the first layer's apply phase.
+    total_optimizer = sum(sliced.traced.in_leaves[i].nbytes for inputs in sliced.optimizer_inputs for i in inputs)
+    total_params = sum(s.param_bytes for s in sliced.summaries)
+    optimizer = [total_optimizer * s.param_bytes / total_params for s in sliced.summaries]
+    config = workload.config
+    return TransformerCosts(
+        forward_flops=tuple(s.forward_flops / per for s in sliced.summaries),
+        backward_flops=tuple(s.backward_flops / per for s in sliced.summaries),
+        apply_flops=tuple(float(s.apply_flops) for s in sliced.summaries),
+        param_bytes=tuple(float(s.param_bytes) for s in sliced.summaries),
+        optimizer_bytes=tuple(float(b) for b in optimizer),
+        activation_bytes=tuple(s.activation_bytes / per for s in sliced.summaries),
+        hidden_bytes=float(config.seq_len * config.hidden_size * np.dtype(config.dtype).itemsize),
+        num_heads=config.num_heads, recompute=workload.remat)

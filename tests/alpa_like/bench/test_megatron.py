@@ -1,0 +1,127 @@
+"""The Megatron-LM baseline: its configuration grid, its cost model and the grid search."""
+import dataclasses
+
+import pytest
+
+import alpa_like as al
+from alpa_like.bench.megatron import (MegatronConfig, TransformerCosts, enumerate_configs, estimate, grid_search,
+                                      replay)
+
+GIB = 2**30
+
+
+def uniform_costs(num_layers=4, fwd=1e12, heads=4, param_bytes=1e8, activation_bytes=1e6, recompute=True):
+    return TransformerCosts(forward_flops=(fwd,) * num_layers, backward_flops=(2 * fwd,) * num_layers,
+                            apply_flops=(1e6,) * num_layers, param_bytes=(param_bytes,) * num_layers,
+                            optimizer_bytes=(2 * param_bytes,) * num_layers,
+                            activation_bytes=(activation_bytes,) * num_layers, hidden_bytes=1e6, num_heads=heads,
+                            recompute=recompute)
+
+
+def cluster(nodes=1, per_node=4, bandwidth=100e9, latency=1e-5, memory=16 * GIB):
+    return al.ClusterSpec(name="test", num_nodes=nodes, num_devices_per_node=per_node, device_name="x",
+                          peak_flops=100e12, device_memory=memory, intra_node_bandwidth=bandwidth,
+                          inter_node_bandwidth=bandwidth / 10, intra_node_latency=latency,
+                          inter_node_latency=10 * latency)
+
+
+def test_grid_matches_a_hand_enumeration():
+    got = {(c.t, c.p, c.d, c.b, c.v) for c in enumerate_configs(
+        num_devices=4, devices_per_node=4, num_layers=4, num_heads=4, global_batch=8, micro_batch_sizes=(1, 2),
+        virtual_stages=(1, 2))}
+    expected = {(1, 1, 4, 1, 1), (1, 1, 4, 2, 1),
+                (1, 2, 2, 1, 1), (1, 2, 2, 1, 2), (1, 2, 2, 2, 1), (1, 2, 2, 2, 2),
+                (1, 4, 1, 1, 1), (1, 4, 1, 2, 1),  # v=2 would need 8 chunks of 4 layers
+                (2, 1, 2, 1, 1), (2, 1, 2, 2, 1),
+                (2, 2, 1, 1, 1), (2, 2, 1, 1, 2), (2, 2, 1, 2, 1), (2, 2, 1, 2, 2),
+                (4, 1, 1, 1, 1), (4, 1, 1, 2, 1)}
+    assert got == expected
+
+
+def test_grid_respects_heads_node_size_and_interleaving_rules():
+    configs = enumerate_configs(num_devices=16, devices_per_node=8, num_layers=12, num_heads=6, global_batch=48)
+    assert configs
+    for c in configs:
+        m = c.num_micro_batches(48)
+        assert c.t * c.p * c.d == 16 and 8 % c.t == 0 and 6 % c.t == 0 and 12 % c.p == 0
+        assert 48 % (c.b * c.d) == 0
+        assert c.v == 1 or (c.p > 1 and m % c.p == 0 and 12 % (c.p * c.v) == 0)
+    assert {c.t for c in configs} == {1, 2}  # 4 and 8 do not divide 6 heads
+    assert any(c.v > 1 for c in configs)
+
+
+def test_1f1b_closed_form_textbook_case():
+    """Two stages, no communication cost: (m + p - 1)(t_f + t_b) plus the optimizer update."""
+    costs = uniform_costs()
+    fast = cluster(per_node=2, bandwidth=1e30, latency=0.0)
+    est = estimate(MegatronConfig(t=1, p=2, d=1, b=1), costs, fast, global_batch=8)
+    t_f, t_b = 2 * 1e12 / 100e12, 2 * 2e12 / 100e12
+    apply = 2 * 1e6 / 100e12
+    assert est.num_micro_batches == 8
+    assert est.step_seconds == pytest.approx((8 + 2 - 1) * (t_f + t_b) + apply, rel=1e-9)
+    assert replay(est) == pytest.approx(est.step_seconds, rel=1e-9)
+
+
+@pytest.mark.parametrize("config", [MegatronConfig(t=1, p=4, d=1, b=1), MegatronConfig(t=1, p=2, d=1, b=2, v=2),
+                                    MegatronConfig(t=1, p=2, d=1, b=1, v=4), MegatronConfig(t=2, p=2, d=1, b=1, v=2)])
+def test_closed_form_equals_schedule_replay_for_equal_stages(config):
+    costs = uniform_costs(num_layers=8)
+    free = estimate(config, costs, cluster(per_node=config.t * config.p, bandwidth=1e30, latency=0.0), global_batch=8)
+    assert replay(free) == pytest.approx(free.step_seconds, rel=1e-9)
+    # With sends the end stages are a little faster (nothing to send one way): the closed form, which
+    # charges every micro-batch the slowest stage, is an upper bound within a send per micro-batch.
+    est = estimate(config, costs, cluster(per_node=config.t * config.p), global_batch=8)
+    assert est.step_seconds - 8 * 2 * 1e-5 * config.v <= replay(est) <= est.step_seconds
+
+
+def test_interleaving_shrinks_the_bubble_by_v():
+    costs = uniform_costs(num_layers=8)
+    fast = cluster(per_node=4, bandwidth=1e30, latency=0.0)
+    plain = estimate(MegatronConfig(t=1, p=4, d=1, b=1), costs, fast, 8)
+    looped = estimate(MegatronConfig(t=1, p=4, d=1, b=1, v=2), costs, fast, 8)
+    work = plain.pipeline_seconds / (8 + 3)  # one micro-batch on one stage
+    assert plain.pipeline_seconds - 8 * work == pytest.approx(3 * work)
+    assert looped.pipeline_seconds - 8 * work == pytest.approx(3 * work / 2)
+
+
+def test_search_returns_the_fastest_fitting_configuration():
+    costs = uniform_costs(num_layers=8, param_bytes=2 * GIB)
+    spec = cluster(nodes=2, per_node=4)
+    search = grid_search(costs, spec, global_batch=32)
+    fitting = [e for e in search.evaluated if e.fits]
+    assert search.best is not None and search.best.fits
+    assert search.best.step_seconds == min(e.step_seconds for e in fitting)
+    assert 0 < search.num_fitting < len(search.evaluated)  # 8 layers x 2 GiB x 4 bytes-per-byte do not fit unsplit
+
+
+def test_free_communication_and_ample_memory_avoid_the_pipeline_bubble():
+    spec = cluster(nodes=2, per_node=4, bandwidth=1e30, latency=0.0, memory=10**6 * GIB)
+    best = grid_search(uniform_costs(num_layers=8), spec, global_batch=64).best
+    # No bubble (p = 1); with free all-reduces the only other difference is the optimizer update, which
+    # tensor parallelism splits t ways and data parallelism repeats: the largest t in a node wins.
+    assert (best.config.t, best.config.p, best.config.d) == (4, 1, 2)
+    work = 8 * 3e12 * 64 / (8 * 100e12)
+    assert best.step_seconds == pytest.approx(work + 8 * 1e6 / (4 * 100e12), rel=1e-9)
+
+
+def test_no_fitting_configuration_gives_none():
+    search = grid_search(uniform_costs(param_bytes=64 * GIB), cluster(), global_batch=8)
+    assert search.best is None and search.num_fitting == 0 and search.evaluated
+
+
+def test_tensor_parallelism_pays_its_all_reduces():
+    costs = uniform_costs()
+    spec = cluster(per_node=2)
+    with_tp = estimate(MegatronConfig(t=2, p=1, d=1, b=1), costs, spec, 4)
+    no_comm = estimate(MegatronConfig(t=2, p=1, d=1, b=1), costs, cluster(per_node=2, bandwidth=1e30, latency=0.0), 4)
+    per_all_reduce = 1e-5 + 2 * (1 / 2) * 1e6 / 100e9
+    assert with_tp.pipeline_seconds - no_comm.pipeline_seconds == pytest.approx(4 * 4 * (2 + 4) * per_all_reduce)
+
+
+def test_bad_input_is_a_clear_error():
+    with pytest.raises(ValueError, match="uses 8 devices, the cluster has 4"):
+        estimate(MegatronConfig(t=2, p=2, d=2, b=1), uniform_costs(), cluster(), 8)
+    with pytest.raises(ValueError, match="num_heads must be an int >= 1"):
+        enumerate_configs(num_devices=4, devices_per_node=4, num_layers=4, num_heads=0, global_batch=8)
+    with pytest.raises(ValueError, match="one entry per layer"):
+        dataclasses.replace(uniform_costs(), apply_flops=(1.0,))

@@ -1,0 +1,92 @@
+"""The suite's plumbing: cases, rows (with and without plans), the table, the CLI and the backends."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+import alpa_like as al
+from alpa_like.bench import __main__ as cli
+from alpa_like.bench import backends, report, suites
+from alpa_like.bench.ours import equal_operator_layers
+
+
+def test_equal_operator_layers_split_matmuls_evenly():
+    def f(x, w):
+        for _ in range(6):
+            x = jnp.tanh(x @ w)
+        return x.sum()
+
+    jaxpr = jax.make_jaxpr(f)(jnp.ones((2, 2)), jnp.ones((2, 2))).jaxpr
+    layers = equal_operator_layers(3)(jaxpr)
+    dots = [layers[i] for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "dot_general"]
+    assert dots == [0, 0, 1, 1, 2, 2]
+    with pytest.raises(ValueError, match="needs at least that many"):
+        equal_operator_layers(7)(jaxpr)
+
+
+def test_unknown_model_or_suite_is_a_clear_error():
+    with pytest.raises(ValueError, match="not in the gpt suite"):
+        suites.suite_cases("gpt", ["gpt-7t"])
+    with pytest.raises(ValueError, match="suite must be one of"):
+        suites.suite_cases("bert")
+    with pytest.raises(SystemExit):
+        cli.parse_args(["bert"])
+    with pytest.raises(SystemExit):
+        cli.parse_args(["gpt", "--micro-batches", "0"])
+
+
+def test_rows_without_a_plan_print_as_such():
+    row = {"model": "gpt-x", "gpus": 16, "ours": {"auto": {"variant": "auto", "error": "no plan fits 16 GiB\nmore"}},
+           "baselines": {"megatron": {"config": "t=8 p=2 d=1 b=1", "step_s": 2.0, "tflops": 100.0}}}
+    lines = report.table([row])
+    assert lines[1][2] == "no plan: no plan fits 16 GiB"
+    assert lines[1][-1] == "-"  # no ratio without our plan
+    assert "no plan" in report.format_terminal(lines)
+
+
+def test_ray_backend_fails_clearly_until_it_exists():
+    try:
+        al.init("ray")
+    except NotImplementedError:
+        with pytest.raises(backends.BackendUnavailable, match="--backend ray"):
+            backends.run_ray(None, None, 1)
+    else:
+        al.shutdown()
+        pytest.skip("the Ray backend exists: run_ray measures like run_local")
+    finally:
+        al.init("local")
+
+
+def test_a_tiny_gpt_case_end_to_end():
+    case = suites.Case(suite="gpt", model="gpt-tiny", gpus=2, global_batch=8, num_micro_batches=2)
+    row = suites.run_case(case, "p3.16xlarge", ablations=True)
+    auto = row["ours"]["auto"]
+    assert auto["simulated_s"] > 0 and auto["tflops"] > 0
+    assert sum(auto["layers_per_stage"]) == 2
+    mega = row["baselines"]["megatron"]
+    assert mega["step_s"] > 0 and mega["configs_fitting"] >= 1
+    assert set(row["ours"]) == {"auto", "intra-op only", "inter-op only"}
+    assert report.table([row])[1][0] == "gpt-tiny"
+
+
+def test_a_tiny_moe_case_has_every_baseline():
+    case = suites.Case(suite="moe", model="moe-tiny", gpus=2, global_batch=8, num_micro_batches=2)
+    row = suites.run_case(case, "p3.16xlarge")
+    assert set(row["baselines"]) == {"zero2", "zero3", "expert parallel"}
+    for entry in row["baselines"].values():
+        assert entry["step_s"] > 0
+    # the same FLOPs at the same peak: the baselines differ only in communication
+    assert row["baselines"]["zero2"]["compute_s"] == pytest.approx(row["baselines"]["zero3"]["compute_s"])
+
+
+def test_fixed_stage_memory_adds_1f1b_in_flight_activations():
+    from types import SimpleNamespace as NS
+
+    from alpa_like.bench.ours import _memory_with_in_flight
+
+    summaries = [NS(activation_bytes=8.0)] * 4
+    stages = [NS(submesh_shape=(1, 2), layer_ids=(0, 1), memory_per_device=100.0),
+              NS(submesh_shape=(1, 4), layer_ids=(2, 3), memory_per_device=50.0)]
+    plan, sliced = NS(stages=stages), NS(summaries=summaries)
+    # stage 0 holds 2 micro-batches (one more than the plan counts) of 16 bytes over 2 devices; stage 1 holds 1
+    assert _memory_with_in_flight(plan, sliced, num_micro_batches=8) == [108.0, 50.0]
+    assert _memory_with_in_flight(plan, sliced, num_micro_batches=1) == [100.0, 50.0]
