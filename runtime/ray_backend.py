@@ -151,6 +151,7 @@ class RayCluster:
         if step_timeout is not None and not step_timeout > 0:
             raise ValueError(f"al.init(cluster='ray'): step_timeout must be > 0 seconds or None, got {step_timeout!r}")
         self.started_ray = False
+        address = address or os.environ.get("RAY_ADDRESS")
         if not ray.is_initialized():
             if address is None:
                 ray.init(include_dashboard=False, num_cpus=max(2, os.cpu_count() or 2), log_to_driver=False)
