@@ -70,7 +70,10 @@ class RayStepStats:
     driver_received_types: tuple[str, ...] = ()
     """Type names of every value inside the received reports (no arrays: outputs stay on the workers)."""
     worker_bytes: int = 0
-    """Bytes moved between workers (the resharding plans' cross-mesh bytes)."""
+    """Bytes the RECVs moved between workers (the resharding plans' cross-mesh bytes; the local backend's
+    ``bytes_moved``)."""
+    input_bytes: int = 0
+    """Bytes of step inputs held as handles on one worker and sent to another that loads them."""
     inputs_by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
     """Step inputs sent as ``ref`` (a driver array), ``handle`` (already on the loading worker) or ``peer``
     (sent by the worker holding it)."""
@@ -81,14 +84,18 @@ class RemoteArray:
     """A step output that lives on a Ray worker: shape and dtype here, the data there.
 
     ``np.asarray(x)`` fetches it (once, then cached); passing it to the next step uses it in place (or sends it
-    worker to worker); dropping the last reference frees it on the worker (batched with the next call).
+    worker to worker); dropping the last reference frees it on the workers (batched with the next call).
+    A value several meshes hold at the end of the step (e.g. one another mesh received) keeps a replica on
+    each, so every one of them can load it in place.
     """
 
-    __slots__ = ("shape", "dtype", "handle", "_worker", "_cluster", "_value", "__weakref__")
+    __slots__ = ("shape", "dtype", "replicas", "_cluster", "_value", "__weakref__")
 
-    def __init__(self, shape, dtype, handle: int, worker: Any, cluster: RayCluster):
-        self.shape, self.dtype, self.handle = tuple(shape), np.dtype(dtype), handle
-        self._worker, self._cluster, self._value = worker, cluster, None
+    def __init__(self, shape, dtype, replicas: Sequence[tuple[Any, int]], cluster: RayCluster):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.replicas = tuple(replicas)
+        """(worker actor, handle id) of each copy."""
+        self._cluster, self._value = cluster, None
 
     @property
     def ndim(self) -> int:
@@ -108,7 +115,7 @@ class RemoteArray:
 
     def fetch(self) -> np.ndarray:
         if self._value is None:
-            self._value = self._cluster.fetch(self._worker, self.handle)
+            self._value = self._cluster.fetch(*self.replicas[0])
         return self._value
 
     def __array__(self, dtype=None, copy=None):
@@ -122,12 +129,16 @@ class RemoteArray:
         return int(self.fetch())
 
     def __repr__(self) -> str:
-        return f"RemoteArray(shape={self.shape}, dtype={self.dtype}, handle={self.handle})"
+        return f"RemoteArray(shape={self.shape}, dtype={self.dtype}, replicas={len(self.replicas)})"
 
     def __del__(self):
         cluster = getattr(self, "_cluster", None)
         if cluster is not None:
-            cluster.release(self._worker, self.handle)
+            try:
+                for actor, handle in self.replicas:
+                    cluster.release(actor, handle)
+            except Exception:  # noqa: BLE001  (interpreter shutdown: Ray is already gone)
+                pass
 
 
 def _actor_id(actor) -> str:
@@ -224,6 +235,7 @@ class RayCluster:
                        JAX_PLATFORMS="cpu")
         else:  # Ray sets CUDA_VISIBLE_DEVICES to the GPUs it assigns.
             options["num_gpus"] = size
+        env.update({k: v for k, v in os.environ.items() if k.startswith("ALPA_LIKE_")})
         options["runtime_env"] = {"env_vars": env}
         if len(self.ray_nodes) > 1:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -328,11 +340,25 @@ def worker_programs(program: StageProgram, programs: MeshPrograms, meshes: Seque
                   for key, p in program.pieces.items() if key[0] in stages}
         loaded = {ins.key[0] for ins in instructions if ins.op is Op.LOAD}
         constants = {v: np.asarray(c) for v, c in program.constants.items() if v in loaded}
-        outputs = tuple((i, o[0]) for i, o in enumerate(programs.outputs) if o is not None and o[1] == k)
+        held = held_at_end(program, instructions)
+        outputs = tuple((i, o[0]) for i, o in enumerate(programs.outputs) if o is not None and o[0] in held)
         out.append(WorkerProgram(mesh=k, meshes=tuple(meshes), instructions=instructions, pieces=pieces,
                                  sends=sends[k], input_specs=dict(input_specs), constants=constants,
                                  num_micro_batches=num_micro_batches, outputs=outputs))
     return out
+
+
+def held_at_end(program: StageProgram, instructions: Sequence) -> set:
+    """The buffers a mesh program holds when it ends: written (RUN, MEAN, LOAD, RECV) and not freed."""
+    held = set()
+    for ins in instructions:
+        if ins.op is Op.RUN:
+            held.update((v, ins.micro_batch) for v in program.piece(ins.stage, ins.phase).outputs)
+        elif ins.op in (Op.MEAN, Op.LOAD, Op.RECV):
+            held.add(ins.key)
+        elif ins.op is Op.FREE:
+            held.discard(ins.key)
+    return held
 
 
 class RayPipeshardExecutable:
@@ -402,11 +428,12 @@ class RayPipeshardExecutable:
         step = next(self._steps)
         inputs, handle_sends, sent = self._route_inputs(flat, stats)
         out_handles: list[list[int]] = [[] for _ in self.workers]
-        remote: dict[int, tuple[int, int]] = {}  # output index -> (handle, mesh)
-        for k, out in enumerate(self.programs.outputs):
-            if out is not None:
-                remote[k] = (self.cluster.new_handle(), out[1])
-                out_handles[out[1]].append(remote[k][0])
+        remote: dict[int, list[tuple[Any, int]]] = {}  # output index -> its replicas
+        for mesh, wp in enumerate(self.worker_programs):
+            for k, _ in wp.outputs:
+                handle = self.cluster.new_handle()
+                out_handles[mesh].append(handle)
+                remote.setdefault(k, []).append((self.workers[mesh], handle))
         refs = []
         for k, worker in enumerate(self.workers):
             call = (self.exe_id, step, inputs[k], out_handles[k], handle_sends[k], self.cluster.take_frees(worker))
@@ -418,10 +445,10 @@ class RayPipeshardExecutable:
         stats.driver_received_types = tuple(sorted({type(v).__name__ for r in reports for v in r.values()}))
         stats.driver_sent_bytes = sent
         stats.worker_bytes = sum(r["bytes_sent"] for r in reports)
+        stats.input_bytes = sum(r["input_bytes_sent"] for r in reports)
         stats.worker_seconds = tuple(r["seconds"] for r in reports)
         results = [self.program.literal_outputs[k] if k not in remote else
-                   RemoteArray(self._out_avals[k].shape, self._out_avals[k].dtype, remote[k][0],
-                               self.workers[remote[k][1]], self.cluster)
+                   RemoteArray(self._out_avals[k].shape, self._out_avals[k].dtype, remote[k], self.cluster)
                    for k in range(len(self.programs.outputs))]
         stats.seconds = time.perf_counter() - start
         self.last_step = stats
@@ -438,14 +465,17 @@ class RayPipeshardExecutable:
             loaders = self._loaders.get(v)
             if not loaders:
                 continue
-            holder = None
+            here: dict[int, int] = {}  # mesh of this executable -> handle of its replica
             if isinstance(x, RemoteArray):
                 if x._cluster is not self.cluster or self.cluster.closed:
                     raise ValueError(f"a step input is a RemoteArray of another (shut down) Ray backend: {x!r}")
-                holder = self._mesh_of_actor.get(_actor_id(x._worker))
-                if holder is None:  # made by an executable on other workers: goes through the driver
+                for actor, handle in x.replicas:
+                    mesh = self._mesh_of_actor.get(_actor_id(actor))
+                    if mesh is not None:
+                        here.setdefault(mesh, handle)
+                if not here:  # made by an executable on other workers: goes through the driver
                     x = x.fetch()
-            if holder is None:
+            if not here:
                 value = np.asarray(x)
                 ref = ray.put(value)
                 sent += value.nbytes
@@ -453,13 +483,14 @@ class RayPipeshardExecutable:
                     inputs[k][v] = ("ref", [ref])
                 kinds["ref"] += 1
                 continue
+            holder = min(here)
             for k in loaders:
-                if k == holder:
-                    inputs[k][v] = ("handle", x.handle)
+                if k in here:
+                    inputs[k][v] = ("handle", here[k])
                     kinds["handle"] += 1
                 else:
                     inputs[k][v] = ("peer", None)
-                    handle_sends[holder].append((x.handle, k, v))
+                    handle_sends[holder].append((here[holder], k, v))
                     kinds["peer"] += 1
         stats.inputs_by_kind = kinds
         return inputs, handle_sends, sent

@@ -165,10 +165,13 @@ class MeshWorker:
 
     # ----------------------------------------------------------------------------------- worker to worker
 
-    def deliver(self, exe_id: int, step: int, key, refs: list) -> None:
-        """Called by a peer: the object ref of a buffer this worker will RECV (or LOAD) in ``step``."""
+    def deliver(self, exe_id: int, step: int, keys: Sequence, refs: list) -> None:
+        """Called by a peer: the object ref of a parcel holding the buffers ``keys`` (in order), which this
+        worker will RECV (or LOAD) in ``step``."""
+        parcel = _Parcel(refs[0])
         with self._cond:
-            self._mailbox[(exe_id, step, key)] = refs
+            for i, key in enumerate(keys):
+                self._mailbox[(exe_id, step, key)] = (parcel, i)
             self._cond.notify_all()
 
     def abort(self, exe_id: int, step: int) -> None:
@@ -177,14 +180,13 @@ class MeshWorker:
             self._cond.notify_all()
 
     def _wait_for(self, exe_id: int, step: int, key) -> Any:
-        import ray
         with self._cond:
             while (exe_id, step, key) not in self._mailbox:
                 if (exe_id, step) in self._aborted:
                     raise StepAborted(f"step {step} aborted by the driver while waiting for {key}")
                 self._cond.wait(RECV_POLL_SECONDS)
-            refs = self._mailbox.pop((exe_id, step, key))
-        return ray.get(refs[0])
+            parcel, i = self._mailbox.pop((exe_id, step, key))
+        return parcel.items()[i]
 
     # ----------------------------------------------------------------------------------------- one step
 
@@ -210,6 +212,7 @@ class MeshWorker:
         try:
             for h, dst, v in handle_sends:
                 run.send_input(self._store[h], dst, v)
+            run.flush()
             run.execute(inputs)
             outputs = [run.buffers[key] for _, key in loaded.program.outputs]
             jax.block_until_ready(outputs)
@@ -224,7 +227,20 @@ class MeshWorker:
                 self._aborted.discard((exe_id, step))
         self._store.update(zip(out_handles, outputs, strict=True))
         return {"mesh": loaded.program.mesh, "seconds": time.perf_counter() - start,
-                "bytes_sent": run.bytes_sent, "instructions": run.count}
+                "bytes_sent": run.bytes_sent, "input_bytes_sent": run.input_bytes_sent, "instructions": run.count}
+
+
+class _Parcel:
+    """The buffers one peer sent in one message: fetched from the object store on first use."""
+
+    def __init__(self, ref):
+        self.ref, self._items = ref, None
+
+    def items(self) -> list:
+        if self._items is None:
+            import ray
+            self._items = ray.get(self.ref)
+        return self._items
 
 
 class _LoadedProgram:
@@ -284,7 +300,11 @@ class _StepRun:
         self.accumulators: dict[ValueId, Any] = {}
         self.micro: dict[ValueId, Any] = {}
         self.sends: list[concurrent.futures.Future] = []
+        self.outbox: dict[int, list] = {}  # receiving mesh -> [(key, array, dst spec)] not yet sent
         self.bytes_sent = 0
+        """Cross-mesh bytes of the RECVs this mesh serves (the local backend's ``bytes_moved``)."""
+        self.input_bytes_sent = 0
+        """Cross-mesh bytes of stored step inputs (handles) sent to the meshes that LOAD them."""
         self.index, self.current, self.count = -1, "(before the first instruction)", 0
 
     # ---------------------------------------------------------------------------------------- the program
@@ -293,6 +313,7 @@ class _StepRun:
         instructions = self.program.instructions
         i = 0
         while i < len(instructions):
+            self.flush()
             ins = instructions[i]
             self._enter(i, ins)
             i += 1
@@ -323,6 +344,7 @@ class _StepRun:
             else:
                 raise AssertionError(f"unexpected instruction {ins}")
             self.count += 1
+        self.flush()
 
     def _enter(self, index: int, ins: Instruction) -> None:
         self.index, self.current = index, str(ins)
@@ -340,8 +362,10 @@ class _StepRun:
             raise RuntimeError("fault injected by set_fault")
 
     def _wrote(self, key: Key) -> None:
+        from alpa_like.runtime.pipeshard_runtime import activation_spec
         for dst in self.program.sends.get(key, ()):
-            self._send(self.buffers[key], dst, key, activation=True)
+            x = self.buffers[key]
+            self.outbox.setdefault(dst, []).append((key, x, activation_spec(x.shape, self.program.meshes[dst].logical_shape)))
 
     def _run(self, ins: Instruction, accs: list[Instruction]) -> None:
         piece = self.program.pieces[(ins.stage, ins.phase)]
@@ -410,19 +434,25 @@ class _StepRun:
     # ------------------------------------------------------------------------------------ transfers
 
     def send_input(self, x, dst: int, v: ValueId) -> None:
-        """Sends a stored array to mesh ``dst``, which LOADs it as input ``v``."""
+        """Queues a stored array for mesh ``dst``, which LOADs it as input ``v`` (sent by ``flush``)."""
         spec = load_spec(self.program.input_specs, v, x.shape, self.program.meshes[dst].logical_shape)
-        self._send(x, dst, ("input", v), spec=spec)
+        self.outbox.setdefault(dst, []).append((("input", v), x, spec))
 
-    def _send(self, x, dst: int, key, *, activation: bool = False, spec: ShardingSpec | None = None) -> None:
-        from alpa_like.runtime.pipeshard_runtime import activation_spec
-        if activation:
-            spec = activation_spec(x.shape, self.program.meshes[dst].logical_shape)
-        self.sends.append(self.worker._sender.submit(self._send_now, x, dst, key, spec))
+    def flush(self) -> None:
+        """Sends what the last instruction queued: one parcel (one object, one actor call) per receiver."""
+        for dst, items in self.outbox.items():
+            self.sends.append(self.worker._sender.submit(self._send_now, dst, items))
+        self.outbox = {}
 
-    def _send_now(self, x, dst: int, key, dst_spec: ShardingSpec) -> None:
-        import jax
+    def _send_now(self, dst: int, items: list) -> None:
         import ray
+        parcel = [self._pieces(x, dst, spec, is_input=key[0] == "input") for key, x, spec in items]
+        ref = ray.put(parcel)
+        self.loaded.peers[dst].deliver.remote(self.exe_id, self.step, [key for key, _, _ in items], [ref])
+
+    def _pieces(self, x, dst: int, dst_spec: ShardingSpec, is_input: bool) -> dict:
+        """One buffer cut into the pieces its resharding plan sends to mesh ``dst``."""
+        import jax
         from alpa_like.runtime.resharding import pieces_to_send
         src_spec = _spec_of(x, self.loaded)
         plan = self.loaded.plan(x.shape, x.dtype, self.program.mesh, src_spec, dst, dst_spec)
@@ -430,12 +460,12 @@ class _StepRun:
         if not x.sharding.is_equivalent_to(target, x.ndim):
             x = jax.device_put(x, target)
         src_data = {self.loaded.global_id[s.device.id]: np.asarray(s.data) for s in x.addressable_shards}
-        pieces = pieces_to_send(plan, src_data)
-        payload = {"shape": tuple(x.shape), "dtype": str(x.dtype), "src_mesh": self.program.mesh,
-                   "src_spec": src_spec, "dst_spec": dst_spec, "pieces": pieces}
-        self.bytes_sent += plan.cross_mesh_bytes
-        ref = ray.put(payload)
-        self.loaded.peers[dst].deliver.remote(self.exe_id, self.step, key, [ref])
+        if is_input:
+            self.input_bytes_sent += plan.cross_mesh_bytes
+        else:
+            self.bytes_sent += plan.cross_mesh_bytes
+        return {"shape": tuple(x.shape), "dtype": str(x.dtype), "src_mesh": self.program.mesh,
+                "src_spec": src_spec, "dst_spec": dst_spec, "pieces": pieces_to_send(plan, src_data)}
 
     def _receive(self, key):
         import jax

@@ -6,10 +6,13 @@ backend runs them in this process on 4 virtual CPU devices; the Ray backend on t
 mesh, 2 virtual CPU devices each) of a local Ray started by this script. Side by side, in one run:
 
 * step: median wall time of a step, each step waited for (the local backend's outputs are blocked on, the Ray
-  backend returns when every worker has finished), state passed from step to step (handles on Ray);
+  backend returns when every worker has finished), state passed from step to step (handles on Ray); the
+  two backends take turns step by step, so the shared machine's load hits both alike;
 * driver calls: remote calls per step on Ray (one per worker); on the local backend, the instructions the
   driver walks (each a dispatch);
-* between meshes: bytes the resharding plans move across meshes per step (worker to worker on Ray);
+* between meshes: bytes the resharding plans of the RECVs move across meshes per step (worker to worker on
+  Ray); inputs moved: on Ray, bytes of step inputs held on one worker and sent to another that loads them
+  (the local backend's device_put of the same values is not counted by it);
 * driver sent / received: on Ray, bytes the driver sent (the batch and call arguments) and received.
 
     python examples/benchmarks/ray_backend.py --out results/ray_backend.json
@@ -36,17 +39,22 @@ from alpa_like.models import gpt  # noqa: E402
 NUM_DEVICES = 4
 
 
-def timed_steps(f, state, batches, wait):
-    """Runs one warm-up step (compiles), then a step per batch; returns the per-step seconds."""
-    state, loss = f(state, batches[0])
-    wait((state, loss))
-    times = []
+def alternate_steps(runs, state, batches):
+    """Warms every (step function, wait) pair up (compiles), then runs them in turn on each batch, so the
+    machine's load (shared cores) hits both alike. Returns per run the step seconds and the last loss."""
+    states, times, losses = [], [[] for _ in runs], [None] * len(runs)
+    for f, wait in runs:
+        new_state, loss = f(state, batches[0])
+        wait((new_state, loss))
+        states.append(new_state)
     for batch in batches[1:]:
-        start = time.perf_counter()
-        state, loss = f(state, batch)
-        wait((state, loss))
-        times.append(time.perf_counter() - start)
-    return times, float(loss)
+        for k, (f, wait) in enumerate(runs):
+            start = time.perf_counter()
+            states[k], loss = f(states[k], batch)
+            wait((states[k], loss))
+            times[k].append(time.perf_counter() - start)
+            losses[k] = float(loss)
+    return times, losses
 
 
 def main():
@@ -79,35 +87,34 @@ def main():
 
     al.init("local", devices=jax.devices()[:NUM_DEVICES])
     local = al.parallelize(train_step, method=method)
-    local_times, local_loss = timed_steps(local, state, batches, jax.block_until_ready)
-    local_exe = local.get_executable(state, batches[0])
-    local_stats = local_exe.last_step
-
+    local_exe = local.get_executable(state, batches[0])  # keeps running after the backend switch below
     al.init(cluster="ray", num_nodes=1, num_devices_per_node=NUM_DEVICES)
     ray_f = al.parallelize(train_step, method=method)
-    ray_times, ray_loss = timed_steps(ray_f, state, batches, lambda _: None)
     ray_exe = ray_f.get_executable(state, batches[0])
-    ray_stats = ray_exe.last_step
+    (local_times, ray_times), (local_loss, ray_loss) = alternate_steps(
+        [(local_exe, jax.block_until_ready), (ray_exe, lambda _: None)], state, batches)
+    local_stats, ray_stats = local_exe.last_step, ray_exe.last_step
     al.shutdown()
 
     rows = [
         {"backend": "local", "step_ms": statistics.median(local_times) * 1e3, "driver_calls": local_stats.instructions,
-         "bytes_between_meshes": local_stats.bytes_moved, "driver_sent_bytes": None, "driver_received_bytes": None,
+         "bytes_between_meshes": local_stats.bytes_moved, "inputs_moved_bytes": None, "driver_sent_bytes": None, "driver_received_bytes": None,
          "final_loss": local_loss},
         {"backend": "ray", "step_ms": statistics.median(ray_times) * 1e3, "driver_calls": ray_stats.driver_calls,
-         "bytes_between_meshes": ray_stats.worker_bytes, "driver_sent_bytes": ray_stats.driver_sent_bytes,
+         "bytes_between_meshes": ray_stats.worker_bytes, "inputs_moved_bytes": ray_stats.input_bytes,
+         "driver_sent_bytes": ray_stats.driver_sent_bytes,
          "driver_received_bytes": ray_stats.driver_received_bytes, "final_loss": ray_loss},
     ]
     ratio = rows[1]["step_ms"] / rows[0]["step_ms"]
     print(f"{args.model}, batch {args.batch_size}, {args.micro_batches} micro-batches, 1F1B, meshes (1,2)+(1,2); "
           f"median of {args.steps} steps")
-    print(f"{'backend':8} {'step ms':>9} {'driver calls':>13} {'B between meshes':>17} {'driver sent B':>14} "
-          f"{'driver recv B':>14} {'final loss':>11}")
+    print(f"{'backend':8} {'step ms':>9} {'driver calls':>13} {'B between meshes':>17} {'inputs moved B':>15} "
+          f"{'driver sent B':>14} {'driver recv B':>14} {'final loss':>11}")
     for r in rows:
-        sent = "-" if r["driver_sent_bytes"] is None else r["driver_sent_bytes"]
-        recv = "-" if r["driver_received_bytes"] is None else r["driver_received_bytes"]
+        moved, sent, recv = ("-" if r[k] is None else r[k]
+                             for k in ("inputs_moved_bytes", "driver_sent_bytes", "driver_received_bytes"))
         print(f"{r['backend']:8} {r['step_ms']:9.1f} {r['driver_calls']:13d} {r['bytes_between_meshes']:17d} "
-              f"{sent:>14} {recv:>14} {r['final_loss']:11.5f}")
+              f"{moved:>15} {sent:>14} {recv:>14} {r['final_loss']:11.5f}")
     print(f"Ray / local step time: {ratio:.2f}x (target <= 1.5x)")
     write_results(args.out, rows + [{"ray_over_local": ratio, "model": args.model, "batch_size": args.batch_size,
                                      "micro_batches": args.micro_batches, "steps": args.steps}])
