@@ -151,6 +151,7 @@ class ParallelizedFunc:
 
     def get_executable(self, *args) -> Executable:
         """The compiled executable for these arguments (compiled now if this signature is new)."""
+        backend_devices()  # initialises the default backend first: the key names its generation
         key = (_generation, _signature(self.fun, args, self.static_argnums))
         exe = self._cache.get(key)
         if exe is None:
