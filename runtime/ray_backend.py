@@ -315,11 +315,15 @@ class RayCluster:
             ray.shutdown()
 
 
-def export_piece(piece) -> bytes:
-    """A stage piece as serialised ``jax.export`` StableHLO, exported for one device (the worker's jit
-    partitions it over its mesh)."""
+EXPORT_PLATFORMS = {"cpu": ("cpu",), "gpu": ("cuda",)}
+
+
+def export_piece(piece, platform: str = "cpu") -> bytes:
+    """A stage piece as serialised ``jax.export`` StableHLO for ``platform``'s workers, exported for one
+    device (the worker's jit partitions it over its mesh)."""
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in piece.jaxpr.in_avals]
-    return bytes(jax.export.export(jax.jit(_piece_fn(piece)))(*avals).serialize())
+    exported = jax.export.export(jax.jit(_piece_fn(piece)), platforms=EXPORT_PLATFORMS[platform])(*avals)
+    return bytes(exported.serialize())
 
 
 def worker_programs(program: StageProgram, programs: MeshPrograms, meshes: Sequence[MeshInfo],
@@ -386,7 +390,7 @@ class RayPipeshardExecutable:
         self.workers = cluster.acquire([(n, len(info.flat_ids)) for n, info in zip(nodes, self.meshes)])
         self._mesh_of_actor = {_actor_id(a): k for k, a in enumerate(self.workers)}
         self.exe_id = cluster.new_executable_id()
-        shipped = {key: export_piece(piece) for key, piece in program.pieces.items()}
+        shipped = {key: export_piece(piece, cluster.platform) for key, piece in program.pieces.items()}
         self.worker_programs = worker_programs(program, programs, self.meshes, input_specs, shipped,
                                                self.num_micro_batches)
         self.shipped_bytes = sum(len(pickle.dumps(p)) for p in self.worker_programs)

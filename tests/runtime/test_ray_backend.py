@@ -14,7 +14,8 @@ import pytest
 import alpa_like as al
 from alpa_like.pipeshard import compile_pipeshard
 from alpa_like.runtime.instructions import Op
-from alpa_like.runtime.ray_backend import RayStepError, RemoteArray
+from alpa_like.runtime.ray_backend import RayStepError, RemoteArray, held_at_end, worker_programs
+from alpa_like.runtime.ray_worker import MeshInfo
 from tests.helpers import assert_trees_close, reference_on_one_device, run_steps
 from tests.runtime.test_pipeshard_runtime import gpt_case, mlp_case, stages, train_step_for
 
@@ -190,3 +191,30 @@ def test_a_worker_killed_mid_step_is_a_named_error_within_30_s(ray_session, cach
     _, loss = f(state, batches[0])
     assert np.isfinite(float(loss))
     al.shutdown()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_worker_programs_project_the_global_program(schedule):
+    """Without Ray: each worker gets its mesh's instructions and pieces, sends every buffer another mesh
+    RECVs, and holds every step output at least once."""
+    loss_fn, state, batches = mlp_case()
+    method = method_for("3_meshes", schedule, num_micro_batches=4, manual=True)
+    exe = compile_pipeshard(method, train_step_for(loss_fn), (state, batches[0]), static_argnums=(),
+                            batch_argnums=(1,), devices=jax.devices()[:NUM_DEVICES])
+    meshes = [MeshInfo(logical_shape=s.logical_mesh_shape, device_ids=(tuple(s.device_ids),)) for s in exe.plan.stages]
+    shipped = {key: b"" for key in exe.program.pieces}
+    programs = worker_programs(exe.program, exe.programs, meshes, {}, shipped, 4)
+    recvs = {(i.src_mesh, i.key, i.mesh) for i in exe.programs.instructions if i.op is Op.RECV}
+    assert recvs and recvs == {(p.mesh, key, dst) for p in programs for key, dsts in p.sends.items() for dst in dsts}
+    for k, p in enumerate(programs):
+        assert p.instructions == exe.programs.program(k)
+        assert {stage for stage, _ in p.pieces} == {k}
+    held = [{key for _, key in p.outputs} for p in programs]
+    for out in exe.programs.outputs:
+        if out is not None:
+            assert out[0] in held[out[1]]
+    # A buffer a mesh received and never freed is held there too (a replica of the output).
+    for k in range(len(programs)):
+        received = {i.key for i in exe.programs.program(k) if i.op is Op.RECV}
+        freed = {i.key for i in exe.programs.program(k) if i.op is Op.FREE}
+        assert received - freed <= held_at_end(exe.program, exe.programs.program(k))
