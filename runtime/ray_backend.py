@@ -52,6 +52,11 @@ ABORT_GRACE_SECONDS = 5.0
 FREE_BATCH = 256
 
 
+_CONSEQUENCES = {"StepAborted", "OwnerDiedError", "ObjectLostError", "ObjectFetchTimedOutError",
+                 "ReferenceCountingAssertionError", "RayActorError", "ActorDiedError"}
+"""Error types a worker sees when a peer failed first."""
+
+
 class RayStepError(RuntimeError):
     """A step failed on the Ray backend (the message names the mesh and the instruction)."""
 
@@ -514,11 +519,34 @@ class RayPipeshardExecutable:
                 try:
                     results[mesh] = ray.get(ref)
                 except Exception as e:  # noqa: BLE001  (classified below)
-                    self._fail(step, self._describe_failure(mesh, e, step, what))
+                    self._fail(step, self._root_cause(mesh, e, pending, step, what))
             if pending and deadline is not None and time.monotonic() > deadline:
                 where = "; ".join(f"mesh {k}: {self._where(self.workers[k])}" for k in sorted(pending.values()))
                 self._fail(step, f"{what} did not finish within {timeout:.0f} s ({where})")
         return results
+
+    def _root_cause(self, mesh: int, error: Exception, pending: dict, step: int | None, what: str) -> str:
+        """The message of the failure that caused the others: a worker's error can be a consequence of a
+        peer's death (its parcel is lost), so the other workers get a moment to report, and a dead worker,
+        then an error of the worker's own, win over transfer errors."""
+        import ray
+        errors = [(mesh, error)]
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=1.0)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001
+                errors.append((pending[ref], e))
+
+        def rank(item):
+            e = item[1]
+            if isinstance(e, ray.exceptions.RayActorError):
+                return 0
+            cause = getattr(e, "cause", None)
+            consequence = isinstance(cause, WorkerStepError) and cause.cause.split(":")[0] in _CONSEQUENCES
+            return 2 if consequence else 1
+        mesh, error = min(errors, key=rank)
+        return self._describe_failure(mesh, error, step, what)
 
     def _describe_failure(self, mesh: int, error: Exception, step: int | None, what: str) -> str:
         import ray
