@@ -240,7 +240,6 @@ class RayCluster:
                        JAX_PLATFORMS="cpu")
         else:  # Ray sets CUDA_VISIBLE_DEVICES to the GPUs it assigns.
             options["num_gpus"] = size
-        env.update({k: v for k, v in os.environ.items() if k.startswith("ALPA_LIKE_")})
         options["runtime_env"] = {"env_vars": env}
         if len(self.ray_nodes) > 1:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
