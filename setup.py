@@ -25,6 +25,7 @@ setup(
         "pulp>=3.0,<4",
         "numpy>=1.26,<3",
         "ray>=2.40,<3",
+        "flatbuffers>=24",  # jax.export serialisation (the Ray backend ships stage programs with it)
         "rich>=13,<16",
         "tqdm>=4.66,<5",
         "matplotlib>=3.8,<4",

@@ -29,28 +29,46 @@ SPMD_METHODS = (DataParallel, Zero2Parallel, Zero3Parallel, ManualShardParallel,
 class _Backend:
     kind: str
     devices: tuple[Any, ...]
+    ray: Any = None
+    """For ``"ray"``: the :class:`~alpa_like.runtime.ray_backend.RayCluster`."""
 
 
 _backend: _Backend | None = None
+_generation = 0
+"""Counts init() calls: executables compiled for an earlier backend are not reused."""
 
 
 def init(cluster: str = "local", *, devices: Sequence[Any] | None = None, address: str | None = None,
-         num_nodes: int | None = None, num_devices_per_node: int | None = None) -> None:
+         num_nodes: int | None = None, num_devices_per_node: int | None = None, **ray_options) -> None:
     """Chooses where parallelized functions run.
 
     Args:
       cluster: ``"local"`` (default): the devices of this process, each stage on a disjoint set of them.
-        ``"ray"``: a Ray cluster (see the README for its status).
+        ``"ray"``: a Ray cluster, one worker actor per pipeline mesh (PipeshardParallel steps only).
       devices: for ``"local"``, the devices to use (default: all of ``jax.devices()``).
-      address, num_nodes, num_devices_per_node: for ``"ray"``.
+      address: for ``"ray"``: ``None`` uses the Ray this process is connected to, or starts a local one;
+        ``"host:port"`` (or ``"auto"``) connects to a running cluster.
+      num_nodes, num_devices_per_node: for ``"ray"``: the cluster plans are made for (default: the Ray
+        cluster's node count when ``address`` is given, else 1; ``len(jax.devices())``).
+      ray_options: for ``"ray"``: ``platform`` ("cpu" | "gpu"), ``step_timeout`` (seconds, default 600),
+        ``startup_timeout`` (seconds, default 180), ``compilation_cache_dir`` (JAX's persistent compilation
+        cache for the workers); see :class:`~alpa_like.runtime.ray_backend.RayCluster`.
     """
-    global _backend
+    global _backend, _generation
     if cluster not in CLUSTER_KINDS:
         raise ValueError(f"al.init: cluster must be one of {CLUSTER_KINDS}, got {cluster!r}")
+    if cluster == "local" and (address is not None or num_nodes is not None or num_devices_per_node is not None
+                               or ray_options):
+        raise ValueError("al.init: address, num_nodes, num_devices_per_node and Ray options need cluster='ray'")
+    shutdown()
+    _generation += 1
     if cluster == "ray":
-        del address, num_nodes, num_devices_per_node
-        raise NotImplementedError("al.init(cluster='ray'): the Ray backend is not built yet; use "
-                                  "al.init('local') (the default)")
+        from alpa_like.runtime.ray_backend import RayCluster
+        if devices is not None:
+            raise ValueError("al.init(cluster='ray'): devices is for cluster='local' (Ray workers own theirs)")
+        _backend = _Backend(kind=cluster, devices=(), ray=RayCluster(
+            address=address, num_nodes=num_nodes, num_devices_per_node=num_devices_per_node, **ray_options))
+        return
     devices = tuple(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("al.init: devices must not be empty")
@@ -58,8 +76,11 @@ def init(cluster: str = "local", *, devices: Sequence[Any] | None = None, addres
 
 
 def shutdown() -> None:
-    """Forgets the backend; the next parallelized call (or ``init``) starts a new one."""
+    """Forgets the backend (for Ray: kills every worker actor it made); the next parallelized call (or
+    ``init``) starts a new one."""
     global _backend
+    if _backend is not None and _backend.ray is not None:
+        _backend.ray.shutdown()
     _backend = None
 
 
@@ -130,7 +151,8 @@ class ParallelizedFunc:
 
     def get_executable(self, *args) -> Executable:
         """The compiled executable for these arguments (compiled now if this signature is new)."""
-        key = _signature(self.fun, args, self.static_argnums)
+        backend_devices()  # initialises the default backend first: the key names its generation
+        key = (_generation, _signature(self.fun, args, self.static_argnums))
         exe = self._cache.get(key)
         if exe is None:
             exe = self._compile(args)
@@ -153,6 +175,8 @@ class ParallelizedFunc:
             if i >= len(args):
                 raise ValueError(f"donate_argnums contains {i}, but the step has {len(args)} arguments")
         devices = backend_devices()
+        if _backend.ray is not None:
+            return self._compile_ray(args)
         if isinstance(self.method, PipeshardParallel):
             return compile_pipeshard(self.method, self.fun, args, static_argnums=self.static_argnums,
                                      batch_argnums=self.batch_argnums, devices=devices)
@@ -165,6 +189,16 @@ class ParallelizedFunc:
         plan = spmd_plan(self.method, traced, layout, cluster,
                          device_ids=[d.id for d in devices], out_specs=compiled.out_specs)
         return SpmdExecutable(traced=traced, plan=plan, compiled=compiled)
+
+    def _compile_ray(self, args):
+        from alpa_like.runtime.ray_backend import RayPipeshardExecutable
+        if not isinstance(self.method, PipeshardParallel):
+            raise NotImplementedError(f"al.init(cluster='ray') runs PipeshardParallel steps; got "
+                                      f"{type(self.method).__name__} (use al.init('local') for SPMD methods)")
+        cluster = _backend.ray
+        return compile_pipeshard(self.method, self.fun, args, static_argnums=self.static_argnums,
+                                 batch_argnums=self.batch_argnums, devices=None, cluster=cluster.spec(),
+                                 make_executable=functools.partial(RayPipeshardExecutable, cluster=cluster))
 
 
 def parallelize(fun: Callable | None = None, *, method: Any = None, static_argnums: int | Sequence[int] = (),
@@ -203,7 +237,8 @@ def plan(fun: Callable, *args, method: Any = None, cluster: ClusterSpec | None =
         fun = fun.fun
     method = _check_method(method)
     if cluster is None:
-        cluster = ClusterSpec.local(backend_devices())
+        cluster = (_backend.ray.spec() if _backend is not None and _backend.ray is not None
+                   else ClusterSpec.local(backend_devices()))
     if not isinstance(cluster, ClusterSpec):
         raise TypeError(f"cluster must be an al.ClusterSpec, got {type(cluster).__name__}")
     if isinstance(method, PipeshardParallel):

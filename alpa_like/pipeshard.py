@@ -396,14 +396,16 @@ def _stage_plan(q: int, choice: StageChoice, device_ids, traced: TracedStep, sum
 
 
 def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[Any], *, static_argnums: Sequence[int],
-                      batch_argnums: Sequence[int], devices: Sequence[Any]):
-    """Plans ``fun(*args)`` on ``devices`` and builds the local MPMD executable that runs the plan."""
+                      batch_argnums: Sequence[int], devices: Sequence[Any] | None, cluster: ClusterSpec | None = None,
+                      make_executable: Callable = PipeshardExecutable):
+    """Plans ``fun(*args)`` on ``devices`` (or ``cluster``) and builds the executable that runs the plan:
+    the local MPMD backend's by default, another backend's through ``make_executable`` (same arguments)."""
     if method.pipeline_schedule == "terapipe":
         raise NotImplementedError("pipeline_schedule='terapipe' can be planned but not run yet")
     progress = _Progress(method.stage_option.show_progress)
     progress.step("step 1/4: tracing the step and cutting it into layers")
     sliced = slice_step(method, fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums)
-    plan = plan_sliced(method, sliced, ClusterSpec.local(devices), progress)
+    plan = plan_sliced(method, sliced, cluster or ClusterSpec.local(devices), progress)
     stage_layers, stage_to_mesh = [s.layer_ids for s in plan.stages], list(range(len(plan.stages)))
     if method.virtual_stages > 1:
         plan, stage_layers, stage_to_mesh = _loop_layers(plan, len(sliced.summaries), method.virtual_stages)
@@ -415,8 +417,8 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
     path_to_input = {leaf.path: program.step_inputs[k] for k, leaf in enumerate(sliced.traced.in_leaves)}
     input_specs = {path_to_input[t.path]: t.spec for s in plan.stages for t in s.inputs
                    if t.spec is not None and t.path in path_to_input}
-    return PipeshardExecutable(traced=sliced.traced, plan=plan, program=program, programs=programs,
-                               devices=devices, input_specs=input_specs)
+    return make_executable(traced=sliced.traced, plan=plan, program=program, programs=programs,
+                           devices=devices, input_specs=input_specs)
 
 
 def _loop_layers(plan: ParallelPlan, num_layers: int, virtual_stages: int):

@@ -85,6 +85,8 @@ def leaf_aval(leaf: Any, path: str) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
     if isinstance(leaf, (jax.Array, np.ndarray)):
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+    if isinstance(getattr(leaf, "aval", None), jax.ShapeDtypeStruct):  # e.g. a Ray backend RemoteArray
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
     if isinstance(leaf, _SCALAR_TYPES):
         arr = np.asarray(leaf)
         dtype = jax.dtypes.canonicalize_dtype(arr.dtype)

@@ -3,6 +3,7 @@
     python examples/gpt_train.py                       # DataParallel on 8 CPU devices
     python examples/gpt_train.py --method zero3 --micro-batches 2
     python examples/gpt_train.py --method megatron     # hand-written Megatron specs on a 2x4 mesh
+    python examples/gpt_train.py --cluster ray --method pipeshard --stages 2   # on a local Ray, one actor per mesh
 
 Prints the plan, the loss of every step and the step time.
 """
@@ -89,8 +90,11 @@ def main():
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--micro-batches", type=int, default=1)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--cluster", default="local", choices=("local", "ray"))
+    parser.add_argument("--cluster", default="local", choices=("local", "ray"),
+                        help="ray: a local Ray (or RAY_ADDRESS's cluster), one worker actor per pipeline mesh")
     args = parser.parse_args()
+    if args.cluster == "ray" and args.method != "pipeshard":
+        parser.error("--cluster ray runs pipeline plans: add --method pipeshard")
 
     al.init(args.cluster)
     config = models.get_config(args.model)

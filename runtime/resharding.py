@@ -13,7 +13,9 @@ Planning is plain data (:func:`plan_resharding`):
    destination tile, once.
 
 :func:`reshard` executes a plan on local devices: every piece is sliced on its source device and copied to
-its destination device; tiles are assembled on the device; the result is a ``jax.Array`` on mesh Y.
+its destination device; tiles are assembled on the device; the result is a ``jax.Array`` on mesh Y. The two
+halves, :func:`pieces_to_send` and :func:`assemble_received`, also serve the Ray backend, where sender and
+receiver are different processes.
 """
 from __future__ import annotations
 
@@ -166,24 +168,42 @@ def reshard(x: jax.Array, plan: ReshardingPlan, dst_sharding: jax.sharding.Named
     """Executes ``plan`` on local devices: returns ``x`` laid out as ``plan.dst`` (``dst_sharding``)."""
     devices = {d.id: d for d in jax.devices()}
     src_data = {s.device.id: s.data for s in x.addressable_shards}
-    src_tiles, dst_tiles = plan.src.tiles(plan.shape), plan.dst.tiles(plan.shape)
-    received: dict[int, list[tuple[Box, jax.Array]]] = {}
+    received = {dst: [(box, jax.device_put(piece, devices[dst])) for box, piece in pieces]
+                for dst, pieces in pieces_to_send(plan, src_data).items()}
+    order = [d.id for d in dst_sharding.mesh.devices.flat]
+    return assemble_received(plan, received, x.dtype, devices, order, dst_sharding)
+
+
+def pieces_to_send(plan: ReshardingPlan, src_data) -> dict[int, list[tuple[Box, object]]]:
+    """Step 2 of the plan on the sending side: per destination device id, the (box, data) pieces cut from
+    the source tiles ``src_data`` (source device id -> its tile, a jax or numpy array)."""
+    src_tiles = plan.src.tiles(plan.shape)
+    out: dict[int, list[tuple[Box, object]]] = {}
     for t in plan.transfers:
         whole = t.box == src_tiles[t.src]
         piece = src_data[t.src] if whole else src_data[t.src][_local(t.box, src_tiles[t.src])]
-        received.setdefault(t.dst, []).append((t.box, jax.device_put(piece, devices[t.dst])))
+        out.setdefault(t.dst, []).append((t.box, piece))
+    return out
+
+
+def assemble_received(plan: ReshardingPlan, received: dict[int, list[tuple[Box, jax.Array]]], dtype,
+                      devices: dict, order: Sequence[int], dst_sharding: jax.sharding.Sharding) -> jax.Array:
+    """Step 3 of the plan on the receiving side: assembles each destination tile from the pieces its device
+    received (already on that device), runs the local all-gathers, and returns the array laid out as
+    ``dst_sharding``. ``devices`` maps the plan's device ids to devices; ``order`` lists the plan's device
+    ids of ``dst_sharding``'s mesh in its flat order."""
+    dst_tiles = plan.dst.tiles(plan.shape)
     gather_of = {d: g for g in plan.all_gathers for d in g.devices}
     tiles: dict[int, jax.Array] = {}
     for device, box in dst_tiles.items():
         if device in gather_of:
             continue
-        tiles[device] = _assemble(box, received.get(device, []), x.dtype, devices[device])
+        tiles[device] = _assemble(box, received.get(device, []), dtype, devices[device])
     for g in plan.all_gathers:
-        slices = {d: _assemble(s, received.get(d, []), x.dtype, devices[d]) for d, s in zip(g.devices, g.slices)}
+        slices = {d: _assemble(s, received.get(d, []), dtype, devices[d]) for d, s in zip(g.devices, g.slices)}
         for d in g.devices:
             parts = [(s, jax.device_put(slices[o], devices[d])) for o, s in zip(g.devices, g.slices)]
-            tiles[d] = _assemble(g.tile, parts, x.dtype, devices[d])
-    order = [d.id for d in dst_sharding.mesh.devices.flat]
+            tiles[d] = _assemble(g.tile, parts, dtype, devices[d])
     return jax.make_array_from_single_device_arrays(plan.shape, dst_sharding, [tiles[d] for d in order])
 
 

@@ -15,3 +15,13 @@ jax.config.update("jax_default_matmul_precision", "highest")
 @pytest.fixture(scope="session", autouse=True)
 def _eight_devices():
     assert len(jax.devices()) == 8, "tests need 8 virtual CPU devices (XLA_FLAGS)"
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One small local Ray for the whole test session (tests marked ``ray`` use it)."""
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()

@@ -1,0 +1,596 @@
+"""The Ray backend of the MPMD runtime: the driver side.
+
+``al.init(cluster="ray")`` makes a :class:`RayCluster`. Compiling a pipeline step plans it for the cluster's
+``num_nodes x num_devices_per_node`` devices exactly as the local backend does (same stage program, schedule,
+static instruction programs, resharding plans), then builds a :class:`RayPipeshardExecutable`:
+
+* one :class:`~alpa_like.runtime.ray_worker.MeshWorker` actor per mesh host (a mesh of the plan lives on one
+  node; actors are pooled per (node, device count) and reused by later executables of the same cluster). On
+  CPU each actor gets its own ``--xla_force_host_platform_device_count`` through its ``runtime_env``, set
+  before it imports jax. On GPU (``platform="gpu"``) an actor asks Ray for ``num_gpus`` devices and uses the
+  GPUs Ray assigns (``CUDA_VISIBLE_DEVICES``); that path cannot run on this machine and is untested.
+* Stage programs ship once: every stage piece is exported on the driver with ``jax.export`` (StableHLO,
+  exported for one device) and serialised; the worker deserialises it and calls it under ``jax.jit`` on its
+  mesh, where GSPMD partitions it from the input layouts, as the local backend's ``jax.jit`` of the same
+  piece does. Export carries everything a piece needs here (no host callbacks, no custom partitioning), so
+  the jaxpr is not shipped.
+* A step is one ``run_step`` call per worker. Tensors move worker to worker through the Ray object store
+  (see :mod:`alpa_like.runtime.ray_worker`); the driver sends only the batch (and step inputs that are
+  still driver arrays, e.g. the first step's state) and receives small reports.
+* Step outputs stay on the workers as :class:`RemoteArray` handles.
+
+Faults: the driver waits on the workers' object refs with ``ray.wait`` timeouts; a worker that raises or dies
+becomes a :class:`RayStepError` naming the mesh and the instruction; the other workers are aborted, so the
+call never hangs. The executable is then unusable: ``al.shutdown()`` and ``al.init(...)`` start afresh.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import pickle
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from alpa_like.cluster import ClusterSpec
+from alpa_like.compiler.sharding_spec import ShardingSpec
+from alpa_like.compiler.stage_construction import StageProgram
+from alpa_like.runtime.instructions import MeshPrograms, Op
+from alpa_like.runtime.pipeshard_runtime import _piece_fn
+from alpa_like.runtime.ray_worker import MeshInfo, MeshWorker, ShippedPiece, WorkerProgram, WorkerStepError
+
+PLATFORMS = ("cpu", "gpu")
+POLL_SECONDS = 0.5
+ABORT_GRACE_SECONDS = 5.0
+FREE_BATCH = 256
+
+
+_CONSEQUENCES = {"StepAborted", "OwnerDiedError", "ObjectLostError", "ObjectFetchTimedOutError",
+                 "ReferenceCountingAssertionError", "RayActorError", "ActorDiedError"}
+"""Error types a worker sees when a peer failed first."""
+
+
+class RayStepError(RuntimeError):
+    """A step failed on the Ray backend (the message names the mesh and the instruction)."""
+
+
+@dataclasses.dataclass
+class RayStepStats:
+    """What the last step cost, measured on the driver."""
+
+    seconds: float = 0.0
+    driver_calls: int = 0
+    """Remote calls the driver made for the step (one ``run_step`` per worker)."""
+    driver_sent_bytes: int = 0
+    """Bytes the driver sent: pickled call arguments plus arrays it put in the object store."""
+    driver_received_bytes: int = 0
+    """Bytes the driver received: the pickled worker reports."""
+    driver_received_types: tuple[str, ...] = ()
+    """Type names of every value inside the received reports (no arrays: outputs stay on the workers)."""
+    worker_bytes: int = 0
+    """Bytes the RECVs moved between workers (the resharding plans' cross-mesh bytes; the local backend's
+    ``bytes_moved``)."""
+    input_bytes: int = 0
+    """Bytes of step inputs held as handles on one worker and sent to another that loads them."""
+    inputs_by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Step inputs sent as ``ref`` (a driver array), ``handle`` (already on the loading worker) or ``peer``
+    (sent by the worker holding it)."""
+    worker_seconds: tuple[float, ...] = ()
+
+
+class RemoteArray:
+    """A step output that lives on a Ray worker: shape and dtype here, the data there.
+
+    ``np.asarray(x)`` fetches it (once, then cached); passing it to the next step uses it in place (or sends it
+    worker to worker); dropping the last reference frees it on the workers (batched with the next call).
+    A value several meshes hold at the end of the step (e.g. one another mesh received) keeps a replica on
+    each, so every one of them can load it in place.
+    """
+
+    __slots__ = ("shape", "dtype", "replicas", "_cluster", "_value", "__weakref__")
+
+    def __init__(self, shape, dtype, replicas: Sequence[tuple[Any, int]], cluster: RayCluster):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.replicas = tuple(replicas)
+        """(worker actor, handle id) of each copy."""
+        self._cluster, self._value = cluster, None
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    @property
+    def aval(self) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(self.shape, self.dtype)
+
+    def fetch(self) -> np.ndarray:
+        if self._value is None:
+            self._value = self._cluster.fetch(*self.replicas[0])
+        return self._value
+
+    def __array__(self, dtype=None, copy=None):
+        value = self.fetch()
+        return value if dtype is None else value.astype(dtype)
+
+    def __float__(self) -> float:
+        return float(self.fetch())
+
+    def __int__(self) -> int:
+        return int(self.fetch())
+
+    def __repr__(self) -> str:
+        return f"RemoteArray(shape={self.shape}, dtype={self.dtype}, replicas={len(self.replicas)})"
+
+    def __del__(self):
+        cluster = getattr(self, "_cluster", None)
+        if cluster is not None:
+            try:
+                for actor, handle in self.replicas:
+                    cluster.release(actor, handle)
+            except Exception:  # noqa: BLE001  (interpreter shutdown: Ray is already gone)
+                pass
+
+
+def _actor_id(actor) -> str:
+    return actor._actor_id.hex()
+
+
+class RayCluster:
+    """A connection to a Ray cluster and the worker actors the backend made on it."""
+
+    def __init__(self, *, address: str | None = None, num_nodes: int | None = None,
+                 num_devices_per_node: int | None = None, platform: str | None = None,
+                 step_timeout: float | None = 600.0, startup_timeout: float = 180.0,
+                 compilation_cache_dir: str | None = None):
+        import ray
+        for name, value in (("num_nodes", num_nodes), ("num_devices_per_node", num_devices_per_node)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"al.init(cluster='ray'): {name} must be an int >= 1, got {value!r}")
+        platform = platform or ("gpu" if jax.default_backend() == "gpu" else "cpu")
+        if platform not in PLATFORMS:
+            raise ValueError(f"al.init(cluster='ray'): platform must be one of {PLATFORMS}, got {platform!r}")
+        if step_timeout is not None and not step_timeout > 0:
+            raise ValueError(f"al.init(cluster='ray'): step_timeout must be > 0 seconds or None, got {step_timeout!r}")
+        self.started_ray = False
+        address = address or os.environ.get("RAY_ADDRESS")
+        if not ray.is_initialized():
+            if address is None:
+                ray.init(include_dashboard=False, num_cpus=max(2, os.cpu_count() or 2), log_to_driver=False)
+            else:
+                ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            self.started_ray = True
+        self.platform = platform
+        self.ray_nodes = sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n["NodeID"])
+        self.num_nodes = num_nodes or (len(self.ray_nodes) if address else 1)
+        if self.num_nodes > len(self.ray_nodes) and len(self.ray_nodes) > 1:
+            raise ValueError(f"al.init(cluster='ray'): num_nodes={self.num_nodes}, but the Ray cluster has "
+                             f"{len(self.ray_nodes)} alive nodes")
+        self.num_devices_per_node = num_devices_per_node or len(jax.devices())
+        self.step_timeout = step_timeout
+        self.compilation_cache_dir = compilation_cache_dir
+        self.startup_timeout = startup_timeout
+        self._actors: dict[tuple[int, int, int], Any] = {}
+        self._progress_files: dict[str, str] = {}
+        self._pending_frees: dict[str, list[int]] = {}
+        self._by_id: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._handles = itertools.count()
+        self._exe_ids = itertools.count()
+        self._tmp = tempfile.mkdtemp(prefix="alpa_like_ray_")
+        self.closed = False
+
+    def spec(self) -> ClusterSpec:
+        """The cluster for the planner: this many nodes and devices, with the local devices' measured speed
+        (the workers run on the same kind of device)."""
+        local = ClusterSpec.local(jax.devices()[:1])
+        return dataclasses.replace(local, name=f"ray-{self.platform}", num_nodes=self.num_nodes,
+                                   num_devices_per_node=self.num_devices_per_node)
+
+    # ------------------------------------------------------------------------------------------- actors
+
+    def acquire(self, meshes: Sequence[tuple[int, int]]) -> list[Any]:
+        """One actor per (node, device count) mesh, distinct within the list; reused across calls."""
+        import ray
+        used: dict[tuple[int, int], int] = {}
+        actors, fresh = [], []
+        for node, size in meshes:
+            slot = used.get((node, size), 0)
+            used[(node, size)] = slot + 1
+            key = (node, size, slot)
+            if key not in self._actors:
+                self._actors[key] = self._start_actor(node, size, len(self._actors))
+                fresh.append(key)
+            actors.append(self._actors[key])
+        if fresh:
+            refs = [self._actors[k].info.remote() for k in fresh]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.startup_timeout)
+            if len(ready) < len(refs):
+                raise RuntimeError(f"Ray backend: {len(refs) - len(ready)} worker actor(s) did not start within "
+                                   f"{self.startup_timeout:.0f} s (is the cluster big enough? "
+                                   f"ray.cluster_resources()={ray.cluster_resources()})")
+            for key, info in zip(fresh, ray.get(refs), strict=True):
+                if info["num_devices"] < key[1]:
+                    raise RuntimeError(f"Ray backend: the worker for node {key[0]} has {info['num_devices']} "
+                                       f"devices, the mesh needs {key[1]}")
+        return actors
+
+    def _start_actor(self, node: int, size: int, number: int):
+        import ray
+        options: dict[str, Any] = {"max_concurrency": 16, "num_cpus": 0}
+        env = {"PYTHONUNBUFFERED": "1"}
+        if self.platform == "cpu":
+            flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                             if not f.startswith("--xla_force_host_platform_device_count"))
+            env.update(XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={size}".strip(),
+                       JAX_PLATFORMS="cpu")
+        else:  # Ray sets CUDA_VISIBLE_DEVICES to the GPUs it assigns.
+            options["num_gpus"] = size
+        options["runtime_env"] = {"env_vars": env}
+        if len(self.ray_nodes) > 1:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.ray_nodes[node]["NodeID"], soft=False)
+        progress = os.path.join(self._tmp, f"worker{number}.progress")
+        config = {"jax_default_matmul_precision": jax.config.jax_default_matmul_precision,
+                  "jax_enable_x64": jax.config.jax_enable_x64}
+        if self.compilation_cache_dir:  # JAX's persistent cache: workers skip XLA compiles seen before
+            config.update(jax_compilation_cache_dir=self.compilation_cache_dir,
+                          jax_persistent_cache_min_compile_time_secs=0.0)
+        actor = ray.remote(MeshWorker).options(**options).remote(config, progress)
+        self._by_id[_actor_id(actor)] = actor
+        self._progress_files[_actor_id(actor)] = progress
+        return actor
+
+    @property
+    def actors(self) -> list[Any]:
+        return list(self._actors.values())
+
+    def progress_of(self, actor) -> tuple[int, int, int] | None:
+        """(executable, step, instruction index) the worker last entered, from its progress file (None when
+        the file is not readable from here, e.g. the worker ran on another node)."""
+        path = self._progress_files.get(_actor_id(actor))
+        try:
+            values = np.fromfile(path, dtype=np.int64, count=3)
+        except (OSError, TypeError, ValueError):
+            return None
+        return tuple(int(v) for v in values) if len(values) == 3 else None
+
+    # ------------------------------------------------------------------------------------------ handles
+
+    def new_handle(self) -> int:
+        return next(self._handles)
+
+    def new_executable_id(self) -> int:
+        return next(self._exe_ids)
+
+    def release(self, actor, handle: int) -> None:
+        if self.closed:
+            return
+        with self._lock:
+            pending = self._pending_frees.setdefault(_actor_id(actor), [])
+            pending.append(handle)
+            full = len(pending) >= FREE_BATCH
+        if full:
+            self.flush_frees()
+
+    def take_frees(self, actor) -> list[int]:
+        with self._lock:
+            return self._pending_frees.pop(_actor_id(actor), [])
+
+    def flush_frees(self) -> None:
+        """Frees, now, every handle dropped on the driver (normally piggybacked on the next step)."""
+        with self._lock:
+            pending, self._pending_frees = self._pending_frees, {}
+        for actor_id, handles in pending.items():
+            if handles:
+                self._by_id[actor_id].free.remote(handles)
+
+    def fetch(self, actor, handle: int) -> np.ndarray:
+        import ray
+        if self.closed:
+            raise RuntimeError("RemoteArray: its Ray backend was shut down (al.shutdown()); the data is gone")
+        return ray.get(actor.fetch.remote(handle))
+
+    def shutdown(self) -> None:
+        """Kills every actor this backend made (and Ray itself when this backend started it)."""
+        import ray
+        self.closed = True
+        for actor in self._actors.values():
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001  (already dead)
+                pass
+        self._actors.clear()
+        if self.started_ray:
+            ray.shutdown()
+
+
+EXPORT_PLATFORMS = {"cpu": ("cpu",), "gpu": ("cuda",)}
+
+
+def export_piece(piece, platform: str = "cpu") -> bytes:
+    """A stage piece as serialised ``jax.export`` StableHLO for ``platform``'s workers, exported for one
+    device (the worker's jit partitions it over its mesh)."""
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in piece.jaxpr.in_avals]
+    exported = jax.export.export(jax.jit(_piece_fn(piece)), platforms=EXPORT_PLATFORMS[platform])(*avals)
+    return bytes(exported.serialize())
+
+
+def worker_programs(program: StageProgram, programs: MeshPrograms, meshes: Sequence[MeshInfo],
+                    input_specs: dict, shipped: dict[tuple[int, str], bytes],
+                    num_micro_batches: int) -> list[WorkerProgram]:
+    """Each mesh's :class:`WorkerProgram`: its instructions, the pieces of its stages, what it sends."""
+    sends: list[dict] = [dict() for _ in meshes]
+    for ins in programs.instructions:
+        if ins.op is Op.RECV:
+            dsts = sends[ins.src_mesh].setdefault(ins.key, ())
+            if ins.mesh not in dsts:
+                sends[ins.src_mesh][ins.key] = dsts + (ins.mesh,)
+    out = []
+    for k in range(len(meshes)):
+        instructions = programs.program(k)
+        stages = {ins.stage for ins in instructions if ins.op is Op.RUN}
+        pieces = {key: ShippedPiece(exported=shipped[key], inputs=p.inputs, outputs=p.outputs)
+                  for key, p in program.pieces.items() if key[0] in stages}
+        loaded = {ins.key[0] for ins in instructions if ins.op is Op.LOAD}
+        constants = {v: np.asarray(c) for v, c in program.constants.items() if v in loaded}
+        held = held_at_end(program, instructions)
+        outputs = tuple((i, o[0]) for i, o in enumerate(programs.outputs) if o is not None and o[0] in held)
+        out.append(WorkerProgram(mesh=k, meshes=tuple(meshes), instructions=instructions, pieces=pieces,
+                                 sends=sends[k], input_specs=dict(input_specs), constants=constants,
+                                 num_micro_batches=num_micro_batches, outputs=outputs))
+    return out
+
+
+def held_at_end(program: StageProgram, instructions: Sequence) -> set:
+    """The buffers a mesh program holds when it ends: written (RUN, MEAN, LOAD, RECV) and not freed."""
+    held = set()
+    for ins in instructions:
+        if ins.op is Op.RUN:
+            held.update((v, ins.micro_batch) for v in program.piece(ins.stage, ins.phase).outputs)
+        elif ins.op in (Op.MEAN, Op.LOAD, Op.RECV):
+            held.add(ins.key)
+        elif ins.op is Op.FREE:
+            held.discard(ins.key)
+    return held
+
+
+class RayPipeshardExecutable:
+    """A compiled pipeline step on the Ray backend: call it like the original function."""
+
+    def __init__(self, *, traced, plan, program: StageProgram, programs: MeshPrograms, input_specs: dict,
+                 cluster: RayCluster, devices=None):
+        import ray
+        del devices  # The workers own the devices.
+        self.traced, self.plan, self.program, self.programs = traced, plan, program, programs
+        self.cluster = cluster
+        self.num_micro_batches = plan.num_micro_batches
+        m = cluster.num_devices_per_node
+        self.meshes, nodes = [], []
+        for q, stage in enumerate(plan.stages):
+            node_ids = {i // m for i in stage.device_ids}
+            if len(node_ids) != 1:
+                raise NotImplementedError(
+                    f"Ray backend: stage {q}'s mesh {stage.submesh_shape} spans nodes {sorted(node_ids)}; a mesh "
+                    "must fit on one node (one actor per mesh; multi-host meshes need jax.distributed)")
+            grid = np.asarray(stage.device_ids).reshape(stage.logical_mesh_shape)
+            self.meshes.append(MeshInfo(logical_shape=tuple(stage.logical_mesh_shape),
+                                        device_ids=tuple(tuple(int(i) for i in row) for row in grid)))
+            nodes.append(node_ids.pop())
+        self.workers = cluster.acquire([(n, len(info.flat_ids)) for n, info in zip(nodes, self.meshes)])
+        self._mesh_of_actor = {_actor_id(a): k for k, a in enumerate(self.workers)}
+        self.exe_id = cluster.new_executable_id()
+        shipped = {key: export_piece(piece, cluster.platform) for key, piece in program.pieces.items()}
+        self.worker_programs = worker_programs(program, programs, self.meshes, input_specs, shipped,
+                                               self.num_micro_batches)
+        self.shipped_bytes = sum(len(pickle.dumps(p)) for p in self.worker_programs)
+        refs = [w.load_program.remote(self.exe_id, p, self.workers)
+                for w, p in zip(self.workers, self.worker_programs, strict=True)]
+        self._wait(refs, "loading the stage programs", timeout=cluster.startup_timeout)
+        self._loaders: dict[int, list[int]] = {}
+        for ins in programs.instructions:
+            if ins.op is Op.LOAD and ins.key[0] not in program.constants:
+                meshes = self._loaders.setdefault(ins.key[0], [])
+                if ins.mesh not in meshes:
+                    meshes.append(ins.mesh)
+        self._out_avals = [None if v is None else program.values[v].aval for v in program.step_outputs]
+        self._steps = itertools.count()
+        self.failed: str | None = None
+        self.last_step = RayStepStats()
+        weakref.finalize(self, _unload, self.workers, self.exe_id)
+
+    def __call__(self, *args):
+        return self.run(*args)
+
+    # ------------------------------------------------------------------------------------------- a step
+
+    def run(self, *args):
+        """One step: one ``run_step`` call per worker; returns the outputs as :class:`RemoteArray` s."""
+        if self.cluster.closed:
+            raise RuntimeError("this executable's Ray backend was shut down; call the parallelized function "
+                               "again after al.init(cluster='ray') to recompile")
+        if self.failed:
+            raise RuntimeError(f"this executable failed earlier ({self.failed}); call al.shutdown() and "
+                               "al.init(cluster='ray') to start new workers")
+        start = time.perf_counter()
+        dynamic = tuple(args[i] for i in self.traced.dynamic_argnums)
+        flat, tree = jax.tree_util.tree_flatten(dynamic)
+        if tree != self.traced.in_tree:
+            raise ValueError(f"arguments have pytree structure {tree}, but this executable was compiled for "
+                             f"{self.traced.in_tree}")
+        stats = RayStepStats()
+        step = next(self._steps)
+        inputs, handle_sends, sent = self._route_inputs(flat, stats)
+        out_handles: list[list[int]] = [[] for _ in self.workers]
+        remote: dict[int, list[tuple[Any, int]]] = {}  # output index -> its replicas
+        for mesh, wp in enumerate(self.worker_programs):
+            for k, _ in wp.outputs:
+                handle = self.cluster.new_handle()
+                out_handles[mesh].append(handle)
+                remote.setdefault(k, []).append((self.workers[mesh], handle))
+        refs = []
+        for k, worker in enumerate(self.workers):
+            call = (self.exe_id, step, inputs[k], out_handles[k], handle_sends[k], self.cluster.take_frees(worker))
+            sent += len(pickle.dumps(call))
+            refs.append(worker.run_step.remote(*call))
+        stats.driver_calls = len(refs)
+        reports = self._wait(refs, f"step {step}", timeout=self.cluster.step_timeout, step=step)
+        stats.driver_received_bytes = sum(len(pickle.dumps(r)) for r in reports)
+        stats.driver_received_types = tuple(sorted({type(v).__name__ for r in reports for v in r.values()}))
+        stats.driver_sent_bytes = sent
+        stats.worker_bytes = sum(r["bytes_sent"] for r in reports)
+        stats.input_bytes = sum(r["input_bytes_sent"] for r in reports)
+        stats.worker_seconds = tuple(r["seconds"] for r in reports)
+        results = [self.program.literal_outputs[k] if k not in remote else
+                   RemoteArray(self._out_avals[k].shape, self._out_avals[k].dtype, remote[k], self.cluster)
+                   for k in range(len(self.programs.outputs))]
+        stats.seconds = time.perf_counter() - start
+        self.last_step = stats
+        return jax.tree_util.tree_unflatten(self.traced.out_tree, results)
+
+    def _route_inputs(self, flat: Sequence[Any], stats: RayStepStats):
+        """Per worker: how it gets each input it LOADs; per worker: the stored arrays it sends to peers."""
+        import ray
+        inputs: list[dict] = [dict() for _ in self.workers]
+        handle_sends: list[list] = [[] for _ in self.workers]
+        sent = 0
+        kinds = {"ref": 0, "handle": 0, "peer": 0}
+        for v, x in zip(self.program.step_inputs, flat, strict=True):
+            loaders = self._loaders.get(v)
+            if not loaders:
+                continue
+            here: dict[int, int] = {}  # mesh of this executable -> handle of its replica
+            if isinstance(x, RemoteArray):
+                if x._cluster is not self.cluster or self.cluster.closed:
+                    raise ValueError(f"a step input is a RemoteArray of another (shut down) Ray backend: {x!r}")
+                for actor, handle in x.replicas:
+                    mesh = self._mesh_of_actor.get(_actor_id(actor))
+                    if mesh is not None:
+                        here.setdefault(mesh, handle)
+                if not here:  # made by an executable on other workers: goes through the driver
+                    x = x.fetch()
+            if not here:
+                value = np.asarray(x)
+                ref = ray.put(value)
+                sent += value.nbytes
+                for k in loaders:
+                    inputs[k][v] = ("ref", [ref])
+                kinds["ref"] += 1
+                continue
+            holder = min(here)
+            for k in loaders:
+                if k in here:
+                    inputs[k][v] = ("handle", here[k])
+                    kinds["handle"] += 1
+                else:
+                    inputs[k][v] = ("peer", None)
+                    handle_sends[holder].append((here[holder], k, v))
+                    kinds["peer"] += 1
+        stats.inputs_by_kind = kinds
+        return inputs, handle_sends, sent
+
+    def _wait(self, refs: list, what: str, *, timeout: float | None, step: int | None = None) -> list:
+        """Waits for one ref per worker; turns a raising or dead worker into a RayStepError naming the mesh
+        and the instruction (and aborts the others), a timeout into one naming where each worker is."""
+        import ray
+        pending = dict(zip(refs, range(len(refs))))
+        results: list[Any] = [None] * len(refs)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            wait = POLL_SECONDS if deadline is None else max(0.0, min(POLL_SECONDS, deadline - time.monotonic()))
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait)
+            for ref in ready:
+                mesh = pending.pop(ref)
+                try:
+                    results[mesh] = ray.get(ref)
+                except Exception as e:  # noqa: BLE001  (classified below)
+                    self._fail(step, self._root_cause(mesh, e, pending, step, what))
+            if pending and deadline is not None and time.monotonic() > deadline:
+                where = "; ".join(f"mesh {k}: {self._where(self.workers[k])}" for k in sorted(pending.values()))
+                self._fail(step, f"{what} did not finish within {timeout:.0f} s ({where})")
+        return results
+
+    def _root_cause(self, mesh: int, error: Exception, pending: dict, step: int | None, what: str) -> str:
+        """The message of the failure that caused the others: a worker's error can be a consequence of a
+        peer's death (its parcel is lost), so the other workers get a moment to report, and a dead worker,
+        then an error of the worker's own, win over transfer errors."""
+        import ray
+        errors = [(mesh, error)]
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=1.0)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001
+                errors.append((pending[ref], e))
+
+        def rank(item):
+            e = item[1]
+            if isinstance(e, ray.exceptions.RayActorError):
+                return 0
+            cause = getattr(e, "cause", None)
+            consequence = isinstance(cause, WorkerStepError) and cause.cause.split(":")[0] in _CONSEQUENCES
+            return 2 if consequence else 1
+        mesh, error = min(errors, key=rank)
+        return self._describe_failure(mesh, error, step, what)
+
+    def _describe_failure(self, mesh: int, error: Exception, step: int | None, what: str) -> str:
+        import ray
+        cause = getattr(error, "cause", None)
+        if isinstance(cause, WorkerStepError):
+            return f"Ray backend: {what} failed on {cause}"
+        if isinstance(error, ray.exceptions.RayActorError):
+            progress = self.cluster.progress_of(self.workers[mesh])
+            if progress is not None and progress[0] == self.exe_id and progress[1] == step and progress[2] >= 0:
+                index = progress[2]
+                at = f"at instruction #{index} `{self.worker_programs[mesh].instructions[index]}`"
+            else:
+                at = "(instruction unknown: no progress record readable from the driver)"
+            return f"Ray backend: {what}: the worker of mesh {mesh} died {at}: {type(error).__name__}"
+        return f"Ray backend: {what} failed on mesh {mesh}: {type(error).__name__}: {error}"
+
+    def _where(self, worker) -> str:
+        import ray
+        try:
+            return ray.get(worker.where.remote(), timeout=2.0)
+        except Exception as e:  # noqa: BLE001
+            return f"unreachable ({type(e).__name__})"
+
+    def _fail(self, step: int | None, message: str):
+        import ray
+        self.failed = message
+        if step is not None:
+            refs = []
+            for worker in self.workers:
+                try:
+                    refs.append(worker.abort.remote(self.exe_id, step))
+                except Exception:  # noqa: BLE001  (dead worker)
+                    pass
+            ray.wait(refs, num_returns=len(refs), timeout=ABORT_GRACE_SECONDS)
+        raise RayStepError(message)
+
+    def worker_handles(self) -> list[int]:
+        """How many arrays each worker holds (step outputs not yet dropped)."""
+        import ray
+        return ray.get([w.num_handles.remote() for w in self.workers])
+
+
+def _unload(workers, exe_id: int) -> None:
+    for w in workers:
+        try:
+            w.unload_program.remote(exe_id)
+        except Exception:  # noqa: BLE001  (Ray is gone)
+            pass

@@ -1,0 +1,495 @@
+"""The Ray backend's worker: one actor per mesh host runs its mesh's static instruction program.
+
+The driver (:mod:`alpa_like.runtime.ray_backend`) ships each worker, once, a :class:`WorkerProgram`: its mesh's
+projection of the global instruction list (:class:`~alpa_like.runtime.instructions.MeshPrograms`), the stage
+pieces it runs as ``jax.export`` StableHLO bytes, and the layout of every mesh. A training step is then one
+``run_step`` call per worker. Cross-mesh values never pass through the driver:
+
+* a worker that writes a buffer another mesh ``RECV``s cuts it into the pieces of the resharding plan
+  (:func:`~alpa_like.runtime.resharding.plan_resharding`, with the local all-gather rewrite), puts them in the
+  Ray object store and hands the object ref to the receiver with a ``deliver`` actor call (a background thread
+  does this, so the worker keeps dispatching its own program);
+* the receiver's ``RECV`` waits for that ref, fetches the pieces onto its devices and assembles them
+  (:func:`~alpa_like.runtime.resharding.assemble_received`), including the local all-gathers.
+
+Step outputs stay in the worker's handle store (``fetch`` and ``free`` act on it); a handle passed back as a
+step input is used in place, or sent worker to worker when another mesh loads it.
+
+Faults: any exception inside a step is re-raised as :class:`WorkerStepError` naming the mesh and the
+instruction; the index of the instruction being executed is also written to a small memory-mapped progress
+file, so the driver can name the instruction when the worker process dies.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from alpa_like.compiler.sharding_spec import ShardingSpec
+from alpa_like.compiler.stage_construction import ValueId
+from alpa_like.runtime.instructions import PER_STEP, Instruction, Key, Op
+from alpa_like.runtime.resharding import MeshLayout, plan_resharding
+
+RECV_POLL_SECONDS = 0.2
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshInfo:
+    """One mesh of a plan: its logical shape and its devices' plan-wide ids (row-major grid)."""
+
+    logical_shape: tuple[int, int]
+    device_ids: tuple[tuple[int, ...], ...]
+
+    @property
+    def flat_ids(self) -> tuple[int, ...]:
+        return tuple(i for row in self.device_ids for i in row)
+
+    def layout(self, spec: ShardingSpec) -> MeshLayout:
+        return MeshLayout(device_ids=self.device_ids, spec=spec)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShippedPiece:
+    """A stage piece as ``jax.export`` bytes, with the value ids of its inputs and outputs."""
+
+    exported: bytes
+    inputs: tuple[ValueId, ...]
+    outputs: tuple[ValueId, ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkerProgram:
+    """Everything a worker needs to run its mesh's part of every step (shipped once)."""
+
+    mesh: int
+    meshes: tuple[MeshInfo, ...]
+    instructions: tuple[Instruction, ...]
+    pieces: dict[tuple[int, str], ShippedPiece]
+    """The pieces of the stages on this mesh."""
+    sends: dict[Key, tuple[int, ...]]
+    """Buffers this mesh writes that other meshes RECV: key -> receiving meshes."""
+    input_specs: dict[ValueId, ShardingSpec]
+    constants: dict[ValueId, np.ndarray]
+    num_micro_batches: int
+    outputs: tuple[tuple[int, Key], ...]
+    """(step output index, buffer) of the outputs this mesh holds at the end of a step."""
+
+
+class WorkerStepError(RuntimeError):
+    """A step failed on a worker: names the mesh and the instruction."""
+
+    def __init__(self, mesh: int, index: int, instruction: str, cause: str):
+        super().__init__(f"mesh {mesh}: instruction #{index} `{instruction}` failed: {cause}")
+        self.mesh, self.index, self.instruction, self.cause = mesh, index, instruction, cause
+
+    def __reduce__(self):
+        return (WorkerStepError, (self.mesh, self.index, self.instruction, self.cause))
+
+
+class StepAborted(RuntimeError):
+    """The driver aborted the step (another mesh failed)."""
+
+
+def load_spec(input_specs: dict[ValueId, ShardingSpec], value: ValueId, shape: Sequence[int],
+              mesh_shape: tuple[int, int]) -> ShardingSpec:
+    """The layout a LOAD puts a step input in: the plan's spec for parameters, else the activation layout
+    (the local backend's rule, :meth:`PipeshardExecutable._load_sharding`)."""
+    from alpa_like.runtime.pipeshard_runtime import activation_spec
+    spec = input_specs.get(value)
+    if spec is None or spec.ndim != len(shape):
+        spec = activation_spec(shape, mesh_shape)
+    return spec
+
+
+class MeshWorker:
+    """A Ray actor owning the devices of one mesh host (``ray.remote(MeshWorker)`` in the backend)."""
+
+    def __init__(self, jax_config: dict[str, Any], progress_path: str | None = None):
+        import jax
+        for name, value in jax_config.items():
+            jax.config.update(name, value)
+        self._devices = jax.devices()
+        self._store: dict[int, Any] = {}
+        self._loaded: dict[int, _LoadedProgram] = {}
+        self._mailbox: dict[tuple, list] = {}
+        self._aborted: set[tuple[int, int]] = set()
+        self._cond = threading.Condition()
+        self._sender = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sender")
+        self._fault: tuple[int, str] | None = None
+        self._where = "idle"
+        self._progress = None
+        if progress_path:
+            self._progress = np.memmap(progress_path, dtype=np.int64, mode="w+", shape=(3,))
+            self._progress[:] = -1
+
+    # ------------------------------------------------------------------------------------ setup and handles
+
+    def info(self) -> dict:
+        import jax
+        return {"pid": os.getpid(), "num_devices": len(self._devices), "platform": jax.default_backend()}
+
+    def load_program(self, exe_id: int, program: WorkerProgram, peers: Sequence[Any]) -> int:
+        """Deserialises the pieces and keeps the program; returns the number of pieces."""
+        self._loaded[exe_id] = _LoadedProgram(program, peers, self._devices)
+        return len(program.pieces)
+
+    def unload_program(self, exe_id: int) -> None:
+        self._loaded.pop(exe_id, None)
+
+    def fetch(self, handle: int) -> np.ndarray:
+        return np.asarray(self._store[handle])
+
+    def free(self, handles: Sequence[int]) -> None:
+        for h in handles:
+            self._store.pop(h, None)
+
+    def num_handles(self) -> int:
+        return len(self._store)
+
+    def where(self) -> str:
+        """What the worker is doing now (answered while a step runs: the actor is threaded)."""
+        return self._where
+
+    def set_fault(self, instruction_index: int | None, kind: str = "raise") -> None:
+        """Testing hook: at instruction ``instruction_index`` of the next steps, ``"raise"`` an error,
+        ``"exit"`` the process, or ``"stall"`` (sleep until killed)."""
+        if kind not in ("raise", "exit", "stall"):
+            raise ValueError(f"set_fault: kind must be 'raise', 'exit' or 'stall', got {kind!r}")
+        self._fault = None if instruction_index is None else (instruction_index, kind)
+
+    # ----------------------------------------------------------------------------------- worker to worker
+
+    def deliver(self, exe_id: int, step: int, keys: Sequence, refs: list) -> None:
+        """Called by a peer: the object ref of a parcel holding the buffers ``keys`` (in order), which this
+        worker will RECV (or LOAD) in ``step``."""
+        parcel = _Parcel(refs[0])
+        with self._cond:
+            for i, key in enumerate(keys):
+                self._mailbox[(exe_id, step, key)] = (parcel, i)
+            self._cond.notify_all()
+
+    def abort(self, exe_id: int, step: int) -> None:
+        with self._cond:
+            self._aborted.add((exe_id, step))
+            self._cond.notify_all()
+
+    def _wait_for(self, exe_id: int, step: int, key) -> Any:
+        with self._cond:
+            while (exe_id, step, key) not in self._mailbox:
+                if (exe_id, step) in self._aborted:
+                    raise StepAborted(f"step {step} aborted by the driver while waiting for {key}")
+                self._cond.wait(RECV_POLL_SECONDS)
+            parcel, i = self._mailbox.pop((exe_id, step, key))
+        return parcel.items()[i]
+
+    # ----------------------------------------------------------------------------------------- one step
+
+    def run_step(self, exe_id: int, step: int, inputs: dict, out_handles: Sequence[int],
+                 handle_sends: Sequence[tuple[int, int, ValueId]], frees: Sequence[int]) -> dict:
+        """Runs this mesh's program once.
+
+        Args:
+          inputs: value id -> ``("ref", [object ref])`` (an array the driver put), ``("handle", h)`` (in this
+            worker's store) or ``("peer", None)`` (another worker sends it).
+          out_handles: the handle id of each of this mesh's outputs (``WorkerProgram.outputs`` order).
+          handle_sends: (handle, receiving mesh, value id): stored arrays other meshes LOAD this step.
+          frees: handles the driver dropped.
+
+        Returns:
+          A small report (numbers only): seconds, bytes sent to peers, instructions run.
+        """
+        import jax
+        start = time.perf_counter()
+        self.free(frees)
+        loaded = self._loaded[exe_id]
+        run = _StepRun(self, loaded, exe_id, step)
+        try:
+            for h, dst, v in handle_sends:
+                run.send_input(self._store[h], dst, v)
+            run.flush()
+            run.execute(inputs)
+            outputs = [run.buffers[key] for _, key in loaded.program.outputs]
+            jax.block_until_ready(outputs)
+            run.finish_sends()
+        except WorkerStepError:
+            raise
+        except BaseException as e:  # noqa: BLE001  (re-raised with the mesh and the instruction)
+            raise WorkerStepError(loaded.program.mesh, run.index, run.current, f"{type(e).__name__}: {e}") from None
+        finally:
+            self._where = "idle"
+            with self._cond:
+                self._aborted.discard((exe_id, step))
+        self._store.update(zip(out_handles, outputs, strict=True))
+        return {"mesh": loaded.program.mesh, "seconds": time.perf_counter() - start,
+                "bytes_sent": run.bytes_sent, "input_bytes_sent": run.input_bytes_sent, "instructions": run.count}
+
+
+class _Parcel:
+    """The buffers one peer sent in one message: fetched from the object store on first use."""
+
+    def __init__(self, ref):
+        self.ref, self._items = ref, None
+
+    def items(self) -> list:
+        if self._items is None:
+            import ray
+            self._items = ray.get(self.ref)
+        return self._items
+
+
+class _LoadedProgram:
+    """A worker program with its pieces deserialised and jitted on the worker's mesh."""
+
+    def __init__(self, program: WorkerProgram, peers: Sequence[Any], devices: Sequence[Any]):
+        import jax
+        from alpa_like.runtime.mesh import make_mesh
+        from alpa_like.runtime.pipeshard_runtime import MESH_AXES
+        self.program = program
+        self.peers = list(peers)
+        info = program.meshes[program.mesh]
+        size = len(info.flat_ids)
+        if size > len(devices):
+            raise ValueError(f"mesh {program.mesh} needs {size} devices; this worker has {len(devices)}")
+        self.mesh = make_mesh(devices[:size], info.logical_shape, MESH_AXES)
+        self.device_of = dict(zip(info.flat_ids, self.mesh.devices.flat, strict=True))
+        self.global_id = {d.id: g for g, d in self.device_of.items()}
+        self.exported = {key: jax.export.deserialize(bytearray(p.exported)) for key, p in program.pieces.items()}
+        self.jitted = {key: jax.jit(e.call) for key, e in self.exported.items()}
+        self.fused: dict[tuple, Any] = {}
+        self.plans: dict[tuple, Any] = {}
+
+    def sharding(self, spec: ShardingSpec):
+        from alpa_like.runtime.mesh import named_sharding
+        return named_sharding(self.mesh, spec)
+
+    def accumulating(self, key: tuple[int, str], slots: tuple[int, ...]):
+        fn = self.fused.get((key, slots))
+        if fn is None:
+            import jax
+            call = self.exported[key].call
+
+            def run(totals, *args):
+                outs = call(*args)
+                return outs, [t + outs[k] for t, k in zip(totals, slots, strict=True)]
+            fn = self.fused[(key, slots)] = jax.jit(run)
+        return fn
+
+    def plan(self, shape, dtype, src_mesh: int, src_spec: ShardingSpec, dst_mesh: int, dst_spec: ShardingSpec):
+        key = (tuple(shape), str(dtype), src_mesh, src_spec, dst_mesh, dst_spec)
+        plan = self.plans.get(key)
+        if plan is None:
+            meshes = self.program.meshes
+            plan = self.plans[key] = plan_resharding(shape, np.dtype(dtype).itemsize, meshes[src_mesh].layout(src_spec),
+                                                     meshes[dst_mesh].layout(dst_spec))
+        return plan
+
+
+class _StepRun:
+    """The state of one step on one worker."""
+
+    def __init__(self, worker: MeshWorker, loaded: _LoadedProgram, exe_id: int, step: int):
+        self.worker, self.loaded, self.exe_id, self.step = worker, loaded, exe_id, step
+        self.program = loaded.program
+        self.buffers: dict[Key, Any] = {}
+        self.accumulators: dict[ValueId, Any] = {}
+        self.micro: dict[ValueId, Any] = {}
+        self.sends: list[concurrent.futures.Future] = []
+        self.outbox: dict[int, list] = {}  # receiving mesh -> [(key, array, dst spec)] not yet sent
+        self.bytes_sent = 0
+        """Cross-mesh bytes of the RECVs this mesh serves (the local backend's ``bytes_moved``)."""
+        self.input_bytes_sent = 0
+        """Cross-mesh bytes of stored step inputs (handles) sent to the meshes that LOAD them."""
+        self.index, self.current, self.count = -1, "(before the first instruction)", 0
+
+    # ---------------------------------------------------------------------------------------- the program
+
+    def execute(self, inputs: dict) -> None:
+        instructions = self.program.instructions
+        i = 0
+        while i < len(instructions):
+            self.flush()
+            ins = instructions[i]
+            self._enter(i, ins)
+            i += 1
+            if ins.op is Op.RUN:  # fused with the ACC/FREE instructions that follow it, as in the local backend
+                accs, frees = [], []
+                while i < len(instructions) and instructions[i].op in (Op.ACC, Op.FREE):
+                    (accs if instructions[i].op is Op.ACC else frees).append(instructions[i])
+                    i += 1
+                self._run(ins, accs)
+                for free in frees:
+                    self.buffers.pop(free.key, None)
+                self.count += 1 + len(accs) + len(frees)
+                continue
+            if ins.op is Op.MEAN:
+                group = [ins]
+                while i < len(instructions) and instructions[i].op is Op.MEAN:
+                    group.append(instructions[i])
+                    i += 1
+                self._mean(group)
+                self.count += len(group)
+                continue
+            if ins.op is Op.LOAD:
+                self._load(ins, inputs)
+            elif ins.op is Op.RECV:
+                self._recv(ins)
+            elif ins.op is Op.FREE:
+                self.buffers.pop(ins.key, None)
+            else:
+                raise AssertionError(f"unexpected instruction {ins}")
+            self.count += 1
+        self.flush()
+
+    def _enter(self, index: int, ins: Instruction) -> None:
+        self.index, self.current = index, str(ins)
+        worker = self.worker
+        worker._where = f"step {self.step} instruction #{index} `{ins}`"
+        if worker._progress is not None:
+            worker._progress[:] = (self.exe_id, self.step, index)
+        if worker._fault is not None and worker._fault[0] == index:
+            kind = worker._fault[1]
+            if kind == "exit":
+                os._exit(1)
+            if kind == "stall":
+                while True:
+                    time.sleep(1.0)
+            raise RuntimeError("fault injected by set_fault")
+
+    def _wrote(self, key: Key) -> None:
+        from alpa_like.runtime.pipeshard_runtime import activation_spec
+        for dst in self.program.sends.get(key, ()):
+            x = self.buffers[key]
+            self.outbox.setdefault(dst, []).append((key, x, activation_spec(x.shape, self.program.meshes[dst].logical_shape)))
+
+    def _run(self, ins: Instruction, accs: list[Instruction]) -> None:
+        piece = self.program.pieces[(ins.stage, ins.phase)]
+        buffers, acc = self.buffers, self.accumulators
+        args = [buffers[(v, ins.micro_batch)] if (v, ins.micro_batch) in buffers else buffers[(v, PER_STEP)]
+                for v in piece.inputs]
+        position = {v: k for k, v in enumerate(piece.outputs)}
+        fused = [a for a in accs if a.target in acc]
+        if fused:
+            slots = tuple(position[a.key[0]] for a in fused)
+            outs, sums = self.loaded.accumulating((ins.stage, ins.phase), slots)([acc[a.target] for a in fused], *args)
+            acc.update({a.target: x for a, x in zip(fused, sums, strict=True)})
+        else:
+            outs = self.loaded.jitted[(ins.stage, ins.phase)](*args)
+        for v, x in zip(piece.outputs, outs, strict=True):
+            buffers[(v, ins.micro_batch)] = x
+        for a in accs:
+            if a not in fused:
+                acc[a.target] = buffers[a.key]
+        for v in piece.outputs:
+            self._wrote((v, ins.micro_batch))
+
+    def _mean(self, group: list[Instruction]) -> None:
+        from alpa_like.runtime.pipeshard_runtime import _divide_all
+        totals = [self.accumulators.pop(ins.key[0]) for ins in group]
+        means = _divide_all(totals, self.program.num_micro_batches)
+        for ins, x in zip(group, means, strict=True):
+            self.buffers[ins.key] = x
+            self._wrote(ins.key)
+
+    def _load(self, ins: Instruction, inputs: dict) -> None:
+        import jax
+        from alpa_like.runtime.pipeshard_runtime import _split_micro_batches
+        v, mb = ins.key
+        if v in self.program.constants:
+            value = self.program.constants[v]
+        else:
+            kind, payload = inputs[v]
+            if kind == "ref":
+                import ray
+                value = ray.get(payload[0])
+                inputs[v] = ("value", value)
+            elif kind == "handle":
+                value = self.worker._store[payload]
+            elif kind == "peer":
+                value = self._receive(("input", v))
+                inputs[v] = ("value", value)
+            elif kind == "value":
+                value = payload
+            else:
+                raise AssertionError(kind)
+        if mb != PER_STEP:
+            if v not in self.micro:
+                self.micro[v] = _split_micro_batches(jax.numpy.asarray(value), self.program.num_micro_batches)
+            value = self.micro[v][mb]
+        shape = np.shape(value)
+        info = self.program.meshes[self.program.mesh]
+        spec = load_spec(self.program.input_specs, v, shape, info.logical_shape)
+        self.buffers[ins.key] = jax.device_put(value, self.loaded.sharding(spec))
+        self._wrote(ins.key)
+
+    def _recv(self, ins: Instruction) -> None:
+        self.buffers[ins.key] = self._receive(ins.key)
+        self._wrote(ins.key)
+
+    # ------------------------------------------------------------------------------------ transfers
+
+    def send_input(self, x, dst: int, v: ValueId) -> None:
+        """Queues a stored array for mesh ``dst``, which LOADs it as input ``v`` (sent by ``flush``)."""
+        spec = load_spec(self.program.input_specs, v, x.shape, self.program.meshes[dst].logical_shape)
+        self.outbox.setdefault(dst, []).append((("input", v), x, spec))
+
+    def flush(self) -> None:
+        """Sends what the last instruction queued: one parcel (one object, one actor call) per receiver."""
+        for dst, items in self.outbox.items():
+            self.sends.append(self.worker._sender.submit(self._send_now, dst, items))
+        self.outbox = {}
+
+    def _send_now(self, dst: int, items: list) -> None:
+        import ray
+        parcel = [self._pieces(x, dst, spec, is_input=key[0] == "input") for key, x, spec in items]
+        ref = ray.put(parcel)
+        self.loaded.peers[dst].deliver.remote(self.exe_id, self.step, [key for key, _, _ in items], [ref])
+
+    def _pieces(self, x, dst: int, dst_spec: ShardingSpec, is_input: bool) -> dict:
+        """One buffer cut into the pieces its resharding plan sends to mesh ``dst``."""
+        import jax
+        from alpa_like.runtime.resharding import pieces_to_send
+        src_spec = _spec_of(x, self.loaded)
+        plan = self.loaded.plan(x.shape, x.dtype, self.program.mesh, src_spec, dst, dst_spec)
+        target = self.loaded.sharding(src_spec)
+        if not x.sharding.is_equivalent_to(target, x.ndim):
+            x = jax.device_put(x, target)
+        src_data = {self.loaded.global_id[s.device.id]: np.asarray(s.data) for s in x.addressable_shards}
+        if is_input:
+            self.input_bytes_sent += plan.cross_mesh_bytes
+        else:
+            self.bytes_sent += plan.cross_mesh_bytes
+        return {"shape": tuple(x.shape), "dtype": str(x.dtype), "src_mesh": self.program.mesh,
+                "src_spec": src_spec, "dst_spec": dst_spec, "pieces": pieces_to_send(plan, src_data)}
+
+    def _receive(self, key):
+        import jax
+        from alpa_like.runtime.resharding import assemble_received
+        payload = self.worker._wait_for(self.exe_id, self.step, key)
+        plan = self.loaded.plan(payload["shape"], payload["dtype"], payload["src_mesh"], payload["src_spec"],
+                                self.program.mesh, payload["dst_spec"])
+        device_of = self.loaded.device_of
+        received = {dst: [(box, jax.device_put(piece, device_of[dst])) for box, piece in pieces]
+                    for dst, pieces in payload["pieces"].items()}
+        info = self.program.meshes[self.program.mesh]
+        return assemble_received(plan, received, np.dtype(payload["dtype"]), device_of, info.flat_ids,
+                                 self.loaded.sharding(payload["dst_spec"]))
+
+    def finish_sends(self) -> None:
+        for future in self.sends:
+            future.result()
+
+
+def _spec_of(x, loaded: _LoadedProgram) -> ShardingSpec:
+    """The ShardingSpec of an array on the worker's mesh (replicated when it is laid out otherwise)."""
+    import jax
+    from alpa_like.runtime.pipeshard_runtime import MESH_AXES
+    sharding = x.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh == loaded.mesh:
+        return ShardingSpec.from_partition_spec(sharding.spec, MESH_AXES, x.ndim)
+    return ShardingSpec.replicated(x.ndim)

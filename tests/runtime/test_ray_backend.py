@@ -1,0 +1,220 @@
+"""The Ray backend runs the local backend's plans on worker actors with the same results.
+
+Every test here uses the session's local Ray (``ray_session``) and a 1 node x 4 device Ray backend: each
+mesh of a plan is one worker actor with its own virtual CPU devices. The workers share a persistent XLA
+compilation cache (a temporary directory), so re-made workers do not compile the same pieces again.
+"""
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import alpa_like as al
+from alpa_like.pipeshard import compile_pipeshard
+from alpa_like.runtime.instructions import Op
+from alpa_like.runtime.ray_backend import RayStepError, RemoteArray, held_at_end, worker_programs
+from alpa_like.runtime.ray_worker import MeshInfo
+from tests.helpers import assert_trees_close, reference_on_one_device, run_steps
+from tests.runtime.test_pipeshard_runtime import gpt_case, mlp_case, stages, train_step_for
+
+pytestmark = pytest.mark.ray
+
+NUM_DEVICES = 4
+MESHES = {  # name: stage option on a 1 x 4 cluster
+    "2_meshes": stages(((0, 1), (2, 3)), ((1, 2), (1, 2)), ((2, 1), (1, 2))),
+    "3_meshes": stages(((0, 1), (2,), (3,)), ((1, 2), (1, 1), (1, 1)), ((2, 1), (1, 1), (1, 1))),
+}
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("xla_cache"))
+
+
+def init_ray(cache_dir):
+    al.init(cluster="ray", num_nodes=1, num_devices_per_node=NUM_DEVICES, compilation_cache_dir=cache_dir)
+
+
+@pytest.fixture(scope="module")
+def ray_backend(ray_session, cache_dir):
+    init_ray(cache_dir)
+    yield
+    al.shutdown()
+
+
+def method_for(meshes: str, schedule: str = "1f1b", num_micro_batches: int = 2, manual: bool = False):
+    layers = al.ManualLayerOption() if manual else al.AutoLayerOption(layer_num=4)
+    return al.PipeshardParallel(num_micro_batches=num_micro_batches, layer_option=layers,
+                                stage_option=MESHES[meshes], pipeline_schedule=schedule)
+
+
+def run_on_local_backend(step, method, state, batches):
+    """The same plan on the local backend (4 of this process's devices), for comparison."""
+    exe = compile_pipeshard(method, step, (state, batches[0]), static_argnums=(), batch_argnums=(1,),
+                            devices=jax.devices()[:NUM_DEVICES])
+    return run_steps(exe, state, batches)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("meshes", sorted(MESHES))
+def test_gpt_matches_local_backend_and_jit(ray_backend, meshes, schedule):
+    loss_fn, state, batches = gpt_case()
+    batches = batches[:2]
+    step = train_step_for(loss_fn)
+    method = method_for(meshes, schedule)
+    f = al.parallelize(step, method=method)
+    got_state, got_losses = run_steps(f, state, batches)
+    exe = f.get_executable(got_state, batches[0])
+    assert len({id(w) for w in exe.workers}) == len(MESHES[meshes].submesh_physical_shapes)
+    assert all(isinstance(x, RemoteArray) for x in jax.tree_util.tree_leaves(got_state.params))
+    local_state, local_losses = run_on_local_backend(step, method, state, batches)
+    ref_state, ref_losses = reference_on_one_device(step, state, batches)
+    # Same pieces and micro-batch sums on both backends; sharded matmuls reassociate float32 additions
+    # against the single-device reference.
+    assert_trees_close(got_state.params, local_state.params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got_losses, local_losses, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_two_steps_keep_parameters_off_the_driver(ray_backend):
+    loss_fn, state, batches = gpt_case()
+    f = al.parallelize(train_step_for(loss_fn), method=method_for("3_meshes"))
+    state1, _ = f(state, batches[0])
+    exe = f.get_executable(state1, batches[1])
+    state2, loss = f(state1, batches[1])
+    stats = exe.last_step
+    batch_leaves = jax.tree_util.tree_leaves(batches[1])
+    batch_bytes = sum(np.asarray(x).nbytes for x in batch_leaves)
+    param_bytes = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(state.params))
+    # Every state leaf was a handle, used in place or sent worker to worker; only the batch came from here.
+    assert stats.inputs_by_kind["ref"] == len(batch_leaves)
+    assert stats.inputs_by_kind["handle"] + stats.inputs_by_kind["peer"] >= len(jax.tree_util.tree_leaves(state1))
+    assert stats.driver_sent_bytes < batch_bytes + 16_000 < param_bytes
+    # What came back: a few numbers per worker, no arrays.
+    assert set(stats.driver_received_types) <= {"int", "float"}
+    assert stats.driver_received_bytes < 200 * stats.driver_calls
+    assert stats.driver_calls == 3 and stats.worker_bytes > 0
+    assert isinstance(loss, RemoteArray) and np.isfinite(float(loss))
+    assert all(isinstance(x, RemoteArray) for x in jax.tree_util.tree_leaves(state2))
+
+
+def test_outputs_fetch_lazily_and_are_freed_when_dropped(ray_backend):
+    loss_fn, state, batches = mlp_case()
+    f = al.parallelize(train_step_for(loss_fn), method=method_for("2_meshes", manual=True))
+    new_state, loss = f(state, batches[0])
+    exe = f.get_executable(new_state, batches[0])
+    held = sum(exe.worker_handles())
+    assert held == len(jax.tree_util.tree_leaves((new_state, loss)))
+    w0 = new_state.params["w0"]
+    assert isinstance(w0, RemoteArray) and w0.shape == (16, 16) and w0.dtype == np.float32
+    ref_state, _ = reference_on_one_device(train_step_for(loss_fn), state, batches[:1])
+    np.testing.assert_allclose(np.asarray(w0), np.asarray(ref_state.params["w0"]), rtol=1e-5, atol=1e-6)
+    del new_state, loss, w0
+    exe.cluster.flush_frees()
+    deadline = time.monotonic() + 30
+    while sum(exe.worker_handles()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sum(exe.worker_handles()) == 0
+
+
+def test_spmd_methods_and_bad_arguments_give_clear_errors(ray_backend):
+    loss_fn, state, batches = mlp_case()
+    with pytest.raises(NotImplementedError, match="runs PipeshardParallel steps; got DataParallel"):
+        al.parallelize(train_step_for(loss_fn), method=al.DataParallel())(state, batches[0])
+    with pytest.raises(ValueError, match="need cluster='ray'"):
+        al.init("local", address="127.0.0.1:6379")
+    with pytest.raises(ValueError, match="num_nodes must be an int >= 1"):
+        al.init(cluster="ray", num_nodes=0)
+
+
+def first_run(exe, mesh: int, text: str) -> int:
+    program = exe.worker_programs[mesh].instructions
+    return next(i for i, ins in enumerate(program) if ins.op is Op.RUN and str(ins) == text)
+
+
+def test_a_raising_worker_names_mesh_and_instruction_then_reinit_works(ray_session, cache_dir):
+    import ray
+    init_ray(cache_dir)
+    loss_fn, state, batches = mlp_case()
+    step = train_step_for(loss_fn)
+    f = al.parallelize(step, method=method_for("2_meshes", manual=True))
+    state1, _ = f(state, batches[0])
+    exe = f.get_executable(state1, batches[1])
+    index = first_run(exe, 1, "RUN 1B0")
+    ray.get(exe.workers[1].set_fault.remote(index, "raise"))
+    with pytest.raises(RayStepError, match=rf"mesh 1: instruction #{index} `RUN 1B0` failed: RuntimeError"):
+        f(state1, batches[1])
+    with pytest.raises(RuntimeError, match="failed earlier"):
+        f(state1, batches[1])
+    al.shutdown()
+    init_ray(cache_dir)
+    got, _ = run_steps(f, state, batches[:2])
+    ref, _ = reference_on_one_device(step, state, batches[:2])
+    assert_trees_close(got.params, ref.params, rtol=1e-5, atol=1e-6)
+    al.shutdown()
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_step_is_a_named_error_within_30_s(ray_session, cache_dir):
+    import ray
+    init_ray(cache_dir)
+    loss_fn, state, batches = mlp_case()
+    f = al.parallelize(train_step_for(loss_fn), method=method_for("3_meshes", manual=True))
+    state1, _ = f(state, batches[0])
+    exe = f.get_executable(state1, batches[1])
+    victim = exe.workers[1]
+    index = first_run(exe, 1, "RUN 1F1")
+    ray.get(victim.set_fault.remote(index, "stall"))
+
+    def kill_when_stalled():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if f"instruction #{index} " in ray.get(victim.where.remote()):
+                ray.kill(victim, no_restart=True)
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_when_stalled, daemon=True)
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(RayStepError, match=rf"worker of mesh 1 died at instruction #{index} `RUN 1F1`"):
+        f(state1, batches[1])
+    assert time.monotonic() - start < 30
+    killer.join(5)
+    al.shutdown()
+    init_ray(cache_dir)
+    _, loss = f(state, batches[0])
+    assert np.isfinite(float(loss))
+    al.shutdown()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_worker_programs_project_the_global_program(schedule):
+    """Without Ray: each worker gets its mesh's instructions and pieces, sends every buffer another mesh
+    RECVs, and holds every step output at least once."""
+    loss_fn, state, batches = mlp_case()
+    method = method_for("3_meshes", schedule, num_micro_batches=4, manual=True)
+    exe = compile_pipeshard(method, train_step_for(loss_fn), (state, batches[0]), static_argnums=(),
+                            batch_argnums=(1,), devices=jax.devices()[:NUM_DEVICES])
+    meshes = [MeshInfo(logical_shape=s.logical_mesh_shape, device_ids=(tuple(s.device_ids),)) for s in exe.plan.stages]
+    shipped = {key: b"" for key in exe.program.pieces}
+    programs = worker_programs(exe.program, exe.programs, meshes, {}, shipped, 4)
+    recvs = {(i.src_mesh, i.key, i.mesh) for i in exe.programs.instructions if i.op is Op.RECV}
+    assert recvs and recvs == {(p.mesh, key, dst) for p in programs for key, dsts in p.sends.items() for dst in dsts}
+    for k, p in enumerate(programs):
+        assert p.instructions == exe.programs.program(k)
+        assert {stage for stage, _ in p.pieces} == {k}
+    held = [{key for _, key in p.outputs} for p in programs]
+    for out in exe.programs.outputs:
+        if out is not None:
+            assert out[0] in held[out[1]]
+    # A buffer a mesh received and never freed is held there too (a replica of the output).
+    for k in range(len(programs)):
+        received = {i.key for i in exe.programs.program(k) if i.op is Op.RECV}
+        freed = {i.key for i in exe.programs.program(k) if i.op is Op.FREE}
+        assert received - freed <= held_at_end(exe.program, exe.programs.program(k))
