@@ -43,6 +43,7 @@ from alpa_like.plan import CommEstimate, ParallelPlan, StagePlan, TensorPlan
 from alpa_like.runtime.instructions import emit_programs
 from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable
 from alpa_like.runtime.schedules import make_schedule
+from alpa_like.runtime.terapipe_runtime import TerapipeExecutable
 from alpa_like.shard_parallel import AutoShardingOption
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "breadth_first", "terapipe")
@@ -154,9 +155,18 @@ class PipeshardParallel:
     """Layer chunks per mesh for the looping schedules (``interleaved_1f1b``, ``breadth_first``): the
     layers are cut into ``meshes x virtual_stages`` equal chunks and chunk ``s`` runs on mesh ``s mod p``
     (Megatron-LM's interleaved layout). 1 for the other schedules."""
+    token_slices: tuple[int, ...] | None = None
+    """``pipeline_schedule="terapipe"`` only: the token slice lengths of every sequence (summing to its
+    length). None: the TeraPipe DP chooses them in planning (see ``ParallelPlan.token_slicing``)."""
 
     def __post_init__(self):
         _check_micro_batches(self.num_micro_batches)
+        if self.token_slices is not None:
+            if self.pipeline_schedule != "terapipe":
+                raise ValueError(f"token_slices needs pipeline_schedule='terapipe', got {self.pipeline_schedule!r}")
+            if not isinstance(self.token_slices, tuple) or not self.token_slices or not all(
+                    isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in self.token_slices):
+                raise ValueError(f"token_slices must be a non-empty tuple of ints >= 1, got {self.token_slices!r}")
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got "
                              f"{self.pipeline_schedule!r}")
@@ -392,12 +402,12 @@ def _stage_plan(q: int, choice: StageChoice, device_ids, traced: TracedStep, sum
 def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[Any], *, static_argnums: Sequence[int],
                       batch_argnums: Sequence[int], devices: Sequence[Any]):
     """Plans ``fun(*args)`` on ``devices`` and builds the local MPMD executable that runs the plan."""
-    if method.pipeline_schedule == "terapipe":
-        raise NotImplementedError("pipeline_schedule='terapipe' can be planned but not run yet")
     progress = _Progress(method.stage_option.show_progress)
     progress.step("step 1/4: tracing the step and cutting it into layers")
     sliced = slice_step(method, fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums)
     plan = plan_sliced(method, sliced, ClusterSpec.local(devices), progress)
+    if method.pipeline_schedule == "terapipe":
+        return _compile_terapipe(method, fun, args, sliced, plan, devices)
     stage_layers, stage_to_mesh = [s.layer_ids for s in plan.stages], list(range(len(plan.stages)))
     if method.virtual_stages > 1:
         plan, stage_layers, stage_to_mesh = _loop_layers(plan, len(sliced.summaries), method.virtual_stages)
@@ -411,6 +421,20 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
                    if t.spec is not None and t.path in path_to_input}
     return PipeshardExecutable(traced=sliced.traced, plan=plan, program=program, programs=programs,
                                devices=devices, input_specs=input_specs)
+
+
+def _compile_terapipe(method: PipeshardParallel, fun: Callable, args: Sequence[Any], sliced: SlicedStep,
+                      plan: ParallelPlan, devices: Sequence[Any]) -> TerapipeExecutable:
+    """The TeraPipe runtime on the plan's stages with the method's (or the plan's) token slices."""
+    if method.virtual_stages != 1:
+        raise ValueError("pipeline_schedule='terapipe' runs one stage per mesh (virtual_stages=1)")
+    slices = method.token_slices or (plan.token_slicing[0][1] if plan.token_slicing else None)
+    if slices is None:
+        seq = {leaf.shape[1] for leaf in sliced.traced.in_leaves if leaf.is_batch and len(leaf.shape) > 1}
+        slices = (max(seq),) if seq else (1,)
+    return TerapipeExecutable(fun=fun, args=args, traced=sliced.traced, plan=plan,
+                              layer_assign=method.layer_option.layering().assign, devices=devices,
+                              token_slices=slices)
 
 
 def _loop_layers(plan: ParallelPlan, num_layers: int, virtual_stages: int):
