@@ -37,6 +37,7 @@ from alpa_like.compiler.stage_dp import StageChoice, StageCosts, StageSolution, 
 from alpa_like.compiler.stage_construction import build_stage_program
 from alpa_like.compiler.stage_profiling import StageProfile, apply_phase_inputs, profile_stage_costs
 from alpa_like.compiler.submesh import assign_devices, submesh_shapes
+from alpa_like.compiler.terapipe_planning import attention_fractions, choose_token_slicing
 from alpa_like.compiler.trace import TracedStep, trace_step
 from alpa_like.methods import _check_micro_batches, input_roles
 from alpa_like.plan import CommEstimate, ParallelPlan, StagePlan, TensorPlan
@@ -288,10 +289,36 @@ def plan_sliced(method: PipeshardParallel, sliced: SlicedStep, cluster: ClusterS
                    for q, choice in enumerate(solution.stages))
     times["other"] = time.perf_counter() - t3
     progress.step(f"step 4/4: done: {len(stages)} stages, layers per stage {solution.layers_per_stage}")
-    return ParallelPlan(method=repr(method), num_micro_batches=method.num_micro_batches, cluster=cluster,
+    plan = ParallelPlan(method=repr(method), num_micro_batches=method.num_micro_batches, cluster=cluster,
                         stages=stages, pipeline_schedule=method.pipeline_schedule,
                         estimated_iteration_time=float(solution.iteration_time), warnings=tuple(sliced.warnings),
                         compile_times=tuple(times.items()))
+    if method.pipeline_schedule == "terapipe":
+        t4 = time.perf_counter()
+        plan = _plan_token_slicing(method, sliced, solution, plan)
+        plan = dataclasses.replace(plan, compile_times=plan.compile_times + (("token DP", time.perf_counter() - t4),))
+    return plan
+
+
+def _plan_token_slicing(method: PipeshardParallel, sliced: SlicedStep, solution: StageSolution,
+                        plan: ParallelPlan) -> ParallelPlan:
+    """The TeraPipe DP after the stage DP (:mod:`alpa_like.compiler.terapipe_planning`): keeps token slicing
+    only where it lowers the predicted time. The plan's estimate is the stage DP's, scaled by the token
+    model's ratio of sliced to unsliced latency."""
+    batch_leaves = [leaf for leaf in sliced.traced.in_leaves if leaf.is_batch and len(leaf.shape) > 1]
+    if not batch_leaves:
+        return dataclasses.replace(plan, warnings=plan.warnings + (
+            "terapipe: no batch input has a sequence dim (dim 1); no token slicing",))
+    seq_len = batch_leaves[0].shape[1]
+    rows = batch_leaves[0].shape[0] // method.num_micro_batches
+    stage_layers = [tuple(range(s.layers[0], s.layers[1] + 1)) for s in solution.stages]
+    fractions = attention_fractions(sliced.jaxpr, sliced.pieces, stage_layers)
+    decision = choose_token_slicing([s.t_intra for s in solution.stages], fractions, seq_len,
+                                    method.num_micro_batches, rows, fixed_lengths=method.token_slices)
+    scale = decision.latency / decision.latency_unsliced if decision.latency_unsliced > 0 else 1.0
+    return dataclasses.replace(plan, token_slicing=decision.batch_slices,
+                               estimated_iteration_time=plan.estimated_iteration_time * scale,
+                               iteration_time_without_token_slicing=plan.estimated_iteration_time)
 
 
 def _candidate_meshes(option: StageOption, cluster: ClusterSpec, num_layers: int):

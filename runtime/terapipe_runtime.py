@@ -40,6 +40,7 @@ shardings are not applied on this path), and the optimizer update runs on the fi
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -310,12 +311,8 @@ class TerapipeExecutable:
             weight = length / (self.seq_len * m)
             closed, counts = _trace_slice(self.call, leaf_avals, self._batch_leaf, start, length,
                                           self.token_slices[:i], kv_avals, weight)
-            names = [e.primitive.name for e in closed.jaxpr.eqns]
-            if names != signature:
-                raise TerapipeContractError(
-                    f"the loss's equations change with the slice length (slice {i}: {len(names)} equations, whole "
-                    f"sequence: {len(signature)}); token slicing needs one computation per token")
-            self.programs.append(self._program(closed, counts, eqn_stage, len(kv_avals), first=i == 0))
+            stages_i = _transfer_stages(signature, eqn_stage, [e.primitive.name for e in closed.jaxpr.eqns])
+            self.programs.append(self._program(closed, counts, stages_i, len(kv_avals), first=i == 0))
             for q, part in enumerate(self.programs[-1].parts):
                 self._fwd[(i, q)], self._bwd[(i, q)], self._diff_inputs[(i, q)] = _stage_functions(part)
         self._apply = jax.jit(self._apply_fn(fun, args))
@@ -468,6 +465,25 @@ class TerapipeExecutable:
                 "(e.g. batch['position_ids'], sliced like the tokens; not arange(seq) inside the model), every "
                 "cross-token operation must be alpa_like.nn.causal_self_attention, and the loss must be a mean "
                 "over all batch x sequence tokens")
+
+
+def _transfer_stages(reference: Sequence[str], reference_stage: Sequence[int], names: Sequence[str]) -> list[int]:
+    """Stage of every equation of a slice's trace, from the full-length trace's assignment.
+
+    Slice traces have the same equations as the full-length one except where a size-1 dim lets JAX skip
+    an equation (a one-token slice); the equations are aligned by primitive name (difflib) and an unmatched
+    equation joins the stage of the equation before it (stages stay non-decreasing).
+    """
+    stages = [None] * len(names)
+    matcher = difflib.SequenceMatcher(a=list(reference), b=list(names), autojunk=False)
+    for block in matcher.get_matching_blocks():
+        for offset in range(block.size):
+            stages[block.b + offset] = reference_stage[block.a + offset]
+    out, current = [], 0
+    for q in stages:
+        current = current if q is None else max(current, q)
+        out.append(current)
+    return out
 
 
 def _accumulate(store: dict, key, value) -> None:
