@@ -41,7 +41,7 @@ from flax.training import train_state  # noqa: E402
 import alpa_like as al  # noqa: E402
 from alpa_like.compiler.terapipe_cost import analytic_slice_costs, measured_slice_costs  # noqa: E402
 from alpa_like.compiler.token_slicing import (format_scheme, slice_cost_table, solve_joint_slicing,  # noqa: E402
-                                              uniform_slicing)
+                                              solve_token_slicing, uniform_slicing)
 from alpa_like.models import gpt  # noqa: E402
 from alpa_like.nn import TokenSliceContext, token_slice_context  # noqa: E402
 
@@ -154,6 +154,16 @@ def part2(calibration):
               f"{uniform[best_n] / dp:.2f}x (paper {paper_uniform / paper_dp:.2f}x: {paper_uniform} vs {paper_dp})")
         rows.append({"setting": number, "uniform_s": uniform, "best_uniform_slices": best_n, "dp_s": dp,
                      "dp_scheme": scheme, "paper_uniform_s": paper_uniform, "paper_dp_s": paper_dp})
+    r = next(x for x in TABLE_2_1 if x[0] == 9)
+    start = time.perf_counter()
+    table = slice_cost_table(slice_model(r, calibration, 1), L)
+    built = time.perf_counter() - start
+    solution = solve_token_slicing(table, r[7], epsilon=1e-4)
+    solved = time.perf_counter() - start - built
+    print(f"DP at token granularity, L = {L}, K = {r[7]}, epsilon = 0.1 ms: table {built:.2f} s + solve "
+          f"{solved:.2f} s ({solution.num_candidates} t_max candidates), {len(solution.lengths)} slices")
+    rows.append({"dp_speed": {"seq_len": L, "stages": r[7], "table_s": built, "solve_s": solved,
+                              "candidates": solution.num_candidates, "lengths": list(solution.lengths)}})
     return rows
 
 
