@@ -29,7 +29,8 @@ __all__ = ["SliceCostModel", "fit_slice_costs", "analytic_slice_costs", "measure
 
 @dataclasses.dataclass(frozen=True)
 class SliceCostModel:
-    """Eq. 2.9 for one stage: ``slice_time(i, j) = base[i - 1] + [j > 0] (a0 + a1 i + a2 j + a3 i j)``."""
+    """Eq. 2.9 for one stage: ``slice_time(i, j) = base[i - 1] + [j > 0] max(0, a0 + a1 i + a2 j + a3 i j)``
+    (a fitted context term never makes a slice cheaper than without context)."""
 
     base: tuple[float, ...]
     """t(i, 0) in seconds for i = 1..L."""
@@ -51,7 +52,7 @@ class SliceCostModel:
         if np.any(i < 1) or np.any(i > self.seq_len) or np.any(j < 0) or np.any(i + j > self.seq_len):
             raise ValueError(f"slices must satisfy 1 <= length and length + context <= {self.seq_len}")
         a0, a1, a2, a3 = self.context_coefficients
-        ctx = np.where(j > 0, a0 + a1 * i + a2 * j + a3 * i * j, 0.0)
+        ctx = np.where(j > 0, np.maximum(a0 + a1 * i + a2 * j + a3 * i * j, 0.0), 0.0)
         return np.asarray(self.base)[i - 1] + ctx
 
     def __call__(self, lengths, contexts) -> np.ndarray:
