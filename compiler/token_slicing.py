@@ -123,9 +123,15 @@ def _prefix_sums(by_end: np.ndarray, t_max: np.ndarray) -> np.ndarray:
     s = np.full((len(t_max), n + 1), np.inf)
     s[:, 0] = 0.0
     limit = t_max[:, None]
+    # Longest slice ending at i that any candidate admits: only k <= longest[i] need looking at.
+    admitted = by_end <= t_max.max()
+    longest = np.where(admitted.any(axis=1), n - np.argmax(admitted[:, ::-1], axis=1), 0)
     for i in range(1, n + 1):
-        cost = by_end[i, 1:i + 1]                      # slice lengths k = 1..i
-        prev = s[:, i - 1::-1]                          # S*(i - k) for k = 1..i
+        k = int(longest[i])
+        if k == 0:
+            continue
+        cost = by_end[i, 1:k + 1]                       # slice lengths 1..k ending at i
+        prev = s[:, i - 1:i - 1 - k:-1] if i - 1 - k >= 0 else s[:, i - 1::-1]  # S*(i - 1), ..., S*(i - k)
         s[:, i] = np.min(np.where(cost <= limit, prev + cost, np.inf), axis=1)
     return s
 
@@ -173,7 +179,7 @@ def _check_positive(name: str, value) -> None:
 
 
 def solve_token_slicing(table: np.ndarray, num_stages: int, *, epsilon: float = 0.0,
-                        batch_size: int = 32) -> SlicingSolution:
+                        batch_size: int = 64) -> SlicingSolution:
     """Alg. 1: the slice lengths minimising Eq. 2.4 for one sequence.
 
     Args:
@@ -192,7 +198,7 @@ def solve_token_slicing(table: np.ndarray, num_stages: int, *, epsilon: float = 
 
 
 def solve_joint_slicing(tables: Mapping[int, np.ndarray], batch: int, num_stages: int, *, epsilon: float = 0.0,
-                        batch_size: int = 32) -> JointSolution:
+                        batch_size: int = 64) -> JointSolution:
     """Section 2.3.4: batch slices ``b_1 + ... + b_n = batch``, each cut into token slices.
 
     Args:

@@ -16,7 +16,8 @@ Three parts, printed side by side and written as JSON:
    and 9, under the same model.
 3. **Measured on the 8 CPU devices**: a small GPT with long sequences and batch 1 on 4 stages of 2 devices,
    1F1B (whole sequences) versus ``pipeline_schedule="terapipe"``; the token slices come from the DP on a
-   *measured* Eq. 2.9 model (one GPT block timed on a grid of slice/context lengths; fit error printed).
+   *measured* Eq. 2.9 model (one GPT block timed on a grid of slice/context lengths; fit error printed),
+   searched in steps of 128 tokens.
 
     python examples/benchmarks/terapipe.py --out results/terapipe.json
 """
@@ -209,7 +210,7 @@ def part3(seq_len, steps, stages=4):
                                       lengths=[16, 64, 128, 256, 512, seq_len], repeats=3)
     print(f"measured Eq. 2.9 model of one stage: fit error max {model_cost.fit_error:.1%}, "
           f"mean {model_cost.mean_fit_error:.1%}")
-    grain = 16
+    grain = 128  # at most seq_len / 128 slices: each (stage, slice) pair is its own XLA executable
     table = slice_cost_table(lambda k, c: model_cost.slice_time(k * grain, c * grain), seq_len // grain)
     solution = solve_joint_slicing({1: table}, 1, stages, epsilon=1e-5)
     slices = tuple(x * grain for x in solution.batch_slices[0][1])
