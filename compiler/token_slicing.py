@@ -179,7 +179,7 @@ def _check_positive(name: str, value) -> None:
 
 
 def solve_token_slicing(table: np.ndarray, num_stages: int, *, epsilon: float = 0.0,
-                        batch_size: int = 64) -> SlicingSolution:
+                        batch_size: int = 32) -> SlicingSolution:
     """Alg. 1: the slice lengths minimising Eq. 2.4 for one sequence.
 
     Args:
@@ -198,7 +198,7 @@ def solve_token_slicing(table: np.ndarray, num_stages: int, *, epsilon: float = 
 
 
 def solve_joint_slicing(tables: Mapping[int, np.ndarray], batch: int, num_stages: int, *, epsilon: float = 0.0,
-                        batch_size: int = 64) -> JointSolution:
+                        batch_size: int = 32) -> JointSolution:
     """Section 2.3.4: batch slices ``b_1 + ... + b_n = batch``, each cut into token slices.
 
     Args:
