@@ -310,6 +310,9 @@ def _plan_token_slicing(method: PipeshardParallel, sliced: SlicedStep, solution:
         return dataclasses.replace(plan, warnings=plan.warnings + (
             "terapipe: no batch input has a sequence dim (dim 1); no token slicing",))
     seq_len = batch_leaves[0].shape[1]
+    if method.token_slices is not None and sum(method.token_slices) != seq_len:
+        raise ValueError(f"token_slices {method.token_slices} must sum to the sequence length {seq_len} "
+                         f"(dim 1 of {batch_leaves[0].path})")
     rows = batch_leaves[0].shape[0] // method.num_micro_batches
     stage_layers = [tuple(range(s.layers[0], s.layers[1] + 1)) for s in solution.stages]
     fractions = attention_fractions(sliced.jaxpr, sliced.pieces, stage_layers)

@@ -30,7 +30,7 @@ def test_stage_cost_is_the_stage_time_for_the_whole_sequence():
     assert float(cost(8, 0)) == pytest.approx(float(cost(32, 0)) - 3.0 * 0.25 * (32 * 32 - 8 * 8) / 128**2)
 
 
-def test_plan_prints_the_token_slicing_scheme():
+def gpt_plan(**method_options):
     config = gpt.GPTConfig(vocab_size=1024, seq_len=512, hidden_size=256, num_layers=8, num_heads=8)
     model = gpt.GPTModel(config)
     params = gpt.gpt_param_shapes(config)
@@ -44,8 +44,17 @@ def test_plan_prints_the_token_slicing_scheme():
                                   stage_option=al.UniformStageOption(num_stages=8, submesh_physical_shape=(1, 1),
                                                                      submesh_logical_shape=(1, 1),
                                                                      show_progress=False),
-                                  pipeline_schedule="terapipe")
-    plan = al.plan(step, params, batch, method=method, cluster=al.ClusterSpec.preset("p3.16xlarge", num_nodes=1))
+                                  pipeline_schedule="terapipe", **method_options)
+    return al.plan(step, params, batch, method=method, cluster=al.ClusterSpec.preset("p3.16xlarge", num_nodes=1))
+
+
+def test_token_slices_must_cover_the_sequence():
+    with pytest.raises(ValueError, match="must sum to the sequence length 512"):
+        gpt_plan(token_slices=(256, 128))
+
+
+def test_plan_prints_the_token_slicing_scheme():
+    plan = gpt_plan()
     assert plan.token_slicing, "8 stages, 8 sequences of 512 tokens: slicing must pay off"
     lengths = plan.token_slicing[0][1]
     assert sum(lengths) == 512 and len(plan.token_slicing) == 8
