@@ -192,7 +192,7 @@ def solve_token_slicing(table: np.ndarray, num_stages: int, *, epsilon: float = 
 
     >>> t = slice_cost_table(lambda k, c: 1.0 + k * (1 + c / 4), 8)
     >>> solve_token_slicing(t, 4).lengths
-    (3, 3, 2)
+    (3, 1, 1, 1, 1, 1)
     """
     return _solve({1: table}, 1, num_stages, epsilon, batch_size, allow_batch_split=False)
 
