@@ -5,18 +5,75 @@ Only functions that a compiler pass must be able to recognise live here. Today t
 dimension of a transformer, which is only legal for an operator whose cross-token dependence is known to be
 causal. Every bundled attention layer therefore goes through this one function, whose body is wrapped in
 ``jax.named_scope("causal_self_attention")`` so that its equations can be found in a traced Jaxpr.
+
+While the TeraPipe runtime traces one token slice of a step (:func:`token_slice_context`), each call also
+attends to the keys and values that the same call produced on the earlier slices of the sequence (passed in
+as inputs of the traced slice), and reports its own keys and values (outputs of the traced slice).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import math
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["ATTENTION_SCOPE", "causal_self_attention"]
+__all__ = ["ATTENTION_SCOPE", "causal_self_attention", "TokenSliceContext", "token_slice_context"]
 
 ATTENTION_SCOPE = "causal_self_attention"
 """Name of the ``jax.named_scope`` wrapping the body of :func:`causal_self_attention`."""
+
+
+@dataclasses.dataclass
+class TokenSliceContext:
+    """Key/value cache plumbing of one traced token slice (TeraPipe).
+
+    ``prefixes[n]`` holds, for the ``n``-th attention call of the slice, one ``(k, v)`` pair per earlier
+    slice of the sequence (``[batch, l_j, heads, head_dim]`` each, in sequence order); ``None`` means no
+    earlier slice. Each call appends its own ``(k, v)`` to ``produced``.
+    """
+
+    prefixes: Sequence[Sequence[tuple[jax.Array, jax.Array]]] | None = None
+    produced: list[tuple[jax.Array, jax.Array]] = dataclasses.field(default_factory=list)
+
+
+_SLICE: contextvars.ContextVar[TokenSliceContext | None] = contextvars.ContextVar("alpa_like_token_slice",
+                                                                                   default=None)
+
+
+@contextlib.contextmanager
+def token_slice_context(context: TokenSliceContext) -> Iterator[TokenSliceContext]:
+    """Within this block :func:`causal_self_attention` reads cached prefixes from ``context`` and records
+    the keys and values it computes (the TeraPipe runtime's tracing hook; numerics are unchanged)."""
+    token = _SLICE.set(context)
+    try:
+        yield context
+    finally:
+        _SLICE.reset(token)
+
+
+def _with_prefix(k: jax.Array, v: jax.Array, mask) -> tuple[jax.Array, jax.Array]:
+    """k, v extended by the cached prefix of the active token slice (if any)."""
+    context = _SLICE.get()
+    if context is None:
+        return k, v
+    if mask is not None:
+        raise ValueError("causal_self_attention(mask=...) is not supported with pipeline_schedule='terapipe': "
+                         "a mask spans the whole sequence, token slices see only part of it")
+    call = len(context.produced)
+    context.produced.append((k, v))
+    if context.prefixes is None:
+        return k, v
+    if call >= len(context.prefixes):
+        raise ValueError(f"token slice traced {call + 1} attention calls, but its cache has {len(context.prefixes)}")
+    pairs = list(context.prefixes[call])
+    if not pairs:
+        return k, v
+    return (jnp.concatenate([pk for pk, _ in pairs] + [k], axis=1),
+            jnp.concatenate([pv for _, pv in pairs] + [v], axis=1))
 
 
 def _check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
@@ -77,6 +134,7 @@ def causal_self_attention(
     """
     _check_qkv(q, k, v)
     with jax.named_scope(ATTENTION_SCOPE):
+        k, v = _with_prefix(k, v, mask)
         q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[3]
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
         scores = scores.astype(jnp.float32) / math.sqrt(head_dim)

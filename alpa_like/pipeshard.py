@@ -37,12 +37,14 @@ from alpa_like.compiler.stage_dp import StageChoice, StageCosts, StageSolution, 
 from alpa_like.compiler.stage_construction import build_stage_program
 from alpa_like.compiler.stage_profiling import StageProfile, apply_phase_inputs, profile_stage_costs
 from alpa_like.compiler.submesh import assign_devices, submesh_shapes
+from alpa_like.compiler.terapipe_planning import attention_fractions, choose_token_slicing
 from alpa_like.compiler.trace import TracedStep, trace_step
 from alpa_like.methods import _check_micro_batches, input_roles
 from alpa_like.plan import CommEstimate, ParallelPlan, StagePlan, TensorPlan
 from alpa_like.runtime.instructions import emit_programs
 from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable
 from alpa_like.runtime.schedules import make_schedule
+from alpa_like.runtime.terapipe_runtime import TerapipeExecutable
 from alpa_like.shard_parallel import AutoShardingOption
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "breadth_first", "terapipe")
@@ -154,9 +156,18 @@ class PipeshardParallel:
     """Layer chunks per mesh for the looping schedules (``interleaved_1f1b``, ``breadth_first``): the
     layers are cut into ``meshes x virtual_stages`` equal chunks and chunk ``s`` runs on mesh ``s mod p``
     (Megatron-LM's interleaved layout). 1 for the other schedules."""
+    token_slices: tuple[int, ...] | None = None
+    """``pipeline_schedule="terapipe"`` only: the token slice lengths of every sequence (summing to its
+    length). None: the TeraPipe DP chooses them in planning (see ``ParallelPlan.token_slicing``)."""
 
     def __post_init__(self):
         _check_micro_batches(self.num_micro_batches)
+        if self.token_slices is not None:
+            if self.pipeline_schedule != "terapipe":
+                raise ValueError(f"token_slices needs pipeline_schedule='terapipe', got {self.pipeline_schedule!r}")
+            if not isinstance(self.token_slices, tuple) or not self.token_slices or not all(
+                    isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in self.token_slices):
+                raise ValueError(f"token_slices must be a non-empty tuple of ints >= 1, got {self.token_slices!r}")
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got "
                              f"{self.pipeline_schedule!r}")
@@ -278,10 +289,39 @@ def plan_sliced(method: PipeshardParallel, sliced: SlicedStep, cluster: ClusterS
                    for q, choice in enumerate(solution.stages))
     times["other"] = time.perf_counter() - t3
     progress.step(f"step 4/4: done: {len(stages)} stages, layers per stage {solution.layers_per_stage}")
-    return ParallelPlan(method=repr(method), num_micro_batches=method.num_micro_batches, cluster=cluster,
+    plan = ParallelPlan(method=repr(method), num_micro_batches=method.num_micro_batches, cluster=cluster,
                         stages=stages, pipeline_schedule=method.pipeline_schedule,
                         estimated_iteration_time=float(solution.iteration_time), warnings=tuple(sliced.warnings),
                         compile_times=tuple(times.items()))
+    if method.pipeline_schedule == "terapipe":
+        t4 = time.perf_counter()
+        plan = _plan_token_slicing(method, sliced, solution, plan)
+        plan = dataclasses.replace(plan, compile_times=plan.compile_times + (("token DP", time.perf_counter() - t4),))
+    return plan
+
+
+def _plan_token_slicing(method: PipeshardParallel, sliced: SlicedStep, solution: StageSolution,
+                        plan: ParallelPlan) -> ParallelPlan:
+    """The TeraPipe DP after the stage DP (:mod:`alpa_like.compiler.terapipe_planning`): keeps token slicing
+    only where it lowers the predicted time. The plan's estimate is the stage DP's, scaled by the token
+    model's ratio of sliced to unsliced latency."""
+    batch_leaves = [leaf for leaf in sliced.traced.in_leaves if leaf.is_batch and len(leaf.shape) > 1]
+    if not batch_leaves:
+        return dataclasses.replace(plan, warnings=plan.warnings + (
+            "terapipe: no batch input has a sequence dim (dim 1); no token slicing",))
+    seq_len = batch_leaves[0].shape[1]
+    if method.token_slices is not None and sum(method.token_slices) != seq_len:
+        raise ValueError(f"token_slices {method.token_slices} must sum to the sequence length {seq_len} "
+                         f"(dim 1 of {batch_leaves[0].path})")
+    rows = batch_leaves[0].shape[0] // method.num_micro_batches
+    stage_layers = [tuple(range(s.layers[0], s.layers[1] + 1)) for s in solution.stages]
+    fractions = attention_fractions(sliced.jaxpr, sliced.pieces, stage_layers)
+    decision = choose_token_slicing([s.t_intra for s in solution.stages], fractions, seq_len,
+                                    method.num_micro_batches, rows, fixed_lengths=method.token_slices)
+    scale = decision.latency / decision.latency_unsliced if decision.latency_unsliced > 0 else 1.0
+    return dataclasses.replace(plan, token_slicing=decision.batch_slices,
+                               estimated_iteration_time=plan.estimated_iteration_time * scale,
+                               iteration_time_without_token_slicing=plan.estimated_iteration_time)
 
 
 def _candidate_meshes(option: StageOption, cluster: ClusterSpec, num_layers: int):
@@ -400,12 +440,14 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
                       make_executable: Callable = PipeshardExecutable):
     """Plans ``fun(*args)`` on ``devices`` (or ``cluster``) and builds the executable that runs the plan:
     the local MPMD backend's by default, another backend's through ``make_executable`` (same arguments)."""
-    if method.pipeline_schedule == "terapipe":
-        raise NotImplementedError("pipeline_schedule='terapipe' can be planned but not run yet")
+    if method.pipeline_schedule == "terapipe" and make_executable is not PipeshardExecutable:
+        raise NotImplementedError("pipeline_schedule='terapipe' runs on the local backend only (al.init('local'))")
     progress = _Progress(method.stage_option.show_progress)
     progress.step("step 1/4: tracing the step and cutting it into layers")
     sliced = slice_step(method, fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums)
     plan = plan_sliced(method, sliced, cluster or ClusterSpec.local(devices), progress)
+    if method.pipeline_schedule == "terapipe":
+        return _compile_terapipe(method, fun, args, sliced, plan, devices)
     stage_layers, stage_to_mesh = [s.layer_ids for s in plan.stages], list(range(len(plan.stages)))
     if method.virtual_stages > 1:
         plan, stage_layers, stage_to_mesh = _loop_layers(plan, len(sliced.summaries), method.virtual_stages)
@@ -419,6 +461,20 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
                    if t.spec is not None and t.path in path_to_input}
     return make_executable(traced=sliced.traced, plan=plan, program=program, programs=programs,
                            devices=devices, input_specs=input_specs)
+
+
+def _compile_terapipe(method: PipeshardParallel, fun: Callable, args: Sequence[Any], sliced: SlicedStep,
+                      plan: ParallelPlan, devices: Sequence[Any]) -> TerapipeExecutable:
+    """The TeraPipe runtime on the plan's stages with the method's (or the plan's) token slices."""
+    if method.virtual_stages != 1:
+        raise ValueError("pipeline_schedule='terapipe' runs one stage per mesh (virtual_stages=1)")
+    slices = method.token_slices or (plan.token_slicing[0][1] if plan.token_slicing else None)
+    if slices is None:
+        seq = {leaf.shape[1] for leaf in sliced.traced.in_leaves if leaf.is_batch and len(leaf.shape) > 1}
+        slices = (max(seq),) if seq else (1,)
+    return TerapipeExecutable(fun=fun, args=args, traced=sliced.traced, plan=plan,
+                              layer_assign=method.layer_option.layering().assign, devices=devices,
+                              token_slices=slices)
 
 
 def _loop_layers(plan: ParallelPlan, num_layers: int, virtual_stages: int):

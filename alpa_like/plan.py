@@ -16,6 +16,7 @@ from typing import Any
 
 from alpa_like.cluster import ClusterSpec
 from alpa_like.compiler.sharding_spec import ShardingSpec
+from alpa_like.compiler.token_slicing import format_scheme
 
 ROLES = ("param", "optimizer_state", "state", "batch", "output")
 
@@ -199,6 +200,10 @@ class ParallelPlan:
     warnings: tuple[str, ...] = ()
     compile_times: tuple[tuple[str, float], ...] = ()
     """Seconds spent planning, by step (e.g. trace and layers, intra-op solves, stage DP, other)."""
+    token_slicing: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    """TeraPipe: (batch-slice size, token slice lengths) of every batch slice; empty: no token slicing."""
+    iteration_time_without_token_slicing: float | None = None
+    """TeraPipe: the predicted iteration time of the same stages without token slicing."""
 
     @property
     def num_devices(self) -> int:
@@ -218,7 +223,9 @@ class ParallelPlan:
                 "cluster": self.cluster.to_dict(), "stages": [s.to_dict() for s in self.stages],
                 "pipeline_schedule": self.pipeline_schedule,
                 "estimated_iteration_time": self.estimated_iteration_time, "warnings": list(self.warnings),
-                "compile_times": [[name, seconds] for name, seconds in self.compile_times]}
+                "compile_times": [[name, seconds] for name, seconds in self.compile_times],
+                "token_slicing": [[b, list(ls)] for b, ls in self.token_slicing],
+                "iteration_time_without_token_slicing": self.iteration_time_without_token_slicing}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ParallelPlan:
@@ -227,7 +234,9 @@ class ParallelPlan:
                    stages=tuple(StagePlan.from_dict(s) for s in d["stages"]),
                    pipeline_schedule=d["pipeline_schedule"],
                    estimated_iteration_time=d["estimated_iteration_time"], warnings=tuple(d["warnings"]),
-                   compile_times=tuple((name, seconds) for name, seconds in d.get("compile_times", ())))
+                   compile_times=tuple((name, seconds) for name, seconds in d.get("compile_times", ())),
+                   token_slicing=tuple((b, tuple(ls)) for b, ls in d.get("token_slicing", ())),
+                   iteration_time_without_token_slicing=d.get("iteration_time_without_token_slicing"))
 
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -350,6 +359,11 @@ def format_plan(plan: ParallelPlan, *, group_layers: bool = True) -> str:
         total = sum(seconds for _, seconds in plan.compile_times)
         parts = ", ".join(f"{name} {format_seconds(seconds)}" for name, seconds in plan.compile_times)
         lines.append(f"  planning time: {format_seconds(total)} ({parts})")
+    if plan.pipeline_schedule == "terapipe":
+        scheme = format_scheme(plan.token_slicing) if plan.token_slicing else "none (whole sequences)"
+        without = plan.iteration_time_without_token_slicing
+        lines.append(f"  token slicing (TeraPipe): {scheme}"
+                     + (f"; without it: {format_seconds(without)}" if without is not None else ""))
     lines += [f"  warning: {w}" for w in plan.warnings]
     for s in plan.stages:
         contiguous = list(s.layer_ids) == list(range(s.layer_ids[0], s.layer_ids[-1] + 1)) if s.layer_ids else True

@@ -86,6 +86,7 @@ class ScheduleName(enum.StrEnum):
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED_1F1B = "interleaved_1f1b"
     BREADTH_FIRST = "breadth_first"
+    TERAPIPE = "terapipe"
 
 
 _TASK_RE = re.compile(r"(\d+)([" + "".join(Phase) + r"])(\d+)(?:\.(\d+))?")
@@ -99,8 +100,8 @@ def _is_int(x: object) -> bool:
 class Task:
     """One unit of work on one mesh: the ``phase`` of ``stage`` on ``micro_batch``.
 
-    Printed ``{stage}{phase}{micro_batch}``, e.g. ``2F0``, and ``2F0.1`` for token slice 1 (TeraPipe,
-    reserved: no schedule here uses slices). :meth:`from_str` parses the printed form back exactly.
+    Printed ``{stage}{phase}{micro_batch}``, e.g. ``2F0``, and ``2F0.1`` for token slice 1 of
+    micro-batch 0 (TeraPipe: :func:`terapipe`). :meth:`from_str` parses the printed form back exactly.
 
     >>> Task.from_str("2B10"), str(Task(StageIdx(0), MicroBatchIdx(3), Phase.F, slice=1))
     (2B10, '0F3.1')
@@ -151,13 +152,26 @@ def backward(stage: int, micro_batch: int) -> Task:
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def dependencies(task: Task, num_stages: int) -> tuple[Task, ...]:
+def dependencies(task: Task, num_stages: int, num_slices: int = 1) -> tuple[Task, ...]:
     """The tasks whose outputs ``task`` reads: ``F(s-1, k)`` for ``F(s, k)``; ``F(s, k)`` (stashed
-    activations) and ``B(s+1, k)`` (output gradient) for ``B(s, k)``."""
-    s, k = task.stage, task.micro_batch
+    activations) and ``B(s+1, k)`` (output gradient) for ``B(s, k)``.
+
+    With token slices (TeraPipe) ``F(s, k.i)`` also reads the keys and values of ``F(s, k.(i-1))`` (and
+    through it of every earlier slice), and ``B(s, k.i)`` the key/value gradients of ``B(s, k.(i+1))``."""
+    s, k, i = task.stage, task.micro_batch, task.slice
+
+    def same(stage: int, phase: Phase, slice_: int | None) -> Task:
+        return Task(StageIdx(stage), k, phase, slice_)
+
     if task.phase == Phase.F:
-        return (forward(s - 1, k),) if s > 0 else ()
-    return (forward(s, k),) + ((backward(s + 1, k),) if s + 1 < num_stages else ())
+        deps = [same(s - 1, Phase.F, i)] if s > 0 else []
+        if i is not None and i > 0:
+            deps.append(same(s, Phase.F, i - 1))
+        return tuple(deps)
+    deps = [same(s, Phase.F, i)] + ([same(s + 1, Phase.B, i)] if s + 1 < num_stages else [])
+    if i is not None and i + 1 < num_slices:
+        deps.append(same(s, Phase.B, i + 1))
+    return tuple(deps)
 
 
 # --------------------------------------------------------------------------------------------- timeline
@@ -235,8 +249,8 @@ def _per_stage(value: Duration | Sequence[Duration], num_stages: int, arg: str) 
     return values
 
 
-def _run(orders: Sequence[Sequence[Task]], num_stages: int, duration: Callable[[Task], Duration]
-         ) -> tuple[dict[Task, Duration], tuple[int, ...]]:
+def _run(orders: Sequence[Sequence[Task]], num_stages: int, duration: Callable[[Task], Duration],
+         num_slices: int = 1) -> tuple[dict[Task, Duration], tuple[int, ...]]:
     """Replay per-mesh orders as soon as possible: a task starts when its mesh is free and its dependencies
     have ended. Returns the start times of the tasks that ran and, per mesh, how many of its tasks ran
     (all of them unless the orders deadlock)."""
@@ -250,7 +264,7 @@ def _run(orders: Sequence[Sequence[Task]], num_stages: int, duration: Callable[[
         for mesh, order in enumerate(orders):
             while done[mesh] < len(order):
                 task = order[done[mesh]]
-                deps = dependencies(task, num_stages)
+                deps = dependencies(task, num_stages, num_slices)
                 if any(d not in end for d in deps):
                     break
                 start[task] = max([free[mesh]] + [end[d] for d in deps])
@@ -260,10 +274,10 @@ def _run(orders: Sequence[Sequence[Task]], num_stages: int, duration: Callable[[
     return start, tuple(done)
 
 
-def _ticks_from_orders(orders: Sequence[Sequence[Task]], num_stages: int
+def _ticks_from_orders(orders: Sequence[Sequence[Task]], num_stages: int, num_slices: int = 1
                        ) -> tuple[tuple[Task | None, ...], ...]:
     """Place per-mesh orders on unit ticks, each task as early as its mesh and dependencies allow."""
-    start, _ = _run(orders, num_stages, lambda task: 1)
+    start, _ = _run(orders, num_stages, lambda task: 1, num_slices)
     num_ticks = max(start.values(), default=-1) + 1
     grid: list[list[Task | None]] = [[None] * len(orders) for _ in range(num_ticks)]
     for mesh, order in enumerate(orders):
@@ -311,11 +325,13 @@ class Schedule:
     """Mesh of each stage."""
     ticks: tuple[tuple[Task | None, ...], ...]
     """``ticks[t][mesh]``: the task ``mesh`` runs at tick ``t`` (one tick each with unit durations)."""
+    num_slices: int = 1
+    """Token slices per micro-batch (TeraPipe); with more than 1 every task names its slice."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
             raise ValueError(f"Schedule.name must be a str, got {self.name!r}")
-        for field in ("num_meshes", "num_stages", "num_micro_batches"):
+        for field in ("num_meshes", "num_stages", "num_micro_batches", "num_slices"):
             value = getattr(self, field)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"Schedule.{field} must be an int >= 1, got {value!r}")
@@ -373,9 +389,10 @@ class Schedule:
             for mesh, task in enumerate(row):
                 if task is None:
                     continue
-                if task.slice is not None:
-                    raise self._fail(f"{task} at tick {tick} has a token slice; token-sliced (TeraPipe) "
-                                     f"schedules are not supported yet", {tick: f"{task} has a slice"})
+                if (task.slice is None) != (self.num_slices == 1) or (task.slice or 0) >= self.num_slices:
+                    raise self._fail(f"{task} at tick {tick} must name a token slice in 0..{self.num_slices - 1}"
+                                     if self.num_slices > 1 else f"{task} at tick {tick} has a token slice, but "
+                                     "the schedule has num_slices=1", {tick: f"{task} slice"})
                 if task.stage >= self.num_stages or task.micro_batch >= self.num_micro_batches:
                     raise self._fail(f"{task} at tick {tick} is out of range: stages 0..{self.num_stages - 1}, "
                                      f"micro-batches 0..{self.num_micro_batches - 1}", {tick: f"{task}"})
@@ -387,18 +404,21 @@ class Schedule:
                     raise self._fail(f"{task} runs twice, at ticks {seen[task]} and {tick}",
                                      {seen[task]: f"{task} (first)", tick: f"{task} again"})
                 seen[task] = tick
-        missing = [task for s in range(self.num_stages) for k in range(self.num_micro_batches)
-                   for task in (forward(s, k), backward(s, k)) if task not in seen]
+        slices = [None] if self.num_slices == 1 else range(self.num_slices)
+        missing = [task for s in range(self.num_stages) for k in range(self.num_micro_batches) for i in slices
+                   for task in (Task(StageIdx(s), MicroBatchIdx(k), Phase.F, i),
+                                Task(StageIdx(s), MicroBatchIdx(k), Phase.B, i)) if task not in seen]
         if missing:
             shown = " ".join(map(str, missing[:12])) + (" ..." if len(missing) > 12 else "")
             raise self._fail(f"{len(missing)} task(s) never run: {shown}")
 
         orders = self.mesh_orders()
-        ran, done = _run(orders, self.num_stages, lambda task: 1)
+        ran, done = _run(orders, self.num_stages, lambda task: 1, self.num_slices)
         stuck = {mesh: orders[mesh][n] for mesh, n in enumerate(done) if n < len(orders[mesh])}
         if stuck:
             what = "; ".join(f"mesh{m} waits at {t} for "
-                             + " ".join(str(d) for d in dependencies(t, self.num_stages) if d not in ran)
+                             + " ".join(str(d) for d in dependencies(t, self.num_stages, self.num_slices)
+                                        if d not in ran)
                              for m, t in stuck.items())
             marks: dict[int, str] = {}
             for m, t in stuck.items():
@@ -406,7 +426,7 @@ class Schedule:
             raise self._fail(f"deadlock: no mesh can run its next task ({what})", marks)
 
         for task, tick in seen.items():
-            late = [d for d in dependencies(task, self.num_stages) if seen[d] >= tick]
+            late = [d for d in dependencies(task, self.num_stages, self.num_slices) if seen[d] >= tick]
             if late:
                 needs = ", ".join(f"{d} (tick {seen[d]})" for d in late)
                 raise self._fail(f"{task} at tick {tick} needs {needs}, which must run at an earlier tick",
@@ -427,7 +447,7 @@ class Schedule:
         bwd = _per_stage(tuple(2 * x for x in fwd) if t_b is None else t_b, self.num_stages, "t_b")
         orders = self.mesh_orders()
         start, done = _run(orders, self.num_stages,
-                           lambda t: fwd[t.stage] if t.phase == Phase.F else bwd[t.stage])
+                           lambda t: fwd[t.stage] if t.phase == Phase.F else bwd[t.stage], self.num_slices)
         if done != tuple(len(o) for o in orders):  # unreachable: construction validated the orders
             raise RuntimeError(f"schedule {self.name!r} deadlocks\n{self.table()}")
         spans = tuple(Span(t, MeshIdx(mesh), start[t],
@@ -460,17 +480,21 @@ class Schedule:
 
     def to_json(self) -> str:
         """Exact JSON (tasks as ``2F0`` strings, bubbles as ``null``); :meth:`from_json` reads it back."""
-        return json.dumps({
+        data = {
             "format": _JSON_FORMAT, "name": self.name, "num_meshes": self.num_meshes,
             "num_stages": self.num_stages, "num_micro_batches": self.num_micro_batches,
             "stage_to_mesh": list(self.stage_to_mesh),
-            "ticks": [[None if t is None else str(t) for t in row] for row in self.ticks]})
+            "ticks": [[None if t is None else str(t) for t in row] for row in self.ticks]}
+        if self.num_slices > 1:
+            data["num_slices"] = self.num_slices
+        return json.dumps(data)
 
     @classmethod
     def from_json(cls, text: str) -> Schedule:
         """Parse :meth:`to_json` output (the schedule validates on construction)."""
         data = json.loads(text)
-        if not isinstance(data, dict) or sorted(data) != sorted(_JSON_KEYS) or data["format"] != _JSON_FORMAT:
+        if not isinstance(data, dict) or sorted(set(data) - {"num_slices"}) != sorted(_JSON_KEYS) \
+                or data["format"] != _JSON_FORMAT:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"not a schedule JSON ({_JSON_FORMAT}): expected keys {sorted(_JSON_KEYS)}, "
                              f"got {got}")
@@ -478,7 +502,7 @@ class Schedule:
                    num_micro_batches=data["num_micro_batches"],
                    stage_to_mesh=tuple(MeshIdx(x) for x in data["stage_to_mesh"]),
                    ticks=tuple(tuple(None if t is None else Task.from_str(t) for t in row)
-                               for row in data["ticks"]))
+                               for row in data["ticks"]), num_slices=data.get("num_slices", 1))
 
     def to_chrome_trace(self, path: str, t_f: Duration | Sequence[Duration] = 1,
                         t_b: Duration | Sequence[Duration] | None = None, *,
@@ -625,18 +649,55 @@ def breadth_first(num_meshes: int, num_micro_batches: int, virtual_stages: int) 
                     _breadth_first_orders(num_meshes, num_micro_batches, virtual_stages))
 
 
+def terapipe(num_meshes: int, num_micro_batches: int, num_slices: int) -> Schedule:
+    r"""TeraPipe (seed 000, Fig. 2.1): GPipe over (micro-batch, token slice) units. Every mesh runs the
+    forwards of ``0.0, 0.1, ..., 0.(n-1), 1.0, ...`` in sequence order, then the backwards in reverse
+    (so each slice's key/value gradients reach the earlier slices of its sequence). With equal unit times
+    it is GPipe with :math:`m n` micro-batches: :math:`t_{pb}/t_{id} = (p-1)/(m n)`.
+
+    >>> print(terapipe(2, 1, 2).table())
+    tick  mesh0  mesh1
+       0  0F0.0  .
+       1  0F0.1  1F0.0
+       2  .      1F0.1
+       3  .      1B0.1
+       4  0B0.1  1B0.0
+       5  0B0.0  .
+    """
+    _check_count("num_meshes", num_meshes)
+    _check_count("num_micro_batches", num_micro_batches)
+    _check_count("num_slices", num_slices)
+    slices = [None] if num_slices == 1 else list(range(num_slices))
+    units = [(k, i) for k in range(num_micro_batches) for i in slices]
+    orders = [[Task(StageIdx(q), MicroBatchIdx(k), Phase.F, i) for k, i in units]
+              + [Task(StageIdx(q), MicroBatchIdx(k), Phase.B, i) for k, i in reversed(units)]
+              for q in range(num_meshes)]
+    return Schedule(name=str(ScheduleName.TERAPIPE), num_meshes=num_meshes, num_stages=num_meshes,
+                    num_micro_batches=num_micro_batches,
+                    stage_to_mesh=tuple(MeshIdx(q) for q in range(num_meshes)),
+                    ticks=_ticks_from_orders(orders, num_meshes, num_slices), num_slices=num_slices)
+
+
 _FLAT: dict[str, Callable[[int, int], Schedule]] = {
     ScheduleName.GPIPE: gpipe, ScheduleName.ONE_F_ONE_B: one_f_one_b}
 _LOOPING: dict[str, Callable[[int, int, int], Schedule]] = {
     ScheduleName.INTERLEAVED_1F1B: interleaved_one_f_one_b, ScheduleName.BREADTH_FIRST: breadth_first}
 
 
-def make_schedule(name: str, num_meshes: int, num_micro_batches: int, virtual_stages: int = 1) -> Schedule:
-    """Build the schedule called ``name`` (one of :class:`ScheduleName`).
+def make_schedule(name: str, num_meshes: int, num_micro_batches: int, virtual_stages: int = 1,
+                  num_slices: int = 1) -> Schedule:
+    """Build the schedule called ``name`` (one of :class:`ScheduleName`); ``num_slices`` is for
+    ``"terapipe"`` only.
 
     >>> make_schedule("breadth_first", 2, 4, virtual_stages=2).num_stages
     4
     """
+    if name == ScheduleName.TERAPIPE:
+        if virtual_stages != 1:
+            raise ValueError(f"terapipe has one stage per mesh: virtual_stages must be 1, got {virtual_stages!r}")
+        return terapipe(num_meshes, num_micro_batches, num_slices)
+    if num_slices != 1:
+        raise ValueError(f"num_slices={num_slices!r} needs the 'terapipe' schedule, got {name!r}")
     if name in _FLAT:
         if virtual_stages != 1:
             raise ValueError(f"{name} has one stage per mesh: virtual_stages must be 1, got {virtual_stages!r} "
@@ -644,4 +705,5 @@ def make_schedule(name: str, num_meshes: int, num_micro_batches: int, virtual_st
         return _FLAT[name](num_meshes, num_micro_batches)
     if name in _LOOPING:
         return _LOOPING[name](num_meshes, num_micro_batches, virtual_stages)
-    raise ValueError(f"unknown schedule {name!r}; valid: {sorted(map(str, [*_FLAT, *_LOOPING]))}")
+    raise ValueError(f"unknown schedule {name!r}; valid: "
+                     f"{sorted(map(str, [*_FLAT, *_LOOPING, ScheduleName.TERAPIPE]))}")

@@ -277,32 +277,40 @@ def gpt_loss(model: nn.Module) -> LossFn:
     """Return ``loss_fn(params, batch) -> scalar``: mean next-token cross entropy over all tokens.
 
     ``batch = {"input_ids": int32 [B, S], "labels": int32 [B, S]}`` where ``labels`` are the inputs
-    shifted left by one (see :func:`gpt_batch`). Averaging the loss of equal micro-batches gives the
-    full-batch loss.
+    shifted left by one (see :func:`gpt_batch`), plus optionally ``"position_ids"`` (int32 [B, S]; default
+    ``arange(S)``). Averaging the loss of equal micro-batches gives the full-batch loss. With
+    ``position_ids`` in the batch the loss follows the TeraPipe contract (positions come from the inputs,
+    attention is :func:`alpa_like.nn.causal_self_attention`, the loss is a mean over every token).
     """
 
     def loss_fn(params: Any, batch: Batch) -> jax.Array:
-        logits = model.apply({"params": params}, batch["input_ids"])
+        logits = model.apply({"params": params}, batch["input_ids"], batch.get("position_ids"))
         return mean_cross_entropy(logits, batch["labels"])
 
     return loss_fn
 
 
-def gpt_batch(config: GPTConfig, batch_size: int, rng: jax.Array) -> Batch:
+def gpt_batch(config: GPTConfig, batch_size: int, rng: jax.Array, *, position_ids: bool = False) -> Batch:
     """Uniformly random tokens ``{"input_ids", "labels"}`` (int32 [batch_size, seq_len]).
 
     ``labels[:, t] == input_ids[:, t + 1]``: both are windows of one random ``seq_len + 1`` sequence.
+    With ``position_ids``, the batch also carries ``"position_ids"`` (``arange(seq_len)`` per row), which
+    token slicing (``pipeline_schedule="terapipe"``) needs.
     """
     check_positive_int("gpt_batch", batch_size=batch_size)
     tokens = jax.random.randint(rng, (batch_size, config.seq_len + 1), 0, config.vocab_size, jnp.int32)
-    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+    batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+    if position_ids:
+        batch["position_ids"] = default_position_ids((batch_size, config.seq_len))
+    return batch
 
 
-def gpt_batch_shapes(config: GPTConfig, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
+def gpt_batch_shapes(config: GPTConfig, batch_size: int, *,
+                     position_ids: bool = False) -> dict[str, jax.ShapeDtypeStruct]:
     """``ShapeDtypeStruct`` version of :func:`gpt_batch`, for planning without data."""
     check_positive_int("gpt_batch_shapes", batch_size=batch_size)
     ids = jax.ShapeDtypeStruct((batch_size, config.seq_len), jnp.int32)
-    return {"input_ids": ids, "labels": ids}
+    return {"input_ids": ids, "labels": ids, **({"position_ids": ids} if position_ids else {})}
 
 
 def gpt_param_shapes(config: GPTConfig) -> Any:

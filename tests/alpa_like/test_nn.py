@@ -93,3 +93,18 @@ def test_bad_shapes_raise(shapes, match):
     q, k, v = (jnp.zeros(s) for s in shapes)
     with pytest.raises(ValueError, match=match):
         causal_self_attention(q, k, v)
+
+
+def test_token_slice_context_attends_to_the_cached_prefix():
+    """Slice 1 of a sequence with slice 0's keys/values as prefix equals the last rows of full attention."""
+    from alpa_like.nn import TokenSliceContext, token_slice_context
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 7, 2, 4)), jnp.float32) for _ in range(3))
+    full = causal_self_attention(q, k, v)
+    context = TokenSliceContext(prefixes=[[(k[:, :3], v[:, :3])]])
+    with token_slice_context(context):
+        tail = causal_self_attention(q[:, 3:], k[:, 3:], v[:, 3:])
+    np.testing.assert_allclose(tail, full[:, 3:], rtol=1e-5, atol=1e-6)
+    assert len(context.produced) == 1 and context.produced[0][0].shape == (2, 4, 2, 4)
+    with token_slice_context(TokenSliceContext()), pytest.raises(ValueError, match="mask"):
+        causal_self_attention(q, k, v, mask=jnp.ones((7, 7), bool))

@@ -42,6 +42,7 @@ def _bf_excess(p, m, v):
 # Idle / busy (t_pb / t_id), exact for any t_b / t_f.
 BUBBLE_OVER_IDEAL = {
     ScheduleName.GPIPE: lambda p, m, v: Fraction(p - 1, m),
+    ScheduleName.TERAPIPE: lambda p, m, v: Fraction(p - 1, m),
     ScheduleName.ONE_F_ONE_B: lambda p, m, v: Fraction(p - 1, m),
     ScheduleName.INTERLEAVED_1F1B: lambda p, m, v: Fraction(p - 1, v * m),
     ScheduleName.BREADTH_FIRST: lambda p, m, v: Fraction(p - 1 + _bf_excess(p, m, v), v * m),
@@ -49,6 +50,7 @@ BUBBLE_OVER_IDEAL = {
 # Idle / (p x makespan).
 BUBBLE_OF_TOTAL = {
     ScheduleName.GPIPE: lambda p, m, v: Fraction(p - 1, m + p - 1),
+    ScheduleName.TERAPIPE: lambda p, m, v: Fraction(p - 1, m + p - 1),
     ScheduleName.ONE_F_ONE_B: lambda p, m, v: Fraction(p - 1, m + p - 1),
     ScheduleName.INTERLEAVED_1F1B: lambda p, m, v: Fraction(p - 1, v * m + p - 1),
     ScheduleName.BREADTH_FIRST: lambda p, m, v: Fraction(p - 1 + _bf_excess(p, m, v),
@@ -63,6 +65,7 @@ BUBBLE_OF_TOTAL = {
 #   "comparable"); v = 1 is 1F1B.
 IN_FLIGHT = {
     ScheduleName.GPIPE: lambda p, m, v, i: m,
+    ScheduleName.TERAPIPE: lambda p, m, v, i: m,
     ScheduleName.ONE_F_ONE_B: lambda p, m, v, i: min(p - i, m),
     ScheduleName.INTERLEAVED_1F1B: lambda p, m, v, i: (min((v - 1) * p + 2 * (p - 1 - i) + 1, m * v) if v > 1
                                                        else min(p - i, m)),
@@ -197,7 +200,7 @@ def test_interleaved_needs_m_divisible_by_p():
 
 def test_unknown_schedule_name_lists_valid_names():
     with pytest.raises(ValueError, match=r"unknown schedule 'zigzag'; valid: "
-                                         r"\['1f1b', 'breadth_first', 'gpipe', 'interleaved_1f1b'\]"):
+                                         r"\['1f1b', 'breadth_first', 'gpipe', 'interleaved_1f1b', 'terapipe'\]"):
         make_schedule("zigzag", 2, 4)
 
 
@@ -303,3 +306,29 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "timeline.png"
     breadth_first(2, 3, 2).plot(str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("p,m,n", [(1, 1, 3), (2, 1, 2), (3, 2, 3), (4, 3, 5)])
+def test_terapipe_schedule_is_gpipe_over_token_slices(p, m, n):
+    """TeraPipe runs m * n (micro-batch, slice) units like GPipe's micro-batches: bubble (p-1)/(m n);
+    backwards of a sequence run in reverse slice order (their key/value gradients flow backwards)."""
+    s = make_schedule("terapipe", p, m, num_slices=n)
+    assert s.num_slices == n
+    assert s.bubble_fraction(relative_to="ideal") == Fraction(p - 1, m * n)
+    for order in s.mesh_orders():
+        backs = [t for t in order if t.phase == Phase.B]
+        for k in range(m):
+            assert [t.slice for t in backs if t.micro_batch == k] == list(reversed(range(n)))
+    assert Schedule.from_json(s.to_json()) == s
+    assert Task(0, 0, Phase.B, 1) in dependencies(Task(0, 0, Phase.B, 0), p, n)
+
+
+def test_terapipe_schedule_rejects_a_slice_out_of_order():
+    s = make_schedule("terapipe", 2, 1, num_slices=2)
+    rows = [list(r) for r in s.ticks]
+    rows[0][0], rows[1][0] = rows[1][0], rows[0][0]  # 0F0.1 before 0F0.0
+    with pytest.raises(ValueError, match="mesh0 waits at 0F0.1 for 0F0.0"):
+        Schedule(name="bad", num_meshes=2, num_stages=2, num_micro_batches=1, stage_to_mesh=(0, 1),
+                 ticks=rows, num_slices=2)
+    with pytest.raises(ValueError, match="num_slices"):
+        make_schedule("gpipe", 2, 1, num_slices=2)

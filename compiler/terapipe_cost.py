@@ -1,0 +1,180 @@
+"""Per-slice stage times for TeraPipe's DP (TeraPipe, dissertation ch. 2, Eq. 2.9).
+
+.. math::
+
+    t(i, j) = t(i, 0) + t_{ctx}(i, j), \\qquad t_{ctx}(i, j) = a_0 + a_1 i + a_2 j + a_3 i j \\quad (j > 0),
+
+for a slice of ``i`` tokens after ``j`` tokens of context; ``t(i, 0)`` is tabulated for every ``i`` and the
+context term is fitted by least squares (the paper reports under 2% error). For training ``t`` is forward
+plus backward. Two sources build a :class:`SliceCostModel`:
+
+* :func:`analytic_slice_costs`: FLOPs of a transformer stage's slice on a :class:`~alpa_like.ClusterSpec`
+  device, with a utilisation floor (a device takes as long for a few tokens as for ``saturation_tokens``
+  tokens, the paper's Fig. 2.3), tensor-parallel all-reduces and the stage-to-stage send;
+* :func:`measured_slice_costs`: times a real stage on a grid of slice and context lengths and fits.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from alpa_like.cluster import ClusterSpec
+
+__all__ = ["SliceCostModel", "fit_slice_costs", "analytic_slice_costs", "measured_slice_costs",
+           "transformer_layer_flops"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceCostModel:
+    """Eq. 2.9 for one stage: ``slice_time(i, j) = base[i - 1] + [j > 0] max(0, a0 + a1 i + a2 j + a3 i j)``
+    (a fitted context term never makes a slice cheaper than without context)."""
+
+    base: tuple[float, ...]
+    """t(i, 0) in seconds for i = 1..L."""
+    context_coefficients: tuple[float, float, float, float]
+    """(a0, a1, a2, a3) of t_ctx."""
+    fit_error: float
+    """Largest relative error of the model over the points it was fitted on."""
+    mean_fit_error: float
+    """Mean relative error over the same points."""
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.base)
+
+    def slice_time(self, lengths, contexts) -> np.ndarray:
+        """Seconds per stage of slices of ``lengths`` tokens after ``contexts`` tokens (vectorised)."""
+        i = np.asarray(lengths, dtype=np.int64)
+        j = np.asarray(contexts, dtype=np.float64)
+        if np.any(i < 1) or np.any(i > self.seq_len) or np.any(j < 0) or np.any(i + j > self.seq_len):
+            raise ValueError(f"slices must satisfy 1 <= length and length + context <= {self.seq_len}")
+        a0, a1, a2, a3 = self.context_coefficients
+        ctx = np.where(j > 0, np.maximum(a0 + a1 * i + a2 * j + a3 * i * j, 0.0), 0.0)
+        return np.asarray(self.base)[i - 1] + ctx
+
+    def __call__(self, lengths, contexts) -> np.ndarray:
+        return self.slice_time(lengths, contexts)
+
+
+def fit_slice_costs(seq_len: int, samples: Sequence[tuple[int, int, float]]) -> SliceCostModel:
+    """Eq. 2.9 from measured ``(length, context, seconds)`` samples.
+
+    ``t(i, 0)`` is interpolated linearly between the sampled lengths with context 0; the context term is
+    the least-squares fit of ``t(i, j) - t(i, 0)`` over the samples with ``j > 0``. The fit error is the
+    relative error of the resulting model on every sample.
+    """
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
+    data = np.asarray(samples, dtype=np.float64).reshape(-1, 3)
+    zero = data[data[:, 1] == 0]
+    if len(zero) < 1:
+        raise ValueError("samples need at least one slice with context 0 (t(i, 0) of Eq. 2.9)")
+    order = np.argsort(zero[:, 0])
+    lengths = np.arange(1, seq_len + 1)
+    base = np.interp(lengths, zero[order, 0], zero[order, 2])
+    ctx = data[data[:, 1] > 0]
+    coefficients = (0.0, 0.0, 0.0, 0.0)
+    if len(ctx):
+        i, j = ctx[:, 0], ctx[:, 1]
+        design = np.stack([np.ones_like(i), i, j, i * j], axis=1)
+        target = ctx[:, 2] - np.interp(i, zero[order, 0], zero[order, 2])
+        coefficients = tuple(float(x) for x in np.linalg.lstsq(design, target, rcond=None)[0])
+    model = SliceCostModel(base=tuple(float(x) for x in base), context_coefficients=coefficients,
+                           fit_error=0.0, mean_fit_error=0.0)
+    predicted = model.slice_time(data[:, 0].astype(int), data[:, 1])
+    errors = np.abs(predicted - data[:, 2]) / np.maximum(data[:, 2], 1e-30)
+    return dataclasses.replace(model, fit_error=float(errors.max()), mean_fit_error=float(errors.mean()))
+
+
+def transformer_layer_flops(batch: int, length, context, hidden: int, ffn_ratio: int = 4):
+    """Forward FLOPs of one transformer layer on a slice (Megatron-LM's count, section 5.1): projections
+    and MLP ``(8 + 4 ffn_ratio) b l h^2``, attention scores and weighted sum ``4 b l (j + l) h`` (the
+    causal mask is applied to a full ``l x (j + l)`` block). Returns ``(dense, attention)``."""
+    length = np.asarray(length, dtype=np.float64)
+    context = np.asarray(context, dtype=np.float64)
+    dense = 2.0 * (4 + 2 * ffn_ratio) * batch * length * hidden**2
+    attention = 4.0 * batch * length * (context + length) * hidden
+    return dense, attention
+
+
+def analytic_slice_costs(cluster: ClusterSpec, *, seq_len: int, hidden: int, layers_per_stage: int,
+                         batch: int = 1, op_degree: int = 1, efficiency: float = 0.5,
+                         saturation_tokens: int = 256, dtype_bytes: int = 2, training: bool = True,
+                         cross_node: bool = True) -> SliceCostModel:
+    """Eq. 2.9 for a stage of ``layers_per_stage`` transformer layers on ``op_degree`` devices of ``cluster``.
+
+    Per layer, ``(dense(max(b l, saturation_tokens) / b) + attention) / (op_degree * peak * efficiency)``,
+    times 3 for training (backward = 2 x forward); plus, with ``op_degree > 1``, Megatron's 2 ring
+    all-reduces of the ``b l h`` activation per layer and direction inside a node; plus the send of the
+    slice's activation (and its gradient when training) to the next stage, over the inter-node link when
+    ``cross_node``. The context term is fitted on a grid exactly as for measurements.
+
+    Args:
+      efficiency: fraction of ``cluster.peak_flops`` a saturated device reaches (calibrate it on one
+        measured latency).
+      saturation_tokens: tokens below which a layer takes constant time (the utilisation floor of the
+        paper's Fig. 2.3: one GPT3-1B layer on a V100 takes as long for 1 token as for 256).
+    """
+    for name, value in (("seq_len", seq_len), ("hidden", hidden), ("layers_per_stage", layers_per_stage),
+                        ("batch", batch), ("op_degree", op_degree), ("saturation_tokens", saturation_tokens)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency must be in (0, 1], got {efficiency!r}")
+
+    def exact(length, context):
+        length = np.asarray(length, dtype=np.float64)
+        tokens = np.maximum(batch * length, saturation_tokens) / batch
+        dense, _ = transformer_layer_flops(batch, tokens, 0, hidden)
+        _, attention = transformer_layer_flops(batch, length, context, hidden)
+        passes = 3.0 if training else 1.0
+        compute = passes * layers_per_stage * (dense + attention) / (op_degree * cluster.peak_flops * efficiency)
+        nbytes = batch * length * hidden * dtype_bytes
+        directions = 2 if training else 1
+        comm = 0.0
+        if op_degree > 1:
+            ring = 2 * (op_degree - 1) / op_degree * nbytes / cluster.intra_node_bandwidth
+            comm += directions * 2 * layers_per_stage * (ring + cluster.intra_node_latency)
+        if cross_node:
+            link = cluster.inter_node_bandwidth * op_degree, cluster.inter_node_latency
+        else:
+            link = cluster.intra_node_bandwidth, cluster.intra_node_latency
+        comm = comm + directions * (nbytes / link[0] + link[1])
+        return compute + comm
+
+    grid_lengths = sorted({1, seq_len, *np.unique(np.geomspace(1, seq_len, 24).astype(int)).tolist()})
+    samples = [(i, 0, float(exact(i, 0))) for i in range(1, seq_len + 1)]
+    for i in grid_lengths:
+        for j in np.unique(np.linspace(0, seq_len - i, 6).astype(int))[1:]:
+            samples.append((i, int(j), float(exact(i, j))))
+    return fit_slice_costs(seq_len, samples)
+
+
+def measured_slice_costs(time_slice: Callable[[int, int], float], seq_len: int, *,
+                         lengths: Sequence[int] | None = None, contexts: Sequence[int] | None = None,
+                         repeats: int = 3) -> SliceCostModel:
+    """Eq. 2.9 from timing a real stage: ``time_slice(length, context)`` runs the stage once on such a
+    slice (and blocks until done); each grid point keeps the best of ``repeats`` runs after a warm-up.
+
+    Defaults: 8 lengths from 1 to ``seq_len`` (geometric) and 4 contexts per length.
+    """
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    lengths = sorted(set(lengths or np.unique(np.geomspace(1, seq_len, 8).astype(int)).tolist()))
+    samples = []
+    for i in lengths:
+        if not 1 <= i <= seq_len:
+            raise ValueError(f"lengths must lie in 1..{seq_len}, got {i}")
+        ctx = contexts if contexts is not None else np.unique(np.linspace(0, seq_len - i, 4).astype(int)).tolist()
+        for j in sorted(set([0, *[int(c) for c in ctx if 0 <= c <= seq_len - i]])):
+            time_slice(i, j)  # warm-up (compilation)
+            best = np.inf
+            for _ in range(repeats):
+                start = time.perf_counter()
+                time_slice(i, j)
+                best = min(best, time.perf_counter() - start)
+            samples.append((i, j, best))
+    return fit_slice_costs(seq_len, samples)

@@ -1,0 +1,276 @@
+"""TeraPipe (seed 000, dissertation ch. 2): the paper's tables on the simulated cluster, and a measured run.
+
+Three parts, printed side by side and written as JSON:
+
+1. **Table 2.1** settings on a simulated p3.16xlarge cluster: the per-slice stage time is the analytic Eq. 2.9
+   model of :func:`alpa_like.compiler.terapipe_cost.analytic_slice_costs` (FLOPs at ``efficiency`` x peak,
+   the 256-token utilisation floor of Fig. 2.3, Megatron all-reduces inside a node, the stage-to-stage
+   send across nodes). Two parameters are calibrated on ONE row (``--calibrate-row``, default 5): the
+   device ``efficiency`` on its "without TeraPipe" latency, then the utilisation floor
+   (``saturation_tokens``, the number of tokens below which a layer's time stops shrinking) on its "with
+   TeraPipe" latency; every other number is a prediction. "Without" is the best batch slicing
+   of whole sequences; "with" is the joint batch + token DP (section 2.3.4) over batch-slice sizes
+   1, 2, 4 (the paper's solutions all use 1). Token lengths are searched in steps of 8 tokens (the paper's
+   schemes are all multiples of 8). Data-parallel gradient all-reduce is not modelled.
+2. **Table 2.3**: the DP's slicing versus the best uniform slicing (4 ... 128 equal slices), settings 8
+   and 9, under the same model.
+3. **Measured on the 8 CPU devices**: a small GPT with long sequences and batch 1 on 4 stages of 2 devices,
+   1F1B (whole sequences) versus ``pipeline_schedule="terapipe"``; the token slices come from the DP on a
+   *measured* Eq. 2.9 model (one GPT block timed on a grid of slice/context lengths; fit error printed),
+   searched in steps of 128 tokens.
+
+    python examples/benchmarks/terapipe.py --out results/terapipe.json
+"""
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from _common import use_cpu_devices, write_results  # noqa: E402
+
+use_cpu_devices()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax.training import train_state  # noqa: E402
+
+import alpa_like as al  # noqa: E402
+from alpa_like.compiler.terapipe_cost import analytic_slice_costs, measured_slice_costs  # noqa: E402
+from alpa_like.compiler.token_slicing import (format_scheme, slice_cost_table, solve_joint_slicing,  # noqa: E402
+                                              solve_token_slicing, uniform_slicing)
+from alpa_like.models import gpt  # noqa: E402
+from alpa_like.nn import TokenSliceContext, token_slice_context  # noqa: E402
+
+L = 2048
+GRAIN = 8
+# (row, model, layers N, hidden H, GPUs, batch B, data, pipe, op, paper without, paper scheme, paper with)
+TABLE_2_1 = [
+    (1, "1B", 24, 2048, 192, 128, 8, 24, 1, 1.517, "[776, 640, 632]", 1.254),
+    (2, "1B", 24, 2048, 192, 72, 2, 12, 8, 1.018, "same", 1.018),
+    (3, "1B", 24, 2048, 192, 72, 1, 24, 8, 0.913, "same", 0.913),
+    (4, "13B", 40, 5120, 320, 32, 2, 20, 8, 2.637, "[1024, 1024]", 1.891),
+    (5, "13B", 40, 5120, 320, 32, 1, 40, 8, 1.863, "[704, 688, 656]", 1.328),
+    (6, "44B", 96, 6144, 384, 8, 4, 96, 1, 13.319, "[64x26, 56x6, 48]", 7.103),
+    (7, "44B", 96, 6144, 384, 8, 2, 24, 8, 4.311, "[368, 384, 384, 368, 256, 288]", 2.771),
+    (8, "44B", 96, 6144, 384, 8, 1, 48, 8, 2.662, "[384, 384, 368, 320, 296, 296]", 1.111),
+    (9, "175B", 96, 12288, 384, 2, 1, 96, 4, 9.990, "[120x4, 112x6, 104x8, 64]", 1.481),
+    (10, "175B", 96, 12288, 384, 2, 1, 48, 8, 5.822, "[128x16]", 1.160),
+]
+TABLE_2_3 = {8: (1.241, 1.111), 9: (1.547, 1.481)}  # best uniform, DP (paper)
+
+
+def slice_model(row, calibration, batch):
+    _, _, n, h, _, _, _, pipe, op, *_ = row
+    efficiency, saturation = calibration
+    cluster = al.ClusterSpec.preset("p3.16xlarge", num_nodes=max(1, row[4] // 8))
+    return analytic_slice_costs(cluster, seq_len=L, hidden=h, layers_per_stage=n // pipe, batch=batch,
+                                op_degree=op, efficiency=efficiency, saturation_tokens=saturation)
+
+
+def grained_table(model):
+    """Slice costs in units of GRAIN tokens."""
+    return slice_cost_table(lambda k, c: model.slice_time(k * GRAIN, c * GRAIN), L // GRAIN)
+
+
+def predict(row, calibration, token_slicing=True):
+    """Joint DP latency and scheme for one Table 2.1 row."""
+    per_pipeline = row[5] // row[6]
+    sizes = [b for b in (1, 2, 4) if b <= per_pipeline] if token_slicing else range(1, per_pipeline + 1)
+    tables = {}
+    for b in sizes:
+        model = slice_model(row, calibration, b)
+        if token_slicing:
+            tables[b] = grained_table(model)
+        else:  # one "token" = the whole sequence
+            tables[b] = slice_cost_table(lambda k, c, m=model: m.slice_time(k * L, c * L), 1)
+    solution = solve_joint_slicing(tables, per_pipeline, row[7], epsilon=1e-4)
+    scale = GRAIN if token_slicing else L
+    scheme = [(b, tuple(x * scale for x in ls)) for b, ls in solution.batch_slices]
+    return solution.latency, format_scheme(scheme)
+
+
+def calibrate(row) -> tuple[float, int]:
+    """(efficiency, saturation_tokens): the efficiency (fraction of peak) at which the row's 'without
+    TeraPipe' latency is the paper's (whole sequences of 2048 tokens never hit the floor), then the floor
+    (a power of 2 from 1 to 2048) whose 'with TeraPipe' latency is closest to the paper's."""
+    lo, hi = 0.01, 1.0
+    for _ in range(30):
+        mid = (lo * hi) ** 0.5
+        if predict(row, (mid, 1), token_slicing=False)[0] > row[9]:
+            lo = mid
+        else:
+            hi = mid
+    efficiency = (lo * hi) ** 0.5
+    floors = [2**i for i in range(12)]
+    errors = [abs(predict(row, (efficiency, f))[0] - row[11]) for f in floors]
+    return efficiency, floors[int(np.argmin(errors))]
+
+
+def part1(calibrate_row: int):
+    row = next(r for r in TABLE_2_1 if r[0] == calibrate_row)
+    calibration = calibrate(row)
+    print(f"\n(1) Table 2.1 on a simulated p3.16xlarge cluster; efficiency {calibration[0]:.3f} x peak and "
+          f"utilisation floor {calibration[1]} tokens calibrated on row {calibrate_row} only")
+    head = (f"{'#':>2} {'model':>5} {'D/P/O':>9} {'paper w/o':>9} {'pred w/o':>8} {'err':>6} {'paper w/':>8} "
+            f"{'pred w/':>7} {'err':>6} {'paper x':>7} {'pred x':>6}  scheme found (paper's)")
+    print(head)
+    rows = []
+    for r in TABLE_2_1:
+        without, _ = predict(r, calibration, token_slicing=False)
+        with_tp, scheme = predict(r, calibration)
+        err_wo, err_w = without / r[9] - 1, with_tp / r[11] - 1
+        print(f"{r[0]:>2} {r[1]:>5} {f'{r[6]}/{r[7]}/{r[8]}':>9} {r[9]:>9.3f} {without:>8.3f} {err_wo:>+6.0%} "
+              f"{r[11]:>8.3f} {with_tp:>7.3f} {err_w:>+6.0%} {r[9] / r[11]:>7.2f} {without / with_tp:>6.2f}  "
+              f"{scheme} ({r[10]})")
+        rows.append({"row": r[0], "model": r[1], "data": r[6], "pipe": r[7], "op": r[8],
+                     "paper_without_s": r[9], "predicted_without_s": without, "paper_with_s": r[11],
+                     "predicted_with_s": with_tp, "scheme": scheme, "paper_scheme": r[10],
+                     "calibration_row": r[0] == calibrate_row})
+    return calibration, rows
+
+
+def part2(calibration):
+    print("\n(2) Table 2.3: DP versus the best uniform slicing (same model; b = 1 per batch slice)")
+    rows = []
+    for number, (paper_uniform, paper_dp) in TABLE_2_3.items():
+        r = next(x for x in TABLE_2_1 if x[0] == number)
+        model = slice_model(r, calibration, 1)
+        table = slice_cost_table(model, L)
+        per_pipeline = r[5] // r[6]
+        uniform = {}
+        for n in (1, 2, 4, 8, 16, 32, 64, 128):
+            lengths, _ = uniform_slicing(table, n, r[7])
+            times = _times(table, lengths)
+            uniform[n] = per_pipeline * sum(times) + (r[7] - 1) * max(times)
+        best_n = min(uniform, key=uniform.get)
+        dp, scheme = predict(r, calibration)
+        cells = "  ".join(f"{n}:{t:.3f}" for n, t in uniform.items())
+        print(f"setting {number}: uniform {cells}")
+        print(f"           best uniform {best_n} slices {uniform[best_n]:.3f} s, DP {dp:.3f} s -> "
+              f"{uniform[best_n] / dp:.2f}x (paper {paper_uniform / paper_dp:.2f}x: {paper_uniform} vs {paper_dp})")
+        rows.append({"setting": number, "uniform_s": uniform, "best_uniform_slices": best_n, "dp_s": dp,
+                     "dp_scheme": scheme, "paper_uniform_s": paper_uniform, "paper_dp_s": paper_dp})
+    r = next(x for x in TABLE_2_1 if x[0] == 9)
+    start = time.perf_counter()
+    table = slice_cost_table(slice_model(r, calibration, 1), L)
+    built = time.perf_counter() - start
+    solution = solve_token_slicing(table, r[7], epsilon=1e-4)
+    solved = time.perf_counter() - start - built
+    print(f"DP at token granularity, L = {L}, K = {r[7]}, epsilon = 0.1 ms: table {built:.2f} s + solve "
+          f"{solved:.2f} s ({solution.num_candidates} t_max candidates), {len(solution.lengths)} slices")
+    rows.append({"dp_speed": {"seq_len": L, "stages": r[7], "table_s": built, "solve_s": solved,
+                              "candidates": solution.num_candidates, "lengths": list(solution.lengths)}})
+    return rows
+
+
+def _times(table, lengths):
+    out, c = [], 0
+    for k in lengths:
+        out.append(float(table[k, c]))
+        c += k
+    return out
+
+
+def block_timer(config, layers: int):
+    """``time_slice(k, c)``: forward + backward of ``layers`` GPT blocks on a slice of ``k`` tokens after
+    ``c`` cached tokens, on one CPU device."""
+    block = gpt.GPTBlock(config)
+    params = block.init(jax.random.PRNGKey(0), jnp.zeros((1, 1, config.hidden_size)))
+    compiled = {}
+
+    def loss(params, x, prefixes):
+        context = TokenSliceContext(prefixes=prefixes)
+        with token_slice_context(context):
+            for _ in range(layers):
+                x = block.apply(params, x)
+        return jnp.sum(x)
+
+    def time_slice(k, c):
+        if (k, c) not in compiled:
+            h, d = config.num_heads, config.head_dim
+            prefix = jnp.zeros((1, c, h, d))
+            args = (params, jnp.ones((1, k, config.hidden_size)), [[(prefix, prefix)]] * layers)
+            compiled[(k, c)] = (jax.jit(jax.grad(loss, argnums=(0, 1, 2))), args)
+        fn, args = compiled[(k, c)]
+        jax.block_until_ready(fn(*args))
+
+    return time_slice
+
+
+def part3(seq_len, steps, stages=4):
+    config = gpt.GPTConfig(vocab_size=512, seq_len=seq_len, hidden_size=128, num_layers=stages, num_heads=4)
+    print(f"\n(3) 8 CPU devices: GPT h={config.hidden_size} layers={config.num_layers} seq={seq_len} batch 1, "
+          f"{stages} stages x 2 devices")
+    model_cost = measured_slice_costs(block_timer(config, config.num_layers // stages), seq_len,
+                                      lengths=[16, 64, 128, 256, 512, seq_len], repeats=3)
+    print(f"measured Eq. 2.9 model of one stage: fit error max {model_cost.fit_error:.1%}, "
+          f"mean {model_cost.mean_fit_error:.1%}")
+    grain = 128  # at most seq_len / 128 slices: each (stage, slice) pair is its own XLA executable
+    table = slice_cost_table(lambda k, c: model_cost.slice_time(k * grain, c * grain), seq_len // grain)
+    solution = solve_joint_slicing({1: table}, 1, stages, epsilon=1e-5)
+    slices = tuple(x * grain for x in solution.batch_slices[0][1])
+    print(f"DP slices: {list(slices)}")
+
+    gpt_model = gpt.GPTModel(config)
+    batches = [gpt.gpt_batch(config, 1, jax.random.PRNGKey(i), position_ids=True) for i in range(steps + 1)]
+    params = gpt_model.init(jax.random.PRNGKey(0), batches[0]["input_ids"])["params"]
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(1e-2, momentum=0.9))
+    loss_fn = gpt.gpt_loss(gpt_model)
+
+    def step(state, batch):
+        loss, grads = al.value_and_grad(loss_fn)(state.params, batch)
+        return state.apply_gradients(grads=grads), loss
+
+    stage_option = al.UniformStageOption(num_stages=stages, submesh_physical_shape=(1, 8 // stages),
+                                         submesh_logical_shape=(1, 8 // stages), show_progress=False)
+    rows = []
+    for name, schedule, token_slices in (("1f1b", "1f1b", None), ("terapipe", "terapipe", slices)):
+        method = al.PipeshardParallel(num_micro_batches=1, layer_option=al.AutoLayerOption(layer_num=stages),
+                                      stage_option=stage_option, pipeline_schedule=schedule,
+                                      token_slices=token_slices)
+        fn = al.parallelize(step, method=method)
+        start = time.perf_counter()
+        s, _ = fn(state, batches[0])
+        jax.block_until_ready(s)
+        first = time.perf_counter() - start
+        times = []
+        for b in batches[1:]:
+            start = time.perf_counter()
+            s, loss = fn(s, b)
+            jax.block_until_ready(s)
+            times.append(time.perf_counter() - start)
+        rows.append({"schedule": name, "token_slices": list(token_slices or [seq_len]),
+                     "median_step_s": statistics.median(times), "steps_s": times, "first_step_s": first})
+    base = rows[0]["median_step_s"]
+    print(f"{'schedule':>9} {'slices':>28} {'median step':>11} {'vs 1f1b':>7}  (first step incl. compile)")
+    for r in rows:
+        print(f"{r['schedule']:>9} {str(r['token_slices']):>28} {r['median_step_s']:>10.3f}s "
+              f"{base / r['median_step_s']:>6.2f}x  ({r['first_step_s']:.1f} s)")
+    return {"fit_error": model_cost.fit_error, "mean_fit_error": model_cost.mean_fit_error,
+            "dp_slices": list(slices), "runs": rows}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calibrate-row", type=int, default=5)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--skip-measured", action="store_true")
+    parser.add_argument("--out", default="results/terapipe.json")
+    args = parser.parse_args()
+    calibration, table_2_1 = part1(args.calibrate_row)
+    table_2_3 = part2(calibration)
+    measured = None if args.skip_measured else part3(args.seq_len, args.steps)
+    write_results(args.out, [{"part": "table_2_1", "efficiency": calibration[0],
+                              "saturation_tokens": calibration[1], "rows": table_2_1},
+                             {"part": "table_2_3", "rows": table_2_3},
+                             {"part": "measured_cpu", "result": measured}])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Eq. 2.9 cost models: least-squares fit, the analytic model's utilisation floor and causal growth."""
+import numpy as np
+import pytest
+
+from alpa_like.cluster import ClusterSpec
+from alpa_like.compiler.terapipe_cost import analytic_slice_costs, fit_slice_costs, measured_slice_costs
+from alpa_like.compiler.token_slicing import slice_cost_table, solve_token_slicing
+
+
+def synthetic(i, j):
+    return 1e-3 + 2e-5 * i + (3e-6 + 1e-7 * i + 4e-6 * j + 5e-8 * i * j) * (j > 0)
+
+
+def test_fit_recovers_a_linear_context_term_exactly():
+    samples = [(i, j, synthetic(i, j)) for i in (1, 4, 16, 32) for j in {0, 3, 10, 32 - i} if i + j <= 32]
+    model = fit_slice_costs(32, samples)
+    np.testing.assert_allclose(model.context_coefficients, (3e-6, 1e-7, 4e-6, 5e-8), rtol=1e-6, atol=1e-12)
+    assert model.fit_error < 1e-9
+    i, j = np.array([5, 7, 20]), np.array([0, 9, 12])
+    np.testing.assert_allclose(model.slice_time(i, j), synthetic(i, j), rtol=1e-9)
+
+
+def test_measured_model_reports_its_fit_error():
+    calls = []
+    model = measured_slice_costs(lambda i, j: calls.append((i, j)), 16, lengths=[1, 8, 16], repeats=1)
+    assert (16, 0) in calls and (8, 8) in calls
+    assert model.seq_len == 16 and model.fit_error >= 0
+
+
+def test_analytic_model_has_the_utilisation_floor_and_grows_with_context():
+    cluster = ClusterSpec.preset("p3.16xlarge", num_nodes=1)
+    model = analytic_slice_costs(cluster, seq_len=2048, hidden=2048, layers_per_stage=1, saturation_tokens=256,
+                                 cross_node=False)
+    t = model.slice_time
+    # Below the floor only the attention (2% at 256 tokens) and the activation send grow with the slice.
+    assert t(1, 0) == pytest.approx(t(256, 0), rel=0.05)
+    assert t(512, 0) > 1.5 * t(256, 0)
+    assert t(256, 1024) > t(256, 0)
+    assert model.fit_error < 1e-6  # attention FLOPs are bilinear in (i, j): Eq. 2.9 is exact for them
+
+
+def test_analytic_model_slices_non_increasing():
+    cluster = ClusterSpec.preset("p3.16xlarge", num_nodes=8)
+    model = analytic_slice_costs(cluster, seq_len=512, hidden=1024, layers_per_stage=1, saturation_tokens=32)
+    lengths = solve_token_slicing(slice_cost_table(model, 512), 24, epsilon=1e-6).lengths
+    assert len(lengths) > 1
+    assert list(lengths) == sorted(lengths, reverse=True), lengths
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="context 0"):
+        fit_slice_costs(8, [(2, 3, 1.0)])
+    with pytest.raises(ValueError, match="efficiency"):
+        analytic_slice_costs(ClusterSpec.preset("p3.16xlarge"), seq_len=8, hidden=8, layers_per_stage=1,
+                             efficiency=0)
+    model = fit_slice_costs(8, [(8, 0, 1.0)])
+    with pytest.raises(ValueError, match="length"):
+        model.slice_time(5, 4)

@@ -1,0 +1,93 @@
+"""TeraPipe token slicing at run time: tiny GPT trained with pipeline_schedule="terapipe" equals jax.jit."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax.training import train_state
+
+import alpa_like as al
+from alpa_like import models
+from alpa_like.models import gpt
+from alpa_like.runtime.terapipe_runtime import TerapipeContractError
+from tests.helpers import assert_trees_close, reference_on_one_device, run_steps
+
+SGD = optax.sgd(0.1, momentum=0.9)  # linear in the gradient: see tests/alpa_like/test_methods.py
+
+
+def gpt_case(num_layers=4, batch_size=4, position_ids=True):
+    config = dataclasses.replace(models.get_config("gpt-tiny"), num_layers=num_layers)
+    model = gpt.GPTModel(config)
+    batches = [gpt.gpt_batch(config, batch_size, jax.random.PRNGKey(10 + i), position_ids=position_ids)
+               for i in range(3)]
+    params = model.init(jax.random.PRNGKey(0), batches[0]["input_ids"])["params"]
+    return gpt.gpt_loss(model), train_state.TrainState.create(apply_fn=None, params=params, tx=SGD), batches
+
+
+def train_step_for(loss_fn):
+    def train_step(state, batch):
+        loss, grads = al.value_and_grad(loss_fn)(state.params, batch)
+        return state.apply_gradients(grads=grads), loss
+    return train_step
+
+
+def stages(layer_ids, physical, logical):
+    return al.ManualStageOption(forward_stage_layer_ids=layer_ids, submesh_physical_shapes=physical,
+                                submesh_logical_shapes=logical, show_progress=False)
+
+
+TWO = stages(((0, 1), (2, 3)), ((1, 4), (1, 4)), ((1, 4), (1, 4)))
+FOUR = stages(((0,), (1,), (2,), (3,)), ((1, 2),) * 4, ((1, 2),) * 4)
+SLOW = pytest.mark.slow  # one XLA compile per (stage, slice) forward and backward: ~15-60 s each on 2 cores
+CASES = [  # (name, stage option, micro-batches (batch slices), token slices)
+    pytest.param(TWO, 1, (7, 5, 4), id="two_stages_uneven_slices"),
+    pytest.param(TWO, 2, (9, 7), id="two_stages_two_batch_slices", marks=SLOW),
+    pytest.param(FOUR, 1, (6, 6, 3, 1), id="four_stages_uneven_slices", marks=SLOW),
+    pytest.param(FOUR, 4, (10, 6), id="four_stages_four_batch_slices", marks=SLOW),
+]
+
+
+@pytest.mark.parametrize("stage_option,num_micro_batches,slices", CASES)
+def test_terapipe_matches_single_device_jit(stage_option, num_micro_batches, slices):
+    loss_fn, state, batches = gpt_case()
+    step = train_step_for(loss_fn)
+    method = al.PipeshardParallel(num_micro_batches=num_micro_batches, layer_option=al.AutoLayerOption(layer_num=4),
+                                  stage_option=stage_option, pipeline_schedule="terapipe", token_slices=slices)
+    ref_state, ref_losses = reference_on_one_device(step, state, batches)
+    parallel = al.parallelize(step, method=method)
+    got_state, got_losses = run_steps(parallel, state, batches)
+    exe = parallel.get_executable(state, batches[0])
+    assert exe.token_slices == slices and exe.schedule.num_slices == len(slices)
+    # Slices and micro-batches reassociate float32 sums (attention softmax over concatenated keys, gradient
+    # sums over slices): same tolerance as the other pipeline schedules.
+    assert_trees_close(got_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
+
+
+def test_positions_from_arange_break_the_contract():
+    loss_fn, state, batches = gpt_case(num_layers=2, position_ids=False)
+    method = al.PipeshardParallel(layer_option=al.AutoLayerOption(layer_num=2),
+                                  stage_option=stages(((0,), (1,)), ((1, 4),) * 2, ((1, 4),) * 2),
+                                  pipeline_schedule="terapipe", token_slices=(8, 8))
+    with pytest.raises(TerapipeContractError, match="Positions must come from the inputs"):
+        al.parallelize(train_step_for(loss_fn), method=method)(state, batches[0])
+
+
+def test_a_model_without_causal_attention_is_rejected():
+    def loss_fn(params, batch):
+        return jnp.mean((batch["x"] @ params["w"]) ** 2)
+    state = train_state.TrainState.create(apply_fn=None, params={"w": jnp.ones((4, 4))}, tx=SGD)
+    batch = {"x": jnp.ones((2, 8, 4))}
+    method = al.PipeshardParallel(layer_option=al.AutoLayerOption(layer_num=1),
+                                  stage_option=stages(((0,),), ((1, 8),), ((1, 8),)),
+                                  pipeline_schedule="terapipe", token_slices=(4, 4))
+    with pytest.raises(TerapipeContractError, match="causal_self_attention"):
+        al.parallelize(train_step_for(loss_fn), method=method)(state, batch)
+
+
+def test_token_slices_option_is_checked():
+    with pytest.raises(ValueError, match="token_slices needs pipeline_schedule='terapipe'"):
+        al.PipeshardParallel(token_slices=(4, 4))
+    with pytest.raises(ValueError, match="token_slices must be"):
+        al.PipeshardParallel(pipeline_schedule="terapipe", token_slices=(4, 0))
