@@ -2,8 +2,7 @@
 
 The interface is one function per backend, :data:`StepRunner`: ``runner(workload, method, steps) ->
 Measurement``. ``local`` runs on the devices of this process (the 8 virtual CPU devices here); ``ray`` runs
-the same code after ``al.init("ray")``, so it works as soon as the Ray backend exists, and until then fails
-with a clear message instead of a stack trace.
+the same code after ``al.init("ray")`` (the Ray backend runs pipeline plans).
 
 Each measurement also carries the prediction for the same compiled plan: the instruction programs on the
 simulated backend's clock (pipeline plans) or the SPMD plan's modelled time, both for
@@ -33,7 +32,7 @@ LOCAL_MODELS = {"gpt": ("gpt-small", 32), "opt": ("gpt-small", 32), "moe": ("moe
 
 
 class BackendUnavailable(RuntimeError):
-    """The requested backend cannot run here (e.g. the Ray backend is not built yet)."""
+    """The requested backend cannot run this method (e.g. an SPMD method on the Ray backend)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -133,12 +132,12 @@ def run_local(workload: Workload, method, steps: int) -> Measurement:
 
 
 def run_ray(workload: Workload, method, steps: int) -> Measurement:
-    """Runs on a Ray cluster (``al.init("ray")``); BackendUnavailable until the Ray backend lands."""
-    try:
-        al.init("ray")
-    except NotImplementedError as e:
-        raise BackendUnavailable(f"--backend ray: {e}. Use --backend simulate (any cluster preset) or "
-                                 "--backend local (this machine's devices) meanwhile.") from None
+    """Runs on a Ray cluster (``al.init("ray")``: the one in ``RAY_ADDRESS``, or a local one); the Ray backend
+    runs PipeshardParallel steps (an SPMD method there is a clear error)."""
+    if not isinstance(method, al.PipeshardParallel):
+        raise BackendUnavailable(f"--backend ray runs pipeline plans; {type(method).__name__} runs with "
+                                 "--backend local")
+    al.init("ray")
     try:
         return _measure(workload, method, steps)
     finally:

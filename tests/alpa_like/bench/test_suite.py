@@ -43,19 +43,6 @@ def test_rows_without_a_plan_print_as_such():
     assert "no plan" in report.format_terminal(lines)
 
 
-def test_ray_backend_fails_clearly_until_it_exists():
-    try:
-        al.init("ray")
-    except NotImplementedError:
-        with pytest.raises(backends.BackendUnavailable, match="--backend ray"):
-            backends.run_ray(None, None, 1)
-    else:
-        al.shutdown()
-        pytest.skip("the Ray backend exists: run_ray measures like run_local")
-    finally:
-        al.init("local")
-
-
 def test_a_tiny_gpt_case_end_to_end():
     case = suites.Case(suite="gpt", model="gpt-tiny", gpus=2, global_batch=8, num_micro_batches=2)
     row = suites.run_case(case, "p3.16xlarge", ablations=True)
