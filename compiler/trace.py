@@ -56,6 +56,15 @@ class TracedStep:
     param_mask: tuple[bool, ...]
     """Per input leaf: True when an ``al.grad`` call differentiates with respect to it."""
 
+    def flatten_args(self, args: Sequence[Any]) -> list[Any]:
+        """The leaves of the dynamic arguments of a call, in ``in_leaves`` order; ValueError if their pytree
+        structure is not the one this step was traced with."""
+        flat, tree = jax.tree_util.tree_flatten(tuple(args[i] for i in self.dynamic_argnums))
+        if tree != self.in_tree:
+            raise ValueError(f"arguments have pytree structure {tree}, but this executable was compiled for "
+                             f"{self.in_tree}")
+        return flat
+
 
 def key_to_str(key) -> str:
     """One pytree path entry as a readable name."""

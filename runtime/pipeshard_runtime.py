@@ -86,11 +86,7 @@ class PipeshardExecutable:
     def run(self, *args, profile: bool = False):
         """One step. With ``profile`` every instruction is waited for and timed (slower, for measurement)."""
         start = time.perf_counter()
-        dynamic = tuple(args[i] for i in self.traced.dynamic_argnums)
-        flat, tree = jax.tree_util.tree_flatten(dynamic)
-        if tree != self.traced.in_tree:
-            raise ValueError(f"arguments have pytree structure {tree}, but this executable was compiled for "
-                             f"{self.traced.in_tree}")
+        flat = self.traced.flatten_args(args)
         stats = StepStats()
         buffers: list[dict] = [dict() for _ in self.meshes]
         accumulators: list[dict] = [dict() for _ in self.meshes]

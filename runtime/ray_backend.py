@@ -427,11 +427,7 @@ class RayPipeshardExecutable:
             raise RuntimeError(f"this executable failed earlier ({self.failed}); call al.shutdown() and "
                                "al.init(cluster='ray') to start new workers")
         start = time.perf_counter()
-        dynamic = tuple(args[i] for i in self.traced.dynamic_argnums)
-        flat, tree = jax.tree_util.tree_flatten(dynamic)
-        if tree != self.traced.in_tree:
-            raise ValueError(f"arguments have pytree structure {tree}, but this executable was compiled for "
-                             f"{self.traced.in_tree}")
+        flat = self.traced.flatten_args(args)
         stats = RayStepStats()
         step = next(self._steps)
         inputs, handle_sends, sent = self._route_inputs(flat, stats)

@@ -152,11 +152,7 @@ class SpmdExecutable:
         return self._compiled.compile_seconds
 
     def __call__(self, *args):
-        dynamic = tuple(args[i] for i in self.traced.dynamic_argnums)
-        flat, tree = jax.tree_util.tree_flatten(dynamic)
-        if tree != self.traced.in_tree:
-            raise ValueError(f"arguments have pytree structure {tree}, but this executable was compiled for "
-                             f"{self.traced.in_tree}")
+        flat = self.traced.flatten_args(args)
         flat = [jax.device_put(x, s) for x, s in zip(flat, self._compiled.in_shardings, strict=True)]
         out = self._compiled.compiled(*flat)
         return jax.tree_util.tree_unflatten(self.traced.out_tree, out)

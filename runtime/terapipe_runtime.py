@@ -356,11 +356,7 @@ class TerapipeExecutable:
 
     def run(self, *args):
         start_time = time.perf_counter()
-        dynamic = tuple(args[i] for i in self.traced.dynamic_argnums)
-        flat, tree = jax.tree_util.tree_flatten(dynamic)
-        if tree != self.traced.in_tree:
-            raise ValueError(f"arguments have pytree structure {tree}, but this executable was compiled for "
-                             f"{self.traced.in_tree}")
+        flat = self.traced.flatten_args(args)
         call, m, n = self.call, self.num_micro_batches, len(self.token_slices)
         leaves = [flat[s] for s in call.sources]
         starts = slice_starts(self.token_slices)

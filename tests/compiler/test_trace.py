@@ -82,3 +82,12 @@ def test_al_grad_equals_jax_grad():
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="argnums=5 is out of range"):
         al.grad(mlp_loss, argnums=5)(state.params, batch)
+
+
+def test_flatten_args_checks_the_traced_structure():
+    def step(x, batch):
+        return x["a"] + batch["b"]
+    traced = trace_step(step, ({"a": jnp.ones(2)}, {"b": jnp.ones(2)}))
+    assert len(traced.flatten_args(({"a": jnp.zeros(2)}, {"b": jnp.zeros(2)}))) == 2
+    with pytest.raises(ValueError, match="arguments have pytree structure .* but this executable was compiled for"):
+        traced.flatten_args(({"a": jnp.zeros(2), "c": jnp.zeros(2)}, {"b": jnp.zeros(2)}))

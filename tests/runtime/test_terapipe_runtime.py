@@ -12,6 +12,7 @@ from alpa_like import models
 from alpa_like.models import gpt
 from alpa_like.runtime.terapipe_runtime import TerapipeContractError
 from tests.helpers import assert_trees_close, reference_on_one_device, run_steps
+from tests.runtime.test_pipeshard_runtime import stages, train_step_for
 
 SGD = optax.sgd(0.1, momentum=0.9)  # linear in the gradient: see tests/alpa_like/test_methods.py
 
@@ -23,18 +24,6 @@ def gpt_case(num_layers=4, batch_size=4, position_ids=True):
                for i in range(3)]
     params = model.init(jax.random.PRNGKey(0), batches[0]["input_ids"])["params"]
     return gpt.gpt_loss(model), train_state.TrainState.create(apply_fn=None, params=params, tx=SGD), batches
-
-
-def train_step_for(loss_fn):
-    def train_step(state, batch):
-        loss, grads = al.value_and_grad(loss_fn)(state.params, batch)
-        return state.apply_gradients(grads=grads), loss
-    return train_step
-
-
-def stages(layer_ids, physical, logical):
-    return al.ManualStageOption(forward_stage_layer_ids=layer_ids, submesh_physical_shapes=physical,
-                                submesh_logical_shapes=logical, show_progress=False)
 
 
 TWO = stages(((0, 1), (2, 3)), ((1, 4), (1, 4)), ((1, 4), (1, 4)))
