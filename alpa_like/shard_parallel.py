@@ -188,7 +188,8 @@ def realize(traced: TracedStep, graph: OpGraph, solution: ShardingSolution,
             rewrites: Sequence[WeightUpdateSharding], roles: Sequence[str], output_to_input: Sequence[int | None],
             weights: Sequence[float] | None, *, views, seconds: float, warnings: Sequence[str]) -> SpmdLayout:
     """The :class:`SpmdLayout` that makes XLA follow ``solution`` (and the weight-update sharding)."""
-    weight = (lambda n: 1.0) if weights is None else (lambda n: weights[n])
+    def weight(n: int) -> float:  # times node n runs per step (scan bodies, micro-batches)
+        return graph.nodes[n].repeat * (1.0 if weights is None else weights[n])
     in_specs = list(solution.input_specs())
     rewritten_nodes = set()
     grad_pins = []

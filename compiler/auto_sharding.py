@@ -263,23 +263,29 @@ def alias_pairs(graph: OpGraph, output_to_input: Sequence[int | None]) -> list[t
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _Uses:
-    """Every resharding site: tensor ``t`` must reach node ``node`` (operand ``pos``, or -1 for an alias)."""
+    """Every resharding site: tensor ``t`` must reach node ``node`` (operand ``pos``, or -1 for an alias:
+    the layout of the node's output ``out_index``, paid ``times`` times)."""
 
     tensor: int
     node: int
     pos: int
+    out_index: int = 0
+    times: int = 1
 
 
 def _uses(graph: OpGraph, aliases: Sequence[tuple[int, int]]) -> list[_Uses]:
+    """Operands, step aliases and the carries of ``scan`` loops (:attr:`OpGraph.loop_aliases`)."""
     uses = [_Uses(tensor=t, node=node.id, pos=pos) for node in graph.nodes
             for pos, t in enumerate(node.operands) if t is not None]
-    uses += [_Uses(tensor=out, node=graph.tensors[inp].producer, pos=-1) for out, inp in aliases]
+    loops = [(out, inp, times) for out, inp, times in graph.loop_aliases if out != inp]
+    uses += [_Uses(tensor=out, node=graph.tensors[inp].producer, pos=-1, out_index=graph.tensors[inp].out_index,
+                   times=times) for out, inp, times in [(o, i, 1) for o, i in aliases] + loops]
     return uses
 
 
 def _required(table, graph: OpGraph, use: _Uses) -> list[ShardingSpec]:
     if use.pos < 0:
-        return [s.out_specs[0] for s in table[use.node]]
+        return [s.out_specs[use.out_index] for s in table[use.node]]
     return [s.in_specs[use.pos] for s in table[use.node]]
 
 
@@ -288,7 +294,7 @@ def build_problem(graph: OpGraph, table: list[list[Strategy]], mesh: LogicalMesh
                   allow_all_to_all: bool = True,
                   node_weights: Sequence[float] | None = None,
                   combined: frozenset[int] = frozenset()) -> tuple[IlpProblem, IlpProblem, np.ndarray]:
-    """The ILP of Eq. 3.1 over the merged groups (costs scaled by ``node_weights``, default 1).
+    """The ILP of Eq. 3.1 over the merged groups (costs scaled by each node's ``repeat`` times ``node_weights``).
 
     ``combined``: nodes whose all-reduces XLA combines into one (see
     :attr:`PassOptions.combine_gradient_all_reduces`); their ``c_v`` leaves out each all-reduce's latency.
@@ -305,7 +311,9 @@ def build_problem(graph: OpGraph, table: list[list[Strategy]], mesh: LogicalMesh
     tie = [np.zeros(len(table[r])) for r in roots]
     positive = [b for b, n in zip(mesh.beta, mesh.shape) if n > 1 and b > 0]
     per_byte = TIE_BREAK * (min(positive) if positive else 1e-12)
-    weight = np.ones(len(graph.nodes)) if node_weights is None else np.asarray(node_weights, dtype=float)
+    weight = np.array([n.repeat for n in graph.nodes], dtype=float)
+    if node_weights is not None:
+        weight *= np.asarray(node_weights, dtype=float)
     for node in graph.nodes:
         v = node_of[node.id]
         costs = [s.cost - (all_reduce_latency(s, mesh) if node.id in combined else 0.0) for s in table[node.id]]
@@ -322,8 +330,7 @@ def build_problem(graph: OpGraph, table: list[list[Strategy]], mesh: LogicalMesh
         dsts = _required(table, graph, use)
         itemsize = np.dtype(tensor.dtype).itemsize
         r = reshard.matrix(tensor.shape, itemsize, srcs, dsts)
-        if use.pos >= 0:
-            r = r * weight[use.node]
+        r = r * (weight[use.node] if use.pos >= 0 else use.times)
         a, b = node_of[tensor.producer], node_of[use.node]
         if a == b:
             comm[a] += np.diagonal(r)
@@ -412,7 +419,7 @@ def _reshards(graph: OpGraph, chosen: Sequence[Strategy], mesh: LogicalMesh, ali
     for use in _uses(graph, aliases):
         tensor = graph.tensors[use.tensor]
         src = chosen[tensor.producer].out_specs[tensor.out_index]
-        dst = chosen[use.node].out_specs[0] if use.pos < 0 else chosen[use.node].in_specs[use.pos]
+        dst = chosen[use.node].out_specs[use.out_index] if use.pos < 0 else chosen[use.node].in_specs[use.pos]
         itemsize = np.dtype(tensor.dtype).itemsize
         seconds = reshard.cost(tensor.shape, itemsize, src, dst)
         if src != dst and seconds > 0:

@@ -13,15 +13,23 @@ keep the graph the ILP sees small and exact:
   Depth is the longest path from the inputs; ties go to the operand with the output's shape, then the
   larger one, then the first. A merged node shares its operand's decision variable in the ILP.
 
-``scan``, ``while`` and ``cond`` stay one node each. Primitives without any rule are recorded in
+``scan`` bodies are analysed in place too, once, as one iteration: their nodes carry ``repeat = length``
+(the ILP scales their costs by it), each scanned input reaches the body through a ``slice`` + ``squeeze``
+of its leading axis and each stacked output leaves it through a ``broadcast_in_dim`` to ``(length, ...)``
+(so the scan axis itself stays whole), and every carry gets a loop edge from the body's carry output
+back to the carry input (:attr:`OpGraph.loop_aliases`): a carry whose layout changes inside the body pays
+that resharding on every iteration. Only the scan's outputs can be pinned. ``while`` and ``cond`` stay one
+node each (their trip count is unknown or conditional). Primitives without any rule are recorded in
 :attr:`OpGraph.unsupported` and computed replicated.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import functools
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal, Var
 
@@ -30,7 +38,7 @@ from alpa_like.compiler.markers import is_marker
 from alpa_like.compiler.propagation import FOLLOW_RULES, SOURCE_PRIMITIVES
 from alpa_like.compiler.strategies import ROOT_RULES
 
-CONTROL_FLOW = frozenset({"scan", "while", "cond"})
+CONTROL_FLOW = frozenset({"while", "cond"})
 """Operators kept as one node with replicated-or-batch strategies."""
 
 NodeKind = str  # "input" | "const" | "op"
@@ -77,6 +85,9 @@ class OpNode:
     depth: int = 0
     follow: int | None = None
     """Operand position this node is merged into, or None when it has its own strategies."""
+    repeat: int = 1
+    """How many times the node runs per evaluation of the jaxpr (the product of the lengths of the
+    ``scan`` bodies it sits in)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -95,6 +106,9 @@ class OpGraph:
     """Tensor id -> the (equation index, operand position, kind) of the ``alpa_marker`` equations it passes."""
     unsupported: tuple[str, ...] = ()
     """Primitives with no rule: computed replicated."""
+    loop_aliases: tuple[tuple[int, int, int], ...] = ()
+    """(carry output tensor, carry input tensor, iterations) of every ``scan`` carry: the layouts should
+    agree, else the carry is resharded on each iteration."""
 
     def consumers(self) -> list[list[tuple[int, int]]]:
         """Per tensor, the (node id, operand position) pairs that read it."""
@@ -126,6 +140,8 @@ class _Builder:
         self.pins: dict[int, tuple[int, int]] = {}
         self.markers: dict[int, list[tuple[int, int, str]]] = {}
         self.unsupported: list[str] = []
+        self.loop_aliases: list[tuple[int, int, int]] = []
+        self.repeat = 1
 
     def tensor(self, aval, producer: int, out_index: int) -> int:
         tid = len(self.tensors)
@@ -158,6 +174,9 @@ class _Builder:
                     if top_level:
                         self.markers.setdefault(env[v], []).append((index, pos, eqn.params["kind"]))
                 continue
+            if eqn.primitive.name == "scan":
+                self.scan(eqn, operands, env, index, top_level)
+                continue
             body = jax_compat.inlinable_body(eqn)
             if body is not None:
                 inner_env = {}
@@ -173,6 +192,39 @@ class _Builder:
                         self.pins.setdefault(env[v], (index, k))
                 continue
             self.op(eqn, operands, env, index, inlined=not top_level)
+
+    def scan(self, eqn: JaxprEqn, operands: list[int | None], env: dict, index: int, top_level: bool) -> None:
+        """Adds one iteration of a ``scan`` body (see the module docstring)."""
+        body = eqn.params["jaxpr"]
+        num_consts, num_carry, length = eqn.params["num_consts"], eqn.params["num_carry"], eqn.params["length"]
+        outer_repeat = self.repeat
+        self.repeat = outer_repeat * length
+        inner_env = {}
+        for k, (v, outer, t) in enumerate(zip(body.jaxpr.invars, eqn.invars, operands, strict=True)):
+            t = t if t is not None else self.leaf("const", outer.aval, "literal")
+            if k >= num_consts + num_carry:  # a scanned input: iteration i reads xs[i]
+                t = self.through(_first_slice_jaxpr(_aval_key(outer.aval)), t, index)
+            inner_env[v] = t
+        for v in body.jaxpr.constvars:
+            inner_env[v] = self.leaf("const", v.aval, "const")
+        self.eqns(body.jaxpr.eqns, inner_env, top_index=index)
+        for k, (v, inner) in enumerate(zip(eqn.outvars, body.jaxpr.outvars, strict=True)):
+            t = self.read(inner_env, inner)
+            t = t if t is not None else self.leaf("const", inner.aval, "literal")
+            if k < num_carry:
+                self.loop_aliases.append((t, inner_env[body.jaxpr.invars[num_consts + k]], self.repeat))
+            else:  # a stacked output: iteration i writes ys[i]
+                t = self.through(_stack_jaxpr(_aval_key(inner.aval), length), t, index)
+            env[v] = t
+            if top_level:
+                self.pins.setdefault(t, (index, k))
+        self.repeat = outer_repeat
+
+    def through(self, closed: ClosedJaxpr, tensor: int, index: int) -> int:
+        """Adds the equations of the one-input, one-output ``closed`` reading ``tensor``; returns its output."""
+        inner_env = {closed.jaxpr.invars[0]: tensor}
+        self.eqns(closed.jaxpr.eqns, inner_env, top_index=index)
+        return inner_env[closed.jaxpr.outvars[0]]
 
     def op(self, eqn: JaxprEqn, operands: list[int | None], env: dict, eqn_index: int, inlined: bool) -> None:
         nid = len(self.nodes)
@@ -195,7 +247,7 @@ class _Builder:
         stack = jax_compat.name_stack(eqn)
         self.nodes.append(OpNode(id=nid, kind="op", primitive=name, eqn=eqn, operands=tuple(operands),
                                  outputs=tuple(outputs), eqn_index=eqn_index, inlined=inlined, depth=depth,
-                                 follow=follow,
+                                 follow=follow, repeat=self.repeat,
                                  name=f"{stack}/{name}" if stack else name))
 
     def choose_operand(self, eqn: JaxprEqn, operands: list[int | None], candidates: Sequence[int]) -> int | None:
@@ -240,7 +292,27 @@ def build_op_graph(closed: ClosedJaxpr, input_names: Sequence[str] | None = None
     outputs = tuple(b.read(env, v) for v in jaxpr.outvars)
     return OpGraph(nodes=tuple(b.nodes), tensors=tuple(b.tensors), input_tensors=tuple(inputs),
                    output_tensors=outputs, pins=b.pins, markers={t: tuple(m) for t, m in b.markers.items()},
-                   unsupported=tuple(dict.fromkeys(b.unsupported)))
+                   unsupported=tuple(dict.fromkeys(b.unsupported)), loop_aliases=tuple(b.loop_aliases))
+
+
+def _aval_key(aval) -> tuple[tuple[int, ...], str]:
+    return tuple(int(d) for d in aval.shape), str(np.dtype(aval.dtype))
+
+
+@functools.cache
+def _first_slice_jaxpr(key: tuple[tuple[int, ...], str]) -> ClosedJaxpr:
+    """``xs -> xs[0]``: how a scan body sees a scanned input (as ``slice`` + ``squeeze``)."""
+    shape, dtype = key
+    return jax.make_jaxpr(lambda xs: jax.lax.index_in_dim(xs, 0, axis=0, keepdims=False))(
+        jax.ShapeDtypeStruct(shape, dtype))
+
+
+@functools.cache
+def _stack_jaxpr(key: tuple[tuple[int, ...], str], length: int) -> ClosedJaxpr:
+    """``y -> ys`` of shape ``(length, *y.shape)``: how a scan stacks an output (as ``broadcast_in_dim``)."""
+    shape, dtype = key
+    return jax.make_jaxpr(lambda y: jax.lax.broadcast_in_dim(y, (length, *shape), tuple(range(1, len(shape) + 1))))(
+        jax.ShapeDtypeStruct(shape, dtype))
 
 
 def merged_groups(graph: OpGraph) -> np.ndarray:

@@ -154,3 +154,48 @@ def test_costs_scale_with_the_slower_axis():
     assert fast.objective == pytest.approx(all_reduce(param_bytes(sizes) + 4, 8))
     assert slow0.objective > fast.objective
     assert np.isfinite(slow0.objective)
+
+
+def _block(h, w1, w2):
+    return h + jnp.tanh(h @ w1) @ w2
+
+
+def scanned_mlp_loss(params, batch):
+    h, _ = jax.lax.scan(lambda h, w: (_block(h, w["w1"], w["w2"]), None), batch["x"], params)
+    return jnp.mean((h - batch["y"]) ** 2)
+
+
+def unrolled_mlp_loss(params, batch):
+    h = batch["x"]
+    for p in params:
+        h = _block(h, p["w1"], p["w2"])
+    return jnp.mean((h - batch["y"]) ** 2)
+
+
+def _scan_args(layers, hidden, batch, stacked):
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    data = {"x": f32(batch, hidden), "y": f32(batch, hidden)}
+    if stacked:
+        return {"w1": f32(layers, hidden, 4 * hidden), "w2": f32(layers, 4 * hidden, hidden)}, data
+    return [{"w1": f32(hidden, 4 * hidden), "w2": f32(4 * hidden, hidden)} for _ in range(layers)], data
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (2, 4)])
+def test_a_scanned_model_costs_what_its_unrolled_loop_costs_when_data_parallel(shape):
+    # Gradient all-reduces priced one by one (a scan's run inside the loop, one per iteration).
+    options = PassOptions(combine_gradient_all_reduces=False)
+    scanned, specs, _ = solve_step(sgd_step(scanned_mlp_loss), _scan_args(2, 16, 512, True), mesh(shape), options)
+    unrolled, _, _ = solve_step(sgd_step(unrolled_mlp_loss), _scan_args(2, 16, 512, False), mesh(shape), options)
+    assert str(specs["params.w1"]) == "RRR" and specs["batch.x"].axes[0] == tuple(a for a in (0, 1) if shape[a] > 1)
+    assert scanned.objective == pytest.approx(unrolled.objective)
+
+
+def test_a_scanned_transformer_mlp_gets_the_megatron_pattern_in_every_iteration():
+    layers, hidden, batch = 3, 256, 8
+    solution, specs, _ = solve_step(sgd_step(scanned_mlp_loss), _scan_args(layers, hidden, batch, True), mesh((1, 8)),
+                                    PassOptions(combine_gradient_all_reduces=False))
+    # The layer axis stays whole; inside, w1 column-split and w2 row-split.
+    assert specs["params.w1"] == S("RRS1") and specs["params.w2"] == S("RS1R")
+    # Per iteration one all-reduce of [batch, hidden] in the forward and one in the backward (the carry's
+    # gradient is computed on every iteration, the first one included).
+    assert solution.objective == pytest.approx(layers * 2 * all_reduce(batch * hidden * 4, 8))
