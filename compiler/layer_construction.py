@@ -161,8 +161,12 @@ def auto_layers(layer_num: int, delta: float | None) -> LayerAssignment:
         segments = operator_segments(jaxpr)
         num_segments = segments[-1] + 1 if segments else 0
         if num_segments < layer_num:
+            loops = sorted({e.primitive.name for e in jaxpr.eqns if e.primitive.name in ("scan", "while", "cond")})
+            hint = (f"; its {'/'.join(loops)} loop counts as one operator (layers stacked in a lax.scan or "
+                    "nn.scan cannot be split into pipeline layers: unroll them, or use ShardParallel, which "
+                    "shards inside the scan)") if loops else ""
             raise ValueError(f"AutoLayerOption(layer_num={layer_num}): the loss has only {num_segments} "
-                             "matmul/convolution operators to cluster; use a smaller layer_num")
+                             f"matmul/convolution operators to cluster; use a smaller layer_num{hint}")
         flops = [0.0] * num_segments
         for eqn, seg in zip(jaxpr.eqns, segments, strict=True):
             flops[seg] += eqn_flops(eqn)

@@ -68,3 +68,13 @@ def test_auto_layers_can_find_the_least_slack():
 
     assert least_delta([1.0, 1.0, 1.0, 1.0], 2) == 0.0
     assert least_delta([1.0, 1.0, 1.0, 5.0], 2) == pytest.approx(5 / 4 - 1)  # the heavy op alone: 5 of 8
+
+
+def test_layers_stacked_in_a_scan_are_a_clear_error_naming_the_scan():
+    from alpa_like.compiler.layer_construction import auto_layers
+
+    def loss(ws, x):
+        return jnp.mean(jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0] ** 2)
+    jaxpr = jax.make_jaxpr(loss)(jnp.ones((4, 8, 8)), jnp.ones((2, 8))).jaxpr
+    with pytest.raises(ValueError, match="its scan loop counts as one operator"):
+        auto_layers(2, delta=0.6)(jaxpr)
