@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, JaxprEqn, Literal, Var
 
@@ -16,6 +17,14 @@ CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
 
 EqnHook = Callable[[JaxprEqn, list[Any]], list[Any]]
 """``hook(eqn, values) -> values``: replaces an equation's outputs (or, as an operand hook, its operands)."""
+
+
+def numpy_dtype(dtype) -> np.dtype:
+    """``dtype`` as a NumPy dtype; JAX's extended dtypes (typed PRNG keys, ``key<fry>``), which NumPy cannot
+    interpret, become the opaque ``V<itemsize>`` of their storage, so byte counts stay exact."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return np.dtype(f"V{dtype.itemsize}")
+    return np.dtype(dtype)
 
 
 def is_call(eqn: JaxprEqn) -> bool:

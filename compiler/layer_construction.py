@@ -176,7 +176,7 @@ def auto_layers(layer_num: int, delta: float | None) -> LayerAssignment:
             for v in jax_compat.eqn_inputs(eqn):
                 src = defined.get(v)
                 if src is not None and src < segments[i]:
-                    nbytes = float(np.prod(v.aval.shape, dtype=np.float64) * np.dtype(v.aval.dtype).itemsize)
+                    nbytes = float(np.prod(v.aval.shape, dtype=np.float64) * jax_compat.numpy_dtype(v.aval.dtype).itemsize)
                     edges.append((src, segments[i], nbytes, id(v)))
         slack = least_delta(flops, layer_num) if delta is None else delta
         clustering = cluster_layers(flops, incoming_bytes(num_segments, edges), layer_num, slack)

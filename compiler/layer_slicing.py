@@ -52,7 +52,7 @@ class LayerSummary:
 
 def _nbytes(var: Var) -> int:
     aval = var.aval
-    return int(math.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+    return int(math.prod(aval.shape)) * jax_compat.numpy_dtype(aval.dtype).itemsize
 
 
 def _region_pieces(eqns: Sequence[JaxprEqn]) -> list[Piece | None]:

@@ -146,7 +146,7 @@ class _Builder:
     def tensor(self, aval, producer: int, out_index: int) -> int:
         tid = len(self.tensors)
         self.tensors.append(Tensor(id=tid, shape=tuple(int(d) for d in aval.shape),
-                                   dtype=str(np.dtype(aval.dtype)), producer=producer, out_index=out_index))
+                                   dtype=str(jax_compat.numpy_dtype(aval.dtype)), producer=producer, out_index=out_index))
         return tid
 
     def leaf(self, kind: NodeKind, aval, name: str, input_index: int | None = None) -> int:
@@ -296,7 +296,7 @@ def build_op_graph(closed: ClosedJaxpr, input_names: Sequence[str] | None = None
 
 
 def _aval_key(aval) -> tuple[tuple[int, ...], str]:
-    return tuple(int(d) for d in aval.shape), str(np.dtype(aval.dtype))
+    return tuple(int(d) for d in aval.shape), str(jax_compat.numpy_dtype(aval.dtype))
 
 
 @functools.cache

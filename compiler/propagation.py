@@ -41,8 +41,10 @@ ELEMENTWISE = frozenset({
     "neg", "nextafter", "not", "or", "polygamma", "population_count", "pow", "real", "reduce_precision", "rem",
     "round", "rsqrt", "select_n", "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign", "sin",
     "sinh", "sqrt", "square", "stop_gradient", "sub", "tan", "tanh", "xor", "optimization_barrier",
+    "bitcast_convert_type",
 })
-"""Operators applied element by element to operands of one shape (scalars broadcast)."""
+"""Operators applied element by element to operands of one shape (scalars broadcast); a
+``bitcast_convert_type`` between types of different widths changes the shape and is not merged (replicated)."""
 
 SUM_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
                             "reduce_xor"})

@@ -150,7 +150,7 @@ def profile_layer(closed: ClosedJaxpr, param_inputs: Sequence[bool], mesh: Logic
     param_bytes = 0.0
     for spec, var, is_param in zip(solution.input_specs(), closed.jaxpr.invars, param_inputs, strict=True):
         if is_param:
-            nbytes = math.prod(var.aval.shape) * np.dtype(var.aval.dtype).itemsize
+            nbytes = math.prod(var.aval.shape) * jax_compat.numpy_dtype(var.aval.dtype).itemsize
             param_bytes += nbytes / spec.num_shards(mesh.shape)
     comm_bytes = sum(c.num_bytes for strategy in solution.strategies for c in strategy.collectives)
     return LayerCost(compute_seconds=jaxpr_flops(closed) / (mesh.num_devices * peak_flops),

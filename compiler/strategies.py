@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from jax.extend.core import JaxprEqn, Literal
 
+from alpa_like.compiler import jax_compat
 from alpa_like.compiler.flops import conv_flops, dot_general_flops
 from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.compiler.sharding_spec import DimAxes, ShardingSpec
@@ -109,7 +110,7 @@ def replicated(ndim: int) -> ShardingSpec:
 
 
 def itemsize(aval) -> int:
-    return int(np.dtype(aval.dtype).itemsize)
+    return int(jax_compat.numpy_dtype(aval.dtype).itemsize)
 
 
 def nbytes(aval) -> float:

@@ -32,6 +32,9 @@ class LeafInfo:
     """Readable pytree path, rooted at the argument name (``state.params.dense.kernel``) or ``out``."""
     shape: tuple[int, ...]
     dtype: str
+    """JAX's name of the dtype (``float32``; ``key<fry>`` for a typed PRNG key)."""
+    itemsize: int
+    """Bytes per element."""
     arg_index: int
     """Position of the top-level argument (inputs) or output element (outputs; -1 for a single output)."""
     is_batch: bool = False
@@ -39,7 +42,7 @@ class LeafInfo:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return int(np.prod(self.shape, dtype=np.int64)) * self.itemsize
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -128,8 +131,9 @@ def flatten_inputs(fn: Callable, args: Sequence[Any], static_argnums: Sequence[i
             path = path_to_str(names[i], key_path)
             aval = leaf_aval(leaf, path)
             avals.append(aval)
-            infos.append(LeafInfo(path=path, shape=tuple(aval.shape), dtype=str(np.dtype(aval.dtype)),
-                                  arg_index=i, is_batch=i in batch_argnums))
+            infos.append(LeafInfo(path=path, shape=tuple(aval.shape), dtype=str(aval.dtype),
+                                  itemsize=jax_compat.numpy_dtype(aval.dtype).itemsize, arg_index=i,
+                                  is_batch=i in batch_argnums))
     in_tree = jax.tree_util.tree_structure(tuple(args[i] for i in dynamic))
     return avals, infos, in_tree
 
@@ -193,7 +197,7 @@ def trace_step(fn: Callable, args: Sequence[Any], *, static_argnums: Sequence[in
     out_is_tuple = isinstance(out_shape, (tuple, list))
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(out_shape)[0]:
         out_leaves.append(LeafInfo(path=path_to_str("out", key_path), shape=tuple(leaf.shape),
-                                   dtype=str(np.dtype(leaf.dtype)),
+                                   dtype=str(leaf.dtype), itemsize=jax_compat.numpy_dtype(leaf.dtype).itemsize,
                                    arg_index=key_path[0].idx if out_is_tuple and key_path else -1))
     return TracedStep(closed_jaxpr=closed, in_leaves=tuple(in_leaves), out_leaves=tuple(out_leaves),
                       in_tree=in_tree, out_tree=jax.tree_util.tree_structure(out_shape),

@@ -119,7 +119,8 @@ def compile_spmd(traced: TracedStep, layout: SpmdLayout, devices: Sequence[Any],
                         on_micro_batch=_micro_batch_pin(mesh, batch_specs) if num_micro_batches > 1 else None)
     jitted = jax.jit(step, in_shardings=in_shardings, out_shardings=out_shardings,
                      donate_argnums=tuple(donate_flat))
-    avals = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in traced.in_leaves]
+    avals = [jax.ShapeDtypeStruct(leaf.shape, v.aval.dtype)  # the jaxpr's dtype: a typed PRNG key's is no string
+             for leaf, v in zip(traced.in_leaves, traced.closed_jaxpr.jaxpr.invars, strict=True)]
     compiled = jitted.lower(*avals).compile()
     out_specs = []
     for leaf, sharding in zip(traced.out_leaves, compiled.output_shardings, strict=True):

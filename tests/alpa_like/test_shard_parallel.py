@@ -3,6 +3,7 @@ the collectives XLA compiled against the ones the ILP predicted, and bad input."
 import collections
 import dataclasses
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -312,3 +313,60 @@ def test_a_scanned_model_is_sharded_inside_the_loop_and_matches_single_device_ji
     par_state, par_metrics = run_steps(exe, state, batches)
     assert_trees_close(par_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
     assert_trees_close(par_metrics, ref_metrics, rtol=1e-5, atol=1e-6)
+
+
+def test_a_flax_model_with_nn_scan_remat_dropout_and_cond_matches_single_device_jit():
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            y = nn.Dropout(0.1, deterministic=False)(nn.gelu(nn.Dense(64)(nn.LayerNorm()(h))))
+            return h + nn.Dense(16)(y), None
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            stack = nn.scan(nn.remat(Block), variable_axes={"params": 0},
+                            split_rngs={"params": True, "dropout": True}, length=3)
+            h, _ = stack()(nn.Dense(16)(x), None)
+            h = jax.lax.cond(jnp.all(jnp.isfinite(h)), lambda z: z * 2.0, lambda z: z, h)
+            return nn.Dense(4)(h)
+
+    model = Net()
+    params = model.init({"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}, jnp.ones((32, 8)))
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params["params"],
+                                          tx=optax.sgd(1e-2, momentum=0.9))
+    rng = np.random.default_rng(0)
+    batches = [{"x": jnp.asarray(rng.normal(size=(32, 8)), jnp.float32),
+                "y": jnp.asarray(rng.normal(size=(32, 4)), jnp.float32)} for _ in range(2)]
+
+    def step(state, batch):
+        def loss_fn(p):  # typed PRNG keys flow through the scan (split_rngs), raw ones in the step
+            dropout = jax.random.fold_in(jax.random.PRNGKey(0), state.step)
+            out = model.apply({"params": p}, batch["x"], rngs={"dropout": dropout})
+            return jnp.mean((out - batch["y"]) ** 2)
+        loss, grads = al.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+    ref_state, ref_metrics = reference_on_one_device(step, state, batches)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*no sharding rule")  # every primitive has a rule
+        par_state, par_metrics = run_steps(al.parallelize(step, method=shard_parallel("2d")), state, batches)
+    assert_trees_close(par_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(par_metrics, ref_metrics, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", [al.DataParallel(), al.ShardParallel()], ids=["data", "shard"])
+def test_a_typed_prng_key_argument_is_accepted(method):
+    def step(state, batch, key):
+        def loss(p, b):
+            return mlp_loss(p, {"x": b["x"] + 0.01 * jax.random.normal(key, b["x"].shape), "y": b["y"]})
+        value, grads = al.value_and_grad(loss)(state.params, batch)
+        return state.apply_gradients(grads=grads), {"loss": value}
+
+    state, batch, key = mlp_state(), mlp_batch(np.random.default_rng(0)), jax.random.key(3)
+    expected = jax.jit(step)(state, batch, key)
+    actual = al.parallelize(step, method=method)(state, batch, key)
+    assert_trees_close(actual[0].params, expected[0].params)
+    assert_trees_close(actual[1], expected[1])
