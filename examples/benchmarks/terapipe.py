@@ -40,7 +40,8 @@ import optax  # noqa: E402
 from flax.training import train_state  # noqa: E402
 
 import alpa_like as al  # noqa: E402
-from alpa_like.compiler.terapipe_cost import analytic_slice_costs, measured_slice_costs  # noqa: E402
+from alpa_like.compiler.terapipe_cost import (analytic_slice_costs, data_parallel_sync_seconds,  # noqa: E402
+                                              measured_slice_costs)
 from alpa_like.compiler.token_slicing import (format_scheme, slice_cost_table, solve_joint_slicing,  # noqa: E402
                                               solve_token_slicing, uniform_slicing)
 from alpa_like.models import gpt  # noqa: E402
@@ -69,7 +70,8 @@ def slice_model(row, calibration, batch):
     efficiency, saturation = calibration
     cluster = al.ClusterSpec.preset("p3.16xlarge", num_nodes=max(1, row[4] // 8))
     return analytic_slice_costs(cluster, seq_len=L, hidden=h, layers_per_stage=n // pipe, batch=batch,
-                                op_degree=op, efficiency=efficiency, saturation_tokens=saturation)
+                                op_degree=op, efficiency=efficiency, saturation_flops=saturation,
+                                cross_node=op >= cluster.num_devices_per_node)
 
 
 def grained_table(model):
@@ -91,7 +93,14 @@ def predict(row, calibration, token_slicing=True):
     solution = solve_joint_slicing(tables, per_pipeline, row[7], epsilon=1e-4)
     scale = GRAIN if token_slicing else L
     scheme = [(b, tuple(x * scale for x in ls)) for b, ls in solution.batch_slices]
-    return solution.latency, format_scheme(scheme)
+    return solution.latency + sync_seconds(row), format_scheme(scheme)
+
+
+def sync_seconds(row):
+    """The data-parallel gradient all-reduce after the pipeline (same with and without token slicing)."""
+    _, _, n, h, gpus, _, data, pipe, op, *_ = row
+    cluster = al.ClusterSpec.preset("p3.16xlarge", num_nodes=max(1, gpus // 8))
+    return data_parallel_sync_seconds(cluster, hidden=h, layers_per_stage=n // pipe, op_degree=op, data_parallel=data)
 
 
 def calibrate(row) -> tuple[float, int]:
@@ -101,12 +110,12 @@ def calibrate(row) -> tuple[float, int]:
     lo, hi = 0.01, 1.0
     for _ in range(30):
         mid = (lo * hi) ** 0.5
-        if predict(row, (mid, 1), token_slicing=False)[0] > row[9]:
+        if predict(row, (mid, 1.0), token_slicing=False)[0] > row[9]:
             lo = mid
         else:
             hi = mid
     efficiency = (lo * hi) ** 0.5
-    floors = [2**i for i in range(12)]
+    floors = [1e9 * 2**i for i in range(-2, 9)]  # 0.25 .. 256 GFLOP per device and layer forward
     errors = [abs(predict(row, (efficiency, f))[0] - row[11]) for f in floors]
     return efficiency, floors[int(np.argmin(errors))]
 
@@ -115,7 +124,7 @@ def part1(calibrate_row: int):
     row = next(r for r in TABLE_2_1 if r[0] == calibrate_row)
     calibration = calibrate(row)
     print(f"\n(1) Table 2.1 on a simulated p3.16xlarge cluster; efficiency {calibration[0]:.3f} x peak and "
-          f"utilisation floor {calibration[1]} tokens calibrated on row {calibrate_row} only")
+          f"utilisation floor {calibration[1] / 1e9:g} GFLOP per device and layer calibrated on row {calibrate_row} only")
     head = (f"{'#':>2} {'model':>5} {'D/P/O':>9} {'paper w/o':>9} {'pred w/o':>8} {'err':>6} {'paper w/':>8} "
             f"{'pred w/':>7} {'err':>6} {'paper x':>7} {'pred x':>6}  scheme found (paper's)")
     print(head)
