@@ -30,10 +30,9 @@ def gpt_case(num_layers=4, batch_size=4, position_ids=True):
 TWO = stages(((0, 1), (2, 3)), ((1, 4), (1, 4)), ((1, 4), (1, 4)))
 FOUR = stages(((0,), (1,), (2,), (3,)), ((1, 2),) * 4, ((1, 2),) * 4)
 SLOW = pytest.mark.slow  # one XLA compile per (slice shape, stage) forward and backward: ~15-60 s each on 2 cores
-UNEVEN_BATCH_SLICES = ((1, (7, 5, 4)), (1, (7, 5, 4)), (2, (9, 7)))  # batch 4: 1 + 1 + 2 rows
+UNEVEN_BATCH_SLICES = ((1, (9, 7)), (1, (9, 7)), (2, (16,)))  # batch 4: 1 + 1 + 2 rows, 3 slice shapes
 CASES = [  # (stage option, micro-batches, token slices: per micro-batch, or the whole batch + token scheme)
-    pytest.param(TWO, 1, UNEVEN_BATCH_SLICES, id="two_stages_uneven_batch_slices"),
-    pytest.param(TWO, 1, (7, 5, 4), id="two_stages_uneven_slices", marks=SLOW),
+    pytest.param(TWO, 1, UNEVEN_BATCH_SLICES, id="two_stages_uneven_batch_slices", marks=SLOW),
     pytest.param(TWO, 2, (9, 7), id="two_stages_two_batch_slices", marks=SLOW),
     pytest.param(FOUR, 1, (6, 6, 3, 1), id="four_stages_uneven_slices", marks=SLOW),
     pytest.param(FOUR, 4, (10, 6), id="four_stages_four_batch_slices", marks=SLOW),
@@ -77,6 +76,23 @@ def assert_updated_where_the_plan_puts_parameters(exe, new_state):
             assert leaf.sharding.is_equivalent_to(wanted, leaf.ndim), (name, leaf.sharding, wanted)
             sharded += not leaf.sharding.is_fully_replicated
     assert sharded > 0, "no parameter is sharded: the ILP's layouts were not applied"
+
+
+@SLOW
+def test_runs_the_scheme_the_plan_chose():
+    """token_slices=None: the runtime runs the plan's batch + token slicing (or whole sequences)."""
+    loss_fn, state, batches = gpt_case(num_layers=2)
+    step = train_step_for(loss_fn)
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2),
+                                  stage_option=stages(((0,), (1,)), ((1, 4),) * 2, ((1, 4),) * 2),
+                                  pipeline_schedule="terapipe")
+    ref_state, ref_losses = reference_on_one_device(step, state, batches[:2])
+    parallel = al.parallelize(step, method=method)
+    got_state, got_losses = run_steps(parallel, state, batches[:2])
+    exe = parallel.get_executable(state, batches[0])
+    assert exe.batch_slices == (exe.plan.token_slicing or ((2, (16,)),) * 2)
+    assert_trees_close(got_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
 
 
 def test_positions_from_arange_break_the_contract():
