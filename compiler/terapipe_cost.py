@@ -9,8 +9,10 @@ context term is fitted by least squares (the paper reports under 2% error). For 
 plus backward. Two sources build a :class:`SliceCostModel`:
 
 * :func:`analytic_slice_costs`: FLOPs of a transformer stage's slice on a :class:`~alpa_like.ClusterSpec`
-  device, with a utilisation floor (a device takes as long for a few tokens as for ``saturation_tokens``
-  tokens, the paper's Fig. 2.3), tensor-parallel all-reduces and the stage-to-stage send;
+  device, with a utilisation floor (a device takes as long for a little work as for the work of
+  ``saturation_tokens`` tokens of the layer on one device, the paper's Fig. 2.3), tensor-parallel
+  all-reduces and the stage-to-stage send; :func:`data_parallel_sync_seconds` adds the per-iteration
+  gradient all-reduce among data-parallel replicas;
 * :func:`measured_slice_costs`: times a real stage on a grid of slice and context lengths and fits.
 """
 from __future__ import annotations
