@@ -95,6 +95,7 @@ def test_runs_the_scheme_the_plan_chose():
     assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
 
 
+@SLOW
 def test_positions_from_arange_break_the_contract():
     loss_fn, state, batches = gpt_case(num_layers=2, position_ids=False)
     method = al.PipeshardParallel(layer_option=al.AutoLayerOption(layer_num=2),
