@@ -44,7 +44,7 @@ from alpa_like.plan import CommEstimate, ParallelPlan, StagePlan, TensorPlan
 from alpa_like.runtime.instructions import emit_programs
 from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable
 from alpa_like.runtime.schedules import make_schedule
-from alpa_like.runtime.terapipe_runtime import TerapipeExecutable
+from alpa_like.runtime.terapipe_runtime import TerapipeExecutable, check_batch_slices
 from alpa_like.shard_parallel import AutoShardingOption
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "breadth_first", "terapipe")
@@ -156,18 +156,23 @@ class PipeshardParallel:
     """Layer chunks per mesh for the looping schedules (``interleaved_1f1b``, ``breadth_first``): the
     layers are cut into ``meshes x virtual_stages`` equal chunks and chunk ``s`` runs on mesh ``s mod p``
     (Megatron-LM's interleaved layout). 1 for the other schedules."""
-    token_slices: tuple[int, ...] | None = None
-    """``pipeline_schedule="terapipe"`` only: the token slice lengths of every sequence (summing to its
-    length). None: the TeraPipe DP chooses them in planning (see ``ParallelPlan.token_slicing``)."""
+    token_slices: tuple[int, ...] | tuple[tuple[int, tuple[int, ...]], ...] | None = None
+    """``pipeline_schedule="terapipe"`` only. Token slice lengths of every sequence (summing to its length),
+    e.g. ``(776, 640, 632)``, used for every micro-batch; or a whole batch + token slicing (section 2.3.4) as
+    plans print it, ``((rows, (lengths...)), ...)`` with rows summing to the batch size, e.g.
+    ``((2, (8, 8)), (1, (16,)))``. None: the TeraPipe DP chooses (see ``ParallelPlan.token_slicing``)."""
 
     def __post_init__(self):
         _check_micro_batches(self.num_micro_batches)
         if self.token_slices is not None:
             if self.pipeline_schedule != "terapipe":
                 raise ValueError(f"token_slices needs pipeline_schedule='terapipe', got {self.pipeline_schedule!r}")
-            if not isinstance(self.token_slices, tuple) or not self.token_slices or not all(
-                    isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in self.token_slices):
-                raise ValueError(f"token_slices must be a non-empty tuple of ints >= 1, got {self.token_slices!r}")
+            if not _is_lengths(self.token_slices) and not (
+                    isinstance(self.token_slices, tuple) and self.token_slices and all(
+                        isinstance(p, tuple) and len(p) == 2 and _is_lengths((p[0],)) and _is_lengths(p[1])
+                        for p in self.token_slices)):
+                raise ValueError(f"token_slices must be a non-empty tuple of ints >= 1 or of (rows, (lengths...)) "
+                                 f"pairs with ints >= 1, got {self.token_slices!r}")
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got "
                              f"{self.pipeline_schedule!r}")
@@ -309,15 +314,16 @@ def _plan_token_slicing(method: PipeshardParallel, sliced: SlicedStep, solution:
     if not batch_leaves:
         return dataclasses.replace(plan, warnings=plan.warnings + (
             "terapipe: no batch input has a sequence dim (dim 1); no token slicing",))
-    seq_len = batch_leaves[0].shape[1]
-    if method.token_slices is not None and sum(method.token_slices) != seq_len:
-        raise ValueError(f"token_slices {method.token_slices} must sum to the sequence length {seq_len} "
-                         f"(dim 1 of {batch_leaves[0].path})")
-    rows = batch_leaves[0].shape[0] // method.num_micro_batches
+    seq_len, batch = batch_leaves[0].shape[1], batch_leaves[0].shape[0]
+    rows = batch // method.num_micro_batches
+    fixed = None
+    if method.token_slices is not None:
+        fixed = token_slicing_scheme(method.token_slices, method.num_micro_batches, rows)
+        check_batch_slices(fixed, batch, seq_len)
     stage_layers = [tuple(range(s.layers[0], s.layers[1] + 1)) for s in solution.stages]
     fractions = attention_fractions(sliced.jaxpr, sliced.pieces, stage_layers)
     decision = choose_token_slicing([s.t_intra for s in solution.stages], fractions, seq_len,
-                                    method.num_micro_batches, rows, fixed_lengths=method.token_slices)
+                                    method.num_micro_batches, rows, fixed=fixed)
     scale = decision.latency / decision.latency_unsliced if decision.latency_unsliced > 0 else 1.0
     return dataclasses.replace(plan, token_slicing=decision.batch_slices,
                                estimated_iteration_time=plan.estimated_iteration_time * scale,
@@ -463,18 +469,55 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
                            devices=devices, input_specs=input_specs)
 
 
+def _is_lengths(value) -> bool:
+    return isinstance(value, tuple) and bool(value) and all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in value)
+
+
+def token_slicing_scheme(token_slices, num_micro_batches: int, rows_per_micro_batch: int):
+    """``PipeshardParallel.token_slices`` as a batch + token slicing ``((rows, lengths), ...)``."""
+    if _is_lengths(token_slices):
+        return ((rows_per_micro_batch, tuple(token_slices)),) * num_micro_batches
+    return tuple((rows, tuple(lengths)) for rows, lengths in token_slices)
+
+
+def _optimizer_state_specs(param_specs: dict, in_leaves) -> dict:
+    """Per (stage, path) of an optimizer-state leaf that mirrors a parameter (same shape, path ending with the
+    parameter's path below its ``params`` tree, as optax's moments do), the parameter's spec on that stage:
+    the update then keeps the plan's layout of the parameter instead of following the state's."""
+    out = {}
+    for (q, path), spec in param_specs.items():
+        relative = path.split(".params.", 1)[-1]
+        shape = next((leaf.shape for leaf in in_leaves if leaf.path == path), None)
+        for leaf in in_leaves:
+            if (leaf.path != path and leaf.shape == shape and not leaf.is_batch
+                    and leaf.path.endswith("." + relative) and (q, leaf.path) not in param_specs):
+                out[(q, leaf.path)] = spec
+    return out
+
+
 def _compile_terapipe(method: PipeshardParallel, fun: Callable, args: Sequence[Any], sliced: SlicedStep,
                       plan: ParallelPlan, devices: Sequence[Any]) -> TerapipeExecutable:
-    """The TeraPipe runtime on the plan's stages with the method's (or the plan's) token slices."""
+    """The TeraPipe runtime on the plan's stages with the method's token slices (every micro-batch) or the
+    plan's batch + token slicing."""
     if method.virtual_stages != 1:
         raise ValueError("pipeline_schedule='terapipe' runs one stage per mesh (virtual_stages=1)")
-    slices = method.token_slices or (plan.token_slicing[0][1] if plan.token_slicing else None)
-    if slices is None:
-        seq = {leaf.shape[1] for leaf in sliced.traced.in_leaves if leaf.is_batch and len(leaf.shape) > 1}
-        slices = (max(seq),) if seq else (1,)
-    return TerapipeExecutable(fun=fun, args=args, traced=sliced.traced, plan=plan,
+    batch_leaves = [leaf for leaf in sliced.traced.in_leaves if leaf.is_batch and len(leaf.shape) > 1]
+    if not batch_leaves:
+        raise ValueError("pipeline_schedule='terapipe' needs a batch input [batch, seq, ...]")
+    batch, seq = batch_leaves[0].shape[0], batch_leaves[0].shape[1]
+    rows = batch // method.num_micro_batches
+    if method.token_slices is not None:
+        scheme = token_slicing_scheme(method.token_slices, method.num_micro_batches, rows)
+    else:
+        scheme = plan.token_slicing or ((rows, (seq,)),) * method.num_micro_batches
+    program = build_stage_program(sliced.closed_jaxpr, sliced.pieces, [s.layer_ids for s in plan.stages],
+                                  [r == "batch" for r in sliced.roles])
+    specs = {(q, t.path): t.spec for q, s in enumerate(plan.stages) for t in s.inputs if t.spec is not None}
+    specs.update(_optimizer_state_specs(specs, sliced.traced.in_leaves))
+    return TerapipeExecutable(fun=fun, args=args, traced=sliced.traced, plan=plan, program=program,
                               layer_assign=method.layer_option.layering().assign, devices=devices,
-                              token_slices=slices)
+                              batch_slices=scheme, input_specs=specs)
 
 
 def _loop_layers(plan: ParallelPlan, num_layers: int, virtual_stages: int):

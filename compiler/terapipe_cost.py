@@ -9,8 +9,10 @@ context term is fitted by least squares (the paper reports under 2% error). For 
 plus backward. Two sources build a :class:`SliceCostModel`:
 
 * :func:`analytic_slice_costs`: FLOPs of a transformer stage's slice on a :class:`~alpa_like.ClusterSpec`
-  device, with a utilisation floor (a device takes as long for a few tokens as for ``saturation_tokens``
-  tokens, the paper's Fig. 2.3), tensor-parallel all-reduces and the stage-to-stage send;
+  device, with a utilisation floor (a device takes as long for a little work as for the work of
+  ``saturation_tokens`` tokens of the layer on one device, the paper's Fig. 2.3), tensor-parallel
+  all-reduces and the stage-to-stage send; :func:`data_parallel_sync_seconds` adds the per-iteration
+  gradient all-reduce among data-parallel replicas;
 * :func:`measured_slice_costs`: times a real stage on a grid of slice and context lengths and fits.
 """
 from __future__ import annotations
@@ -24,7 +26,7 @@ import numpy as np
 from alpa_like.cluster import ClusterSpec
 
 __all__ = ["SliceCostModel", "fit_slice_costs", "analytic_slice_costs", "measured_slice_costs",
-           "transformer_layer_flops"]
+           "transformer_layer_flops", "data_parallel_sync_seconds"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,13 +102,29 @@ def transformer_layer_flops(batch: int, length, context, hidden: int, ffn_ratio:
     return dense, attention
 
 
+def data_parallel_sync_seconds(cluster: ClusterSpec, *, hidden: int, layers_per_stage: int, op_degree: int,
+                               data_parallel: int, dtype_bytes: int = 2) -> float:
+    """Per iteration, the ring all-reduce of one stage's gradients (``12 h^2`` parameters per transformer
+    layer, split over ``op_degree`` devices) among ``data_parallel`` replicas, after the pipeline drains
+    (TeraPipe section 2.4: replicas "synchronize the gradient updates ... after each forward and backward
+    propagation"). Replicas of a stage sit on different nodes and every device of a node syncs at once, so
+    each gets ``cluster.inter_node_bandwidth`` (the node's NIC divided by its devices)."""
+    if data_parallel <= 1:
+        return 0.0
+    nbytes = 12 * hidden**2 * layers_per_stage / op_degree * dtype_bytes
+    steps = 2 * (data_parallel - 1)
+    return steps / data_parallel * nbytes / cluster.inter_node_bandwidth + steps * cluster.inter_node_latency
+
+
 def analytic_slice_costs(cluster: ClusterSpec, *, seq_len: int, hidden: int, layers_per_stage: int,
                          batch: int = 1, op_degree: int = 1, efficiency: float = 0.5,
-                         saturation_tokens: int = 256, dtype_bytes: int = 2, training: bool = True,
-                         cross_node: bool = True) -> SliceCostModel:
+                         saturation_tokens: int = 256, saturation_flops: float | None = None,
+                         dtype_bytes: int = 2, training: bool = True, cross_node: bool = True) -> SliceCostModel:
     """Eq. 2.9 for a stage of ``layers_per_stage`` transformer layers on ``op_degree`` devices of ``cluster``.
 
-    Per layer, ``(dense(max(b l, saturation_tokens) / b) + attention) / (op_degree * peak * efficiency)``,
+    Per layer and device, ``(max(dense(b l) / op_degree, dense(saturation_tokens)) + attention / op_degree)
+    / (peak * efficiency)``: the utilisation floor is per device, so a layer split over ``op_degree`` devices
+    needs ``op_degree`` times the tokens to saturate them (each device's GEMMs are ``op_degree`` times narrower),
     times 3 for training (backward = 2 x forward); plus, with ``op_degree > 1``, Megatron's 2 ring
     all-reduces of the ``b l h`` activation per layer and direction inside a node; plus the send of the
     slice's activation (and its gradient when training) to the next stage, over the inter-node link when
@@ -115,23 +133,31 @@ def analytic_slice_costs(cluster: ClusterSpec, *, seq_len: int, hidden: int, lay
     Args:
       efficiency: fraction of ``cluster.peak_flops`` a saturated device reaches (calibrate it on one
         measured latency).
-      saturation_tokens: tokens below which a layer takes constant time (the utilisation floor of the
-        paper's Fig. 2.3: one GPT3-1B layer on a V100 takes as long for 1 token as for 256).
+      saturation_tokens: tokens below which a layer on ONE device takes constant time (the utilisation floor
+        of the paper's Fig. 2.3: one GPT3-1B layer on a V100 takes as long for 1 token as for 256); on
+        ``op_degree`` devices the floor is the same per-device work.
+      saturation_flops: the same floor given directly as a device's dense forward FLOPs per layer (overrides
+        ``saturation_tokens``; Fig. 2.3's 256 tokens of a GPT3-1B layer are 25.8 GFLOP).
+      cross_node: whether the stage-to-stage send crosses nodes (a stage fills its node); False when a node
+        holds several consecutive stages of the pipeline (``op_degree < devices per node``), NVLink then.
     """
     for name, value in (("seq_len", seq_len), ("hidden", hidden), ("layers_per_stage", layers_per_stage),
                         ("batch", batch), ("op_degree", op_degree), ("saturation_tokens", saturation_tokens)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if saturation_flops is not None and not saturation_flops > 0:
+        raise ValueError(f"saturation_flops must be > 0, got {saturation_flops!r}")
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], got {efficiency!r}")
 
     def exact(length, context):
         length = np.asarray(length, dtype=np.float64)
-        tokens = np.maximum(batch * length, saturation_tokens) / batch
-        dense, _ = transformer_layer_flops(batch, tokens, 0, hidden)
-        _, attention = transformer_layer_flops(batch, length, context, hidden)
+        dense, attention = transformer_layer_flops(batch, length, context, hidden)
+        floor = (saturation_flops if saturation_flops is not None
+                 else transformer_layer_flops(1, saturation_tokens, 0, hidden)[0])
+        per_device = np.maximum(dense / op_degree, floor) + attention / op_degree
         passes = 3.0 if training else 1.0
-        compute = passes * layers_per_stage * (dense + attention) / (op_degree * cluster.peak_flops * efficiency)
+        compute = passes * layers_per_stage * per_device / (cluster.peak_flops * efficiency)
         nbytes = batch * length * hidden * dtype_bytes
         directions = 2 if training else 1
         comm = 0.0

@@ -1,18 +1,19 @@
 """Token slicing in the inter-operator pass: the TeraPipe DP on the stages the stage DP chose.
 
 After the stage DP (Alpa Eq. 3.2-3.5) fixes the stages, each stage's per-micro-batch time ``T_q`` (forward +
-backward, whole sequence of ``L`` tokens) is spread over token slices with Eq. 2.9's shape:
+backward, ``R`` whole sequences of ``L`` tokens) is spread over batch slices of ``b`` sequences cut into
+token slices, with Eq. 2.9's shape:
 
 .. math::
 
-    t_q(k, c) = T_q \\left[(1 - \\rho_q) \\frac{\\max(k, s)}{L} + \\rho_q \\frac{k (c + k)}{L^2}\\right]
+    t_q(b, k, c) = \\frac{T_q}{R} \\left[(1 - \\rho_q) \\frac{\\max(b k, s)}{L} + \\rho_q \\frac{b k (c + k)}{L^2}\\right]
 
 where ``rho_q`` is the share of the stage's FLOPs inside :func:`alpa_like.nn.causal_self_attention` (found
 by its named scope in the traced step), the rest scales with the tokens, and ``s`` is the utilisation floor
-(TeraPipe Fig. 2.3: a slice shorter than ``s`` tokens takes as long as ``s`` tokens). The slowest stage
-bounds every slice, so the DP (Alg. 1) runs on ``max_q t_q`` with ``K`` stages and the micro-batches as
-batch slices. Token slicing is kept only when the predicted latency drops below the unsliced one under the
-same model.
+(TeraPipe Fig. 2.3: a slice of fewer than ``s`` tokens takes as long as ``s`` tokens). The slowest stage
+bounds every slice, so the joint DP (Alg. 1 per batch-slice size, then the knapsack of section 2.3.4) runs on
+``max_q t_q`` with ``K`` stages over the step's ``B = M R`` sequences. Token slicing is kept only when the
+predicted latency drops below that of the ``M`` micro-batches of whole sequences under the same model.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from alpa_like.compiler.flops import eqn_flops
 from alpa_like.compiler.token_slicing import slice_cost_table, solve_joint_slicing
 from alpa_like.nn import ATTENTION_SCOPE
 
-__all__ = ["TokenSlicingDecision", "attention_fractions", "stage_slice_costs", "choose_token_slicing"]
+__all__ = ["TokenSlicingDecision", "attention_fractions", "stage_slice_costs", "batch_slice_sizes", "token_grain",
+           "choose_token_slicing"]
 
 DEFAULT_SATURATION_TOKENS = 256
 """TeraPipe Fig. 2.3 (one GPT3-1B layer on a V100 takes as long for 1 token as for 256)."""
@@ -60,47 +62,77 @@ def attention_fractions(jaxpr, pieces, stage_layers: Sequence[Sequence[int]]) ->
 
 
 def stage_slice_costs(stage_time: float, attention_fraction: float, seq_len: int,
-                      saturation_tokens: int = DEFAULT_SATURATION_TOKENS):
-    """``cost(k, c)`` of one stage (module docstring); ``cost(L, 0) == stage_time`` when ``L >= s``."""
+                      saturation_tokens: int = DEFAULT_SATURATION_TOKENS, rows: int = 1,
+                      rows_per_micro_batch: int = 1):
+    """``cost(k, c)`` of one stage on a batch slice of ``rows`` sequences (module docstring), where
+    ``stage_time`` is the stage's time for a micro-batch of ``rows_per_micro_batch`` whole sequences;
+    ``cost(L, 0) == stage_time`` for ``rows == rows_per_micro_batch`` when ``rows L >= s``."""
     if not stage_time >= 0 or not 0 <= attention_fraction <= 1:
         raise ValueError(f"stage_time must be >= 0 and attention_fraction in [0, 1], got {stage_time}, "
                          f"{attention_fraction}")
-    floor = min(saturation_tokens, seq_len)
+    floor = min(saturation_tokens, seq_len * rows_per_micro_batch)
+    per_row = stage_time / rows_per_micro_batch
 
     def cost(k, c):
         k = np.asarray(k, dtype=np.float64)
         c = np.asarray(c, dtype=np.float64)
-        return stage_time * ((1 - attention_fraction) * np.maximum(k, floor) / seq_len
-                             + attention_fraction * k * (c + k) / seq_len**2)
+        return per_row * ((1 - attention_fraction) * np.maximum(rows * k, floor) / seq_len
+                          + attention_fraction * rows * k * (c + k) / seq_len**2)
     return cost
+
+
+def batch_slice_sizes(batch: int, rows_per_micro_batch: int) -> tuple[int, ...]:
+    """Batch-slice sizes the joint DP considers: powers of two up to ``batch`` and the micro-batch size."""
+    sizes = {rows_per_micro_batch} | {2**i for i in range(batch.bit_length()) if 2**i <= batch}
+    return tuple(sorted(sizes))
+
+
+def token_grain(seq_len: int, max_units: int = 512) -> int:
+    """The smallest divisor ``g`` of ``seq_len`` with ``seq_len / g <= max_units``: slice lengths are searched
+    in multiples of ``g`` (keeps the DP's tables at most ``max_units^2`` per batch-slice size)."""
+    return next(g for g in range(1, seq_len + 1) if seq_len % g == 0 and seq_len // g <= max_units)
 
 
 def choose_token_slicing(stage_times: Sequence[float], fractions: Sequence[float], seq_len: int,
                          num_micro_batches: int, rows_per_micro_batch: int, *,
                          saturation_tokens: int = DEFAULT_SATURATION_TOKENS, epsilon: float | None = None,
-                         fixed_lengths: Sequence[int] | None = None) -> TokenSlicingDecision:
-    """The TeraPipe DP on the chosen stages (or the latency of ``fixed_lengths``).
+                         fixed: Sequence[tuple[int, Sequence[int]]] | None = None) -> TokenSlicingDecision:
+    """The joint batch + token DP (section 2.3.4) on the chosen stages, or the latency of the ``fixed``
+    scheme ``((rows, lengths), ...)``.
 
-    ``epsilon`` (seconds) is the DP's t_max step; None: 1e-4 of the unsliced stage time, so the answer is
-    within ``K * 1e-4`` of the slowest stage's time from the optimum."""
-    costs = [stage_slice_costs(t, f, seq_len, saturation_tokens) for t, f in zip(stage_times, fractions, strict=True)]
-    table = np.max([slice_cost_table(c, seq_len) for c in costs], axis=0)
+    The step's ``B = num_micro_batches * rows_per_micro_batch`` sequences are cut into batch slices of the
+    sizes :func:`batch_slice_sizes` offers, each with its own token slicing (lengths in multiples of
+    :func:`token_grain`). ``epsilon`` (seconds) is the DP's t_max step; None: 1e-4 of the unsliced stage
+    time, so the answer is within ``K * 1e-4`` of the slowest stage's time from the optimum. Token slicing
+    is kept only when it beats the micro-batches of whole sequences under the same model."""
     k = len(stage_times)
-    unsliced = num_micro_batches * table[seq_len, 0] + (k - 1) * table[seq_len, 0]
-    if fixed_lengths is not None:
-        latency = _fixed(table, fixed_lengths, num_micro_batches, k)
-        return TokenSlicingDecision(batch_slices=((rows_per_micro_batch, tuple(fixed_lengths)),) * num_micro_batches,
-                                    latency=latency, latency_unsliced=float(unsliced))
-    epsilon = 1e-4 * float(table[seq_len, 0]) if epsilon is None else epsilon
-    solution = solve_joint_slicing({1: table}, num_micro_batches, k, epsilon=epsilon)
-    if solution.latency >= unsliced * (1 - 1e-9) or all(len(ls) == 1 for _, ls in solution.batch_slices):
-        return TokenSlicingDecision(batch_slices=(), latency=float(unsliced), latency_unsliced=float(unsliced))
-    return TokenSlicingDecision(batch_slices=tuple((rows_per_micro_batch, ls) for _, ls in solution.batch_slices),
-                                latency=solution.latency, latency_unsliced=float(unsliced))
+    batch = num_micro_batches * rows_per_micro_batch
+
+    def table(rows: int, grain: int = 1):
+        costs = [stage_slice_costs(t, f, seq_len, saturation_tokens, rows, rows_per_micro_batch)
+                 for t, f in zip(stage_times, fractions, strict=True)]
+        return np.max([slice_cost_table(lambda a, b, c=c: c(a * grain, b * grain), seq_len // grain)
+                       for c in costs], axis=0)
+
+    whole = float(np.max([stage_slice_costs(t, f, seq_len, saturation_tokens, rows_per_micro_batch,
+                                            rows_per_micro_batch)(seq_len, 0)
+                          for t, f in zip(stage_times, fractions, strict=True)]))
+    unsliced = (num_micro_batches + k - 1) * whole
+    if fixed is not None:
+        scheme = tuple((int(r), tuple(int(x) for x in ls)) for r, ls in fixed)
+        tables = {r: table(r) for r in {r for r, _ in scheme}}
+        times = [float(tables[r][l, c]) for r, ls in scheme for l, c in zip(ls, _starts(ls))]
+        return TokenSlicingDecision(batch_slices=scheme, latency=sum(times) + (k - 1) * max(times),
+                                    latency_unsliced=unsliced)
+    epsilon = 1e-4 * whole if epsilon is None else epsilon
+    grain = token_grain(seq_len)
+    solution = solve_joint_slicing({b: table(b, grain) for b in batch_slice_sizes(batch, rows_per_micro_batch)},
+                                   batch, k, epsilon=epsilon)
+    scheme = tuple((b, tuple(x * grain for x in ls)) for b, ls in solution.batch_slices)
+    if solution.latency >= unsliced * (1 - 1e-9):
+        return TokenSlicingDecision(batch_slices=(), latency=unsliced, latency_unsliced=unsliced)
+    return TokenSlicingDecision(batch_slices=scheme, latency=solution.latency, latency_unsliced=unsliced)
 
 
-def _fixed(table, lengths, num_micro_batches: int, num_stages: int) -> float:
-    """Eq. 2.4 over every micro-batch's slices: ``M sum_i t_i + (K - 1) max_i t_i``."""
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(int)
-    times = [float(table[l, c]) for l, c in zip(lengths, starts)]
-    return num_micro_batches * sum(times) + (num_stages - 1) * max(times)
+def _starts(lengths: Sequence[int]) -> list[int]:
+    return [int(x) for x in np.concatenate([[0], np.cumsum(lengths)[:-1]])]

@@ -25,22 +25,36 @@ On the first step the weighted slice losses are compared with the unsliced loss 
 that breaks 3 or 4 (say, positions from ``arange``) fails there with a clear error instead of training on a
 wrong gradient.
 
-How it runs. The loss is traced once per token slice with the slice's batch shapes and, as extra inputs,
-the keys and values of the earlier slices of every attention call (:func:`alpa_like.nn.token_slice_context`);
-the equations of each trace are assigned to the plan's stages by the layer assignment of the full-length
-trace (all slice traces have the same equations). Each (stage, slice) forward is a jitted ``jax.vjp`` on
-the stage's mesh that keeps its residuals there; the backward applies it to the output cotangents. The
-units run in the order of the ``terapipe`` schedule (:func:`alpa_like.runtime.schedules.terapipe`). Then the
-step function is re-run with ``al.grad`` returning the summed gradients (and loss), which applies the
-optimizer.
+How it runs. The step runs the scheme the plan prints, ``[(rows, [l_1, ...]), ...]``: batch slices of
+possibly different sizes (section 2.3.4), each with its own token slicing. The loss is traced once per
+slice *shape* ``(rows, context, length)`` with the slice's batch shapes and, as extra inputs, the keys and
+values of the ``context`` earlier tokens of every attention call (:func:`alpa_like.nn.token_slice_context`);
+slices of the same shape (say equal batch slices with equal token slicings) share the traced program and
+its executables. The equations of each trace are assigned to the plan's stages by the layer assignment of
+the full-length trace. Each (shape, stage) forward is a jitted ``jax.vjp`` on the stage's mesh that keeps
+its residuals there; the backward applies it to the output cotangents. A slice's cached prefix is the
+previous slice's prefix extended by that slice's own keys and values (on the stage's mesh), and in the
+backward the prefix's cotangent is split back the same way. Forwards are issued unit by unit in sequence
+order, backwards in reverse (Fig. 2.1; JAX's asynchronous dispatch lets the meshes overlap).
 
-Limits (documented, not hidden): values are replicated over each stage's devices (the plan's intra-op
-shardings are not applied on this path), and the optimizer update runs on the first stage's mesh.
+Layouts (the plan's intra-op shardings): parameters and other step inputs are placed on each stage's
+mesh with the ILP's spec of that leaf for the stage (``StagePlan.inputs``), batch slices and values sent
+between stages with their batch dim split over the mesh where it divides (as the pipeshard runtime's
+``activation_spec``); XLA propagates these layouts through each stage executable.
+
+Update: everything after ``al.grad`` is the step's apply-grad pieces of
+:func:`alpa_like.compiler.stage_construction.build_stage_program`, each run on the mesh of the stage owning
+its layers' parameters, fed with the summed gradients and loss (so no parameter crosses meshes).
+
+Limits: the contract check of the first step computes the unsliced loss once on stage 0's mesh; slices
+with equal lengths but different contexts are different shapes, so they do not share executables
+(sharing one would mean padding the context, i.e. attention over tokens TeraPipe exists to skip).
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -49,15 +63,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal, Var
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from alpa_like.compiler import jax_compat
-from alpa_like.compiler.grad_accumulation import to_micro_batches
+from alpa_like.compiler.layer_slicing import APPLY
+from alpa_like.compiler.sharding_spec import ShardingSpec
+from alpa_like.compiler.stage_construction import StageProgram
+from alpa_like.compiler.token_slicing import format_scheme
 from alpa_like.grad import grad_hook
 from alpa_like.nn import TokenSliceContext, token_slice_context
-from alpa_like.runtime.schedules import Phase, Schedule, terapipe
+from alpa_like.runtime.mesh import make_mesh, named_sharding
+from alpa_like.runtime.pipeshard_runtime import MESH_AXES, activation_spec
 
-__all__ = ["TerapipeContractError", "LossCall", "find_loss_call", "TerapipeExecutable", "slice_starts"]
+__all__ = ["TerapipeContractError", "LossCall", "find_loss_call", "TerapipeExecutable", "slice_starts",
+           "check_batch_slices"]
 
 
 class TerapipeContractError(ValueError):
@@ -143,6 +162,26 @@ def slice_starts(lengths: Sequence[int]) -> tuple[int, ...]:
     return tuple(int(x) for x in np.concatenate([[0], np.cumsum(lengths)[:-1]]))
 
 
+BatchSlices = tuple[tuple[int, tuple[int, ...]], ...]
+"""(rows, token slice lengths) of every batch slice, in batch order (``ParallelPlan.token_slicing``)."""
+
+
+def check_batch_slices(batch_slices, batch_size: int, seq_len: int) -> BatchSlices:
+    """The scheme as plain ints; ValueError unless the rows sum to ``batch_size`` and every batch slice's
+    token slices are positive and sum to ``seq_len``."""
+    try:
+        scheme = tuple((int(rows), tuple(int(x) for x in lengths)) for rows, lengths in batch_slices)
+    except (TypeError, ValueError):
+        raise ValueError(f"batch_slices must be ((rows, (token slice lengths...)), ...), got {batch_slices!r}")
+    if not scheme or any(rows < 1 for rows, _ in scheme) or sum(rows for rows, _ in scheme) != batch_size:
+        raise ValueError(f"batch_slices {scheme} must have rows >= 1 summing to the batch size {batch_size}")
+    for rows, lengths in scheme:
+        if not lengths or min(lengths) < 1 or sum(lengths) != seq_len:
+            raise ValueError(f"token slices {list(lengths)} of batch slice ({rows}, ...) must be positive lengths "
+                             f"summing to the sequence length {seq_len}")
+    return scheme
+
+
 @dataclasses.dataclass(frozen=True)
 class _StagePart:
     eqns: tuple
@@ -152,13 +191,13 @@ class _StagePart:
 
 @dataclasses.dataclass(frozen=True)
 class _SliceProgram:
-    """The loss of one token slice, cut into the plan's stages."""
+    """The loss of one token slice shape ``(rows, context, length)``, cut into the plan's stages."""
 
     closed: ClosedJaxpr
     leaf_vars: tuple[Var, ...]
     """jaxpr invar of each loss-argument leaf."""
-    prefix_vars: dict[Var, tuple[int, int | None, int]]
-    """invar -> (attention call, earlier slice (None: the empty prefix of slice 0), 0 = keys / 1 = values)."""
+    prefix_vars: dict[Var, tuple[int, int]]
+    """invar -> (attention call, 0 = keys / 1 = values) of the cached prefix (``context`` tokens)."""
     loss_var: Var
     kv_vars: tuple[tuple[Var, Var], ...]
     """Per attention call, this slice's (keys, values)."""
@@ -167,33 +206,30 @@ class _SliceProgram:
     """Stage that computes each var that crosses stages or leaves the slice."""
 
 
-def _trace_slice(call: LossCall, leaf_avals, batch_leaf: Sequence[bool], start: int, length: int,
-                 earlier: Sequence[int], kv_avals, weight: float):
-    """Traces the weighted loss of one slice; returns (closed jaxpr, number of prefix inputs per call)."""
+def _trace_slice(call: LossCall, leaf_avals, batch_leaf: Sequence[bool], length: int, context: int, kv_avals,
+                 weight: float):
+    """Traces the weighted loss of one slice of ``length`` tokens after ``context`` cached tokens (one
+    ``(keys, values)`` prefix per attention call); returns the closed jaxpr."""
     def sliced(aval, is_batch):
         if not is_batch:
             return aval
         return jax.ShapeDtypeStruct((aval.shape[0], length, *aval.shape[2:]), aval.dtype)
 
     leaves = [sliced(a, b) for a, b in zip(leaf_avals, batch_leaf, strict=True)]
-    prefixes = []
-    for k_aval, _ in kv_avals:
-        b, _, h, d = k_aval.shape
-        lens = list(earlier) or [0]
-        prefixes.append([(jax.ShapeDtypeStruct((b, l, h, d), k_aval.dtype),
-                          jax.ShapeDtypeStruct((b, l, h, d), k_aval.dtype)) for l in lens])
+    rows = next(a.shape[0] for a, b in zip(leaf_avals, batch_leaf, strict=True) if b)
+    prefixes = [[(jax.ShapeDtypeStruct((rows, context, *k.shape[2:]), k.dtype),
+                  jax.ShapeDtypeStruct((rows, context, *v.shape[2:]), v.dtype))] for k, v in kv_avals]
 
     def loss(leaf_values, prefix_values):
-        context = TokenSliceContext(prefixes=prefix_values)
-        with token_slice_context(context):
+        slice_context = TokenSliceContext(prefixes=prefix_values)
+        with token_slice_context(slice_context):
             value = call.loss_fn(*jax.tree_util.tree_unflatten(call.arg_tree, leaf_values))
-        if len(context.produced) != len(kv_avals):
-            raise TerapipeContractError(f"the loss calls causal_self_attention {len(context.produced)} times on a "
-                                        f"slice but {len(kv_avals)} times on the whole sequence")
-        return [jnp.asarray(value) * weight] + [x for kv in context.produced for x in kv]
+        if len(slice_context.produced) != len(kv_avals):
+            raise TerapipeContractError(f"the loss calls causal_self_attention {len(slice_context.produced)} times "
+                                        f"on a slice but {len(kv_avals)} times on the whole sequence")
+        return [jnp.asarray(value) * weight] + [x for kv in slice_context.produced for x in kv]
 
-    closed = jax_compat.inline_calls(jax.make_jaxpr(loss)(leaves, prefixes))
-    return closed, [len(p) for p in prefixes]
+    return jax_compat.inline_calls(jax.make_jaxpr(loss)(leaves, prefixes))
 
 
 def _attention_kv_avals(call: LossCall, leaf_avals):
@@ -268,86 +304,118 @@ def _stage_functions(part: _StagePart):
     return jax.jit(forward), jax.jit(backward), [v for v, d in zip(part.inputs, diff, strict=True) if d]
 
 
+@jax.jit
+def _append_tokens(prefix, new):
+    return jnp.concatenate([prefix, new], axis=1)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _split_prefix_cotangent(cotangent, carried, at: int):
+    """The cotangent of a prefix ``concat(earlier prefix, keys or values of the previous slice)``, plus what
+    later slices carried back to it, split at ``at`` tokens into (earlier prefix's, previous slice's)."""
+    total = cotangent if carried is None else cotangent + carried
+    return total[:, :at], total[:, at:]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unit:
+    """One (batch slice, token slice) of the step."""
+
+    batch_slice: int
+    index: int
+    """Token slice within the batch slice."""
+    key: tuple[int, int, int]
+    """(rows, context, length): the shape of its program (units of equal key share executables)."""
+    row_start: int
+    token_start: int
+
+
 class TerapipeExecutable:
     """A compiled TeraPipe step: call it like the original function."""
 
-    def __init__(self, *, fun: Callable, args: Sequence[Any], traced, plan, layer_assign: Callable,
-                 devices: Sequence[Any], token_slices: Sequence[int], check_contract: bool = True):
+    def __init__(self, *, fun: Callable, args: Sequence[Any], traced, plan, program: StageProgram,
+                 layer_assign: Callable, devices: Sequence[Any], batch_slices, input_specs: dict[tuple[int, str], ShardingSpec],
+                 check_contract: bool = True):
         self.traced = traced
         self.plan = plan
-        self.num_micro_batches = plan.num_micro_batches
-        self.token_slices = tuple(int(x) for x in token_slices)
         self.call = find_loss_call(fun, args, traced)
         by_id = {d.id: d for d in devices}
-        self.meshes = [Mesh(np.array([by_id[i] for i in s.device_ids]), ("d",)) for s in plan.stages]
-        self.shardings = [NamedSharding(m, PartitionSpec()) for m in self.meshes]
+        self.meshes = [make_mesh([by_id[i] for i in s.device_ids], s.logical_mesh_shape, MESH_AXES)
+                       for s in plan.stages]
         self.num_stages = len(self.meshes)
-        self.schedule: Schedule = terapipe(self.num_stages, self.num_micro_batches, len(self.token_slices))
+        self._input_specs = dict(input_specs)
         self._check_contract = check_contract
         self.last_step_seconds = 0.0
 
         leaves = [traced.in_leaves[s] for s in self.call.sources]
+        self._leaf_paths = tuple(leaf.path for leaf in leaves)
         self._batch_leaf = tuple(leaf.is_batch for leaf in leaves)
-        m = self.num_micro_batches
-        leaf_avals = [jax.ShapeDtypeStruct(((l.shape[0] // m),) + tuple(l.shape[1:]) if b else tuple(l.shape),
-                                           l.dtype) for l, b in zip(leaves, self._batch_leaf, strict=True)]
         self.seq_len = _check_batch_leaves(leaves, self._batch_leaf)
-        if sum(self.token_slices) != self.seq_len or min(self.token_slices) < 1:
-            raise ValueError(f"token_slices {self.token_slices} must be positive lengths summing to the sequence "
-                             f"length {self.seq_len}")
-        kv_avals = _attention_kv_avals(self.call, leaf_avals)
+        self.batch_size = next(leaf.shape[0] for leaf, b in zip(leaves, self._batch_leaf, strict=True) if b)
+        self.batch_slices = check_batch_slices(batch_slices, self.batch_size, self.seq_len)
+        self.units = _units(self.batch_slices)
+        self._leaves = leaves
+        first_rows = self.batch_slices[0][0]
+        kv_avals = _attention_kv_avals(self.call, self._leaf_avals(first_rows))
+        self._num_attention_calls = len(kv_avals)
         stage_of_layer = {l: q for q, s in enumerate(plan.stages) for l in s.layer_ids}
-        reference, _ = _trace_slice(self.call, leaf_avals, self._batch_leaf, 0, self.seq_len, [], kv_avals, 1.0)
+        reference = _trace_slice(self.call, self._leaf_avals(first_rows), self._batch_leaf, self.seq_len, 0,
+                                 kv_avals, 1.0)
         layers = layer_assign(reference.jaxpr)
         if any(l not in stage_of_layer for l in layers):
             raise ValueError(f"the loss's layer assignment has layers {sorted(set(layers))}, but the plan's stages "
                              f"hold layers {sorted(stage_of_layer)}")
         eqn_stage = [stage_of_layer[l] for l in layers]
         signature = [e.primitive.name for e in reference.jaxpr.eqns]
-        starts = slice_starts(self.token_slices)
-        self.programs: list[_SliceProgram] = []
+        self.programs: dict[tuple[int, int, int], _SliceProgram] = {}
         self._fwd, self._bwd, self._diff_inputs = {}, {}, {}
-        for i, (start, length) in enumerate(zip(starts, self.token_slices)):
-            weight = length / (self.seq_len * m)
-            closed, counts = _trace_slice(self.call, leaf_avals, self._batch_leaf, start, length,
-                                          self.token_slices[:i], kv_avals, weight)
-            stages_i = _transfer_stages(signature, eqn_stage, [e.primitive.name for e in closed.jaxpr.eqns])
-            self.programs.append(self._program(closed, counts, stages_i, len(kv_avals), first=i == 0))
-            for q, part in enumerate(self.programs[-1].parts):
-                self._fwd[(i, q)], self._bwd[(i, q)], self._diff_inputs[(i, q)] = _stage_functions(part)
-        self._apply = jax.jit(self._apply_fn(fun, args))
+        for unit in self.units:
+            if unit.key in self.programs:
+                continue
+            rows, context, length = unit.key
+            closed = _trace_slice(self.call, self._leaf_avals(rows), self._batch_leaf, length, context, kv_avals,
+                                  rows * length / (self.batch_size * self.seq_len))
+            stages = _transfer_stages(signature, eqn_stage, [e.primitive.name for e in closed.jaxpr.eqns])
+            self.programs[unit.key] = prog = self._program(closed, stages)
+            for q, part in enumerate(prog.parts):
+                self._fwd[unit.key, q], self._bwd[unit.key, q], self._diff_inputs[unit.key, q] = \
+                    _stage_functions(part)
+        self._update = _UpdateProgram(program, self.call, traced, self.meshes, self._sharding)
         self._unsliced_loss = jax.jit(lambda values: self.call.loss_fn(
             *jax.tree_util.tree_unflatten(self.call.arg_tree, values)))
 
-    def _program(self, closed: ClosedJaxpr, counts, eqn_stage, num_calls: int, first: bool) -> _SliceProgram:
+    @property
+    def num_executables(self) -> int:
+        """Distinct (slice shape, stage) forward executables (units of equal (rows, context, length) share)."""
+        return len(self._fwd)
+
+    def _leaf_avals(self, rows: int):
+        return [jax.ShapeDtypeStruct((rows, *l.shape[1:]) if b else tuple(l.shape), l.dtype)
+                for l, b in zip(self._leaves, self._batch_leaf, strict=True)]
+
+    def _sharding(self, q: int, path: str | None, shape) -> NamedSharding:
+        """Layout on stage ``q``'s mesh: the plan's (ILP's) spec of the input leaf at ``path`` if it has one,
+        else the batch dim split over the mesh (as the pipeshard runtime lays out what it loads)."""
+        mesh = self.meshes[q]
+        spec = self._input_specs.get((q, path))
+        if spec is None or spec.ndim != len(shape):
+            spec = activation_spec(shape, tuple(mesh.devices.shape))
+        return named_sharding(mesh, spec)
+
+    def _program(self, closed: ClosedJaxpr, eqn_stage) -> _SliceProgram:
         jaxpr = closed.jaxpr
         num_leaves = len(self.call.sources)
         leaf_vars = tuple(jaxpr.invars[:num_leaves])
-        prefix_vars, pos = {}, num_leaves
-        for n, count in enumerate(counts):
-            for j in range(count):
-                for kv in (0, 1):
-                    prefix_vars[jaxpr.invars[pos]] = (n, None if first else j, kv)
-                    pos += 1
+        prefix_vars = {jaxpr.invars[num_leaves + 2 * n + kv]: (n, kv)
+                       for n in range(self._num_attention_calls) for kv in (0, 1)}
         outs = jaxpr.outvars
         if any(isinstance(v, Literal) for v in outs):
             raise TerapipeContractError("the loss or an attention's keys/values are constants: nothing to pipeline")
         parts, producer = _split_stages(closed, eqn_stage, self.num_stages)
         return _SliceProgram(closed=closed, leaf_vars=leaf_vars, prefix_vars=prefix_vars, loss_var=outs[0],
-                             kv_vars=tuple((outs[1 + 2 * n], outs[2 + 2 * n]) for n in range(num_calls)),
+                             kv_vars=tuple((outs[1 + 2 * n], outs[2 + 2 * n])
+                                           for n in range(self._num_attention_calls)),
                              parts=parts, producer=producer)
-
-    def _apply_fn(self, fun: Callable, args: Sequence[Any]) -> Callable:
-        step = _flat_step(fun, args, self.traced)
-        call = self.call
-
-        def apply(flat, grad_leaves, loss):
-            def hook(loss_fn, loss_args, kwargs, *, argnums, has_aux, with_value, jax_kwargs):
-                grads = jax.tree_util.tree_unflatten(call.grad_tree, grad_leaves)
-                return (loss, grads) if with_value else grads
-            with grad_hook(hook):
-                return step(list(flat))
-        return apply
 
     # ------------------------------------------------------------------------------------------------ run
 
@@ -357,110 +425,236 @@ class TerapipeExecutable:
     def run(self, *args):
         start_time = time.perf_counter()
         flat = self.traced.flatten_args(args)
-        call, m, n = self.call, self.num_micro_batches, len(self.token_slices)
+        call = self.call
         leaves = [flat[s] for s in call.sources]
-        starts = slice_starts(self.token_slices)
-        micro = {j: to_micro_batches(jnp.asarray(x), m) for j, x in enumerate(leaves) if self._batch_leaf[j]}
-        placed: dict[tuple[int, int], Any] = {}
+        host = {j: np.asarray(x) for j, x in enumerate(leaves) if self._batch_leaf[j]}
+        placed: dict[tuple, Any] = {}
 
-        def leaf_on(j: int, q: int, unit):
+        def leaf_on(j: int, q: int, unit: _Unit):
             if self._batch_leaf[j]:
-                k, i = unit
-                key = (j, q, k, i)
+                key = (j, q, unit.batch_slice, unit.index)
                 if key not in placed:
-                    placed[key] = jax.device_put(micro[j][k][:, starts[i]:starts[i] + self.token_slices[i]],
-                                                 self.shardings[q])
+                    rows, _, length = unit.key
+                    part = host[j][unit.row_start:unit.row_start + rows, unit.token_start:unit.token_start + length]
+                    placed[key] = jax.device_put(part, self._sharding(q, None, part.shape))
                 return placed[key]
-            if (j, q) not in placed:
-                placed[(j, q)] = jax.device_put(leaves[j], self.shardings[q])
-            return placed[(j, q)]
+            return self._param_on(placed, flat, call.sources[j], q)
 
         env: dict[tuple[int, int], dict] = {}
+        prefixes: dict[tuple[int, int, int, int], Any] = {}
         vjps: dict[tuple[int, int, int], Any] = {}
         cts: dict[tuple[int, int], dict] = {}
+        carried: dict[tuple[int, int, int], Any] = {}
         grads: dict[int, Any] = {}
         losses = []
-        for row in self.schedule.ticks:
-            for task in row:
-                if task is None:
-                    continue
-                q, k, i = int(task.stage), int(task.micro_batch), int(task.slice or 0)
-                if task.phase == Phase.F:
-                    self._forward(q, k, i, env, vjps, leaf_on)
-                else:
-                    self._backward(q, k, i, env, vjps, cts, grads, losses)
-        apply_sharding = self.shardings[0]
-        grad_leaves = []
-        for j in call.grad_order:
-            g = grads.get(j)
-            grad_leaves.append(jnp.zeros(leaves[j].shape, leaves[j].dtype) if g is None else g)
-        grad_leaves = [jax.device_put(g, apply_sharding) for g in grad_leaves]
-        loss = sum(jax.device_put(x, apply_sharding) for x in losses)
+        for unit in self.units:
+            for q in range(self.num_stages):
+                self._forward(q, unit, env, prefixes, vjps, leaf_on)
+        for unit in reversed(self.units):
+            for q in reversed(range(self.num_stages)):
+                self._backward(q, unit, env, vjps, cts, carried, grads, losses)
+        grad_leaves = [grads.get(j) for j in call.grad_order]
+        loss = losses[0]
+        for x in losses[1:]:
+            loss = loss + jax.device_put(x, loss.sharding)
         if self._check_contract:
-            self._verify_loss(leaves, loss, apply_sharding)
-        out = self._apply(jax.device_put(flat, apply_sharding), grad_leaves, loss)
+            self._verify_loss(leaves, loss)
+        out = self._update.run(flat, grad_leaves, loss, lambda k, q: self._param_on(placed, flat, k, q))
         self.last_step_seconds = time.perf_counter() - start_time
-        return out
+        return jax.tree_util.tree_unflatten(self.traced.out_tree, out)
 
-    def _forward(self, q, k, i, env, vjps, leaf_on):
-        prog = self.programs[i]
+    def _param_on(self, placed: dict, flat, k: int, q: int):
+        """Step input ``k`` (a parameter, optimizer state, ...) on stage ``q``'s mesh in the plan's layout,
+        placed once per step."""
+        if (k, q) not in placed:
+            leaf = self.traced.in_leaves[k]
+            placed[(k, q)] = jax.device_put(flat[k], self._sharding(q, leaf.path, np.shape(flat[k])))
+        return placed[(k, q)]
+
+    def _forward(self, q: int, unit: _Unit, env, prefixes, vjps, leaf_on):
+        prog = self.programs[unit.key]
         part = prog.parts[q]
+        k, i = unit.batch_slice, unit.index
         local = env.setdefault((k, i), {})
         leaf_index = {v: j for j, v in enumerate(prog.leaf_vars)}
         consts = dict(zip(prog.closed.jaxpr.constvars, prog.closed.consts, strict=True))
         values = []
         for v in part.inputs:
             if v in local:
-                values.append(jax.device_put(local[v], self.shardings[q]))
+                x = local[v]
+                values.append(x if prog.producer.get(v) == q else
+                              jax.device_put(x, self._sharding(q, None, x.shape)))
             elif v in leaf_index:
-                values.append(leaf_on(leaf_index[v], q, (k, i)))
+                values.append(leaf_on(leaf_index[v], q, unit))
             elif v in prog.prefix_vars:
-                call_n, j, kv = prog.prefix_vars[v]
-                if i == 0:
-                    values.append(jax.device_put(jnp.zeros(v.aval.shape, v.aval.dtype), self.shardings[q]))
-                else:
-                    source = self.programs[j]
-                    values.append(env[(k, j)][source.kv_vars[call_n][kv]])
+                values.append(self._prefix(q, unit, prog.prefix_vars[v], v.aval, env, prefixes))
             elif v in consts:
-                values.append(jax.device_put(consts[v], self.shardings[q]))
+                values.append(jax.device_put(consts[v], self._sharding(q, None, np.shape(consts[v]))))
             else:
-                raise RuntimeError(f"stage {q} of slice {i} reads {v}, which nothing provides")
-        outs, vjp = self._fwd[(i, q)](*values)
+                raise RuntimeError(f"stage {q} of slice {unit} reads {v}, which nothing provides")
+        outs, vjp = self._fwd[unit.key, q](*values)
         local.update(zip(part.outputs, outs, strict=True))
         vjps[(q, k, i)] = vjp
 
-    def _backward(self, q, k, i, env, vjps, cts, grads, losses):
-        prog = self.programs[i]
+    def _prefix(self, q: int, unit: _Unit, call_kv: tuple[int, int], aval, env, prefixes):
+        """Keys or values of the earlier slices of the same sequence: the previous slice's prefix extended
+        by the previous slice's own keys or values (all on stage ``q``'s mesh)."""
+        n, kv = call_kv
+        k, i = unit.batch_slice, unit.index
+        if i == 0:
+            value = jax.device_put(jnp.zeros(aval.shape, aval.dtype), self._sharding(q, None, aval.shape))
+        else:
+            previous = self.programs[self.units_by[k][i - 1].key]
+            value = _append_tokens(prefixes[(k, i - 1, n, kv)], env[(k, i - 1)][previous.kv_vars[n][kv]])
+        prefixes[(k, i, n, kv)] = value
+        return value
+
+    @functools.cached_property
+    def units_by(self) -> dict[int, list[_Unit]]:
+        out: dict[int, list[_Unit]] = {}
+        for unit in self.units:
+            out.setdefault(unit.batch_slice, []).append(unit)
+        return out
+
+    def _backward(self, q: int, unit: _Unit, env, vjps, cts, carried, grads, losses):
+        prog = self.programs[unit.key]
         part = prog.parts[q]
+        k, i = unit.batch_slice, unit.index
         pending = cts.setdefault((k, i), {})
         if prog.loss_var in part.outputs:
             losses.append(env[(k, i)][prog.loss_var])
             pending[prog.loss_var] = jnp.ones((), prog.loss_var.aval.dtype)
         cotangents = [pending.pop(v, None) for v in part.outputs]
-        inputs_ct = self._bwd[(i, q)](vjps.pop((q, k, i)), cotangents)
+        inputs_ct = self._bwd[unit.key, q](vjps.pop((q, k, i)), cotangents)
         leaf_index = {v: j for j, v in enumerate(prog.leaf_vars)}
-        for v, g in zip(self._diff_inputs[(i, q)], inputs_ct, strict=True):
+        for v, g in zip(self._diff_inputs[unit.key, q], inputs_ct, strict=True):
             if v in prog.producer:
-                _accumulate(pending, v, jax.device_put(g, self.shardings[prog.producer[v]]))
+                source = prog.producer[v]
+                _accumulate(pending, v, jax.device_put(g, self._sharding(source, None, g.shape)))
             elif v in leaf_index:
                 j = leaf_index[v]
                 if self.call.differentiated[j]:
                     grads[j] = g if j not in grads else grads[j] + jax.device_put(g, grads[j].sharding)
-            elif v in prog.prefix_vars and i > 0:
-                call_n, j, kv = prog.prefix_vars[v]
-                _accumulate(cts.setdefault((k, j), {}), self.programs[j].kv_vars[call_n][kv], g)
+            elif v in prog.prefix_vars:
+                n, kv = prog.prefix_vars[v]
+                extra = carried.pop((k, n, kv), None)
+                if i == 0:
+                    continue
+                previous = self.units_by[k][i - 1]
+                earlier, own = _split_prefix_cotangent(g, extra, previous.token_start)
+                carried[(k, n, kv)] = earlier
+                _accumulate(cts.setdefault((k, i - 1), {}), self.programs[previous.key].kv_vars[n][kv], own)
 
-    def _verify_loss(self, leaves, loss, sharding) -> None:
-        """Contract points 3-4: the weighted slice losses must add up to the unsliced loss."""
+    def _verify_loss(self, leaves, loss) -> None:
+        """Contract points 3-4: the weighted slice losses must add up to the unsliced loss (first step only;
+        computed on stage 0's mesh)."""
         self._check_contract = False
-        whole = self._unsliced_loss(jax.device_put(leaves, sharding))
+        whole = self._unsliced_loss(jax.device_put(leaves, NamedSharding(self.meshes[0], PartitionSpec())))
         if not np.allclose(np.asarray(loss), np.asarray(whole), rtol=1e-4, atol=1e-6):
             raise TerapipeContractError(
-                f"token slices {list(self.token_slices)} give loss {float(loss):.6g} but the unsliced loss is "
-                f"{float(whole):.6g}: the model breaks the TeraPipe contract. Positions must come from the inputs "
-                "(e.g. batch['position_ids'], sliced like the tokens; not arange(seq) inside the model), every "
-                "cross-token operation must be alpa_like.nn.causal_self_attention, and the loss must be a mean "
-                "over all batch x sequence tokens")
+                f"token slicing {format_scheme(self.batch_slices)} gives loss {float(loss):.6g} but the unsliced "
+                f"loss is {float(whole):.6g}: the model breaks the TeraPipe contract. Positions must come from the "
+                "inputs (e.g. batch['position_ids'], sliced like the tokens; not arange(seq) inside the model), "
+                "every cross-token operation must be alpa_like.nn.causal_self_attention, and the loss must be a "
+                "mean over all batch x sequence tokens")
+
+
+def _units(batch_slices: BatchSlices) -> tuple[_Unit, ...]:
+    """Every (batch slice, token slice) in sequence order: the order forwards run (backwards: reversed)."""
+    units, row = [], 0
+    for k, (rows, lengths) in enumerate(batch_slices):
+        for i, (start, length) in enumerate(zip(slice_starts(lengths), lengths)):
+            units.append(_Unit(batch_slice=k, index=i, key=(rows, start, length), row_start=row, token_start=start))
+        row += rows
+    return tuple(units)
+
+
+class _UpdateProgram:
+    """Everything after ``al.grad`` (the optimizer update): the step's apply-grad pieces, each run on the
+    mesh of the stage that owns its layers' parameters (as the pipeshard runtime does), fed with the
+    gradients and loss the slices summed up."""
+
+    def __init__(self, program: StageProgram, call: LossCall, traced, meshes, sharding: Callable):
+        self.program = program
+        self.meshes = meshes
+        self._sharding = sharding
+        self._step_input = {vid: k for k, vid in enumerate(program.step_inputs)}
+        grad_outputs = [o for _, o in program.accumulated]
+        expected = len(call.grad_order) + int(call.with_value)
+        if len(program.accumulated) != expected:
+            raise TerapipeContractError(f"al.grad's results have {len(program.accumulated)} array leaves, expected "
+                                        f"{expected} (the loss and one gradient per differentiated leaf)")
+        self._from_grad = {o: n for n, o in enumerate(grad_outputs)}
+        self._with_value = call.with_value
+        self._result_paths = ([None] if call.with_value else []) + [
+            traced.in_leaves[call.sources[j]].path for j in call.grad_order]
+        self._jitted = {q: jax.jit(_piece_fn(program.piece(q, APPLY))) for q in range(program.num_stages)}
+
+    def run(self, flat, grad_leaves, loss, step_input_on: Callable):
+        """The step's outputs, given the summed gradients (None: zero) and loss."""
+        program = self.program
+        results = ([loss] if self._with_value else []) + list(grad_leaves)
+        env: dict[int, tuple[Any, int | None]] = {}  # value id -> (value, mesh or None)
+        done, pending = set(), list(range(program.num_stages))
+        while pending:
+            progressed = False
+            for q in list(pending):
+                piece = program.piece(q, APPLY)
+                args = [self._value(vid, q, flat, results, env, step_input_on) for vid in piece.inputs]
+                if any(a is _MISSING for a in args):
+                    continue
+                outs = self._jitted[q](*args)
+                env.update({vid: (x, q) for vid, x in zip(piece.outputs, outs, strict=True)})
+                pending.remove(q)
+                done.add(q)
+                progressed = True
+            if not progressed:
+                raise TerapipeContractError(
+                    "pipeline_schedule='terapipe': the update (after al.grad) reads values of the loss's forward or "
+                    "backward pass other than al.grad's results; only the loss, gradients and step inputs can be "
+                    "read after al.grad on this path")
+        outputs = []
+        for n, vid in enumerate(program.step_outputs):
+            if vid is None:
+                outputs.append(program.literal_outputs[n])
+                continue
+            value = self._value(vid, None, flat, results, env, step_input_on)
+            if value is _MISSING:
+                raise TerapipeContractError("pipeline_schedule='terapipe': the step returns a value of the loss's "
+                                            "forward pass; return only al.grad's results and the updated state")
+            outputs.append(value)
+        return outputs
+
+    def _value(self, vid, q, flat, results, env, step_input_on):
+        """Value ``vid`` on stage ``q``'s mesh (``q`` None: wherever it is)."""
+        if vid in self._from_grad:
+            x = results[self._from_grad[vid]]
+            if x is None:
+                aval = self.program.values[vid].aval
+                x = jnp.zeros(aval.shape, aval.dtype)
+            if q is None:
+                return x
+            # A gradient in its parameter's layout (a no-op when XLA already produced it so).
+            return jax.device_put(x, self._sharding(q, self._result_paths[self._from_grad[vid]], x.shape))
+        if vid in self._step_input:
+            k = self._step_input[vid]
+            return flat[k] if q is None else step_input_on(k, q)
+        if vid in self.program.constants:
+            c = self.program.constants[vid]
+            return c if q is None else jax.device_put(c, self._sharding(q, None, np.shape(c)))
+        if vid in env:
+            x, where = env[vid]
+            return x if q is None or where == q else jax.device_put(x, self._sharding(q, None, x.shape))
+        return _MISSING
+
+
+_MISSING = object()
+
+
+def _piece_fn(piece):
+    def run(*args):
+        return jax_compat.eval_closed_jaxpr(piece.jaxpr, *args)
+    return run
 
 
 def _transfer_stages(reference: Sequence[str], reference_stage: Sequence[int], names: Sequence[str]) -> list[int]:

@@ -4,20 +4,22 @@ Three parts, printed side by side and written as JSON:
 
 1. **Table 2.1** settings on a simulated p3.16xlarge cluster: the per-slice stage time is the analytic Eq. 2.9
    model of :func:`alpa_like.compiler.terapipe_cost.analytic_slice_costs` (FLOPs at ``efficiency`` x peak,
-   the 256-token utilisation floor of Fig. 2.3, Megatron all-reduces inside a node, the stage-to-stage
-   send across nodes). Two parameters are calibrated on ONE row (``--calibrate-row``, default 5): the
-   device ``efficiency`` on its "without TeraPipe" latency, then the utilisation floor
-   (``saturation_tokens``, the number of tokens below which a layer's time stops shrinking) on its "with
-   TeraPipe" latency; every other number is a prediction. "Without" is the best batch slicing
+   the utilisation floor of Fig. 2.3 as a device's work per layer, so a layer split over 8 GPUs needs 8x the
+   tokens to saturate them; Megatron all-reduces inside a node; the stage-to-stage send across nodes when a
+   stage fills its node, over NVLink when a node holds several stages), plus the data-parallel gradient
+   all-reduce once per iteration (:func:`~alpa_like.compiler.terapipe_cost.data_parallel_sync_seconds`).
+   Two parameters are calibrated on ONE row (``--calibrate-row``, default 5): the device ``efficiency`` on
+   its "without TeraPipe" latency, then the floor (GFLOP per device and layer forward, a power of 2) on
+   its "with TeraPipe" latency; every other number is a prediction. "Without" is the best batch slicing
    of whole sequences; "with" is the joint batch + token DP (section 2.3.4) over batch-slice sizes
    1, 2, 4 (the paper's solutions all use 1). Token lengths are searched in steps of 8 tokens (the paper's
-   schemes are all multiples of 8). Data-parallel gradient all-reduce is not modelled.
+   schemes are all multiples of 8).
 2. **Table 2.3**: the DP's slicing versus the best uniform slicing (4 ... 128 equal slices), settings 8
    and 9, under the same model.
 3. **Measured on the 8 CPU devices**: a small GPT with long sequences and batch 1 on 4 stages of 2 devices,
    1F1B (whole sequences) versus ``pipeline_schedule="terapipe"``; the token slices come from the DP on a
-   *measured* Eq. 2.9 model (one GPT block timed on a grid of slice/context lengths; fit error printed),
-   searched in steps of 128 tokens.
+   *measured* Eq. 2.9 model (one GPT block timed on a grid of slice/context lengths in the DP's 128-token
+   steps, best of 7 runs per point; fit error and timing noise printed), searched in steps of 128 tokens.
 
     python examples/benchmarks/terapipe.py --out results/terapipe.json
 """
@@ -40,7 +42,8 @@ import optax  # noqa: E402
 from flax.training import train_state  # noqa: E402
 
 import alpa_like as al  # noqa: E402
-from alpa_like.compiler.terapipe_cost import analytic_slice_costs, measured_slice_costs  # noqa: E402
+from alpa_like.compiler.terapipe_cost import (analytic_slice_costs, data_parallel_sync_seconds,  # noqa: E402
+                                              measured_slice_costs)
 from alpa_like.compiler.token_slicing import (format_scheme, slice_cost_table, solve_joint_slicing,  # noqa: E402
                                               solve_token_slicing, uniform_slicing)
 from alpa_like.models import gpt  # noqa: E402
@@ -69,7 +72,8 @@ def slice_model(row, calibration, batch):
     efficiency, saturation = calibration
     cluster = al.ClusterSpec.preset("p3.16xlarge", num_nodes=max(1, row[4] // 8))
     return analytic_slice_costs(cluster, seq_len=L, hidden=h, layers_per_stage=n // pipe, batch=batch,
-                                op_degree=op, efficiency=efficiency, saturation_tokens=saturation)
+                                op_degree=op, efficiency=efficiency, saturation_flops=saturation,
+                                cross_node=op >= cluster.num_devices_per_node)
 
 
 def grained_table(model):
@@ -91,22 +95,30 @@ def predict(row, calibration, token_slicing=True):
     solution = solve_joint_slicing(tables, per_pipeline, row[7], epsilon=1e-4)
     scale = GRAIN if token_slicing else L
     scheme = [(b, tuple(x * scale for x in ls)) for b, ls in solution.batch_slices]
-    return solution.latency, format_scheme(scheme)
+    return solution.latency + sync_seconds(row), format_scheme(scheme)
 
 
-def calibrate(row) -> tuple[float, int]:
-    """(efficiency, saturation_tokens): the efficiency (fraction of peak) at which the row's 'without
+def sync_seconds(row):
+    """The data-parallel gradient all-reduce after the pipeline (same with and without token slicing)."""
+    _, _, n, h, gpus, _, data, pipe, op, *_ = row
+    cluster = al.ClusterSpec.preset("p3.16xlarge", num_nodes=max(1, gpus // 8))
+    return data_parallel_sync_seconds(cluster, hidden=h, layers_per_stage=n // pipe, op_degree=op, data_parallel=data)
+
+
+def calibrate(row) -> tuple[float, float]:
+    """(efficiency, saturation_flops): the efficiency (fraction of peak) at which the row's 'without
     TeraPipe' latency is the paper's (whole sequences of 2048 tokens never hit the floor), then the floor
-    (a power of 2 from 1 to 2048) whose 'with TeraPipe' latency is closest to the paper's."""
+    (GFLOP per device and layer forward, a power of 2 from 0.25 to 256) whose "with TeraPipe" latency is
+    closest to the paper's."""
     lo, hi = 0.01, 1.0
     for _ in range(30):
         mid = (lo * hi) ** 0.5
-        if predict(row, (mid, 1), token_slicing=False)[0] > row[9]:
+        if predict(row, (mid, 1.0), token_slicing=False)[0] > row[9]:
             lo = mid
         else:
             hi = mid
     efficiency = (lo * hi) ** 0.5
-    floors = [2**i for i in range(12)]
+    floors = [1e9 * 2**i for i in range(-2, 9)]  # 0.25 .. 256 GFLOP per device and layer forward
     errors = [abs(predict(row, (efficiency, f))[0] - row[11]) for f in floors]
     return efficiency, floors[int(np.argmin(errors))]
 
@@ -115,7 +127,7 @@ def part1(calibrate_row: int):
     row = next(r for r in TABLE_2_1 if r[0] == calibrate_row)
     calibration = calibrate(row)
     print(f"\n(1) Table 2.1 on a simulated p3.16xlarge cluster; efficiency {calibration[0]:.3f} x peak and "
-          f"utilisation floor {calibration[1]} tokens calibrated on row {calibrate_row} only")
+          f"utilisation floor {calibration[1] / 1e9:g} GFLOP per device and layer calibrated on row {calibrate_row} only")
     head = (f"{'#':>2} {'model':>5} {'D/P/O':>9} {'paper w/o':>9} {'pred w/o':>8} {'err':>6} {'paper w/':>8} "
             f"{'pred w/':>7} {'err':>6} {'paper x':>7} {'pred x':>6}  scheme found (paper's)")
     print(head)
@@ -146,7 +158,7 @@ def part2(calibration):
         for n in (1, 2, 4, 8, 16, 32, 64, 128):
             lengths, _ = uniform_slicing(table, n, r[7])
             times = _times(table, lengths)
-            uniform[n] = per_pipeline * sum(times) + (r[7] - 1) * max(times)
+            uniform[n] = per_pipeline * sum(times) + (r[7] - 1) * max(times) + sync_seconds(r)
         best_n = min(uniform, key=uniform.get)
         dp, scheme = predict(r, calibration)
         cells = "  ".join(f"{n}:{t:.3f}" for n, t in uniform.items())
@@ -206,11 +218,22 @@ def part3(seq_len, steps, stages=4):
     config = gpt.GPTConfig(vocab_size=512, seq_len=seq_len, hidden_size=128, num_layers=stages, num_heads=4)
     print(f"\n(3) 8 CPU devices: GPT h={config.hidden_size} layers={config.num_layers} seq={seq_len} batch 1, "
           f"{stages} stages x 2 devices")
-    model_cost = measured_slice_costs(block_timer(config, config.num_layers // stages), seq_len,
-                                      lengths=[16, 64, 128, 256, 512, seq_len], repeats=3)
-    print(f"measured Eq. 2.9 model of one stage: fit error max {model_cost.fit_error:.1%}, "
-          f"mean {model_cost.mean_fit_error:.1%}")
-    grain = 128  # at most seq_len / 128 slices: each (stage, slice) pair is its own XLA executable
+    grain = 128  # the DP searches slice lengths in multiples of 128 tokens: measure on that grid
+    timer = block_timer(config, config.num_layers // stages)
+    runs: dict[tuple[int, int], list[float]] = {}
+
+    def recording_timer(k, c):
+        start = time.perf_counter()
+        timer(k, c)
+        runs.setdefault((k, c), []).append(time.perf_counter() - start)
+
+    lengths = [x for x in (128, 256, 384, 512, 768, seq_len) if x <= seq_len]
+    model_cost = measured_slice_costs(recording_timer, seq_len, lengths=lengths,
+                                      contexts=list(range(0, seq_len, 256)), repeats=7)
+    spread = [statistics.median(t[1:]) / min(t[1:]) - 1 for t in runs.values()]  # t[0]: warm-up/compile
+    print(f"measured Eq. 2.9 model of one stage ({len(runs)} grid points, min of 7 runs each): fit error max "
+          f"{model_cost.fit_error:.1%}, mean {model_cost.mean_fit_error:.1%}; timing noise (median / min - 1 "
+          f"per point) max {max(spread):.0%}, mean {statistics.mean(spread):.0%}")
     table = slice_cost_table(lambda k, c: model_cost.slice_time(k * grain, c * grain), seq_len // grain)
     solution = solve_joint_slicing({1: table}, 1, stages, epsilon=1e-5)
     slices = tuple(x * grain for x in solution.batch_slices[0][1])
@@ -252,6 +275,8 @@ def part3(seq_len, steps, stages=4):
         print(f"{r['schedule']:>9} {str(r['token_slices']):>28} {r['median_step_s']:>10.3f}s "
               f"{base / r['median_step_s']:>6.2f}x  ({r['first_step_s']:.1f} s)")
     return {"fit_error": model_cost.fit_error, "mean_fit_error": model_cost.mean_fit_error,
+            "timing_noise_max": max(spread), "timing_noise_mean": statistics.mean(spread),
+            "grid_min_seconds": {f"{k}/{c}": min(t[1:]) for (k, c), t in runs.items()},
             "dp_slices": list(slices), "runs": rows}
 
 
@@ -267,7 +292,7 @@ def main():
     table_2_3 = part2(calibration)
     measured = None if args.skip_measured else part3(args.seq_len, args.steps)
     write_results(args.out, [{"part": "table_2_1", "efficiency": calibration[0],
-                              "saturation_tokens": calibration[1], "rows": table_2_1},
+                              "saturation_flops": calibration[1], "rows": table_2_1},
                              {"part": "table_2_3", "rows": table_2_3},
                              {"part": "measured_cpu", "result": measured}])
 

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from alpa_like.cluster import ClusterSpec
-from alpa_like.compiler.terapipe_cost import analytic_slice_costs, fit_slice_costs, measured_slice_costs
+from alpa_like.compiler.terapipe_cost import (analytic_slice_costs, data_parallel_sync_seconds, fit_slice_costs,
+                                              measured_slice_costs, transformer_layer_flops)
 from alpa_like.compiler.token_slicing import slice_cost_table, solve_token_slicing
 
 
@@ -37,6 +38,33 @@ def test_analytic_model_has_the_utilisation_floor_and_grows_with_context():
     assert t(512, 0) > 1.5 * t(256, 0)
     assert t(256, 1024) > t(256, 0)
     assert model.fit_error < 1e-6  # attention FLOPs are bilinear in (i, j): Eq. 2.9 is exact for them
+
+
+def test_utilisation_floor_is_per_device_work():
+    """On 8 devices a layer's per-device GEMMs are 8x narrower: the floor of 256 tokens on one device is 2048
+    tokens on 8 (Fig. 2.3's floor as a device's work), so slicing a 2048-token sequence saves nothing dense."""
+    cluster = ClusterSpec.preset("p3.16xlarge", num_nodes=1)
+    one = analytic_slice_costs(cluster, seq_len=4096, hidden=2048, layers_per_stage=1, saturation_tokens=256,
+                               cross_node=False, training=False)
+    eight = analytic_slice_costs(cluster, seq_len=4096, hidden=2048, layers_per_stage=1, saturation_tokens=256,
+                                 op_degree=8, cross_node=False, training=False)
+    assert one.slice_time(128, 0) == pytest.approx(one.slice_time(256, 0), rel=0.05)
+    # Below 2048 tokens only the Megatron all-reduces (linear in the tokens) and the attention still shrink:
+    # half the tokens cost well over half the time (a proportional model: 0.5).
+    assert eight.slice_time(1024, 0) > 0.7 * eight.slice_time(2048, 0)
+    assert eight.slice_time(4096, 0) > 1.5 * eight.slice_time(2048, 0)
+    floor = transformer_layer_flops(1, 256, 0, 2048)[0]
+    same = analytic_slice_costs(cluster, seq_len=4096, hidden=2048, layers_per_stage=1, saturation_flops=floor,
+                                op_degree=8, cross_node=False, training=False)
+    assert same.slice_time(100, 0) == pytest.approx(eight.slice_time(100, 0), rel=1e-9)
+
+
+def test_data_parallel_sync_is_a_ring_all_reduce_of_the_stage_gradients():
+    cluster = ClusterSpec.preset("p3.16xlarge", num_nodes=4)
+    seconds = data_parallel_sync_seconds(cluster, hidden=1024, layers_per_stage=2, op_degree=4, data_parallel=4)
+    nbytes = 12 * 1024**2 * 2 / 4 * 2
+    assert seconds == pytest.approx(2 * 3 / 4 * nbytes / cluster.inter_node_bandwidth + 6 * cluster.inter_node_latency)
+    assert data_parallel_sync_seconds(cluster, hidden=1024, layers_per_stage=2, op_degree=4, data_parallel=1) == 0
 
 
 def test_analytic_model_slices_non_increasing():

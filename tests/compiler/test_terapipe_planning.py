@@ -1,10 +1,13 @@
 """Token slicing in planning: closed-form cases of the stage-time model and the plan it prints."""
+import itertools
+
 import jax
 import numpy as np
 import pytest
 
 import alpa_like as al
-from alpa_like.compiler.terapipe_planning import choose_token_slicing, stage_slice_costs
+from alpa_like.compiler.terapipe_planning import batch_slice_sizes, choose_token_slicing, stage_slice_costs, token_grain
+from alpa_like.compiler.token_slicing import format_scheme
 from alpa_like.models import gpt
 
 
@@ -22,6 +25,71 @@ def test_no_slicing_kept_when_it_does_not_help():
     decision = choose_token_slicing([1.0], [0.0], 32, 2, 4, saturation_tokens=8)
     assert decision.batch_slices == ()
     assert decision.latency == decision.latency_unsliced
+
+
+def _compositions(n):
+    for cuts in itertools.product((False, True), repeat=n - 1):
+        out, current = [], 1
+        for cut in cuts:
+            if cut:
+                out.append(current)
+                current = 1
+            else:
+                current += 1
+        yield tuple(out + [current])
+
+
+def _brute_force(stage_times, fractions, seq_len, micro_batches, rows, floor):
+    """Every multiset of batch-slice sizes summing to B, every token slicing of each: the best Eq. 2.4."""
+    sizes = batch_slice_sizes(micro_batches * rows, rows)
+    costs = {b: [stage_slice_costs(t, f, seq_len, floor, b, rows) for t, f in zip(stage_times, fractions)]
+             for b in sizes}
+
+    def partitions(n, largest):
+        if n == 0:
+            yield ()
+        for b in sizes:
+            if b <= min(n, largest):
+                for rest in partitions(n - b, b):
+                    yield (b,) + rest
+
+    best = np.inf
+    for sizes_chosen in partitions(micro_batches * rows, micro_batches * rows):
+        for slicings in itertools.product(list(_compositions(seq_len)), repeat=len(sizes_chosen)):
+            times = []
+            for b, lengths in zip(sizes_chosen, slicings):
+                for length, context in zip(lengths, np.cumsum((0,) + lengths[:-1])):
+                    times.append(max(float(c(length, context)) for c in costs[b]))
+            best = min(best, sum(times) + (len(stage_times) - 1) * max(times))
+    return best
+
+
+def test_joint_batch_and_token_slicing_matches_brute_force():
+    rng = np.random.default_rng(0)
+    for _ in range(25):
+        k, seq_len, rows, micro = (int(rng.integers(1, 4)), int(rng.integers(2, 6)), int(rng.integers(1, 3)),
+                                   int(rng.integers(1, 3)))
+        times, fractions = rng.uniform(0.5, 2, k).tolist(), rng.uniform(0, 1, k).tolist()
+        floor = int(rng.integers(1, 2 * seq_len * rows + 1))
+        decision = choose_token_slicing(times, fractions, seq_len, micro, rows, saturation_tokens=floor, epsilon=0.0)
+        best = _brute_force(times, fractions, seq_len, micro, rows, floor)
+        assert decision.latency == pytest.approx(min(best, decision.latency_unsliced), rel=1e-9)
+        if decision.batch_slices:
+            assert sum(b for b, _ in decision.batch_slices) == micro * rows
+    assert batch_slice_sizes(3, 1) == (1, 2) and batch_slice_sizes(12, 3) == (1, 2, 3, 4, 8)
+
+
+def test_fixed_scheme_latency_is_eq_2_4_over_every_unit():
+    """rho = 1 (attention only), floor 1: t(b, k, c) = T b k (c + k) / (R L^2), T = 4, R = 2, L = 8."""
+    decision = choose_token_slicing([4.0, 4.0], [1.0, 1.0], 8, 1, 2, saturation_tokens=1,
+                                    fixed=((1, (4, 4)), (1, (8,))))
+    times = [4.0 / 2 * 1 * 4 * 4 / 64, 4.0 / 2 * 1 * 4 * 8 / 64, 4.0 / 2 * 1 * 8 * 8 / 64]
+    assert decision.latency == pytest.approx(sum(times) + max(times))
+    assert decision.latency_unsliced == pytest.approx(2 * 4.0)
+
+
+def test_token_grain_keeps_tables_small():
+    assert token_grain(512) == 1 and token_grain(2048) == 4 and token_grain(1000) == 2
 
 
 def test_stage_cost_is_the_stage_time_for_the_whole_sequence():
@@ -49,16 +117,17 @@ def gpt_plan(**method_options):
 
 
 def test_token_slices_must_cover_the_sequence():
-    with pytest.raises(ValueError, match="must sum to the sequence length 512"):
+    with pytest.raises(ValueError, match="summing to the sequence length 512"):
         gpt_plan(token_slices=(256, 128))
 
 
 def test_plan_prints_the_token_slicing_scheme():
     plan = gpt_plan()
     assert plan.token_slicing, "8 stages, 8 sequences of 512 tokens: slicing must pay off"
-    lengths = plan.token_slicing[0][1]
-    assert sum(lengths) == 512 and len(plan.token_slicing) == 8
-    assert list(lengths) == sorted(lengths, reverse=True)
+    assert sum(rows for rows, _ in plan.token_slicing) == 8
+    for _, lengths in plan.token_slicing:
+        assert sum(lengths) == 512 and list(lengths) == sorted(lengths, reverse=True)
+    assert any(len(lengths) > 1 for _, lengths in plan.token_slicing)
     assert plan.estimated_iteration_time < plan.iteration_time_without_token_slicing
-    assert f"[(1, {list(lengths)})] x 8" in str(plan)
+    assert format_scheme(plan.token_slicing) in str(plan)
     assert al.ParallelPlan.from_json(plan.to_json()).token_slicing == plan.token_slicing

@@ -10,7 +10,8 @@ from flax.training import train_state
 import alpa_like as al
 from alpa_like import models
 from alpa_like.models import gpt
-from alpa_like.runtime.terapipe_runtime import TerapipeContractError
+from alpa_like.runtime.mesh import named_sharding
+from alpa_like.runtime.terapipe_runtime import TerapipeContractError, slice_starts
 from tests.helpers import assert_trees_close, reference_on_one_device, run_steps
 from tests.runtime.test_pipeshard_runtime import stages, train_step_for
 
@@ -28,9 +29,10 @@ def gpt_case(num_layers=4, batch_size=4, position_ids=True):
 
 TWO = stages(((0, 1), (2, 3)), ((1, 4), (1, 4)), ((1, 4), (1, 4)))
 FOUR = stages(((0,), (1,), (2,), (3,)), ((1, 2),) * 4, ((1, 2),) * 4)
-SLOW = pytest.mark.slow  # one XLA compile per (stage, slice) forward and backward: ~15-60 s each on 2 cores
-CASES = [  # (name, stage option, micro-batches (batch slices), token slices)
-    pytest.param(TWO, 1, (7, 5, 4), id="two_stages_uneven_slices"),
+SLOW = pytest.mark.slow  # one XLA compile per (slice shape, stage) forward and backward: ~15-60 s each on 2 cores
+UNEVEN_BATCH_SLICES = ((1, (9, 7)), (1, (9, 7)), (2, (16,)))  # batch 4: 1 + 1 + 2 rows, 3 slice shapes
+CASES = [  # (stage option, micro-batches, token slices: per micro-batch, or the whole batch + token scheme)
+    pytest.param(TWO, 1, UNEVEN_BATCH_SLICES, id="two_stages_uneven_batch_slices", marks=SLOW),
     pytest.param(TWO, 2, (9, 7), id="two_stages_two_batch_slices", marks=SLOW),
     pytest.param(FOUR, 1, (6, 6, 3, 1), id="four_stages_uneven_slices", marks=SLOW),
     pytest.param(FOUR, 4, (10, 6), id="four_stages_four_batch_slices", marks=SLOW),
@@ -47,13 +49,53 @@ def test_terapipe_matches_single_device_jit(stage_option, num_micro_batches, sli
     parallel = al.parallelize(step, method=method)
     got_state, got_losses = run_steps(parallel, state, batches)
     exe = parallel.get_executable(state, batches[0])
-    assert exe.token_slices == slices and exe.schedule.num_slices == len(slices)
+    expected = slices if isinstance(slices[0], tuple) else ((4 // num_micro_batches, slices),) * num_micro_batches
+    assert exe.batch_slices == expected
+    assert len(exe.units) == sum(len(lengths) for _, lengths in expected)
+    shapes = {(rows, start, length) for rows, lengths in expected
+              for start, length in zip(slice_starts(lengths), lengths)}
+    assert exe.num_executables == len(shapes) * exe.num_stages  # slices of one shape share executables
     # Slices and micro-batches reassociate float32 sums (attention softmax over concatenated keys, gradient
     # sums over slices): same tolerance as the other pipeline schedules.
     assert_trees_close(got_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
     assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert_updated_where_the_plan_puts_parameters(exe, got_state)
 
 
+def assert_updated_where_the_plan_puts_parameters(exe, new_state):
+    """The update ran on the stage owning each parameter, which stays in the plan's (ILP's) layout there."""
+    specs = {(q, t.path): t.spec for q, s in enumerate(exe.plan.stages) for t in s.inputs if t.role == "param"}
+    sharded = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(new_state.params):
+        name = "state.params" + "".join(f".{k.key}" for k in path)
+        on = [q for q, mesh in enumerate(exe.meshes) if leaf.sharding.device_set == set(mesh.devices.flat)]
+        assert len(on) == 1 and (on[0], name) in specs, (name, leaf.sharding)  # a stage that reads it
+        spec = specs[(on[0], name)]
+        if spec is not None:
+            wanted = named_sharding(exe.meshes[on[0]], spec)
+            assert leaf.sharding.is_equivalent_to(wanted, leaf.ndim), (name, leaf.sharding, wanted)
+            sharded += not leaf.sharding.is_fully_replicated
+    assert sharded > 0, "no parameter is sharded: the ILP's layouts were not applied"
+
+
+@SLOW
+def test_runs_the_scheme_the_plan_chose():
+    """token_slices=None: the runtime runs the plan's batch + token slicing (or whole sequences)."""
+    loss_fn, state, batches = gpt_case(num_layers=2)
+    step = train_step_for(loss_fn)
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2),
+                                  stage_option=stages(((0,), (1,)), ((1, 4),) * 2, ((1, 4),) * 2),
+                                  pipeline_schedule="terapipe")
+    ref_state, ref_losses = reference_on_one_device(step, state, batches[:2])
+    parallel = al.parallelize(step, method=method)
+    got_state, got_losses = run_steps(parallel, state, batches[:2])
+    exe = parallel.get_executable(state, batches[0])
+    assert exe.batch_slices == (exe.plan.token_slicing or ((2, (16,)),) * 2)
+    assert_trees_close(got_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
+
+
+@SLOW
 def test_positions_from_arange_break_the_contract():
     loss_fn, state, batches = gpt_case(num_layers=2, position_ids=False)
     method = al.PipeshardParallel(layer_option=al.AutoLayerOption(layer_num=2),
@@ -80,3 +122,14 @@ def test_token_slices_option_is_checked():
         al.PipeshardParallel(token_slices=(4, 4))
     with pytest.raises(ValueError, match="token_slices must be"):
         al.PipeshardParallel(pipeline_schedule="terapipe", token_slices=(4, 0))
+    with pytest.raises(ValueError, match="token_slices must be"):
+        al.PipeshardParallel(pipeline_schedule="terapipe", token_slices=((2, (4, 4)), (0, (8,))))
+
+
+def test_batch_slices_must_cover_the_batch():
+    loss_fn, state, batches = gpt_case(num_layers=2)
+    method = al.PipeshardParallel(layer_option=al.AutoLayerOption(layer_num=2),
+                                  stage_option=stages(((0,), (1,)), ((1, 4),) * 2, ((1, 4),) * 2),
+                                  pipeline_schedule="terapipe", token_slices=((2, (8, 8)), (1, (16,))))
+    with pytest.raises(ValueError, match="rows >= 1 summing to the batch size 4"):
+        al.parallelize(train_step_for(loss_fn), method=method)(state, batches[0])
