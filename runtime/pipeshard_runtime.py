@@ -2,8 +2,8 @@
 
 One process drives every mesh. Stage pieces are jitted once per mesh (XLA compiles them on the first step);
 buffers live on their mesh as ``jax.Array``s; a RUN donates the per-micro-batch buffers whose last use it is
-(the ``FREE`` that follows it in the program), so XLA may reuse their memory for the piece's outputs; ``RECV`` moves a buffer between meshes with the resharding
-plan of :mod:`alpa_like.runtime.resharding`. JAX's asynchronous dispatch lets meshes compute concurrently
+(the ``FREE`` that follows it in the program), so XLA may reuse their memory for the piece's outputs;
+``RECV`` moves a buffer between meshes with the resharding plan of :mod:`alpa_like.runtime.resharding`. JAX's asynchronous dispatch lets meshes compute concurrently
 while the driver walks the global instruction order.
 """
 from __future__ import annotations
