@@ -1,8 +1,9 @@
 """The local MPMD backend: run a pipeline plan's instruction programs on disjoint sets of local devices.
 
 One process drives every mesh. Stage pieces are jitted once per mesh (XLA compiles them on the first step);
-buffers live on their mesh as ``jax.Array``s; ``RECV`` moves a buffer between meshes with the resharding
-plan of :mod:`alpa_like.runtime.resharding`. JAX's asynchronous dispatch lets meshes compute concurrently
+buffers live on their mesh as ``jax.Array``s; a RUN donates the per-micro-batch buffers whose last use it is
+(the ``FREE`` that follows it in the program), so XLA may reuse their memory for the piece's outputs;
+``RECV`` moves a buffer between meshes with the resharding plan of :mod:`alpa_like.runtime.resharding`. JAX's asynchronous dispatch lets meshes compute concurrently
 while the driver walks the global instruction order.
 """
 from __future__ import annotations
@@ -49,6 +50,8 @@ class StepStats:
     instructions: int = 0
     bytes_moved: int = 0
     """Bytes sent across meshes by RECV."""
+    donated_buffers: int = 0
+    """Buffers a RUN donated to XLA (their last use; see the module docstring)."""
     op_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     """With ``profile=True``: seconds per instruction kind, each instruction waited for (so the rest of
     ``seconds`` is the driver's own work)."""
@@ -74,7 +77,7 @@ class PipeshardExecutable:
         self.meshes = [make_mesh([by_id[i] for i in stage.device_ids], stage.logical_mesh_shape, MESH_AXES)
                        for stage in plan.stages]
         self._input_specs = input_specs
-        self._jitted = {key: jax.jit(_piece_fn(piece)) for key, piece in program.pieces.items()}
+        self._jitted: dict[tuple, Any] = {}
         self._fused: dict[tuple, Any] = {}
         self._arg_specs: dict[tuple[int, str], list[jax.ShapeDtypeStruct]] = {}
         self._reshard_plans: dict[tuple, Any] = {}
@@ -90,6 +93,7 @@ class PipeshardExecutable:
         stats = StepStats()
         buffers: list[dict] = [dict() for _ in self.meshes]
         accumulators: list[dict] = [dict() for _ in self.meshes]
+        self._shared = set()  # ids of buffers also held elsewhere (step inputs, accumulators): never donated
         inputs = dict(zip(self.program.step_inputs, flat, strict=True))
         inputs.update(self.program.constants)
         micro = {}
@@ -106,7 +110,7 @@ class PipeshardExecutable:
                     (accs if instructions[i].op is Op.ACC else frees).append(instructions[i])
                     i += 1
                 stats.instructions += len(accs) + len(frees)
-                self._run(ins, accs, buffers, accumulators)
+                stats.donated_buffers += self._run(ins, accs, buffers, accumulators, freed={f.key for f in frees})
                 for free in frees:
                     buffers[free.mesh].pop(free.key, None)
             elif ins.op is Op.MEAN:
@@ -136,23 +140,30 @@ class PipeshardExecutable:
 
     # ------------------------------------------------------------------------------------------ execution
 
-    def _run(self, ins: Instruction, accs: list[Instruction], buffers, accumulators) -> None:
-        """RUN, and the ACCs of its outputs inside the same jitted call once the accumulators exist."""
+    def _run(self, ins: Instruction, accs: list[Instruction], buffers, accumulators, freed=frozenset()) -> int:
+        """RUN, and the ACCs of its outputs inside the same jitted call once the accumulators exist.
+
+        ``freed``: keys the program frees right after this RUN; those among its inputs are donated.
+        Returns the number of donated buffers.
+        """
         mesh_buffers, acc = buffers[ins.mesh], accumulators[ins.mesh]
         piece = self.program.piece(ins.stage, ins.phase)
-        args = [mesh_buffers[(v, ins.micro_batch)] if (v, ins.micro_batch) in mesh_buffers
-                else mesh_buffers[(v, PER_STEP)] for v in piece.inputs]
+        keys = [(v, ins.micro_batch) if (v, ins.micro_batch) in mesh_buffers else (v, PER_STEP)
+                for v in piece.inputs]
+        args = [mesh_buffers[k] for k in keys]
+        donate = donated_positions(keys, freed, [id(x) in self._shared for x in args])
         position = {v: k for k, v in enumerate(piece.outputs)}
         fused = [a for a in accs if a.target in acc]
         if fused:
             slots = tuple(position[a.key[0]] for a in fused)
-            fn = self._fused.get((ins.stage, ins.phase, slots))
+            fn = self._fused.get((ins.stage, ins.phase, slots, donate))
             if fn is None:
-                fn = self._fused[(ins.stage, ins.phase, slots)] = jax.jit(_accumulating_fn(piece, slots))
+                fn = self._fused[(ins.stage, ins.phase, slots, donate)] = jax.jit(
+                    _accumulating_fn(piece, slots), donate_argnums=tuple(k + 1 for k in donate))
             outs, sums = fn([acc[a.target] for a in fused], *args)
             acc.update({a.target: x for a, x in zip(fused, sums, strict=True)})
         else:
-            outs = self._jitted[(ins.stage, ins.phase)](*args)
+            outs = self._piece_executable(ins.stage, ins.phase, donate)(*args)
             self._arg_specs.setdefault((ins.stage, ins.phase), [
                 jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in args])
         for v, x in zip(piece.outputs, outs, strict=True):
@@ -160,6 +171,15 @@ class PipeshardExecutable:
         for a in accs:
             if a not in fused:
                 acc[a.target] = mesh_buffers[a.key]
+                self._shared.add(id(acc[a.target]))
+        return len(donate)
+
+    def _piece_executable(self, stage: int, phase: str, donate: tuple[int, ...] = ()):
+        fn = self._jitted.get((stage, phase, donate))
+        if fn is None:
+            piece = self.program.piece(stage, phase)
+            fn = self._jitted[(stage, phase, donate)] = jax.jit(_piece_fn(piece), donate_argnums=donate)
+        return fn
 
     def _mean(self, group: list[Instruction], buffers, accumulators) -> None:
         for mesh in sorted({ins.mesh for ins in group}):
@@ -178,6 +198,7 @@ class PipeshardExecutable:
                     micro[v] = _split_micro_batches(jax.numpy.asarray(value), self.num_micro_batches)
                 value = micro[v][mb]
             mesh_buffers[ins.key] = jax.device_put(value, self._load_sharding(v, np.shape(value), ins.mesh))
+            self._shared.add(id(value))  # device_put returns ``value`` itself when it is already in place
         elif ins.op is Op.RECV:
             x = buffers[ins.src_mesh][ins.key]
             mesh_buffers[ins.key] = self._move(x, ins.mesh, stats)
@@ -211,9 +232,22 @@ class PipeshardExecutable:
             raise RuntimeError("get_hlo_text: run one step first (stage pieces compile on the first step)")
         texts = []
         for (stage, phase), args in self._arg_specs.items():
-            compiled = self._jitted[(stage, phase)].lower(*args).compile()
+            compiled = self._piece_executable(stage, phase).lower(*args).compile()
             texts.append(f"// stage {stage} {phase}\n{compiled.as_text()}")
         return "\n".join(texts)
+
+
+def donated_positions(keys: Sequence[tuple], freed, shared: Sequence[bool]) -> tuple[int, ...]:
+    """Positions of a RUN's inputs it may donate: per-micro-batch buffers (``keys[k][1] != PER_STEP``) that
+    the program frees right after the RUN (``freed``) and that nothing else holds (``shared[k]`` false),
+    each read once by the RUN.
+
+    >>> donated_positions([("a", 0), ("w", PER_STEP), ("b", 0), ("c", 0)], {("a", 0), ("c", 0)},
+    ...                   [False, False, False, True])
+    (0,)
+    """
+    return tuple(k for k, key in enumerate(keys)
+                 if key[1] != PER_STEP and key in freed and not shared[k] and keys.count(key) == 1)
 
 
 @functools.partial(jax.jit, static_argnums=1)

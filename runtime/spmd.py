@@ -132,6 +132,23 @@ def compile_spmd(traced: TracedStep, layout: SpmdLayout, devices: Sequence[Any],
                         compile_seconds=time.perf_counter() - start)
 
 
+def place_args(flat: Sequence[Any], shardings: Sequence[NamedSharding]) -> list[Any]:
+    """``flat`` with every leaf on its sharding: leaves already there (last step's outputs) are passed as
+    they are, the others are moved with one batched ``jax.device_put``.
+
+    A ``device_put`` per leaf costs ~20 us of Python and dispatch even when nothing moves, which was ~2 ms
+    of a 15 ms gpt-tiny step (88 leaves).
+    """
+    out = list(flat)
+    moves = [i for i, (x, s) in enumerate(zip(flat, shardings, strict=True))
+             if not (isinstance(x, jax.Array) and x.sharding == s)]
+    if moves:
+        moved = jax.device_put([flat[i] for i in moves], [shardings[i] for i in moves])
+        for i, x in zip(moves, moved, strict=True):
+            out[i] = x
+    return out
+
+
 class SpmdExecutable:
     """A compiled step for one input signature: call it like the original function.
 
@@ -153,8 +170,7 @@ class SpmdExecutable:
         return self._compiled.compile_seconds
 
     def __call__(self, *args):
-        flat = self.traced.flatten_args(args)
-        flat = [jax.device_put(x, s) for x, s in zip(flat, self._compiled.in_shardings, strict=True)]
+        flat = place_args(self.traced.flatten_args(args), self._compiled.in_shardings)
         out = self._compiled.compiled(*flat)
         return jax.tree_util.tree_unflatten(self.traced.out_tree, out)
 

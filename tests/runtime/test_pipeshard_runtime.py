@@ -164,3 +164,17 @@ def test_looping_schedules_with_virtual_stages_match_jit(case, schedule):
     got_state, got_losses = run_steps(f, state, batches)
     assert_trees_close(got_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
     assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
+
+
+def test_runs_donate_last_uses_and_leave_the_step_inputs_alive():
+    loss_fn, state, batches = gpt_case()
+    f = al.parallelize(train_step_for(loss_fn), method=al.PipeshardParallel(
+        num_micro_batches=4, layer_option=al.AutoLayerOption(layer_num=4), stage_option=TWO_STAGES,
+        pipeline_schedule="1f1b"))
+    new_state, _ = f(state, batches[0])
+    exe = f.get_executable(state, batches[0])
+    assert exe.last_step.donated_buffers > 0
+    arrays = [x for x in jax.tree.leaves((state, batches[0], new_state)) if isinstance(x, jax.Array)]
+    assert arrays and not any(x.is_deleted() for x in arrays)
+    f(new_state, batches[0])  # the arrays a step returned are valid inputs of the next step
+    assert not any(x.is_deleted() for x in arrays)
