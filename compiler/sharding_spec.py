@@ -66,6 +66,10 @@ class ShardingSpec:
             if used.count(a) > 1:
                 raise ValueError(f"mesh axis {a} shards more than one dim (or one dim twice) in axes={self.axes!r}")
         object.__setattr__(self, "axes", tuple(axes))
+        object.__setattr__(self, "_hash", hash(self.axes))  # specs key the ILP's cost caches: hash once
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def ndim(self) -> int:

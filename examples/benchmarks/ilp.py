@@ -181,7 +181,7 @@ def main(argv=None) -> int:
                         help="comma list of 'layer' (one gpt-1.3b layer) and GPT config names")
     parser.add_argument("--devices", default="8,16", help="comma list of device counts (p3.16xlarge nodes of 8)")
     parser.add_argument("--batch", type=int, default=16, help="sequences per step for the shapes-only part")
-    parser.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
+    parser.add_argument("--solver", default="highs", choices=["cbc", "highs"])
     parser.add_argument("--time-limit", type=float, default=300.0, help="solver seconds per view")
     parser.add_argument("--step-models", default="gpt-tiny,gpt-small", help="models timed on the CPU devices")
     parser.add_argument("--step-batch", type=int, default=16)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import alpa_like as al
-from alpa_like.compiler.auto_sharding import PassOptions, alias_pairs, auto_shard
+from alpa_like.compiler.auto_sharding import PassOptions, alias_pairs, auto_shard, prepare, solve_prepared
 from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.compiler.op_graph import build_op_graph, merged_groups
 from alpa_like.compiler.sharding_spec import ShardingSpec
@@ -154,3 +154,24 @@ def test_costs_scale_with_the_slower_axis():
     assert fast.objective == pytest.approx(all_reduce(param_bytes(sizes) + 4, 8))
     assert slow0.objective > fast.objective
     assert np.isfinite(slow0.objective)
+
+
+def test_a_prepared_pass_restricted_to_some_input_specs_equals_the_pass_built_with_them():
+    # The stage profiler's "params-sharded" twin: solving the prepared ILP with the weights limited to fully
+    # sharded specs must give what a pass built with those candidates gives (same optimum).
+    sizes, batch = (16, 32, 8), 512  # activations dominate: replicated weights are the free optimum
+    traced = trace_step(sgd_step(mlp_loss), mlp_args(batch, sizes), batch_argnums=(1,))
+    graph = build_op_graph(traced.closed_jaxpr, [leaf.path for leaf in traced.in_leaves])
+    m = mesh((2, 4))
+    kernels = [i for i, leaf in enumerate(traced.in_leaves) if "kernel" in str(leaf.path)]
+    candidates = {i: (S("S0S1"), S("S1S0"), S("S01R"), S("RS01")) for i in kernels}
+    prepared = prepare(graph, m)
+    restricted = solve_prepared(prepared, candidates)
+    rebuilt = auto_shard(graph, m, PassOptions(input_candidates=candidates))
+    assert restricted.objective == pytest.approx(rebuilt.objective, rel=1e-9)
+    assert restricted.ilp.objective == pytest.approx(rebuilt.ilp.objective, rel=1e-9)
+    assert all(restricted.input_specs()[i] in candidates[i] for i in kernels)
+    assert restricted.objective > solve_prepared(prepared).objective  # the restriction costs something here
+    with pytest.raises(ValueError, match="input_candidates must name specs among the prepared inputs"):
+        solve_prepared(prepare(graph, m, PassOptions(input_candidates={kernels[0]: (S("RR"),)})),
+                       {kernels[0]: (S("S0S1"),)})
