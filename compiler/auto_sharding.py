@@ -21,6 +21,7 @@ it (it is Eq. 3.1's communication cost exactly).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
 import warnings
@@ -165,12 +166,57 @@ def with_replicated_work(strategy: Strategy, node: OpNode, graph: OpGraph, ctx: 
     return dataclasses.replace(strategy, compute_seconds=strategy.compute_seconds + extra) if extra > 0 else strategy
 
 
+_PLAIN = (bool, int, float, str, type(None), np.generic, np.dtype, enum.Enum)
+
+_RULE_CACHE: dict = {}
+"""Strategies per (context, equation signature, ...), shared by the solves of one process: the layers of
+a model and the stage profiler's layer jobs repeat the same equations on the same mesh."""
+_RULE_CACHE_LIMIT = 1 << 17
+
+
+def _plain(value):
+    """``value`` as hashable plain data tagged with its types, or raises TypeError (e.g. a jaxpr)."""
+    if isinstance(value, tuple):
+        return (type(value).__name__, tuple(_plain(v) for v in value))
+    if isinstance(value, _PLAIN):
+        return (type(value).__name__, value)
+    raise TypeError(f"not plain data: {type(value).__name__}")
+
+
+def eqn_signature(eqn) -> tuple | None:
+    """What the strategy rules read from an equation (primitive, parameters, operand and result shapes and
+    dtypes, literal values), or None when a parameter is not plain data (then it is not cached)."""
+    try:
+        params = tuple(sorted((k, _plain(v)) for k, v in eqn.params.items()))
+    except TypeError:
+        return None
+    ins = tuple(("lit", repr(v.val)) if isinstance(v, Literal) else (tuple(v.aval.shape), str(v.aval.dtype))
+                for v in eqn.invars)
+    outs = tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.outvars)
+    return eqn.primitive.name, params, ins, outs
+
+
+def _rule_key(*parts) -> int | None:
+    """A small int standing for ``parts`` (hashing a signature once per node, not once per strategy)."""
+    if any(p is None for p in parts):
+        return None
+    if len(_RULE_KEYS) >= _RULE_CACHE_LIMIT:
+        _RULE_KEYS.clear()
+        _RULE_CACHE.clear()
+    return _RULE_KEYS.setdefault(parts, len(_RULE_KEYS))
+
+
+_RULE_KEYS: dict = {}
+
+
 def strategy_table(graph: OpGraph, ctx: StrategyContext,
                    input_candidates: Mapping[int, Sequence[ShardingSpec]] | None = None) -> list[list[Strategy]]:
-    """Per node, its strategies; a merged node has exactly one per strategy of its group (same order)."""
+    """Per node, its strategies; a merged node has exactly one per strategy of its group (same order).
+
+    The rules' answers are memoised per (``ctx``, :func:`eqn_signature`, followed operand and spec): an
+    equation's strategies depend on nothing else (not on its place in the graph)."""
     input_candidates = input_candidates or {}
     table: list[list[Strategy]] = []
-    cache: dict = {}
     for node in graph.nodes:
         if node.kind == "input":
             shape = graph.tensors[node.outputs[0]].shape
@@ -182,19 +228,30 @@ def strategy_table(graph: OpGraph, ctx: StrategyContext,
         elif node.follow is not None:
             producer = graph.tensors[node.operands[node.follow]]
             rule = FOLLOW_RULES[node.primitive]
+            signature = _rule_key(ctx, "follow", eqn_signature(node.eqn), node.follow)
+            local: dict = {}
+            cache = local if signature is None else _RULE_CACHE
             derived = []
             for s in table[producer.producer]:
                 spec = s.out_specs[producer.out_index]
-                key = (node.id, spec)
-                if key not in cache:
-                    cache[key] = with_replicated_work(rule.derive(node.eqn, node.follow, spec, ctx), node, graph, ctx)
-                derived.append(cache[key])
+                key = (signature, node.id if signature is None else None, spec)
+                strategy = cache.get(key)
+                if strategy is None:
+                    strategy = with_replicated_work(rule.derive(node.eqn, node.follow, spec, ctx), node, graph, ctx)
+                    cache[key] = strategy
+                derived.append(strategy)
             table.append(derived)
         elif node.primitive in ROOT_RULES:
-            strategies = ROOT_RULES[node.primitive](node.eqn, ctx) or [replicated_strategy(node.eqn)]
-            if node.primitive not in HEAVY_PRIMITIVES:  # heavy operators price their own replicated work
-                strategies = [with_replicated_work(s, node, graph, ctx) for s in strategies]
-            table.append(strategies)
+            key = _rule_key(ctx, "root", eqn_signature(node.eqn))
+            strategies = _RULE_CACHE.get(key) if key is not None else None
+            if strategies is None:
+                strategies = ROOT_RULES[node.primitive](node.eqn, ctx) or [replicated_strategy(node.eqn)]
+                if node.primitive not in HEAVY_PRIMITIVES:  # heavy operators price their own replicated work
+                    strategies = [with_replicated_work(s, node, graph, ctx) for s in strategies]
+                strategies = tuple(strategies)
+                if key is not None:
+                    _RULE_CACHE[key] = strategies
+            table.append(list(strategies))
         elif node.primitive in CONTROL_FLOW:
             table.append(control_flow_strategies(node, ctx))
         else:  # sources (iota, RNG) and primitives without rules: replicated
@@ -241,6 +298,20 @@ class _ReshardTable:
         if not self.allow_all_to_all:
             return describe_resharding(src, _common_prefix(src, dst), shape, itemsize, self.mesh)
         return describe_resharding(src, dst, shape, itemsize, self.mesh)
+
+
+_RESHARD_TABLES: dict[tuple[LogicalMesh, bool], _ReshardTable] = {}
+
+
+def reshard_table(mesh: LogicalMesh, allow_all_to_all: bool) -> _ReshardTable:
+    """The process's resharding-cost table of ``mesh`` (kept across solves: layers repeat tensor shapes)."""
+    key = (mesh, bool(allow_all_to_all))
+    table = _RESHARD_TABLES.get(key)
+    if table is None:
+        if len(_RESHARD_TABLES) >= 64:
+            _RESHARD_TABLES.clear()
+        table = _RESHARD_TABLES[key] = _ReshardTable(mesh, allow_all_to_all)
+    return table
 
 
 def _common_prefix(src: ShardingSpec, dst: ShardingSpec) -> ShardingSpec:
@@ -323,7 +394,7 @@ def build_problem(graph: OpGraph, table: list[list[Strategy]], mesh: LogicalMesh
             tensor = graph.tensors[t]
             tie[v] += per_byte * tensor.nbytes / np.array([shards(s.out_specs[k], mesh.shape)
                                                            for s in table[node.id]])
-    reshard = _ReshardTable(mesh, allow_all_to_all)
+    reshard = reshard_table(mesh, allow_all_to_all)
     edges: dict[tuple[int, int], np.ndarray] = {}
     for use in _uses(graph, aliases):
         tensor = graph.tensors[use.tensor]
@@ -484,7 +555,7 @@ def auto_shard(graph: OpGraph, mesh: LogicalMesh, options: PassOptions = PassOpt
 
 
 def _reshards(graph: OpGraph, chosen: Sequence[Strategy], mesh: LogicalMesh, aliases, allow_all_to_all: bool):
-    reshard = _ReshardTable(mesh, allow_all_to_all)
+    reshard = reshard_table(mesh, allow_all_to_all)
     out = []
     for use in _uses(graph, aliases):
         tensor = graph.tensors[use.tensor]

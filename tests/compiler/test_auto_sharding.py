@@ -3,6 +3,8 @@
 Every mesh here has alpha = 0 and beta = 1 s/B (unless stated), so a ring all-reduce of ``M`` bytes over
 ``n`` devices costs ``2 (n - 1) / n * M`` and the objective is a byte count.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -175,3 +177,34 @@ def test_a_prepared_pass_restricted_to_some_input_specs_equals_the_pass_built_wi
     with pytest.raises(ValueError, match="input_candidates must name specs among the prepared inputs"):
         solve_prepared(prepare(graph, m, PassOptions(input_candidates={kernels[0]: (S("RR"),)})),
                        {kernels[0]: (S("S0S1"),)})
+
+
+def test_strategies_memoised_across_equations_equal_the_rules_run_on_every_node(monkeypatch):
+    # The rule cache keys an equation's strategies by its signature (primitive, params, shapes, dtypes,
+    # literals) and the mesh; two layers of a GPT repeat every signature. Building the table with the cache
+    # shared over a whole training step must give exactly what running the rules on every node gives.
+    import optax
+    from flax.training import train_state
+
+    from alpa_like import models
+    from alpa_like.compiler import auto_sharding
+    from alpa_like.compiler.strategies import StrategyContext
+    from alpa_like.models import gpt
+
+    config = dataclasses.replace(models.get_config("gpt-tiny"), num_layers=2)
+    params = gpt.gpt_param_shapes(config)
+    state = jax.eval_shape(lambda p: train_state.TrainState.create(apply_fn=None, params=p, tx=optax.adam(1e-3)),
+                           params)
+    loss = gpt.gpt_loss(gpt.GPTModel(config))
+
+    def step(state, batch):
+        grads = al.grad(loss)(state.params, batch)
+        return state.apply_gradients(grads=grads)
+    traced = trace_step(step, (state, gpt.gpt_batch_shapes(config, 8)), batch_argnums=(1,))
+    graph = build_op_graph(traced.closed_jaxpr)
+    ctx = StrategyContext(mesh=mesh((2, 4)))
+    monkeypatch.setattr(auto_sharding, "_RULE_CACHE", {})
+    cached = auto_sharding.strategy_table(graph, ctx)
+    assert len(auto_sharding._RULE_CACHE) < sum(len(row) for row in cached) / 2  # the layers did share entries
+    monkeypatch.setattr(auto_sharding, "eqn_signature", lambda eqn: None)
+    assert auto_sharding.strategy_table(graph, ctx) == cached
