@@ -37,6 +37,7 @@ from alpa_like.compiler.propagation import FOLLOW_RULES
 from alpa_like.compiler.sharding_spec import (
     ReshardStep,
     ShardingSpec,
+    clear_resharding_caches,
     describe_resharding,
     enumerate_specs,
     resharding_seconds,
@@ -194,6 +195,14 @@ def eqn_signature(eqn) -> tuple | None:
                 for v in eqn.invars)
     outs = tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.outvars)
     return eqn.primitive.name, params, ins, outs
+
+
+def clear_caches() -> None:
+    """Forgets the memoised strategies and resharding costs (benchmarks measure every solve cold)."""
+    clear_resharding_caches()
+    _RULE_KEYS.clear()
+    _RULE_CACHE.clear()
+    _RESHARD_TABLES.clear()
 
 
 def _rule_key(*parts) -> int | None:

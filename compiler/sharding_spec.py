@@ -355,6 +355,12 @@ def _plan(cur: tuple[DimAxes, ...], dst: tuple[DimAxes, ...], total_bytes: float
     return best
 
 
+def clear_resharding_caches() -> None:
+    """Forgets the memoised resharding plans and costs (for benchmarks that measure a solve cold)."""
+    _plan.cache_clear()
+    _resharding_cost.cache_clear()
+
+
 def _drop_trivial_axes(spec: ShardingSpec, mesh: LogicalMesh) -> tuple[DimAxes, ...]:
     """``spec.axes`` without mesh axes of size 1: they split nothing, so the tiles are the same."""
     return tuple(tuple(a for a in dim_axes if mesh.shape[a] > 1) for dim_axes in spec.axes)
