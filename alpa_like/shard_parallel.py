@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from alpa_like.cluster import ClusterSpec
 from alpa_like.compiler.auto_sharding import PassOptions, ShardingSolution, alias_pairs, auto_shard
 from alpa_like.compiler.grad_accumulation import split_at_grad_marker
-from alpa_like.compiler.ilp import SOLVERS
+from alpa_like.compiler.ilp import DEFAULT_SOLVER, SOLVERS
 from alpa_like.compiler.logical_mesh import LogicalMesh, logical_shapes
 from alpa_like.compiler.op_graph import CONTROL_FLOW, OpGraph, build_op_graph
 from alpa_like.compiler.sharding_spec import ShardingSpec, enumerate_specs
@@ -65,11 +65,12 @@ class AutoShardingOption:
     """Shard dim 0 of every batch leaf on this mesh axis (0 or 1) when it has more than one device;
     None lets the ILP choose."""
     solver_time_limit: float = 60.0
-    """Seconds CBC may spend per logical view; it then keeps its best solution (see the plan's status)."""
+    """Seconds the solver may spend per logical view; it then keeps its best solution (see the plan's status)."""
     logical_mesh_shape: tuple[int, int] | None = None
     """Use only this logical view (n0, n1) of the devices instead of trying all of them."""
-    solver: str = "cbc"
-    """MILP solver: ``"cbc"`` (PuLP's bundled CBC, as Alpa) or ``"highs"`` (HiGHS via scipy, faster)."""
+    solver: str = DEFAULT_SOLVER
+    """MILP solver: ``"highs"`` (default: HiGHS via scipy, LP relaxation first) or ``"cbc"`` (PuLP's bundled CBC,
+    as Alpa)."""
 
     def __post_init__(self):
         budget = self.memory_budget_per_device

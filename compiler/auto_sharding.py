@@ -10,7 +10,9 @@ Pipeline (each step a pure function):
    inside the group); ``R_vu`` is Table 3.2's :func:`resharding_cost` of every tensor between two groups,
    tabulated once per (shape, spec pair) and gathered with numpy fancy indexing. Step outputs that update
    an input (``new_params -> params``) get an edge to that input, so the layout is stable across steps.
-3. :func:`auto_shard`: solves and returns a :class:`ShardingSolution`.
+3. :func:`auto_shard`: solves and returns a :class:`ShardingSolution` (:func:`prepare` then
+   :func:`solve_prepared`; a prepared pass can be solved again with some inputs limited to fewer specs,
+   an exact restriction that skips steps 1 and 2, as the stage profiler's "params-sharded" variant does).
 
 A tie-break of ``1e-6`` of the cheapest per-byte link cost per byte of every tensor kept per device makes
 the solver prefer sharded layouts when communication is equal; :attr:`ShardingSolution.objective` excludes
@@ -19,6 +21,8 @@ it (it is Eq. 3.1's communication cost exactly).
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -26,13 +30,14 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from jax.extend.core import Literal
 
-from alpa_like.compiler.ilp import IlpEdge, IlpProblem, IlpSolution, solve
+from alpa_like.compiler.ilp import DEFAULT_SOLVER, IlpEdge, IlpProblem, IlpSolution, restrict, solve
 from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.compiler.op_graph import CONTROL_FLOW, OpGraph, OpNode, gradient_nodes, merged_groups
 from alpa_like.compiler.propagation import FOLLOW_RULES
 from alpa_like.compiler.sharding_spec import (
     ReshardStep,
     ShardingSpec,
+    clear_resharding_caches,
     describe_resharding,
     enumerate_specs,
     resharding_seconds,
@@ -63,7 +68,7 @@ class PassOptions:
     input_candidates: Mapping[int, tuple[ShardingSpec, ...]] = dataclasses.field(default_factory=dict)
     """Per jaxpr input index, the specs allowed (default: every spec of its shape)."""
     solver_time_limit: float = 60.0
-    solver: str = "cbc"
+    solver: str = DEFAULT_SOLVER
     """MILP backend, one of :data:`alpa_like.compiler.ilp.SOLVERS`."""
     peak_flops: float = 1e12
     node_weights: tuple[float, ...] | None = None
@@ -162,12 +167,65 @@ def with_replicated_work(strategy: Strategy, node: OpNode, graph: OpGraph, ctx: 
     return dataclasses.replace(strategy, compute_seconds=strategy.compute_seconds + extra) if extra > 0 else strategy
 
 
+_PLAIN = (bool, int, float, str, type(None), np.generic, np.dtype, enum.Enum)
+
+_RULE_CACHE: dict = {}
+"""Strategies per (context, equation signature, ...), shared by the solves of one process: the layers of
+a model and the stage profiler's layer jobs repeat the same equations on the same mesh."""
+_RULE_CACHE_LIMIT = 1 << 17
+
+
+def _plain(value):
+    """``value`` as hashable plain data tagged with its types, or raises TypeError (e.g. a jaxpr)."""
+    if isinstance(value, tuple):
+        return (type(value).__name__, tuple(_plain(v) for v in value))
+    if isinstance(value, _PLAIN):
+        return (type(value).__name__, value)
+    raise TypeError(f"not plain data: {type(value).__name__}")
+
+
+def eqn_signature(eqn) -> tuple | None:
+    """What the strategy rules read from an equation (primitive, parameters, operand and result shapes and
+    dtypes, literal values), or None when a parameter is not plain data (then it is not cached)."""
+    try:
+        params = tuple(sorted((k, _plain(v)) for k, v in eqn.params.items()))
+    except TypeError:
+        return None
+    ins = tuple(("lit", repr(v.val)) if isinstance(v, Literal) else (tuple(v.aval.shape), str(v.aval.dtype))
+                for v in eqn.invars)
+    outs = tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.outvars)
+    return eqn.primitive.name, params, ins, outs
+
+
+def clear_caches() -> None:
+    """Forgets the memoised strategies and resharding costs (benchmarks measure every solve cold)."""
+    clear_resharding_caches()
+    _RULE_KEYS.clear()
+    _RULE_CACHE.clear()
+    _RESHARD_TABLES.clear()
+
+
+def _rule_key(*parts) -> int | None:
+    """A small int standing for ``parts`` (hashing a signature once per node, not once per strategy)."""
+    if any(p is None for p in parts):
+        return None
+    if len(_RULE_KEYS) >= _RULE_CACHE_LIMIT:
+        _RULE_KEYS.clear()
+        _RULE_CACHE.clear()
+    return _RULE_KEYS.setdefault(parts, len(_RULE_KEYS))
+
+
+_RULE_KEYS: dict = {}
+
+
 def strategy_table(graph: OpGraph, ctx: StrategyContext,
                    input_candidates: Mapping[int, Sequence[ShardingSpec]] | None = None) -> list[list[Strategy]]:
-    """Per node, its strategies; a merged node has exactly one per strategy of its group (same order)."""
+    """Per node, its strategies; a merged node has exactly one per strategy of its group (same order).
+
+    The rules' answers are memoised per (``ctx``, :func:`eqn_signature`, followed operand and spec): an
+    equation's strategies depend on nothing else (not on its place in the graph)."""
     input_candidates = input_candidates or {}
     table: list[list[Strategy]] = []
-    cache: dict = {}
     for node in graph.nodes:
         if node.kind == "input":
             shape = graph.tensors[node.outputs[0]].shape
@@ -179,19 +237,30 @@ def strategy_table(graph: OpGraph, ctx: StrategyContext,
         elif node.follow is not None:
             producer = graph.tensors[node.operands[node.follow]]
             rule = FOLLOW_RULES[node.primitive]
+            signature = _rule_key(ctx, "follow", eqn_signature(node.eqn), node.follow)
+            local: dict = {}
+            cache = local if signature is None else _RULE_CACHE
             derived = []
             for s in table[producer.producer]:
                 spec = s.out_specs[producer.out_index]
-                key = (node.id, spec)
-                if key not in cache:
-                    cache[key] = with_replicated_work(rule.derive(node.eqn, node.follow, spec, ctx), node, graph, ctx)
-                derived.append(cache[key])
+                key = (signature, node.id if signature is None else None, spec)
+                strategy = cache.get(key)
+                if strategy is None:
+                    strategy = with_replicated_work(rule.derive(node.eqn, node.follow, spec, ctx), node, graph, ctx)
+                    cache[key] = strategy
+                derived.append(strategy)
             table.append(derived)
         elif node.primitive in ROOT_RULES:
-            strategies = ROOT_RULES[node.primitive](node.eqn, ctx) or [replicated_strategy(node.eqn)]
-            if node.primitive not in HEAVY_PRIMITIVES:  # heavy operators price their own replicated work
-                strategies = [with_replicated_work(s, node, graph, ctx) for s in strategies]
-            table.append(strategies)
+            key = _rule_key(ctx, "root", eqn_signature(node.eqn))
+            strategies = _RULE_CACHE.get(key) if key is not None else None
+            if strategies is None:
+                strategies = ROOT_RULES[node.primitive](node.eqn, ctx) or [replicated_strategy(node.eqn)]
+                if node.primitive not in HEAVY_PRIMITIVES:  # heavy operators price their own replicated work
+                    strategies = [with_replicated_work(s, node, graph, ctx) for s in strategies]
+                strategies = tuple(strategies)
+                if key is not None:
+                    _RULE_CACHE[key] = strategies
+            table.append(list(strategies))
         elif node.primitive in CONTROL_FLOW:
             table.append(control_flow_strategies(node, ctx))
         else:  # sources (iota, RNG) and primitives without rules: replicated
@@ -208,6 +277,7 @@ class _ReshardTable:
         self.mesh = mesh
         self.allow_all_to_all = allow_all_to_all
         self.cache: dict = {}
+        self.matrices: dict = {}
 
     def cost(self, shape, itemsize, src: ShardingSpec, dst: ShardingSpec) -> float:
         if src == dst:
@@ -222,16 +292,35 @@ class _ReshardTable:
         return value
 
     def matrix(self, shape, itemsize, srcs: Sequence[ShardingSpec], dsts: Sequence[ShardingSpec]) -> np.ndarray:
-        """``R[i, j] = cost(srcs[i] -> dsts[j])``, computed on the distinct specs only."""
+        """``R[i, j] = cost(srcs[i] -> dsts[j])``, computed on the distinct specs only (and once per
+        (bytes, distinct sources, distinct destinations): the blocks of a model repeat them)."""
         us, si = _unique(srcs)
         ud, di = _unique(dsts)
-        small = np.array([[self.cost(shape, itemsize, a, b) for b in ud] for a in us], dtype=float)
+        key = (math.prod(shape) * itemsize, tuple(us), tuple(ud))
+        small = self.matrices.get(key)
+        if small is None:
+            small = np.array([[self.cost(shape, itemsize, a, b) for b in ud] for a in us], dtype=float)
+            self.matrices[key] = small
         return small[np.ix_(si, di)]
 
     def steps(self, shape, itemsize, src, dst) -> tuple[ReshardStep, ...]:
         if not self.allow_all_to_all:
             return describe_resharding(src, _common_prefix(src, dst), shape, itemsize, self.mesh)
         return describe_resharding(src, dst, shape, itemsize, self.mesh)
+
+
+_RESHARD_TABLES: dict[tuple[LogicalMesh, bool], _ReshardTable] = {}
+
+
+def reshard_table(mesh: LogicalMesh, allow_all_to_all: bool) -> _ReshardTable:
+    """The process's resharding-cost table of ``mesh`` (kept across solves: layers repeat tensor shapes)."""
+    key = (mesh, bool(allow_all_to_all))
+    table = _RESHARD_TABLES.get(key)
+    if table is None:
+        if len(_RESHARD_TABLES) >= 64:
+            _RESHARD_TABLES.clear()
+        table = _RESHARD_TABLES[key] = _ReshardTable(mesh, allow_all_to_all)
+    return table
 
 
 def _common_prefix(src: ShardingSpec, dst: ShardingSpec) -> ShardingSpec:
@@ -322,7 +411,7 @@ def build_problem(graph: OpGraph, table: list[list[Strategy]], mesh: LogicalMesh
             tensor = graph.tensors[t]
             tie[v] += per_byte * tensor.nbytes / np.array([shards(s.out_specs[k], mesh.shape)
                                                            for s in table[node.id]])
-    reshard = _ReshardTable(mesh, allow_all_to_all)
+    reshard = reshard_table(mesh, allow_all_to_all)
     edges: dict[tuple[int, int], np.ndarray] = {}
     for use in _uses(graph, aliases):
         tensor = graph.tensors[use.tensor]
@@ -349,8 +438,13 @@ def build_problem(graph: OpGraph, table: list[list[Strategy]], mesh: LogicalMesh
 
 def all_reduce_latency(strategy: Strategy, mesh: LogicalMesh) -> float:
     """The latency (``alpha``) part of the strategy's all-reduces: what combining them with others saves."""
-    no_latency = dataclasses.replace(mesh, alpha=(0.0,) * mesh.ndim)
+    no_latency = _without_latency(mesh)
     return sum(c.seconds(mesh) - c.seconds(no_latency) for c in strategy.collectives if c.kind == "all-reduce")
+
+
+@functools.lru_cache(maxsize=64)
+def _without_latency(mesh: LogicalMesh) -> LogicalMesh:
+    return dataclasses.replace(mesh, alpha=(0.0,) * mesh.ndim)
 
 
 def memory_rows(graph: OpGraph, table, node_of: np.ndarray, mesh: LogicalMesh):
@@ -383,6 +477,86 @@ def memory_rows(graph: OpGraph, table, node_of: np.ndarray, mesh: LogicalMesh):
 
 # ------------------------------------------------------------------------------------------------ step 3
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PreparedPass:
+    """Steps 1 and 2 of the pass on one mesh (strategies and the ILP), ready to be solved, possibly more
+    than once with different input restrictions (:func:`solve_prepared`)."""
+
+    graph: OpGraph = dataclasses.field(repr=False)
+    mesh: LogicalMesh
+    options: PassOptions
+    aliases: tuple[tuple[int, int], ...]
+    table: list[list[Strategy]] = dataclasses.field(repr=False)
+    problem: IlpProblem = dataclasses.field(repr=False)
+    """Eq. 3.1 with the tie-break."""
+    exact: IlpProblem = dataclasses.field(repr=False)
+    """Eq. 3.1 without it."""
+    node_of: np.ndarray = dataclasses.field(repr=False)
+    """ILP node index of every graph node."""
+    combined: frozenset[int]
+
+
+def prepare(graph: OpGraph, mesh: LogicalMesh, options: PassOptions = PassOptions(), *,
+            aliases: Sequence[tuple[int, int]] = ()) -> PreparedPass:
+    """Strategies (step 1) and the ILP (step 2) of the pass; see :func:`auto_shard` for the arguments."""
+    ctx = StrategyContext(mesh=mesh, peak_flops=options.peak_flops)
+    table = strategy_table(graph, ctx, options.input_candidates)
+    combined = gradient_nodes(graph) if options.combine_gradient_all_reduces else frozenset()
+    problem, exact, node_of = build_problem(graph, table, mesh, aliases=aliases,
+                                            memory_budget=options.memory_budget,
+                                            allow_all_to_all=options.allow_all_to_all,
+                                            node_weights=options.node_weights, combined=combined)
+    return PreparedPass(graph=graph, mesh=mesh, options=options, aliases=tuple(aliases), table=table,
+                        problem=problem, exact=exact, node_of=node_of, combined=combined)
+
+
+def restricted_inputs(prepared: PreparedPass,
+                      input_candidates: Mapping[int, Sequence[ShardingSpec]]) -> dict[int, np.ndarray] | None:
+    """Per ILP node of a restricted input, the indices of its strategies whose spec is a candidate; None if
+    some candidate is not among the input's strategies (then the restriction is not the problem that
+    :func:`prepare` would build with those candidates, and the caller must prepare it anew)."""
+    allowed = {}
+    for node in prepared.graph.nodes:
+        if node.kind != "input" or node.input_index not in input_candidates:
+            continue
+        specs = [s.out_specs[0] for s in prepared.table[node.id]]
+        wanted = set(input_candidates[node.input_index])
+        if not wanted or not wanted <= set(specs):
+            return None
+        allowed[int(prepared.node_of[node.id])] = np.array([j for j, spec in enumerate(specs) if spec in wanted])
+    return allowed
+
+
+def solve_prepared(prepared: PreparedPass,
+                   input_candidates: Mapping[int, Sequence[ShardingSpec]] | None = None) -> ShardingSolution:
+    """Step 3: solves the prepared ILP, with each input in ``input_candidates`` (jaxpr input index -> specs)
+    limited to those specs (an exact restriction of the same problem: :func:`~alpa_like.compiler.ilp.restrict`).
+
+    Raises:
+      ValueError: a candidate spec is not among the input's strategies in ``prepared``.
+    """
+    problem, keep = prepared.problem, None
+    if input_candidates:
+        allowed = restricted_inputs(prepared, input_candidates)
+        if allowed is None:
+            raise ValueError("input_candidates must name specs among the prepared inputs' strategies")
+        problem, keep = restrict(problem, allowed)
+    options, mesh, graph = prepared.options, prepared.mesh, prepared.graph
+    solution = solve(problem, time_limit=options.solver_time_limit, solver=options.solver)
+    if keep is not None:
+        solution = dataclasses.replace(solution, choice=tuple(int(k[c]) for k, c in zip(keep, solution.choice)))
+    if solution.status == "infeasible":
+        warnings.warn(f"no sharding plan fits memory_budget={options.memory_budget} bytes per device on mesh "
+                      f"{mesh.shape}; the greedy plan is used", stacklevel=2)
+    chosen = tuple(prepared.table[n.id][solution.choice[prepared.node_of[n.id]]] for n in graph.nodes)
+    reshards = _reshards(graph, chosen, mesh, prepared.aliases, options.allow_all_to_all)
+    peak = prepared.exact.peak_memory(solution.choice) if options.memory_budget is not None else None
+    latencies = [all_reduce_latency(chosen[n], mesh) for n in prepared.combined]
+    return ShardingSolution(mesh=mesh, graph=graph, strategies=chosen, reshards=reshards, ilp=solution,
+                            objective=prepared.exact.objective(solution.choice) + max(latencies, default=0.0),
+                            peak_memory=peak)
+
+
 def auto_shard(graph: OpGraph, mesh: LogicalMesh, options: PassOptions = PassOptions(), *,
                aliases: Sequence[tuple[int, int]] = ()) -> ShardingSolution:
     """Chooses a strategy for every node of ``graph`` on ``mesh`` by solving Eq. 3.1.
@@ -393,28 +567,11 @@ def auto_shard(graph: OpGraph, mesh: LogicalMesh, options: PassOptions = PassOpt
       options: memory budget, all-to-all, allowed input specs, time limit, device speed.
       aliases: (output tensor, input tensor) pairs whose layouts should agree (see :func:`alias_pairs`).
     """
-    ctx = StrategyContext(mesh=mesh, peak_flops=options.peak_flops)
-    table = strategy_table(graph, ctx, options.input_candidates)
-    combined = gradient_nodes(graph) if options.combine_gradient_all_reduces else frozenset()
-    problem, exact, node_of = build_problem(graph, table, mesh, aliases=aliases,
-                                            memory_budget=options.memory_budget,
-                                            allow_all_to_all=options.allow_all_to_all,
-                                            node_weights=options.node_weights, combined=combined)
-    solution = solve(problem, time_limit=options.solver_time_limit, solver=options.solver)
-    if solution.status == "infeasible":
-        warnings.warn(f"no sharding plan fits memory_budget={options.memory_budget} bytes per device on mesh "
-                      f"{mesh.shape}; the greedy plan is used", stacklevel=2)
-    chosen = tuple(table[n.id][solution.choice[node_of[n.id]]] for n in graph.nodes)
-    reshards = _reshards(graph, chosen, mesh, aliases, options.allow_all_to_all)
-    peak = exact.peak_memory(solution.choice) if options.memory_budget is not None else None
-    latencies = [all_reduce_latency(chosen[n], mesh) for n in combined]
-    return ShardingSolution(mesh=mesh, graph=graph, strategies=chosen, reshards=reshards, ilp=solution,
-                            objective=exact.objective(solution.choice) + max(latencies, default=0.0),
-                            peak_memory=peak)
+    return solve_prepared(prepare(graph, mesh, options, aliases=aliases))
 
 
 def _reshards(graph: OpGraph, chosen: Sequence[Strategy], mesh: LogicalMesh, aliases, allow_all_to_all: bool):
-    reshard = _ReshardTable(mesh, allow_all_to_all)
+    reshard = reshard_table(mesh, allow_all_to_all)
     out = []
     for use in _uses(graph, aliases):
         tensor = graph.tensors[use.tensor]

@@ -66,6 +66,10 @@ class ShardingSpec:
             if used.count(a) > 1:
                 raise ValueError(f"mesh axis {a} shards more than one dim (or one dim twice) in axes={self.axes!r}")
         object.__setattr__(self, "axes", tuple(axes))
+        object.__setattr__(self, "_hash", hash(self.axes))  # specs key the ILP's cost caches: hash once
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def ndim(self) -> int:
@@ -349,6 +353,12 @@ def _plan(cur: tuple[DimAxes, ...], dst: tuple[DimAxes, ...], total_bytes: float
     if best is None:  # Unreachable: a layout that differs from dst always has a slice, move or gather.
         raise RuntimeError(f"no resharding step from {cur} to {dst}")
     return best
+
+
+def clear_resharding_caches() -> None:
+    """Forgets the memoised resharding plans and costs (for benchmarks that measure a solve cold)."""
+    _plan.cache_clear()
+    _resharding_cost.cache_clear()
 
 
 def _drop_trivial_axes(spec: ShardingSpec, mesh: LogicalMesh) -> tuple[DimAxes, ...]:

@@ -47,7 +47,14 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from alpa_like.cluster import ClusterSpec
 from alpa_like.compiler import jax_compat
-from alpa_like.compiler.auto_sharding import PassOptions, auto_shard
+from alpa_like.compiler.auto_sharding import (
+    PassOptions,
+    ShardingSolution,
+    auto_shard,
+    prepare,
+    restricted_inputs,
+    solve_prepared,
+)
 from alpa_like.compiler.flops import jaxpr_flops
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD, LayerSummary, Piece
 from alpa_like.compiler.logical_mesh import LogicalMesh
@@ -146,7 +153,12 @@ def profile_layer(closed: ClosedJaxpr, param_inputs: Sequence[bool], mesh: Logic
                   options: PassOptions) -> LayerCost:
     """Runs the intra-op pass on one layer and returns its cost on ``mesh`` (``options.input_candidates``
     constrains the layer's inputs, e.g. to :func:`sharded_param_candidates`)."""
-    solution = auto_shard(build_op_graph(closed), mesh, options)
+    return layer_cost(closed, param_inputs, mesh, peak_flops, auto_shard(build_op_graph(closed), mesh, options))
+
+
+def layer_cost(closed: ClosedJaxpr, param_inputs: Sequence[bool], mesh: LogicalMesh, peak_flops: float,
+               solution: ShardingSolution) -> LayerCost:
+    """The :class:`LayerCost` of the layer ``closed`` under the intra-op pass's ``solution`` on ``mesh``."""
     param_bytes = 0.0
     for spec, var, is_param in zip(solution.input_specs(), closed.jaxpr.invars, param_inputs, strict=True):
         if is_param:
@@ -265,18 +277,26 @@ _FORKED: _SolveContext | None = None
 
 def _solve_job(context: _SolveContext, index: int) -> tuple[int, tuple[LayerCost, LayerCost], int]:
     """The fastest solve of job ``index`` and its ``"params-sharded"`` twin (the fastest again when the
-    twin would be the same problem), with the number of ILPs solved."""
+    twin would be the same problem), with the number of ILPs solved. The twin is the fastest solve's ILP
+    restricted to the sharded parameter specs (:func:`~alpa_like.compiler.auto_sharding.solve_prepared`), so
+    strategies and costs are built once per job."""
     l, mesh = context.jobs[index]
     closed, inputs = context.layers[l]
     params = [i >= 0 and context.param_mask[i] for i in inputs]
-    fastest = profile_layer(closed, params, mesh, context.peak_flops, context.options)
+    prepared = prepare(build_op_graph(closed), mesh, context.options)
+    fastest = layer_cost(closed, params, mesh, context.peak_flops, solve_prepared(prepared))
     if not context.memory_variants or mesh.num_devices == 1:
         return index, (fastest, fastest), 1
     candidates = sharded_param_candidates(closed, params, mesh)
     if is_params_sharded(fastest, candidates):
         return index, (fastest, fastest), 1
-    lean = dataclasses.replace(context.options, input_candidates={**context.options.input_candidates, **candidates})
-    return index, (fastest, profile_layer(closed, params, mesh, context.peak_flops, lean)), 2
+    if restricted_inputs(prepared, candidates) is not None:
+        lean = solve_prepared(prepared, candidates)
+    else:  # the options limit some parameter to specs without the sharded ones: the twin is its own problem
+        options = dataclasses.replace(context.options,
+                                      input_candidates={**context.options.input_candidates, **candidates})
+        lean = auto_shard(prepared.graph, mesh, options)
+    return index, (fastest, layer_cost(closed, params, mesh, context.peak_flops, lean)), 2
 
 
 def _solve_forked(index: int):

@@ -3,13 +3,15 @@
 Every mesh here has alpha = 0 and beta = 1 s/B (unless stated), so a ring all-reduce of ``M`` bytes over
 ``n`` devices costs ``2 (n - 1) / n * M`` and the objective is a byte count.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import alpa_like as al
-from alpa_like.compiler.auto_sharding import PassOptions, alias_pairs, auto_shard
+from alpa_like.compiler.auto_sharding import PassOptions, alias_pairs, auto_shard, prepare, solve_prepared
 from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.compiler.op_graph import build_op_graph, merged_groups
 from alpa_like.compiler.sharding_spec import ShardingSpec
@@ -199,3 +201,55 @@ def test_a_scanned_transformer_mlp_gets_the_megatron_pattern_in_every_iteration(
     # Per iteration one all-reduce of [batch, hidden] in the forward and one in the backward (the carry's
     # gradient is computed on every iteration, the first one included).
     assert solution.objective == pytest.approx(layers * 2 * all_reduce(batch * hidden * 4, 8))
+
+
+def test_a_prepared_pass_restricted_to_some_input_specs_equals_the_pass_built_with_them():
+    # The stage profiler's "params-sharded" twin: solving the prepared ILP with the weights limited to fully
+    # sharded specs must give what a pass built with those candidates gives (same optimum).
+    sizes, batch = (16, 32, 8), 512  # activations dominate: replicated weights are the free optimum
+    traced = trace_step(sgd_step(mlp_loss), mlp_args(batch, sizes), batch_argnums=(1,))
+    graph = build_op_graph(traced.closed_jaxpr, [leaf.path for leaf in traced.in_leaves])
+    m = mesh((2, 4))
+    kernels = [i for i, leaf in enumerate(traced.in_leaves) if "kernel" in str(leaf.path)]
+    candidates = {i: (S("S0S1"), S("S1S0"), S("S01R"), S("RS01")) for i in kernels}
+    prepared = prepare(graph, m)
+    restricted = solve_prepared(prepared, candidates)
+    rebuilt = auto_shard(graph, m, PassOptions(input_candidates=candidates))
+    assert restricted.objective == pytest.approx(rebuilt.objective, rel=1e-9)
+    assert restricted.ilp.objective == pytest.approx(rebuilt.ilp.objective, rel=1e-9)
+    assert all(restricted.input_specs()[i] in candidates[i] for i in kernels)
+    assert restricted.objective > solve_prepared(prepared).objective  # the restriction costs something here
+    with pytest.raises(ValueError, match="input_candidates must name specs among the prepared inputs"):
+        solve_prepared(prepare(graph, m, PassOptions(input_candidates={kernels[0]: (S("RR"),)})),
+                       {kernels[0]: (S("S0S1"),)})
+
+
+def test_strategies_memoised_across_equations_equal_the_rules_run_on_every_node(monkeypatch):
+    # The rule cache keys an equation's strategies by its signature (primitive, params, shapes, dtypes,
+    # literals) and the mesh; two layers of a GPT repeat every signature. Building the table with the cache
+    # shared over a whole training step must give exactly what running the rules on every node gives.
+    import optax
+    from flax.training import train_state
+
+    from alpa_like import models
+    from alpa_like.compiler import auto_sharding
+    from alpa_like.compiler.strategies import StrategyContext
+    from alpa_like.models import gpt
+
+    config = dataclasses.replace(models.get_config("gpt-tiny"), num_layers=2)
+    params = gpt.gpt_param_shapes(config)
+    state = jax.eval_shape(lambda p: train_state.TrainState.create(apply_fn=None, params=p, tx=optax.adam(1e-3)),
+                           params)
+    loss = gpt.gpt_loss(gpt.GPTModel(config))
+
+    def step(state, batch):
+        grads = al.grad(loss)(state.params, batch)
+        return state.apply_gradients(grads=grads)
+    traced = trace_step(step, (state, gpt.gpt_batch_shapes(config, 8)), batch_argnums=(1,))
+    graph = build_op_graph(traced.closed_jaxpr)
+    ctx = StrategyContext(mesh=mesh((2, 4)))
+    monkeypatch.setattr(auto_sharding, "_RULE_CACHE", {})
+    cached = auto_sharding.strategy_table(graph, ctx)
+    assert len(auto_sharding._RULE_CACHE) < sum(len(row) for row in cached) / 2  # the layers did share entries
+    monkeypatch.setattr(auto_sharding, "eqn_signature", lambda eqn: None)
+    assert auto_sharding.strategy_table(graph, ctx) == cached

@@ -1,10 +1,12 @@
 """The Eq. 3.1 ILP against brute force on small random instances, with and without a memory budget."""
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from alpa_like.compiler.ilp import IlpEdge, IlpProblem, brute_force, greedy, solve
+from alpa_like.compiler.ilp import IlpEdge, IlpProblem, brute_force, greedy, restrict, solve
 
 
 @st.composite
@@ -55,6 +57,41 @@ def test_ilp_with_memory_budget_matches_brute_force(problem):
     assert solution.status == "optimal"
     assert problem.feasible(solution.choice)
     assert solution.objective == pytest.approx(best_cost, rel=1e-6, abs=1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(problem=problems(with_memory=False), data=st.data())
+def test_a_restricted_problem_is_solved_over_the_allowed_strategies_only(problem, data):
+    allowed = {v: data.draw(st.lists(st.integers(0, len(c) - 1), min_size=1, unique=True))
+               for v, c in enumerate(problem.node_costs) if data.draw(st.booleans())}
+    sub, keep = restrict(problem, allowed)
+    choice = tuple(int(k[c]) for k, c in zip(keep, solve(sub, time_limit=30).choice))
+    best = min(problem.objective(c) for c in itertools.product(*(
+        allowed.get(v, range(len(c))) for v, c in enumerate(problem.node_costs))))
+    assert all(choice[v] in allowed[v] for v in allowed)
+    assert sub.objective(tuple(np.searchsorted(k, c) for k, c in zip(keep, choice))) == problem.objective(choice)
+    assert problem.objective(choice) == pytest.approx(best, rel=1e-6, abs=1e-9)
+
+
+def test_restrict_rejects_an_empty_or_out_of_range_set():
+    problem = IlpProblem(node_costs=(np.zeros(2), np.zeros(3)))
+    with pytest.raises(ValueError, match=r"allowed\[1\] must be a non-empty set of strategy indices below 3"):
+        restrict(problem, {1: []})
+    with pytest.raises(ValueError, match=r"allowed\[0\] must be a non-empty set of strategy indices below 2"):
+        restrict(problem, {0: [2]})
+
+
+@pytest.mark.parametrize("solver", ["cbc", "highs"])
+def test_a_fractional_relaxation_still_gets_the_integer_optimum(solver):
+    # An odd cycle whose edges charge 1 when both ends pick the same strategy: the LP relaxation takes every
+    # s = 1/2 at cost 0 (each e puts its mass on the unequal pairs); no 2-colouring of a triangle exists,
+    # so the integer optimum is 1. No node is a leaf: the solver (HiGHS: its MILP after the relaxation) runs.
+    same = np.eye(2)
+    problem = IlpProblem(node_costs=(np.zeros(2),) * 3,
+                         edges=tuple(IlpEdge(src=a, dst=b, cost=same) for a, b in ((0, 1), (1, 2), (0, 2))))
+    solution = solve(problem, solver=solver)
+    assert solution.status == "optimal" and solution.num_variables > 0
+    assert solution.objective == 1.0 == brute_force(problem)[1]
 
 
 def test_chain_is_eliminated_exactly_without_calling_the_solver():
