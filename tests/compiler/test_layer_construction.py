@@ -68,3 +68,21 @@ def test_auto_layers_can_find_the_least_slack():
 
     assert least_delta([1.0, 1.0, 1.0, 1.0], 2) == 0.0
     assert least_delta([1.0, 1.0, 1.0, 5.0], 2) == pytest.approx(5 / 4 - 1)  # the heavy op alone: 5 of 8
+
+
+def test_operator_segments_cut_where_the_fewest_bytes_are_live():
+    """A residual block: ``h = x + (x @ w1) @ w2`` then ``h @ w3``. Cutting before the add leaves both
+    addends live (x and the projection); cutting after it leaves only h, so the add joins w2's segment."""
+    from alpa_like.compiler.layer_construction import operator_segments
+
+    def f(x0, w1, w2, w3):
+        x = jnp.tanh(x0)  # made by an equation, as a block's input is (step inputs are loaded, not live)
+        h = x + (x @ w1) @ w2
+        return jnp.tanh(h @ w3)
+
+    shapes = [jax.ShapeDtypeStruct((8, 4), jnp.float32)] + [jax.ShapeDtypeStruct((4, 4), jnp.float32)] * 3
+    jaxpr = jax.make_jaxpr(f)(*shapes).jaxpr
+    segments = operator_segments(jaxpr)
+    names = [e.primitive.name for e in jaxpr.eqns]
+    assert names == ["tanh", "dot_general", "dot_general", "add", "dot_general", "tanh"]
+    assert segments == [0, 0, 1, 1, 2, 2]
