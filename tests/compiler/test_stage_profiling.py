@@ -11,7 +11,7 @@ from flax.training import train_state
 
 import alpa_like as al
 from alpa_like.compiler.auto_sharding import PassOptions
-from alpa_like.compiler.stage_dp import StageCosts, solve_stages
+from alpa_like.compiler.stage_dp import StageCosts, brute_force_stages, solve_stages
 from alpa_like.compiler.stage_profiling import (PARAMS_SHARDED, ReceivedValues, profile_stage_costs,
                                                receive_seconds, received_per_micro_batch)
 from alpa_like.pipeshard import slice_step
@@ -115,6 +115,15 @@ def test_a_range_costs_the_sum_of_its_layers_plus_what_it_receives(profile):
             expected = (sum(profile.layer_costs[(l, p, e)].seconds for l in range(i, j + 1))
                         + boundary_receive_seconds(i, j, p + 1, cluster))
             assert profile.costs.t_intra[i, j, p, e] == pytest.approx(expected, rel=1e-9)
+
+
+def test_the_dp_on_the_profiled_table_with_receives_equals_brute_force(profile):
+    """The receive term is part of the table the DP minimises over, so the DP stays exact with it."""
+    for batches in (1, 4):
+        dp = solve_stages(profile.costs, (1, 2), batches, 2**40, epsilon=0.0)
+        brute = brute_force_stages(profile.costs, (1, 2), batches, 2**40)
+        assert dp.iteration_time == pytest.approx(brute.iteration_time, rel=1e-12)
+        assert dp.layers_per_stage == brute.layers_per_stage
 
 
 def test_equal_layers_are_solved_once(profile):
