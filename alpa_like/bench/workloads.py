@@ -37,9 +37,10 @@ class Workload:
     args: tuple
     """``(state, batch)`` as ``ShapeDtypeStruct`` pytrees (or arrays, for the local backend)."""
     num_layers: int
-    """Layers handed to ``AutoLayerOption``: transformer blocks (GPT/OPT: one more, for the tied logits,
-    which at vocab 51200 cost about as much as a block, so that Eq. 3.6 can cut between blocks, where one
-    hidden state crosses, rather than inside them), or bottleneck blocks for Wide-ResNet."""
+    """Layers handed to ``AutoLayerOption``: transformer blocks, or bottleneck blocks for Wide-ResNet.
+    GPT/OPT get one more when the tied logits cost at least 3/4 of a block (:func:`logits_to_block_flops`;
+    GPT-6.7B: 1.0), so that Eq. 3.6 can cut between blocks, where one hidden state crosses, rather than
+    shift every cut into a block; lighter logits (GPT-39B: 0.51) join the last block."""
     remat: bool
 
 
@@ -85,7 +86,7 @@ def make_workload(name: str, global_batch: int) -> Workload:
         return Workload(name=name, family="gpt", config=config, global_batch=global_batch,
                         train_step=loss_train_step(gpt.gpt_loss(gpt.GPTModel(config))),
                         args=(state, gpt.gpt_batch_shapes(config, global_batch)),
-                        num_layers=config.num_layers + 1, remat=True)
+                        num_layers=config.num_layers + (logits_to_block_flops(config) >= 0.75), remat=True)
     return _wresnet_workload(name, config, global_batch)
 
 
@@ -124,6 +125,17 @@ def transformer_costs(sliced: Any, workload: Workload, num_micro_batches: int) -
         activation_bytes=tuple(s.activation_bytes / per for s in summaries),
         hidden_bytes=float(config.seq_len * config.hidden_size * np.dtype(config.dtype).itemsize),
         num_heads=config.num_heads, recompute=workload.remat)
+
+
+def logits_to_block_flops(config) -> float:
+    """FLOPs of the logits per token (``2 h V``) over those of one transformer block (``2 (12 h^2 + 2 s h)``:
+    the four projections and the MLP, the attention scores and their weighted sum), i.e.
+    ``V / (12 h + 2 s)``.
+
+    >>> round(logits_to_block_flops(models.get_config("gpt-6.7b")), 2)
+    1.0
+    """
+    return config.vocab_size / (12 * config.hidden_size + 2 * config.seq_len)
 
 
 def _fold_surplus_layers(summaries, num_blocks: int) -> list[LayerSummary]:
