@@ -29,6 +29,7 @@ from jax.extend.core import ClosedJaxpr
 from alpa_like.cluster import ClusterSpec
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.auto_sharding import PassOptions
+from alpa_like.compiler.cross_layer_grad import split_cross_layer_grad_sums
 from alpa_like.compiler.layer_construction import Layering, auto_layers, layering, manual_layers
 from alpa_like.compiler.layer_slicing import layer_summaries, slice_layers
 from alpa_like.compiler.logical_mesh import logical_shapes
@@ -241,6 +242,9 @@ def slice_step(method: PipeshardParallel, fun: Callable, args: Sequence[Any], *,
     # Parameter markers have done their job (param_mask); without them each layer reads its own parameters.
     jaxpr = jax_compat.bypass_eqns(traced.closed_jaxpr.jaxpr, lambda e: is_marker(e, "param"))
     pieces = slice_layers(jaxpr)
+    split = split_cross_layer_grad_sums(jaxpr, pieces)  # tied weights: accumulate per layer, add per step
+    if split is not jaxpr:
+        jaxpr, pieces = split, slice_layers(split)
     roles, warnings = input_roles(traced)
     summaries = layer_summaries(jaxpr, pieces, [r == "param" for r in roles])
     batch = {i for i, r in enumerate(roles) if r == "batch"}

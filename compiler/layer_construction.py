@@ -141,16 +141,45 @@ HEAVY_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
 
 
 def operator_segments(jaxpr: Jaxpr) -> list[int]:
-    """Segment of each equation: a segment ends at each matmul/convolution, so the clustering DP sees one
-    operator per heavy op with the cheap ops before it merged in (trailing cheap ops join the last one)."""
-    segment, out = 0, []
-    heavy = [e.primitive.name in HEAVY_PRIMITIVES for e in jaxpr.eqns]
-    last_heavy = max((i for i, h in enumerate(heavy) if h), default=-1)
-    for i, is_heavy in enumerate(heavy):
-        out.append(segment)
-        if is_heavy and i != last_heavy:
-            segment += 1
+    """Segment of each equation: one segment per matmul/convolution, so the clustering DP sees one operator
+    per heavy op. The cheap ops between two heavy ops are split between them where the fewest bytes are live
+    (defined before the split, read after it), the earliest such point on ties: a residual add after a
+    projection joins that projection, so a layer boundary carries the sum, not both addends. Cheap ops
+    before the first heavy op join it; trailing cheap ops join the last one."""
+    eqns = jaxpr.eqns
+    heavy = [i for i, e in enumerate(eqns) if e.primitive.name in HEAVY_PRIMITIVES]
+    if len(heavy) < 2:
+        return [0] * len(eqns)
+    live = _live_bytes_before(jaxpr)
+    out = [0] * len(eqns)
+    start = 0
+    for segment, (a, b) in enumerate(zip(heavy, heavy[1:])):
+        split = min(range(a + 1, b + 1), key=lambda t: (live[t], t))  # eqns a+1..split-1 stay with heavy op a
+        out[start:split] = [segment] * (split - start)
+        start = split
+    out[start:] = [len(heavy) - 1] * (len(eqns) - start)
     return out
+
+
+def _live_bytes_before(jaxpr: Jaxpr) -> np.ndarray:
+    """``live[t]``: bytes of the values that equations ``0..t-1`` define and equations ``t..`` (or the
+    outputs) read, for ``t = 0..len(eqns)``."""
+    n = len(jaxpr.eqns)
+    last_use: dict = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in jax_compat.eqn_inputs(eqn):
+            last_use[v] = i
+    for v in jaxpr.outvars:
+        if isinstance(v, Var):
+            last_use[v] = n
+    delta = np.zeros(n + 2)
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.outvars:
+            if v in last_use and last_use[v] > i:
+                nbytes = float(np.prod(v.aval.shape, dtype=np.float64) * np.dtype(v.aval.dtype).itemsize)
+                delta[i + 1] += nbytes
+                delta[last_use[v] + 1] -= nbytes
+    return np.cumsum(delta)[:n + 1]
 
 
 def auto_layers(layer_num: int, delta: float | None) -> LayerAssignment:

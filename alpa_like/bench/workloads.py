@@ -20,6 +20,7 @@ from flax.training import train_state
 import alpa_like as al
 from alpa_like import models
 from alpa_like.bench.megatron import TransformerCosts
+from alpa_like.compiler.layer_slicing import LayerSummary
 from alpa_like.models import gpt, moe, wide_resnet
 
 
@@ -36,7 +37,10 @@ class Workload:
     args: tuple
     """``(state, batch)`` as ``ShapeDtypeStruct`` pytrees (or arrays, for the local backend)."""
     num_layers: int
-    """Layers handed to ``AutoLayerOption`` (transformer blocks, or bottleneck blocks for Wide-ResNet)."""
+    """Layers handed to ``AutoLayerOption``: transformer blocks, or bottleneck blocks for Wide-ResNet.
+    GPT/OPT get one more when the tied logits cost at least 3/4 of a block (:func:`logits_to_block_flops`;
+    GPT-6.7B: 1.0), so that Eq. 3.6 can cut between blocks, where one hidden state crosses, rather than
+    shift every cut into a block; lighter logits (GPT-39B: 0.51) join the last block."""
     remat: bool
 
 
@@ -81,8 +85,8 @@ def make_workload(name: str, global_batch: int) -> Workload:
         state = _adam_state(gpt.gpt_param_shapes(config))
         return Workload(name=name, family="gpt", config=config, global_batch=global_batch,
                         train_step=loss_train_step(gpt.gpt_loss(gpt.GPTModel(config))),
-                        args=(state, gpt.gpt_batch_shapes(config, global_batch)), num_layers=config.num_layers,
-                        remat=True)
+                        args=(state, gpt.gpt_batch_shapes(config, global_batch)),
+                        num_layers=config.num_layers + (logits_to_block_flops(config) >= 0.75), remat=True)
     return _wresnet_workload(name, config, global_batch)
 
 
@@ -105,18 +109,45 @@ def transformer_costs(sliced: Any, workload: Workload, num_micro_batches: int) -
     """Per-sequence layer costs of a sliced GPT/MoE step (``alpa_like.pipeshard.slice_step``), whose layers
     were traced on micro-batches of ``global_batch / num_micro_batches`` sequences."""
     per = workload.global_batch / num_micro_batches
+    summaries = _fold_surplus_layers(sliced.summaries, workload.config.num_layers)
     # Optimizer state in proportion to each layer's parameters (Adam keeps two moments per parameter).
     # Not ``sliced.optimizer_inputs``: that attributes nearly all of it to the first layer's apply phase.
     total_optimizer = sum(sliced.traced.in_leaves[i].nbytes for inputs in sliced.optimizer_inputs for i in inputs)
-    total_params = sum(s.param_bytes for s in sliced.summaries)
-    optimizer = [total_optimizer * s.param_bytes / total_params for s in sliced.summaries]
+    total_params = sum(s.param_bytes for s in summaries)
+    optimizer = [total_optimizer * s.param_bytes / total_params for s in summaries]
     config = workload.config
     return TransformerCosts(
-        forward_flops=tuple(s.forward_flops / per for s in sliced.summaries),
-        backward_flops=tuple(s.backward_flops / per for s in sliced.summaries),
-        apply_flops=tuple(float(s.apply_flops) for s in sliced.summaries),
-        param_bytes=tuple(float(s.param_bytes) for s in sliced.summaries),
+        forward_flops=tuple(s.forward_flops / per for s in summaries),
+        backward_flops=tuple(s.backward_flops / per for s in summaries),
+        apply_flops=tuple(float(s.apply_flops) for s in summaries),
+        param_bytes=tuple(float(s.param_bytes) for s in summaries),
         optimizer_bytes=tuple(float(b) for b in optimizer),
-        activation_bytes=tuple(s.activation_bytes / per for s in sliced.summaries),
+        activation_bytes=tuple(s.activation_bytes / per for s in summaries),
         hidden_bytes=float(config.seq_len * config.hidden_size * np.dtype(config.dtype).itemsize),
         num_heads=config.num_heads, recompute=workload.remat)
+
+
+def logits_to_block_flops(config) -> float:
+    """FLOPs of the logits per token (``2 h V``) over those of one transformer block (``2 (12 h^2 + 2 s h)``:
+    the four projections and the MLP, the attention scores and their weighted sum), i.e.
+    ``V / (12 h + 2 s)``.
+
+    >>> round(logits_to_block_flops(models.get_config("gpt-6.7b")), 2)
+    1.0
+    """
+    return config.vocab_size / (12 * config.hidden_size + 2 * config.seq_len)
+
+
+def _fold_surplus_layers(summaries, num_blocks: int) -> list[LayerSummary]:
+    """Megatron-LM's layers: one per transformer block, the embedding with the first and the logits with the
+    last. The sliced step may have more layers than blocks (:attr:`Workload.num_layers`: the logits get
+    their own); the surplus trailing layers are added into the last block's."""
+    if len(summaries) <= num_blocks:
+        return list(summaries)
+    head, tail = list(summaries[:num_blocks - 1]), summaries[num_blocks - 1:]
+    return head + [LayerSummary(layer=num_blocks - 1, forward_flops=sum(s.forward_flops for s in tail),
+                                backward_flops=sum(s.backward_flops for s in tail),
+                                apply_flops=sum(s.apply_flops for s in tail),
+                                param_inputs=tuple(k for s in tail for k in s.param_inputs),
+                                param_bytes=sum(s.param_bytes for s in tail),
+                                activation_bytes=sum(s.activation_bytes for s in tail))]

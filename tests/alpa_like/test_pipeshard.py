@@ -75,8 +75,26 @@ def test_plan_reports_stages_and_compile_time_breakdown(gpt_plan):
     assert al.ParallelPlan.from_json(gpt_plan.to_json()) == gpt_plan
 
 
+def repeated_first_layer_loss(params, batch):
+    x = batch["x"]
+    for i, name in enumerate(sorted(params)):
+        for _ in range(4 if i == 0 else 1):
+            x = jnp.tanh(x @ params[name])
+        if i < len(params) - 1:
+            al.mark_pipeline_boundary()
+    return jnp.mean(x ** 2)
+
+
+def uneven_equal_boundaries_case():
+    """Four manual layers, the first 4x as heavy as each other one, every boundary carrying the same
+    (2048, 4096) activation: only compute is uneven (the stage DP also prices what crosses a boundary)."""
+    params = {f"w{i}": jax.ShapeDtypeStruct((4096, 4096), jnp.float32) for i in range(4)}
+    batch = {"x": jax.ShapeDtypeStruct((2048, 4096), jnp.float32)}
+    return train_step_for(repeated_first_layer_loss), state_shapes(params), batch
+
+
 def test_uneven_layers_get_uneven_stages():
-    step, state, batch = uneven_case()
+    step, state, batch = uneven_equal_boundaries_case()
     method = al.PipeshardParallel(num_micro_batches=8, layer_option=al.ManualLayerOption(), stage_option=QUIET)
     # Two nodes: the 25 Gbps link between them makes pipelining across nodes pay off.
     plan = al.plan(step, state, batch, method=method, cluster=al.ClusterSpec.preset("p3.16xlarge", num_nodes=2))

@@ -78,3 +78,21 @@ def test_layers_stacked_in_a_scan_are_a_clear_error_naming_the_scan():
     jaxpr = jax.make_jaxpr(loss)(jnp.ones((4, 8, 8)), jnp.ones((2, 8))).jaxpr
     with pytest.raises(ValueError, match="its scan loop counts as one operator"):
         auto_layers(2, delta=0.6)(jaxpr)
+
+
+def test_operator_segments_cut_where_the_fewest_bytes_are_live():
+    """A residual block: ``h = x + (x @ w1) @ w2`` then ``h @ w3``. Cutting before the add leaves both
+    addends live (x and the projection); cutting after it leaves only h, so the add joins w2's segment."""
+    from alpa_like.compiler.layer_construction import operator_segments
+
+    def f(x0, w1, w2, w3):
+        x = jnp.tanh(x0)  # made by an equation, as a block's input is (step inputs are loaded, not live)
+        h = x + (x @ w1) @ w2
+        return jnp.tanh(h @ w3)
+
+    shapes = [jax.ShapeDtypeStruct((8, 4), jnp.float32)] + [jax.ShapeDtypeStruct((4, 4), jnp.float32)] * 3
+    jaxpr = jax.make_jaxpr(f)(*shapes).jaxpr
+    segments = operator_segments(jaxpr)
+    names = [e.primitive.name for e in jaxpr.eqns]
+    assert names == ["tanh", "dot_general", "dot_general", "add", "dot_general", "tanh"]
+    assert segments == [0, 0, 1, 1, 2, 2]

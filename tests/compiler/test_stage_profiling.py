@@ -11,8 +11,9 @@ from flax.training import train_state
 
 import alpa_like as al
 from alpa_like.compiler.auto_sharding import PassOptions
-from alpa_like.compiler.stage_dp import StageCosts, solve_stages
-from alpa_like.compiler.stage_profiling import PARAMS_SHARDED, profile_stage_costs
+from alpa_like.compiler.stage_dp import StageCosts, brute_force_stages, solve_stages
+from alpa_like.compiler.stage_profiling import (PARAMS_SHARDED, ReceivedValues, profile_stage_costs,
+                                               receive_seconds, received_per_micro_batch)
 from alpa_like.pipeshard import slice_step
 
 HIDDEN, ROWS, LAYERS = 1024, 8192, 4
@@ -45,8 +46,13 @@ def sliced_mlp(num_micro_batches=1):
 
 
 @pytest.fixture(scope="module")
-def profile():
-    _, sliced = sliced_mlp(num_micro_batches=4)
+def sliced_profile_inputs():
+    return sliced_mlp(num_micro_batches=4)[1]
+
+
+@pytest.fixture(scope="module")
+def profile(sliced_profile_inputs):
+    sliced = sliced_profile_inputs
     cluster = al.ClusterSpec.preset("p3.16xlarge")
     param_mask = [r == "param" for r in sliced.roles]
     optimizer_bytes = [sum(sliced.traced.in_leaves[i].nbytes for i in inputs) for inputs in sliced.optimizer_inputs]
@@ -71,11 +77,53 @@ def test_the_lean_variant_shards_every_weight_and_costs_time_not_memory(profile)
         np.ones((LAYERS, LAYERS), bool)))
 
 
-def test_a_range_costs_the_sum_of_its_layers(profile):
-    for (i, j) in [(0, 0), (0, 3), (1, 2)]:
+def boundary_receive_seconds(i, j, devices, cluster, num_micro_batches=4):
+    """Closed form for the MLP chain: a stage of layers i..j receives the activation of layer i - 1 in the
+    forward and the gradient from layer j + 1 in the backward, each (ROWS / m, HIDDEN) float32, spread over
+    its devices; one latency per value (one node: intra-node links)."""
+    values = (i > 0) + (j < LAYERS - 1)
+    activation = ROWS // num_micro_batches * HIDDEN * 4
+    return values * (cluster.intra_node_latency + activation / (devices * cluster.intra_node_bandwidth))
+
+
+def test_a_layer_range_receives_its_boundary_activation_and_gradient_once_each(sliced_profile_inputs):
+    sliced = sliced_profile_inputs
+    received = received_per_micro_batch(sliced.jaxpr, sliced.pieces, LAYERS)
+    activation = ROWS // 4 * HIDDEN * 4
+    for i in range(LAYERS):
+        for j in range(i, LAYERS):
+            values = (i > 0) + (j < LAYERS - 1)
+            assert received.count[i, j] == values, (i, j)
+            assert received.num_bytes[i, j] == values * activation, (i, j)
+
+
+def test_receive_time_uses_inter_node_links_on_a_multi_node_cluster():
+    received = ReceivedValues(num_bytes=np.array([[0.0, 8e6], [0.0, 0.0]]), count=np.array([[0, 2], [0, 0]]))
+    one = al.ClusterSpec.preset("p3.16xlarge")
+    two = al.ClusterSpec.preset("p3.16xlarge", num_nodes=2)
+    local = receive_seconds(received, [1, 4], one)
+    cross = receive_seconds(received, [1, 4], two)
+    assert local[0, 1, 1] == pytest.approx(2 * one.intra_node_latency + 8e6 / (4 * one.intra_node_bandwidth))
+    assert cross[0, 1, 1] == pytest.approx(2 * two.inter_node_latency + 8e6 / (4 * two.inter_node_bandwidth))
+    assert local[0, 0, 0] == 0.0
+
+
+def test_a_range_costs_the_sum_of_its_layers_plus_what_it_receives(profile):
+    cluster = al.ClusterSpec.preset("p3.16xlarge")
+    for (i, j) in [(0, 0), (0, 3), (1, 2), (3, 3)]:
         for p, e in [(0, 0), (1, 0), (1, 1)]:
-            expected = sum(profile.layer_costs[(l, p, e)].seconds for l in range(i, j + 1))
-            assert profile.costs.t_intra[i, j, p, e] == pytest.approx(expected, rel=1e-12)
+            expected = (sum(profile.layer_costs[(l, p, e)].seconds for l in range(i, j + 1))
+                        + boundary_receive_seconds(i, j, p + 1, cluster))
+            assert profile.costs.t_intra[i, j, p, e] == pytest.approx(expected, rel=1e-9)
+
+
+def test_the_dp_on_the_profiled_table_with_receives_equals_brute_force(profile):
+    """The receive term is part of the table the DP minimises over, so the DP stays exact with it."""
+    for batches in (1, 4):
+        dp = solve_stages(profile.costs, (1, 2), batches, 2**40, epsilon=0.0)
+        brute = brute_force_stages(profile.costs, (1, 2), batches, 2**40)
+        assert dp.iteration_time == pytest.approx(brute.iteration_time, rel=1e-12)
+        assert dp.layers_per_stage == brute.layers_per_stage
 
 
 def test_equal_layers_are_solved_once(profile):
