@@ -234,7 +234,11 @@ class SlicedStep:
 
 def slice_step(method: PipeshardParallel, fun: Callable, args: Sequence[Any], *, static_argnums: Sequence[int],
                batch_argnums: Sequence[int]) -> SlicedStep:
-    """Traces ``fun(*args)`` under ``method``'s layer option (one micro-batch) and slices it into layers."""
+    """Traces ``fun(*args)`` under ``method``'s layer option (one micro-batch) and slices it into layers.
+
+    Gradients summed across layers are split per layer (:mod:`~alpa_like.compiler.cross_layer_grad`) except
+    under the ``terapipe`` schedule, whose runtime differentiates each token slice itself and reads al.grad's
+    results one per differentiated leaf."""
     start = time.perf_counter()
     with layering(method.layer_option.layering()):
         traced = trace_step(fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums,
@@ -242,7 +246,9 @@ def slice_step(method: PipeshardParallel, fun: Callable, args: Sequence[Any], *,
     # Parameter markers have done their job (param_mask); without them each layer reads its own parameters.
     jaxpr = jax_compat.bypass_eqns(traced.closed_jaxpr.jaxpr, lambda e: is_marker(e, "param"))
     pieces = slice_layers(jaxpr)
-    split = split_cross_layer_grad_sums(jaxpr, pieces)  # tied weights: accumulate per layer, add per step
+    split = jaxpr
+    if method.pipeline_schedule != "terapipe":
+        split = split_cross_layer_grad_sums(jaxpr, pieces)  # tied weights: accumulate per layer, add per step
     if split is not jaxpr:
         jaxpr, pieces = split, slice_layers(split)
     roles, warnings = input_roles(traced)
