@@ -86,6 +86,12 @@ class PipeshardExecutable:
     def __call__(self, *args):
         return self.run(*args)
 
+    @property
+    def num_piece_executables(self) -> int:
+        """How many jitted stage-piece functions exist (one per piece, donation pattern and fused
+        accumulation): stops growing after the first two steps."""
+        return len(self._jitted) + len(self._fused)
+
     def run(self, *args, profile: bool = False):
         """One step. With ``profile`` every instruction is waited for and timed (slower, for measurement)."""
         start = time.perf_counter()
@@ -93,10 +99,10 @@ class PipeshardExecutable:
         stats = StepStats()
         buffers: list[dict] = [dict() for _ in self.meshes]
         accumulators: list[dict] = [dict() for _ in self.meshes]
-        self._shared = set()  # ids of buffers also held elsewhere (step inputs, accumulators): never donated
         inputs = dict(zip(self.program.step_inputs, flat, strict=True))
         inputs.update(self.program.constants)
         micro = {}
+        self._step_values = (inputs, micro)  # held by the caller or this step: never donated
         instructions = self.programs.instructions
         i = 0
         while i < len(instructions):
@@ -151,7 +157,8 @@ class PipeshardExecutable:
         keys = [(v, ins.micro_batch) if (v, ins.micro_batch) in mesh_buffers else (v, PER_STEP)
                 for v in piece.inputs]
         args = [mesh_buffers[k] for k in keys]
-        donate = donated_positions(keys, freed, [id(x) in self._shared for x in args])
+        held = self._held_elsewhere(acc)
+        donate = donated_positions(keys, freed, [id(x) in held for x in args])
         position = {v: k for k, v in enumerate(piece.outputs)}
         fused = [a for a in accs if a.target in acc]
         if fused:
@@ -171,8 +178,16 @@ class PipeshardExecutable:
         for a in accs:
             if a not in fused:
                 acc[a.target] = mesh_buffers[a.key]
-                self._shared.add(id(acc[a.target]))
         return len(donate)
+
+    def _held_elsewhere(self, accumulators: dict) -> set[int]:
+        """Ids of the arrays a RUN must not donate: the step's inputs and micro-batch slices (a LOAD's
+        ``device_put`` returns the value itself when it is already in place) and ``accumulators``' values.
+        Every one is alive while the set is used, so no id is a recycled one (donation, and with it the
+        executable a RUN uses, stays the same from step to step)."""
+        inputs, micro = self._step_values
+        return ({id(x) for x in inputs.values()} | {id(x) for parts in micro.values() for x in parts}
+                | {id(x) for x in accumulators.values()})
 
     def _piece_executable(self, stage: int, phase: str, donate: tuple[int, ...] = ()):
         fn = self._jitted.get((stage, phase, donate))
@@ -198,7 +213,6 @@ class PipeshardExecutable:
                     micro[v] = _split_micro_batches(jax.numpy.asarray(value), self.num_micro_batches)
                 value = micro[v][mb]
             mesh_buffers[ins.key] = jax.device_put(value, self._load_sharding(v, np.shape(value), ins.mesh))
-            self._shared.add(id(value))  # device_put returns ``value`` itself when it is already in place
         elif ins.op is Op.RECV:
             x = buffers[ins.src_mesh][ins.key]
             mesh_buffers[ins.key] = self._move(x, ins.mesh, stats)

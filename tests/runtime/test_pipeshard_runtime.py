@@ -178,3 +178,19 @@ def test_runs_donate_last_uses_and_leave_the_step_inputs_alive():
     assert arrays and not any(x.is_deleted() for x in arrays)
     f(new_state, batches[0])  # the arrays a step returned are valid inputs of the next step
     assert not any(x.is_deleted() for x in arrays)
+
+
+def test_every_step_after_the_second_reuses_the_same_executables():
+    # Which inputs a RUN donates is part of its executable's cache key; it must not change from step to
+    # step (it once did, when ids of freed arrays were recycled, and each step recompiled three pieces).
+    loss_fn, state, batches = gpt_case()
+    f = al.parallelize(train_step_for(loss_fn), method=al.PipeshardParallel(
+        num_micro_batches=4, layer_option=al.AutoLayerOption(layer_num=4), stage_option=TWO_STAGES,
+        pipeline_schedule="1f1b"))
+    exe = f.get_executable(state, batches[0])
+    counts, donated = [], []
+    for k in range(6):
+        state, _ = exe(state, batches[k % len(batches)])
+        counts.append(exe.num_piece_executables)
+        donated.append(exe.last_step.donated_buffers)
+    assert len(set(counts[1:])) == 1 and len(set(donated)) == 1, (counts, donated)
