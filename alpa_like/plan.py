@@ -380,7 +380,11 @@ def format_plan(plan: ParallelPlan, *, group_layers: bool = True) -> str:
         mirrored = mirrored_outputs(s)
         mirrored_ids = {id(t) for t in mirrored}
         shown = [t for t in s.outputs if id(t) not in mirrored_ids]
-        lines.append(format_table(headers, _tensor_rows([*s.inputs, *shown], s.mesh_axis_names, group_layers)))
+        if s.inputs or shown:
+            lines.append(format_table(headers, _tensor_rows([*s.inputs, *shown], s.mesh_axis_names, group_layers)))
+        else:
+            lines.append("  tensors: no per-tensor layouts recorded (layouts are left to XLA: e.g. a looping schedule "
+                         "re-deals the layers after the intra-op pass chose layouts for its stages)")
         if mirrored:
             lines.append(f"  ({len(mirrored)} outputs are laid out like the inputs they update and are not listed)")
         if s.solver is not None:

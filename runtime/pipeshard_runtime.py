@@ -8,10 +8,12 @@ while the driver walks the global instruction order.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -167,10 +169,12 @@ class PipeshardExecutable:
             if fn is None:
                 fn = self._fused[(ins.stage, ins.phase, slots, donate)] = jax.jit(
                     _accumulating_fn(piece, slots), donate_argnums=tuple(k + 1 for k in donate))
-            outs, sums = fn([acc[a.target] for a in fused], *args)
+            with _quiet_unusable_donations():
+                outs, sums = fn([acc[a.target] for a in fused], *args)
             acc.update({a.target: x for a, x in zip(fused, sums, strict=True)})
         else:
-            outs = self._piece_executable(ins.stage, ins.phase, donate)(*args)
+            with _quiet_unusable_donations():
+                outs = self._piece_executable(ins.stage, ins.phase, donate)(*args)
             self._arg_specs.setdefault((ins.stage, ins.phase), [
                 jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in args])
         for v, x in zip(piece.outputs, outs, strict=True):
@@ -262,6 +266,16 @@ def donated_positions(keys: Sequence[tuple], freed, shared: Sequence[bool]) -> t
     """
     return tuple(k for k, key in enumerate(keys)
                  if key[1] != PER_STEP and key in freed and not shared[k] and keys.count(key) == 1)
+
+
+@contextlib.contextmanager
+def _quiet_unusable_donations():
+    """Silences JAX's "Some donated buffers were not usable" (at compile time): a RUN donates every
+    per-micro-batch input at its last use so that it is freed early; XLA reuses those that match an output
+    and the others are dropped by the FREE that follows anyway."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        yield
 
 
 @functools.partial(jax.jit, static_argnums=1)
