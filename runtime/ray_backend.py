@@ -411,7 +411,7 @@ class RayPipeshardExecutable:
         self._steps = itertools.count()
         self.failed: str | None = None
         self.last_step = RayStepStats()
-        weakref.finalize(self, _unload, self.workers, self.exe_id)
+        weakref.finalize(self, _unload, self.cluster, self.workers, self.exe_id)
 
     def __call__(self, *args):
         return self.run(*args)
@@ -584,7 +584,12 @@ class RayPipeshardExecutable:
         return ray.get([w.num_handles.remote() for w in self.workers])
 
 
-def _unload(workers, exe_id: int) -> None:
+def _unload(cluster, workers, exe_id: int) -> None:
+    """Drops an executable's programs on its workers, unless the backend is shut down (a remote call would
+    then start a new local Ray, e.g. at interpreter exit)."""
+    import ray
+    if cluster.closed or not ray.is_initialized():
+        return
     for w in workers:
         try:
             w.unload_program.remote(exe_id)

@@ -218,3 +218,15 @@ def test_worker_programs_project_the_global_program(schedule):
         received = {i.key for i in exe.programs.program(k) if i.op is Op.RECV}
         freed = {i.key for i in exe.programs.program(k) if i.op is Op.FREE}
         assert received - freed <= held_at_end(exe.program, exe.programs.program(k))
+
+
+def test_a_dropped_executable_after_shutdown_makes_no_remote_call():
+    # Its finalizer runs at the latest at interpreter exit; a remote call then would start a new local Ray.
+    from types import SimpleNamespace
+
+    from alpa_like.runtime.ray_backend import _unload
+
+    calls = []
+    worker = SimpleNamespace(unload_program=SimpleNamespace(remote=lambda exe_id: calls.append(exe_id)))
+    _unload(SimpleNamespace(closed=True), [worker], 7)
+    assert calls == []
