@@ -131,7 +131,7 @@ class PipeshardExecutable:
             else:
                 self._execute(ins, buffers, inputs, micro, stats)
             if profile:
-                jax.block_until_ready(buffers[ins.mesh])
+                jax.block_until_ready((buffers[ins.mesh], accumulators[ins.mesh]))  # a RUN may only accumulate
                 t1 = time.perf_counter()
                 stats.op_seconds[str(ins.op)] = stats.op_seconds.get(str(ins.op), 0.0) + t1 - t0
                 stats.spans.append((ins.mesh, str(ins), t0 - start, t1 - start))

@@ -225,3 +225,18 @@ def test_donations_xla_cannot_reuse_raise_no_warning():
         f(state, batch)
     assert f.get_executable(state, batch).last_step.donated_buffers > 0
     assert not [w for w in caught if "donated buffers" in str(w.message)]
+
+
+def test_a_profiled_step_computes_the_same_and_times_every_instruction():
+    loss_fn, state, batches = gpt_case()
+    f = al.parallelize(train_step_for(loss_fn), method=al.PipeshardParallel(
+        num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=4), stage_option=TWO_STAGES))
+    plain_state, plain_loss = f(state, batches[0])
+    exe = f.get_executable(state, batches[0])
+    profiled_state, profiled_loss = exe.run(state, batches[0], profile=True)
+    assert_trees_close(profiled_state.params, plain_state.params, rtol=0, atol=0)
+    assert float(profiled_loss) == float(plain_loss)
+    stats = exe.last_step
+    assert {"RUN", "RECV", "LOAD"} <= set(stats.op_seconds)
+    assert len(stats.spans) >= sum(1 for ins in exe.programs.instructions if ins.op is Op.RUN)
+    assert sum(end - start for _, _, start, end in stats.spans) <= stats.seconds
