@@ -135,6 +135,7 @@ class PipeshardExecutable:
                 t1 = time.perf_counter()
                 stats.op_seconds[str(ins.op)] = stats.op_seconds.get(str(ins.op), 0.0) + t1 - t0
                 stats.spans.append((ins.mesh, str(ins), t0 - start, t1 - start))
+        self._step_values = ({}, {})  # the step's micro-batch slices are not kept past the step
         outputs = []
         for k, out in enumerate(self.programs.outputs):
             if out is None:
