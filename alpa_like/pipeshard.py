@@ -32,9 +32,10 @@ from alpa_like.compiler.auto_sharding import PassOptions
 from alpa_like.compiler.cross_layer_grad import split_cross_layer_grad_sums
 from alpa_like.compiler.layer_construction import Layering, auto_layers, layering, manual_layers
 from alpa_like.compiler.layer_slicing import layer_summaries, slice_layers
+from alpa_like.compiler.layer_clustering import DEFAULT_DELTA
 from alpa_like.compiler.logical_mesh import logical_shapes
 from alpa_like.compiler.markers import is_marker
-from alpa_like.compiler.stage_dp import StageChoice, StageCosts, StageSolution, solve_stages
+from alpa_like.compiler.stage_dp import StageChoice, StageCosts, StageSolution, price_placed_stages, solve_stages
 from alpa_like.compiler.stage_construction import build_stage_program
 from alpa_like.compiler.stage_profiling import StageProfile, apply_phase_inputs, profile_stage_costs
 from alpa_like.compiler.submesh import assign_devices, submesh_shapes
@@ -62,10 +63,10 @@ class AutoLayerOption:
 
     layer_num: int
     """Number of layers L (the stage DP groups them into stages)."""
-    eps: float | None = 0.6
-    """delta of Eq. 3.6: each layer has at most (1 + eps) x the average FLOPs. None: the smallest slack
-    that admits a clustering (an operator heavier than an average layer, like a large vocabulary's
-    logits, otherwise makes the clustering infeasible)."""
+    eps: float | None = DEFAULT_DELTA
+    """delta of Eq. 3.6: each layer has at most (1 + eps) x the average FLOPs. None: the default 0.6, or the
+    smallest slack that admits a clustering when 0.6 does not (an operator heavier than an average layer,
+    like a large vocabulary's logits, otherwise makes the clustering infeasible)."""
     remat_layer: bool = False
     """Recompute each layer's forward in its backward (`jax.checkpoint` per layer)."""
 
@@ -389,19 +390,21 @@ def _solve(method: PipeshardParallel, costs: StageCosts, cluster: ClusterSpec) -
     if isinstance(option, ManualStageOption):
         layout = [((ids[0], ids[-1]), tuple(p), tuple(v)) for ids, p, v in zip(
             option.forward_stage_layer_ids, option.submesh_physical_shapes, option.submesh_logical_shapes)]
-        return _fixed_solution(costs, layout, b, choose_view=False, device_memory=cluster.device_memory)
+        return _fixed_solution(costs, layout, b, choose_view=False, cluster=cluster)
     if costs.num_layers % option.num_stages:
         raise ValueError(f"UniformStageOption(num_stages={option.num_stages}) needs a layer count divisible by "
                          f"it; the step has {costs.num_layers} layers")
     per = costs.num_layers // option.num_stages
     layout = [((q * per, q * per + per - 1), costs.submeshes[0], None) for q in range(option.num_stages)]
-    return _fixed_solution(costs, layout, b, choose_view=True, device_memory=cluster.device_memory)
+    return _fixed_solution(costs, layout, b, choose_view=True, cluster=cluster)
 
 
 def _fixed_solution(costs: StageCosts, layout, num_micro_batches: int, choose_view: bool,
-                    device_memory: float) -> StageSolution:
-    """Evaluates Eq. 3.2 for stages given by hand. Per stage, among the entries of its logical view (or of
-    every view, for uniform stages) the fastest that fits in memory, else the one needing the least."""
+                    cluster: ClusterSpec) -> StageSolution:
+    """Evaluates Eq. 3.2 for stages given by hand, priced for their placement as the DP prices its own.
+    Per stage, among the entries of its logical view (or of every view, for uniform stages) the fastest that
+    fits in memory, else the one needing the least."""
+    device_memory = cluster.device_memory
     stages = []
     for (i, j), sub, view in layout:
         p = costs.submeshes.index(sub)
@@ -414,6 +417,7 @@ def _fixed_solution(costs: StageCosts, layout, num_micro_batches: int, choose_vi
         stages.append(StageChoice(layers=(i, j), submesh_index=p, submesh=sub, logical_shape=views[e],
                                   view_index=e, variant=costs.variants[p][e],
                                   t_intra=float(costs.t_intra[i, j, p, e]), memory_per_device=memory[e]))
+    stages = price_placed_stages(costs, stages, cluster.num_devices_per_node)
     t = [s.t_intra for s in stages]
     return StageSolution(stages=tuple(stages), iteration_time=sum(t) + (num_micro_batches - 1) * max(t),
                          t_max=max(t), num_micro_batches=num_micro_batches, num_t_max_evaluated=0)

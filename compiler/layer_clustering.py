@@ -36,6 +36,8 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 
 _RTOL = 1e-9
+DEFAULT_DELTA = 0.6
+"""Alpa's default slack of Eq. 3.6 (``AutoLayerOption.eps``): a layer may hold up to 1.6x the average FLOPs."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

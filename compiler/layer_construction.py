@@ -22,7 +22,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.flops import eqn_flops
-from alpa_like.compiler.layer_clustering import cluster_layers, incoming_bytes, least_delta
+from alpa_like.compiler.layer_clustering import DEFAULT_DELTA, cluster_layers, incoming_bytes, least_delta
 from alpa_like.compiler.markers import is_marker, mark
 
 LayerAssignment = Callable[[Jaxpr], list[int]]
@@ -184,8 +184,9 @@ def _live_bytes_before(jaxpr: Jaxpr) -> np.ndarray:
 
 def auto_layers(layer_num: int, delta: float | None) -> LayerAssignment:
     """The assignment of operator clustering (Eq. 3.6) into ``layer_num`` layers with slack ``delta``
-    (None: the smallest slack that admits a clustering, e.g. when one operator, like GPT's logits, is
-    heavier than an average layer)."""
+    (None: Alpa's default slack :data:`DEFAULT_DELTA`, or the smallest slack that admits a clustering when
+    that one does not, e.g. when one operator, like GPT's logits, is heavier than an average layer. A slack
+    much tighter than the default forces cuts inside blocks, where more bytes cross)."""
     def assign(jaxpr: Jaxpr) -> list[int]:
         segments = operator_segments(jaxpr)
         num_segments = segments[-1] + 1 if segments else 0
@@ -207,7 +208,7 @@ def auto_layers(layer_num: int, delta: float | None) -> LayerAssignment:
                 if src is not None and src < segments[i]:
                     nbytes = float(np.prod(v.aval.shape, dtype=np.float64) * jax_compat.numpy_dtype(v.aval.dtype).itemsize)
                     edges.append((src, segments[i], nbytes, id(v)))
-        slack = least_delta(flops, layer_num) if delta is None else delta
+        slack = max(DEFAULT_DELTA, least_delta(flops, layer_num)) if delta is None else delta
         clustering = cluster_layers(flops, incoming_bytes(num_segments, edges), layer_num, slack)
         layer_of_segment = np.zeros(num_segments, dtype=int)
         for layer, ops in enumerate(clustering.layers):

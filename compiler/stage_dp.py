@@ -127,6 +127,12 @@ class StageCosts:
     ``(logical shape, variant)`` pairs are distinct per submesh. The DP picks, per stage, the fastest entry
     that fits in memory (Eq. 3.5), so a memory-lean variant is chosen exactly where the fastest one does not
     fit."""
+    boundary_saving: np.ndarray | None = None
+    """Seconds per micro-batch that ``t_intra`` over-counts when a stage boundary stays inside one node,
+    shape ``(K, K, P, 2)``: ``[..., 0]`` when the stage shares a node with its predecessor, ``[..., 1]`` with
+    its successor. ``t_intra`` prices what a stage receives from its neighbours as if every boundary crossed
+    nodes, since where the neighbours go is only known once all stages are chosen; the DP prices the
+    boundaries of plans whose placement it knows (see :func:`price_placed_stages`). None: no savings."""
 
     def __post_init__(self) -> None:
         k = self.num_layers
@@ -160,6 +166,15 @@ class StageCosts:
                                  f" NaN and {int((array < 0).sum())} negative entries")
             array.setflags(write=False)
             arrays[name] = array
+        if self.boundary_saving is not None:
+            saving = np.array(self.boundary_saving, dtype=np.float64)
+            if saving.shape != shape[:3] + (2,):
+                raise ValueError(f"boundary_saving must have shape (K, K, P, 2) = {shape[:3] + (2,)}, "
+                                 f"got {saving.shape}")
+            if not np.isfinite(saving).all() or (saving < 0).any():
+                raise ValueError("boundary_saving must hold finite numbers >= 0")
+            saving.setflags(write=False)
+            object.__setattr__(self, "boundary_saving", saving)
         for p, v in enumerate(views):
             if np.isfinite(arrays["t_intra"][:, :, p, len(v):]).any():
                 raise ValueError(f"t_intra[..., {p}, l] must be inf for l >= {len(v)} (submesh "
@@ -304,12 +319,12 @@ def solve_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_micro_ba
     sizes = costs.sizes
     in_flight = _in_flight(schedule, min(costs.num_layers, num_devices), batches)
     eff, view = _effective_costs(costs, in_flight, device_memory)
+    placement = _Placement.of(costs, num_devices, per_node)
 
     def total(t_max: float) -> float:
-        finals, _ = _dp(np.where(eff <= t_max, eff, np.inf), sizes, num_devices, np.add)
-        return float(finals.min()) + (batches - 1) * t_max
+        return _best_finals(eff, t_max, sizes, num_devices, placement)[0] + (batches - 1) * t_max
 
-    groups = _t_max_groups(np.unique(eff[np.isfinite(eff)]), epsilon)
+    groups = _t_max_groups(_stage_time_candidates(eff, costs.boundary_saving), epsilon)
     solved: dict[int, float] = {}
 
     def solve(g: int) -> float:
@@ -320,15 +335,16 @@ def solve_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_micro_ba
     if not groups or not math.isfinite(solve(len(groups) - 1)):
         raise _infeasible_error(costs, (n_nodes, per_node), in_flight, device_memory, schedule, batches)
     best_g = _search(groups, solve, batches) if prune else min(range(len(groups)), key=solve)
-    stages = _reconstruct(costs, eff, view, groups[best_g][1], num_devices, in_flight)
-    return _solution(stages, batches, num_t_max_evaluated=len(solved))
+    stages = _reconstruct(costs, eff, view, groups[best_g][1], num_devices, in_flight, placement)
+    return _solution(price_placed_stages(costs, stages, per_node), batches, num_t_max_evaluated=len(solved))
 
 
 def brute_force_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_micro_batches: int,
                        device_memory: float, *, schedule: str | Schedule = "1f1b") -> StageSolution | None:
     """Reference for tests: tries every layer partition and every (submesh, logical) choice per stage.
 
-    Exponential; use it with a handful of layers and devices. Returns None when no plan exists.
+    Exponential; use it with a handful of layers and devices. Returns None when no plan exists. Stage
+    times are priced for their placement as in :func:`solve_stages` (:func:`price_placed_stages`).
     """
     n_nodes, per_node = _pair(cluster_shape, "cluster_shape")
     batches = _check_positive_int(num_micro_batches, "num_micro_batches")
@@ -354,11 +370,119 @@ def brute_force_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_mi
                     and costs.mem_stage[first, last, p, l] + held * costs.mem_act[first, last, p, l]
                     <= device_memory])
             for plan in _plans_with_devices(options, num_devices):
+                plan = price_placed_stages(costs, plan, per_node)
                 times = [stage.t_intra for stage in plan]
                 value = sum(times) + (batches - 1) * max(times)
                 if best is None or value < best[0]:
                     best = (value, plan)
     return None if best is None else _solution(best[1], batches, num_t_max_evaluated=0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Stage boundaries inside a node.
+# ---------------------------------------------------------------------------------------------------
+
+
+def contiguous_offsets(sizes: Sequence[int], devices_per_node: int) -> list[int] | None:
+    """Device offsets of stages of ``sizes`` devices laid out one after another in pipeline order, or None
+    when a stage would be misaligned there: a ``(1, m)`` mesh at an offset that is not a multiple of ``m``
+    (it would cross a node), a mesh of whole nodes at an offset that is not a node boundary.
+
+    For an aligned layout, :func:`~alpa_like.compiler.submesh.assign_devices` puts every stage on the
+    nodes of this layout (its runs of partial-node meshes in stage order are exactly those nodes; only the
+    order inside a node differs), so a boundary at an offset that is not a multiple of ``devices_per_node``
+    joins two meshes of one node, and any other boundary joins meshes on different nodes.
+
+    >>> contiguous_offsets([2, 2, 4, 8], 8), contiguous_offsets([2, 4, 2], 8)
+    ([0, 2, 4, 8], None)
+    """
+    offsets, offset = [], 0
+    for size in sizes:
+        if offset % min(size, devices_per_node):
+            return None
+        offsets.append(offset)
+        offset += size
+    return offsets
+
+
+def price_placed_stages(costs: StageCosts, stages: Sequence[StageChoice],
+                        devices_per_node: int) -> tuple[StageChoice, ...]:
+    """The stages with ``t_intra`` priced for where they will run.
+
+    ``costs.t_intra`` prices every stage boundary as crossing nodes. When the plan's contiguous layout is
+    aligned (:func:`contiguous_offsets`), a boundary that stays inside a node is priced at the intra-node
+    link instead: the stage's ``t_intra`` drops by ``costs.boundary_saving`` for it. Otherwise the plan is
+    placed by the covering construction, whose neighbours may sit anywhere, and keeps the upper bound.
+    """
+    offsets = contiguous_offsets([s.submesh[0] * s.submesh[1] for s in stages], devices_per_node)
+    if costs.boundary_saving is None or offsets is None:
+        return tuple(stages)
+    priced = []
+    for q, stage in enumerate(stages):
+        start, end = offsets[q], offsets[q] + stage.submesh[0] * stage.submesh[1]
+        saving = costs.boundary_saving[stage.layers[0], stage.layers[1], stage.submesh_index]
+        seconds = (stage.t_intra - saving[0] * bool(start % devices_per_node)
+                   - saving[1] * bool(end % devices_per_node))
+        priced.append(dataclasses.replace(stage, t_intra=max(float(seconds), 0.0)))
+    return tuple(priced)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+    """Eq. 3.3 over aligned contiguous layouts (see :func:`price_placed_stages`), for ``_dp``.
+
+    In the DP a stage chosen with ``d`` devices left for itself and the stages after it starts at device
+    ``N * M - d``, so whether it is aligned and which of its boundaries stay inside a node depend on
+    ``(p, d)`` only: ``aligned[p, d]``, ``inside_before[p, d]``, ``inside_after[p, d]``.
+    """
+
+    saving: np.ndarray
+    aligned: np.ndarray
+    inside_before: np.ndarray
+    inside_after: np.ndarray
+
+    @classmethod
+    def of(cls, costs: StageCosts, num_devices: int, per_node: int) -> _Placement | None:
+        if costs.boundary_saving is None or not costs.boundary_saving.any():
+            return None
+        sizes = costs.sizes[:, None]
+        start = np.broadcast_to(num_devices - np.arange(num_devices + 1)[None, :], (len(sizes), num_devices + 1))
+        end = start + sizes
+        return cls(saving=costs.boundary_saving,
+                   aligned=(end <= num_devices) & (start % np.minimum(sizes, per_node) == 0),
+                   inside_before=(start % per_node != 0), inside_after=(end % per_node != 0))
+
+    def stage_seconds(self, k: int, rows: np.ndarray, seconds: np.ndarray, t_max: float) -> np.ndarray:
+        """``[row, d]``: the time of stage ``(k..i, p)`` for each flat ``row = i * P + p`` starting with ``d``
+        devices left; inf where it is misaligned or slower than ``t_max``."""
+        last, mesh = np.divmod(rows, self.saving.shape[2])
+        saving = self.saving[k, last, mesh]
+        placed = (seconds[:, None] - saving[:, :1] * self.inside_before[mesh]
+                  - saving[:, 1:] * self.inside_after[mesh])
+        return np.where(self.aligned[mesh] & (placed <= t_max), np.maximum(placed, 0.0), np.inf)
+
+
+def _stage_time_candidates(eff: np.ndarray, saving: np.ndarray | None) -> np.ndarray:
+    """The distinct finite stage times a plan can have: the t_max candidates of Alg. 2 line 27."""
+    times = [eff]
+    if saving is not None and saving.any():
+        times += [np.maximum(eff - saving[..., 0], 0.0), np.maximum(eff - saving[..., 1], 0.0),
+                  np.maximum(eff - saving[..., 0] - saving[..., 1], 0.0)]
+    values = np.concatenate([t.ravel() for t in times])
+    return np.unique(values[np.isfinite(values)])
+
+
+def _best_finals(eff: np.ndarray, t_max: float, sizes: np.ndarray, num_devices: int,
+                 placement: _Placement | None, track: bool = False):
+    """``min_s F(s, 0, N * M; t_max)`` (Eq. 3.3): the better of every plan priced with boundaries across
+    nodes and of the aligned plans priced for their layout. Returns ``(value, finals, choices, placed)``."""
+    finals, choices = _dp(np.where(eff <= t_max, eff, np.inf), sizes, num_devices, np.add, track)
+    best = (float(finals.min()), finals, choices, None)
+    if placement is not None:
+        placed_finals, placed_choices = _dp(eff, sizes, num_devices, np.add, track, (placement, t_max))
+        if placed_finals.min() <= best[0]:
+            best = (float(placed_finals.min()), placed_finals, placed_choices, placement)
+    return best
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -397,12 +521,14 @@ def _effective_costs(costs: StageCosts, in_flight: np.ndarray,
 
 
 def _dp(cost: np.ndarray, sizes: np.ndarray, num_devices: int, combine: np.ufunc,
-        track: bool = False) -> tuple[np.ndarray, list[np.ndarray]]:
+        track: bool = False, placed: tuple[_Placement, float] | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
     """Eq. 3.3 over all numbers of stages, with ``combine = np.add`` (sum) or ``np.maximum`` (bottleneck).
 
     ``cost[s - 1, k, i, p]`` is the cost of layers ``k..i`` on submesh ``p`` as the ``s``-th stage from the
     end. Returns ``finals[s] = F(s, 0, num_devices)`` for ``s = 0..S`` and, if ``track``, per ``s`` the
-    minimising ``(i, p)`` as ``i * P + p`` for every ``(k, d)`` (-1 where ``F`` is infinite).
+    minimising ``(i, p)`` as ``i * P + p`` for every ``(k, d)`` (-1 where ``F`` is infinite). With
+    ``placed = (placement, t_max)``, ``cost`` is not yet cut at ``t_max``: only aligned contiguous layouts
+    are admitted, each stage priced for its layout (:meth:`_Placement.stage_seconds`).
 
     NOTE: the ``s`` stages that remain need at least ``s`` layers, so level ``s`` only has first and last
     layers ``k, i <= K - s``. For each ``k`` the minimum over ``(i, p)`` is one ``(candidates, devices)``
@@ -428,7 +554,9 @@ def _dp(cost: np.ndarray, sizes: np.ndarray, num_devices: int, combine: np.ufunc
             rows = np.flatnonzero(np.isfinite(level[k, k * num_meshes:])) + k * num_meshes
             if rows.size == 0:
                 continue
-            candidates = combine(level[k, rows][:, None], shifted[rows])
+            seconds = (level[k, rows][:, None] if placed is None
+                       else placed[0].stage_seconds(k, rows, level[k, rows], placed[1]))
+            candidates = combine(seconds, shifted[rows])
             if track:
                 arg = candidates.argmin(axis=0)
                 current[k] = candidates[arg, np.arange(width)]
@@ -494,10 +622,11 @@ def _search(groups: list[tuple[float, float]], solve: Callable[[int], float], ba
 
 
 def _reconstruct(costs: StageCosts, eff: np.ndarray, view: np.ndarray, t_max: float, num_devices: int,
-                 in_flight: np.ndarray) -> tuple[StageChoice, ...]:
-    """Re-runs the DP at ``t_max`` with argmins and walks them from ``(S, 0, N * M)`` to ``(0, K, 0)``."""
+                 in_flight: np.ndarray, placement: _Placement | None) -> tuple[StageChoice, ...]:
+    """Re-runs the DP at ``t_max`` with argmins and walks them from ``(S, 0, N * M)`` to ``(0, K, 0)``.
+    ``t_intra`` of the stages is the table's (not yet priced for placement)."""
     sizes = costs.sizes
-    finals, choices = _dp(np.where(eff <= t_max, eff, np.inf), sizes, num_devices, np.add, track=True)
+    _, finals, choices, _ = _best_finals(eff, t_max, sizes, num_devices, placement, track=True)
     s = int(np.argmin(finals))  # Ties: fewer stages.
     first, devices, stages = 0, num_devices, []
     while s > 0:

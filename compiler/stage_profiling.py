@@ -253,7 +253,9 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
     received = received_per_micro_batch(jaxpr, pieces, num_layers)
     recv = receive_seconds(received, [a * b for a, b in submeshes], cluster)
     t_intra = _range_sums(t_layer) + recv[..., None]
+    saving = boundary_saving(received, [a * b for a, b in submeshes], cluster)
     costs = StageCosts(num_layers=num_layers, submeshes=tuple(map(tuple, submeshes)),
+                       boundary_saving=saving,
                        logical_shapes=tuple(tuple(view for view, _ in e) for e in entries),
                        variants=tuple(tuple(variant for _, variant in e) for e in entries),
                        t_intra=t_intra, mem_stage=_range_sums(mem_layer),
@@ -345,6 +347,11 @@ class ReceivedValues:
     """``[i, j]``: bytes of the distinct values that layers ``i..j`` read and another layer produces."""
     count: np.ndarray
     """``[i, j]``: how many such values (each is one transfer, one latency)."""
+    neighbour_bytes: np.ndarray
+    """``[i, j, 0]``: the part of ``num_bytes`` produced by layer ``i - 1`` (on the stage before, whatever
+    it holds); ``[i, j, 1]``: by layer ``j + 1`` (on the stage after)."""
+    neighbour_count: np.ndarray
+    """``[i, j, 0 or 1]``: how many of ``count`` come from layer ``i - 1``, from layer ``j + 1``."""
 
 
 def received_per_micro_batch(jaxpr: Jaxpr, pieces: Sequence[Piece | None], num_layers: int) -> ReceivedValues:
@@ -363,15 +370,21 @@ def received_per_micro_batch(jaxpr: Jaxpr, pieces: Sequence[Piece | None], num_l
                 readers.setdefault(v, set()).add(p.layer)
     first, last = np.meshgrid(np.arange(num_layers), np.arange(num_layers), indexing="ij")
     num_bytes, count = np.zeros((num_layers, num_layers)), np.zeros((num_layers, num_layers))
+    neighbour_bytes, neighbour_count = np.zeros((num_layers, num_layers, 2)), np.zeros((num_layers, num_layers, 2))
     for v, layers in readers.items():
         inside = np.zeros((num_layers, num_layers), dtype=bool)
         for c in layers:
             inside |= (first <= c) & (c <= last)
         a = producer_layer[v]
         received = inside & ~((first <= a) & (a <= last))
-        num_bytes += received * (math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize)
+        size = math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize
+        num_bytes += received * size
         count += received
-    return ReceivedValues(num_bytes=num_bytes, count=count)
+        for side, adjacent in enumerate((first == a + 1, last == a - 1)):
+            neighbour_bytes[..., side] += (received & adjacent) * size
+            neighbour_count[..., side] += received & adjacent
+    return ReceivedValues(num_bytes=num_bytes, count=count, neighbour_bytes=neighbour_bytes,
+                          neighbour_count=neighbour_count)
 
 
 def receive_seconds(received: ReceivedValues, devices: Sequence[int], cluster: ClusterSpec) -> np.ndarray:
@@ -381,9 +394,10 @@ def receive_seconds(received: ReceivedValues, devices: Sequence[int], cluster: C
     simulated backend charges the busiest receiving device) at the inter-node bandwidth when the cluster has
     more than one node, else the intra-node one.
 
-    The stage DP does not know yet where :func:`~alpa_like.compiler.submesh.assign_devices` will put a stage's
-    neighbours, so on a multi-node cluster every stage boundary is priced as if it crossed nodes: an upper
-    bound of the simulated RECV time (which uses the real placement). Alpa's Eq. 3.3 has no such term (its
+    A table entry does not know where :func:`~alpa_like.compiler.submesh.assign_devices` will put the
+    stage's neighbours, so on a multi-node cluster every stage boundary is priced as if it crossed nodes: an
+    upper bound of the simulated RECV time (which uses the real placement). The DP takes back
+    :func:`boundary_saving` for the boundaries of a plan that stay inside a node. Alpa's Eq. 3.3 has no such term (its
     profiled ``t_intra`` covers the stage alone); the simulated backend charges these RECVs on the receiving
     mesh, so without it the DP ranks plans by a time they do not have."""
     multi_node = cluster.num_nodes > 1
@@ -392,6 +406,22 @@ def receive_seconds(received: ReceivedValues, devices: Sequence[int], cluster: C
     sizes = np.asarray(devices, dtype=np.float64)
     return (received.count[..., None] * latency
             + received.num_bytes[..., None] / (sizes[None, None, :] * bandwidth))
+
+
+def boundary_saving(received: ReceivedValues, devices: Sequence[int], cluster: ClusterSpec) -> np.ndarray:
+    """``[i, j, p, side]``: how much less of :func:`receive_seconds` a stage of layers ``i..j`` on a submesh
+    of ``devices[p]`` devices spends when its boundary with the stage before (``side = 0``) or after
+    (``side = 1``) stays inside a node: what it receives from that neighbour's adjacent layer, priced at the
+    intra-node link instead of the inter-node one (:attr:`~alpa_like.compiler.stage_dp.StageCosts.boundary_saving`).
+    Values from farther layers keep the inter-node price. Zero on a one-node cluster."""
+    if cluster.num_nodes == 1:
+        return np.zeros(received.neighbour_bytes.shape[:2] + (len(devices), 2))
+    sizes = np.asarray(devices, dtype=np.float64)[None, None, :, None]
+    latency = cluster.inter_node_latency - cluster.intra_node_latency
+    per_byte = 1.0 / cluster.inter_node_bandwidth - 1.0 / cluster.intra_node_bandwidth
+    saving = (received.neighbour_count[:, :, None, :] * latency
+              + received.neighbour_bytes[:, :, None, :] * per_byte / sizes)
+    return np.maximum(saving, 0.0)
 
 
 def _range_sums(per_layer: np.ndarray) -> np.ndarray:

@@ -38,9 +38,9 @@ class Workload:
     """``(state, batch)`` as ``ShapeDtypeStruct`` pytrees (or arrays, for the local backend)."""
     num_layers: int
     """Layers handed to ``AutoLayerOption``: transformer blocks, or bottleneck blocks for Wide-ResNet.
-    GPT/OPT get one more when the tied logits cost at least 3/4 of a block (:func:`logits_to_block_flops`;
-    GPT-6.7B: 1.0), so that Eq. 3.6 can cut between blocks, where one hidden state crosses, rather than
-    shift every cut into a block; lighter logits (GPT-39B: 0.51) join the last block."""
+    GPT/OPT get one more for the tied logits (:func:`logits_to_block_flops`: GPT-6.7B 1.0, GPT-39B 0.51),
+    so that Eq. 3.6 can cut between blocks, where one hidden state crosses, rather than shift cuts into a
+    block to balance the logits' FLOPs; the stage DP may still put them with the last block."""
     remat: bool
 
 
@@ -86,7 +86,7 @@ def make_workload(name: str, global_batch: int) -> Workload:
         return Workload(name=name, family="gpt", config=config, global_batch=global_batch,
                         train_step=loss_train_step(gpt.gpt_loss(gpt.GPTModel(config))),
                         args=(state, gpt.gpt_batch_shapes(config, global_batch)),
-                        num_layers=config.num_layers + (logits_to_block_flops(config) >= 0.75), remat=True)
+                        num_layers=config.num_layers + 1, remat=True)
     return _wresnet_workload(name, config, global_batch)
 
 

@@ -1,4 +1,5 @@
 """The stage DP (Alpa Eq. 3.2-3.5, Alg. 2) against brute force, its pruning, its memory rule and its speed."""
+import dataclasses
 import doctest
 import math
 import time
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 
 from alpa_like.compiler import stage_dp as stage_dp_module
 from alpa_like.compiler.logical_mesh import logical_shapes
-from alpa_like.compiler.stage_dp import StageCosts, brute_force_stages, solve_stages
+from alpa_like.compiler.stage_dp import StageCosts, brute_force_stages, contiguous_offsets, solve_stages
 from alpa_like.compiler.submesh import assign_devices, submesh_shapes
 
 GIB = 2**30
@@ -91,6 +92,34 @@ def gpt_like_costs(num_layers, cluster, noise=0.0, seed=0, views_per_submesh=2) 
                       mem_stage=mem_stage, mem_act=mem_act)
 
 
+def with_boundary_saving(costs: StageCosts, seed: int) -> StageCosts:
+    """``costs`` with a random ``boundary_saving`` of 30-90% of each entry's fastest time per side, on the
+    0.1 s grid (0 where the entry is infeasible)."""
+    rng = np.random.default_rng(seed)
+    fastest = np.where(np.isfinite(costs.t_intra), costs.t_intra, np.nan)
+    fastest = np.nan_to_num(np.nanmin(np.where(np.isnan(fastest), np.inf, fastest), axis=-1), posinf=0.0)
+    saving = np.round(fastest[..., None] * rng.uniform(0.3, 0.9, fastest.shape + (2,)), 1)
+    return dataclasses.replace(costs, boundary_saving=saving)
+
+
+def placed_t_intra(costs: StageCosts, stages, cluster) -> list[float]:
+    """Stage times for the placement ``assign_devices`` gives, when the plan's contiguous layout is aligned:
+    the table's time minus the saving of each boundary whose two meshes share their node(s); otherwise the
+    table's time (every boundary priced across nodes)."""
+    table = [float(costs.t_intra[s.layers[0], s.layers[1], s.submesh_index, s.view_index]) for s in stages]
+    sizes = [n * m for n, m in (s.submesh for s in stages)]
+    if costs.boundary_saving is None or contiguous_offsets(sizes, cluster[1]) is None:
+        return table
+    nodes = [{d // cluster[1] for d in ids} for ids in assign_devices([s.submesh for s in stages], *cluster)]
+    times = []
+    for q, stage in enumerate(stages):
+        saving = costs.boundary_saving[stage.layers[0], stage.layers[1], stage.submesh_index]
+        before = q > 0 and nodes[q - 1] == nodes[q]
+        after = q + 1 < len(stages) and nodes[q + 1] == nodes[q]
+        times.append(max(table[q] - before * saving[0] - after * saving[1], 0.0))
+    return times
+
+
 def check_solution(solution, costs, cluster, batches, device_memory, schedule="1f1b"):
     """The plan is well formed: contiguous layers, the whole cluster, table costs, Eq. 3.5 and Eq. 3.2."""
     stages = solution.stages
@@ -103,7 +132,7 @@ def check_solution(solution, costs, cluster, batches, device_memory, schedule="1
         l = stage.view_index
         assert costs.logical_shapes[p][l] == stage.logical_shape and costs.variants[p][l] == stage.variant
         assert costs.submeshes[p] == stage.submesh
-        assert stage.t_intra == costs.t_intra[i, j, p, l]
+        assert stage.t_intra == pytest.approx(placed_t_intra(costs, stages, cluster)[q], rel=1e-12, abs=1e-12)
         held = batches if schedule == "gpipe" else min(len(stages) - q, batches)
         memory = costs.mem_stage[i, j, p, l] + held * costs.mem_act[i, j, p, l]
         assert stage.memory_per_device == pytest.approx(memory)
@@ -147,6 +176,84 @@ def test_dp_equals_brute_force_deep_pipelines(seed, num_layers, cluster, batches
     solution = solve_stages(costs, cluster, batches, device_memory, epsilon=0.0)
     assert solution.iteration_time == pytest.approx(expected.iteration_time, rel=1e-12)
     check_solution(solution, costs, cluster, batches, device_memory)
+
+
+MULTI_NODE_CLUSTERS = [(2, 1), (2, 2), (4, 1), (2, 4), (4, 2), (3, 2), (2, 6)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_layers=st.integers(2, 5), cluster=st.sampled_from(MULTI_NODE_CLUSTERS),
+       batches=st.integers(1, 32), device_memory=st.sampled_from([10.0, 100.0]))
+def test_dp_with_boundaries_inside_nodes_equals_brute_force(seed, num_layers, cluster, batches, device_memory):
+    """With ``boundary_saving`` the DP prices the aligned contiguous layouts for their placement (and the
+    others across nodes) and still finds the brute-force optimum; every stage's time is the one its real
+    placement (``assign_devices``) gives."""
+    costs = with_boundary_saving(random_costs(seed, num_layers, cluster), seed + 1)
+    expected = brute_force_stages(costs, cluster, batches, device_memory)
+    if expected is None:
+        return
+    solution = solve_stages(costs, cluster, batches, device_memory, epsilon=0.0)
+    table = [costs.t_intra[s.layers[0], s.layers[1], s.submesh_index, s.view_index] for s in solution.stages]
+    event(f"{sum(s.t_intra < t for s, t in zip(solution.stages, table))} stage(s) priced inside a node")
+    assert solution.iteration_time == pytest.approx(expected.iteration_time, rel=1e-12)
+    check_solution(solution, costs, cluster, batches, device_memory)
+    check_solution(expected, costs, cluster, batches, device_memory)
+    pruned = solve_stages(costs, cluster, batches, device_memory)
+    assert pruned.iteration_time == pytest.approx(expected.iteration_time, rel=1e-12)
+
+
+def test_boundaries_inside_a_node_are_priced_at_the_intra_node_link():
+    """Closed form: 4 one-layer stages on 2 nodes of 2 devices, B = 1. Each layer computes 1 s and receives
+    0.6 s from each neighbour across nodes, 0.1 s inside a node (saving 0.5 s). Laid out in order, the
+    boundaries after stages 0 and 2 stay inside a node, the one after stage 1 crosses: 1.1 + 1.7 + 1.7 + 1.1."""
+    def cost(i, j, sub, view):
+        return (1.0 + 0.6 * ((i > 0) + (j < 3)) if i == j else math.inf), 0.0, 0.0
+    costs = StageCosts.from_fn(4, [(1, 1)], cost, logical_shapes=[[(1, 1)]])
+    costs = dataclasses.replace(costs, boundary_saving=np.full((4, 4, 1, 2), 0.5))
+    solution = solve_stages(costs, (2, 2), num_micro_batches=1, device_memory=1.0)
+    assert [s.t_intra for s in solution.stages] == pytest.approx([1.1, 1.7, 1.7, 1.1])
+    assert solution.iteration_time == pytest.approx(5.6)
+    without = solve_stages(dataclasses.replace(costs, boundary_saving=None), (2, 2), 1, 1.0)
+    assert without.iteration_time == pytest.approx(7.6)
+
+
+def test_a_misaligned_layout_keeps_the_across_node_price():
+    """(1, 2), (1, 4), (1, 2) on one node of 8 is placed by the covering construction (the 4-device mesh
+    would start at offset 2): no saving is taken, though all three share the node."""
+    def cost(i, j, sub, view):
+        return ({(0, 0, 2): 1.0, (1, 1, 4): 1.0, (2, 2, 2): 1.0}.get((i, j, sub[1]), math.inf), 0.0, 0.0)
+    costs = StageCosts.from_fn(3, [(1, 2), (1, 4)], cost, logical_shapes=[[(1, 2)], [(1, 4)]])
+    costs = dataclasses.replace(costs, boundary_saving=np.full((3, 3, 2, 2), 0.4))
+    solution = solve_stages(costs, (1, 8), num_micro_batches=1, device_memory=1.0)
+    assert solution.submeshes == ((1, 2), (1, 4), (1, 2))
+    assert [s.t_intra for s in solution.stages] == [1.0, 1.0, 1.0]
+
+
+def test_contiguous_offsets():
+    assert contiguous_offsets([1, 1, 2, 4, 8, 16], 8) == [0, 1, 2, 4, 8, 16]
+    assert contiguous_offsets([1, 2, 1], 4) is None  # (1, 2) at offset 1.
+    assert contiguous_offsets([4, 8], 8) is None  # A whole node at offset 4.
+    assert contiguous_offsets([2, 6], 6) is None and contiguous_offsets([6, 2, 2, 2], 6) == [0, 6, 8, 10]
+
+
+@settings(max_examples=200, deadline=None)
+@given(cluster=st.sampled_from([(2, 2), (2, 4), (4, 2), (3, 4), (2, 8), (2, 6), (4, 4)]), data=st.data())
+def test_assign_devices_keeps_an_aligned_layout_on_its_nodes(cluster, data):
+    """What the DP's boundary pricing relies on: for an aligned contiguous layout, every stage lands on the
+    nodes of that layout."""
+    n_nodes, per_node = cluster
+    shapes, left = [], n_nodes * per_node
+    while left:
+        shape = data.draw(st.sampled_from([s for s in submesh_shapes(*cluster) if s[0] * s[1] <= left]))
+        shapes.append(shape)
+        left -= shape[0] * shape[1]
+    offsets = contiguous_offsets([n * m for n, m in shapes], per_node)
+    event("aligned" if offsets is not None else "misaligned")
+    if offsets is None:
+        return
+    for (n, m), offset, ids in zip(shapes, offsets, assign_devices(shapes, *cluster)):
+        expected = set(range(offset // per_node, (offset + n * m - 1) // per_node + 1))
+        assert {d // per_node for d in ids} == expected
 
 
 @settings(max_examples=40, deadline=None)

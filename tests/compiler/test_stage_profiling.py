@@ -12,8 +12,8 @@ from flax.training import train_state
 import alpa_like as al
 from alpa_like.compiler.auto_sharding import PassOptions
 from alpa_like.compiler.stage_dp import StageCosts, brute_force_stages, solve_stages
-from alpa_like.compiler.stage_profiling import (PARAMS_SHARDED, ReceivedValues, profile_stage_costs,
-                                               receive_seconds, received_per_micro_batch)
+from alpa_like.compiler.stage_profiling import (PARAMS_SHARDED, ReceivedValues, boundary_saving,
+                                               profile_stage_costs, receive_seconds, received_per_micro_batch)
 from alpa_like.pipeshard import slice_step
 
 HIDDEN, ROWS, LAYERS = 1024, 8192, 4
@@ -95,10 +95,32 @@ def test_a_layer_range_receives_its_boundary_activation_and_gradient_once_each(s
             values = (i > 0) + (j < LAYERS - 1)
             assert received.count[i, j] == values, (i, j)
             assert received.num_bytes[i, j] == values * activation, (i, j)
+            assert list(received.neighbour_count[i, j]) == [i > 0, j < LAYERS - 1], (i, j)
+            assert list(received.neighbour_bytes[i, j]) == [(i > 0) * activation, (j < LAYERS - 1) * activation]
+
+
+def two_layer_receives() -> ReceivedValues:
+    """Layers 0..1 as one stage receive two values of 4 MB, one from each neighbouring layer."""
+    neighbours = np.zeros((2, 2, 2))
+    neighbours[0, 1] = 1
+    return ReceivedValues(num_bytes=np.array([[0.0, 8e6], [0.0, 0.0]]), count=np.array([[0, 2], [0, 0]]),
+                          neighbour_bytes=neighbours * 4e6, neighbour_count=neighbours)
+
+
+def test_a_boundary_inside_a_node_saves_the_difference_of_the_links():
+    two = al.ClusterSpec.preset("p3.16xlarge", num_nodes=2)
+    saving = boundary_saving(two_layer_receives(), [1, 4], two)
+    assert saving.shape == (2, 2, 2, 2)
+    per_side = (two.inter_node_latency - two.intra_node_latency
+                + 4e6 / 4 * (1 / two.inter_node_bandwidth - 1 / two.intra_node_bandwidth))
+    assert saving[0, 1, 1] == pytest.approx([per_side, per_side])
+    assert (saving[0, 0] == 0).all()
+    one = al.ClusterSpec.preset("p3.16xlarge")
+    assert (boundary_saving(two_layer_receives(), [1, 4], one) == 0).all()
 
 
 def test_receive_time_uses_inter_node_links_on_a_multi_node_cluster():
-    received = ReceivedValues(num_bytes=np.array([[0.0, 8e6], [0.0, 0.0]]), count=np.array([[0, 2], [0, 0]]))
+    received = two_layer_receives()
     one = al.ClusterSpec.preset("p3.16xlarge")
     two = al.ClusterSpec.preset("p3.16xlarge", num_nodes=2)
     local = receive_seconds(received, [1, 4], one)

@@ -1,5 +1,7 @@
 """The benchmark workloads: GPT gets one layer per block plus one for the logits; Megatron-LM's baseline
 still sees one layer per block."""
+import pytest
+
 from alpa_like.bench import ours
 from alpa_like.bench.workloads import logits_to_block_flops, make_workload, transformer_costs
 from alpa_like.pipeshard import AutoLayerOption
@@ -20,8 +22,20 @@ def test_megatron_sees_one_layer_per_block_with_the_logits_folded_into_the_last(
     assert sum(costs.backward_flops) * per == sum(x.backward_flops for x in s)
 
 
-def test_gpt_gets_a_layer_for_the_logits_only_when_they_cost_about_a_block():
-    assert make_workload("gpt-6.7b", 1024).num_layers == 33  # V / (12 h + 2 s) = 51200 / 51200
-    assert make_workload("gpt-39b", 1024).num_layers == 48  # 0.51: the logits join the last block
-    assert make_workload("gpt-tiny", 8).num_layers == 2
+def test_gpt_gets_a_layer_for_the_logits():
+    assert make_workload("gpt-6.7b", 1024).num_layers == 33
+    assert make_workload("gpt-39b", 1024).num_layers == 49
+    assert make_workload("gpt-tiny", 8).num_layers == 3
+    assert round(logits_to_block_flops(make_workload("gpt-6.7b", 1024).config), 2) == 1.0
     assert round(logits_to_block_flops(make_workload("gpt-39b", 1024).config), 2) == 0.51
+
+
+def test_gpt_39b_layers_are_its_blocks_and_the_logits():
+    """With Eq. 3.6's default slack every cut falls between blocks, where one hidden state crosses: one
+    layer per block (the embedding with the first) and the logits alone."""
+    workload = make_workload("gpt-39b", 1024)
+    sliced = ours.slice_workload(workload, ours.pipeshard_method(workload, 64))
+    flops = [s.forward_flops for s in sliced.summaries]
+    assert len(flops) == 49
+    assert max(flops[:48]) == pytest.approx(min(flops[:48]), rel=0.01)
+    assert flops[48] / flops[1] == pytest.approx(logits_to_block_flops(workload.config), rel=0.05)
