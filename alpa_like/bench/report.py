@@ -33,13 +33,33 @@ def _fmt(value, spec=".1f", missing="-") -> str:
 
 
 def plan_text(entry: dict) -> str:
-    """``2 stages [13, 11] on (1,2),(1,2)``, or ``no plan: <first line of the planner's message>``."""
+    """``2 st [13, 11] on (1,2) x2 as 1x2 x2``, or ``no plan: <first line of the planner's message>``;
+    repeats of a neighbour are counted (``1 x44``), and ``, B=256`` gives the micro-batches when the row
+    chose them."""
     if entry.get("error"):
         first = entry["error"].splitlines()[0]
         return "no plan: " + (first[:70] + "..." if len(first) > 70 else first)
-    subs = ",".join(f"({a},{b})" for a, b in entry["submeshes"])
-    logical = ",".join(f"{a}x{b}" for a, b in entry["logical_meshes"])
-    return f"{entry['stages']} st {entry['layers_per_stage']} on {subs} as {logical}"
+    layers = _runs([str(n) for n in entry["layers_per_stage"]], ", ")
+    subs = _runs([f"({a},{b})" for a, b in entry["submeshes"]], ",")
+    logical = _runs([f"{a}x{b}" for a, b in entry["logical_meshes"]], ",")
+    micro = f", B={entry['micro_batches']}" if "micro_batches" in entry else ""
+    return f"{entry['stages']} st [{layers}] on {subs} as {logical}{micro}"
+
+
+def _runs(items: Sequence[str], sep: str) -> str:
+    """``["1", "1", "1", "2"]`` -> ``"1 x3, 2"``: consecutive repeats counted.
+
+    >>> _runs(["3", "1", "1", "2"], ", ")
+    '3, 1 x2, 2'
+    """
+    out: list[str] = []
+    count = 0
+    for k, item in enumerate(items):
+        count += 1
+        if k + 1 == len(items) or items[k + 1] != item:
+            out.append(item if count == 1 else f"{item} x{count}")
+            count = 0
+    return sep.join(out)
 
 
 def comparators(row: dict) -> list[tuple[str, dict]]:

@@ -24,6 +24,12 @@ OPT_GPUS = {"opt-125m": 1, "opt-350m": 1, "opt-1.3b": 4, "opt-2.7b": 8, "opt-6.7
 """GPUs per OPT model: weak scaling like Table 3.6 (175B needs at least 168 V100-16GB for its state alone)."""
 GLOBAL_BATCH = {"gpt": 1024, "opt": 1024, "moe": 1024, "wresnet": 1536}
 MICRO_BATCHES = {"gpt": 64, "opt": 64, "moe": 64, "wresnet": 64}
+"""Micro-batches of every plan of a row (ablations, equal-layer) unless :data:`AUTO_MICRO_BATCHES` says
+otherwise for our automatic plan."""
+AUTO_MICRO_BATCHES = {"gpt": (64, 256, 1024), "opt": (64, 256, 1024)}
+"""The micro-batch counts our automatic plan tries on the transformer suites, keeping the fastest simulated
+plan: the Megatron-LM baseline picks its micro-batch size from a grid too (down to one sequence, i.e. 1024
+micro-batches per pipeline), and a deep pipeline's bubble shrinks with more micro-batches."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,6 +39,8 @@ class Case:
     gpus: int
     global_batch: int
     num_micro_batches: int
+    auto_micro_batches: tuple[int, ...] = ()
+    """Micro-batch counts our automatic plan tries (the fastest is kept); () means ``num_micro_batches``."""
 
     def __str__(self) -> str:
         return f"{self.model} on {self.gpus} GPUs"
@@ -49,7 +57,9 @@ def suite_cases(suite: str, models_filter: list[str] | None = None, micro_batche
         if unknown:
             raise ValueError(f"--models: {unknown} not in the {suite} suite; valid: {list(table)}")
     m = micro_batches or MICRO_BATCHES[suite]
-    return [Case(suite=suite, model=name, gpus=gpus, global_batch=GLOBAL_BATCH[suite], num_micro_batches=m)
+    tried = (m,) if micro_batches else AUTO_MICRO_BATCHES.get(suite, (m,))
+    return [Case(suite=suite, model=name, gpus=gpus, global_batch=GLOBAL_BATCH[suite], num_micro_batches=m,
+                 auto_micro_batches=tried)
             for name, gpus in table.items() if not models_filter or name in models_filter]
 
 
@@ -87,9 +97,11 @@ def run_case(case: Case, preset: str, ablations: bool = False) -> dict:
         variants += ["intra-op only", "inter-op only"]
     row["ours"] = {}
     for variant in variants:
-        result = ours.plan_variant(variant, workload, cluster, m, sliced)
-        summary = result.summary()
-        summary["tflops"] = tflops(result.simulated_seconds)
+        if variant == "auto":
+            summary = _best_auto_plan(workload, cluster, case.auto_micro_batches or (m,), m, sliced)
+        else:
+            summary = ours.plan_variant(variant, workload, cluster, m, sliced).summary()
+        summary["tflops"] = tflops(summary.get("simulated_s"))
         row["ours"][variant] = summary
     row["baselines"] = {}
     if workload.family == "gpt":
@@ -113,6 +125,26 @@ def run_case(case: Case, preset: str, ablations: bool = False) -> dict:
         entry["tflops"] = tflops(entry.get("step_s"))
     row["case_seconds"] = time.perf_counter() - start
     return row
+
+
+def _best_auto_plan(workload: Workload, cluster, counts: tuple[int, ...], m: int, sliced) -> dict:
+    """Our automatic plan for each micro-batch count in ``counts`` (the step re-traced for each count
+    other than ``m``); the summary of the fastest simulated one, with what every count gave."""
+    results = {}
+    for count in counts:
+        if workload.global_batch % count:
+            continue
+        traced = sliced if count == m else ours.slice_workload(workload, ours.pipeshard_method(workload, count))
+        results[count] = ours.plan_variant("auto", workload, cluster, count, traced)
+    if not results:
+        raise ValueError(f"no micro-batch count of {counts} divides the global batch {workload.global_batch}")
+    planned = {count: r for count, r in results.items() if r.ok}
+    best = min(planned, key=lambda c: planned[c].simulated_seconds) if planned else next(iter(results))
+    summary = results[best].summary()
+    summary["micro_batches"] = best
+    summary["micro_batches_tried"] = {str(c): (r.simulated_seconds if r.ok else None) for c, r in results.items()}
+    summary["planning_s"] = sum(r.planning_seconds for r in results.values())
+    return summary
 
 
 def best_baseline(row: dict) -> tuple[str, dict] | None:

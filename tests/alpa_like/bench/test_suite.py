@@ -55,6 +55,29 @@ def test_a_tiny_gpt_case_end_to_end():
     assert report.table([row])[1][0] == "gpt-tiny"
 
 
+def test_our_automatic_plan_keeps_the_fastest_micro_batch_count():
+    case = suites.Case(suite="gpt", model="gpt-tiny", gpus=2, global_batch=8, num_micro_batches=2,
+                       auto_micro_batches=(1, 2, 4, 3))
+    auto = suites.run_case(case, "p3.16xlarge")["ours"]["auto"]
+    tried = auto["micro_batches_tried"]
+    assert set(tried) == {"1", "2", "4"}  # 3 does not divide the batch of 8
+    assert auto["simulated_s"] == min(t for t in tried.values() if t is not None)
+    assert tried[str(auto["micro_batches"])] == auto["simulated_s"]
+    assert report.plan_text(auto).endswith(f", B={auto['micro_batches']}")
+
+
+def test_cases_try_several_micro_batch_counts_unless_given():
+    assert suites.suite_cases("gpt", ["gpt-1.3b"])[0].auto_micro_batches == suites.AUTO_MICRO_BATCHES["gpt"]
+    assert suites.suite_cases("gpt", ["gpt-1.3b"], micro_batches=32)[0].auto_micro_batches == (32,)
+    assert suites.suite_cases("moe", ["moe-380m"])[0].auto_micro_batches == (64,)
+
+
+def test_plan_text_counts_repeats():
+    entry = {"stages": 4, "layers_per_stage": [3, 1, 1, 2], "submeshes": [[1, 4], [1, 1], [1, 1], [1, 2]],
+             "logical_meshes": [[1, 4], [1, 1], [1, 1], [1, 2]]}
+    assert report.plan_text(entry) == "4 st [3, 1 x2, 2] on (1,4),(1,1) x2,(1,2) as 1x4,1x1 x2,1x2"
+
+
 def test_a_tiny_moe_case_has_every_baseline():
     case = suites.Case(suite="moe", model="moe-tiny", gpus=2, global_batch=8, num_micro_batches=2)
     row = suites.run_case(case, "p3.16xlarge")
