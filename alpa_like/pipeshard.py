@@ -288,7 +288,7 @@ def plan_sliced(method: PipeshardParallel, sliced: SlicedStep, cluster: ClusterS
     options = PassOptions(solver=method.auto_sharding_option.solver,
                           solver_time_limit=method.auto_sharding_option.solver_time_limit,
                           allow_all_to_all=method.auto_sharding_option.allow_all_to_all,
-                          peak_flops=cluster.peak_flops, memory_bandwidth=cluster.memory_bandwidth)
+                          peak_flops=cluster.peak_flops)
     profile = profile_stage_costs(
         jaxpr, pieces, summaries, param_mask, optimizer_bytes, cluster, submeshes, views, options,
         max_workers=getattr(method.stage_option, "max_workers", None), progress=progress.solves())

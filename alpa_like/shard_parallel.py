@@ -129,8 +129,7 @@ class ShardParallel:
                                   allow_all_to_all=option.allow_all_to_all,
                                   input_candidates=_batch_candidates(traced, graph, roles, mesh, option),
                                   solver_time_limit=float(option.solver_time_limit), solver=option.solver,
-                                  peak_flops=cluster.peak_flops, memory_bandwidth=cluster.memory_bandwidth,
-                                  node_weights=weights)
+                                  peak_flops=cluster.peak_flops, node_weights=weights)
             start = time.perf_counter()
             solution = auto_shard(graph, mesh, options, aliases=alias_pairs(graph, output_to_input))
             tried.append((solution, time.perf_counter() - start))

@@ -30,7 +30,6 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from jax.extend.core import Literal
 
-from alpa_like.compiler.flops import eqn_flops
 from alpa_like.compiler.ilp import DEFAULT_SOLVER, IlpEdge, IlpProblem, IlpSolution, restrict, solve
 from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.compiler.op_graph import CONTROL_FLOW, OpGraph, OpNode, gradient_nodes, merged_groups
@@ -72,10 +71,6 @@ class PassOptions:
     solver: str = DEFAULT_SOLVER
     """MILP backend, one of :data:`alpa_like.compiler.ilp.SOLVERS`."""
     peak_flops: float = 1e12
-    memory_bandwidth: float | None = None
-    """Bytes/s per device of memory traffic (``ClusterSpec.memory_bandwidth``); with it, every strategy is
-    charged the time its per-device operands and results take beyond the ideal split of the work
-    (:func:`with_memory_traffic`)."""
     node_weights: tuple[float, ...] | None = None
     """Per graph node, how many times it runs per step (e.g. ``num_micro_batches`` for compute-grad
     equations under gradient accumulation); its costs and its operands' resharding are scaled by it."""
@@ -270,34 +265,7 @@ def strategy_table(graph: OpGraph, ctx: StrategyContext,
             table.append(control_flow_strategies(node, ctx))
         else:  # sources (iota, RNG) and primitives without rules: replicated
             table.append([replicated_strategy(node.eqn)])
-    if ctx.memory_bandwidth is not None:
-        table = [strategies if node.kind in ("input", "const")
-                 else [with_memory_traffic(st, node, graph, ctx) for st in strategies]
-                 for node, strategies in zip(graph.nodes, table, strict=True)]
     return table
-
-
-def with_memory_traffic(strategy: Strategy, node: OpNode, graph: OpGraph, ctx: StrategyContext) -> Strategy:
-    """The strategy's ``d_v`` under the roofline of its equation (see :mod:`alpa_like.compiler.flops`).
-
-    One device spends the larger of its FLOPs at ``peak_flops`` (the ideal share plus the replicated work
-    ``d_v`` already charges) and the bytes of its shards of the operands and results at
-    ``memory_bandwidth``. ``d_v`` becomes what that exceeds the ideal, the roofline of the equation split
-    evenly over all devices (what the stage DP's layer cost counts as compute). So a strategy that makes
-    every device read a whole weight (data parallelism with tiny activations) or repeat an element-wise op
-    pays for its memory traffic, not only for its FLOPs."""
-    n = ctx.mesh.num_devices
-    pairs = [(graph.tensors[t], spec) for t, spec in zip(node.operands, strategy.in_specs)
-             if t is not None and spec is not None]
-    pairs += list(zip((graph.tensors[t] for t in node.outputs), strategy.out_specs))
-    per_device = sum(tensor.nbytes / shards(spec, ctx.mesh.shape) for tensor, spec in pairs)
-    total = sum(tensor.nbytes for tensor, _ in pairs)
-    flop_seconds = eqn_flops(node.eqn) / (n * ctx.peak_flops) if node.eqn is not None else 0.0
-    ideal = max(flop_seconds, total / (n * ctx.memory_bandwidth))
-    actual = max(flop_seconds + strategy.compute_seconds, per_device / ctx.memory_bandwidth)
-    if actual - ideal <= strategy.compute_seconds:
-        return strategy
-    return dataclasses.replace(strategy, compute_seconds=actual - ideal)
 
 
 # ------------------------------------------------------------------------------------------------ step 2
@@ -531,7 +499,7 @@ class PreparedPass:
 def prepare(graph: OpGraph, mesh: LogicalMesh, options: PassOptions = PassOptions(), *,
             aliases: Sequence[tuple[int, int]] = ()) -> PreparedPass:
     """Strategies (step 1) and the ILP (step 2) of the pass; see :func:`auto_shard` for the arguments."""
-    ctx = StrategyContext(mesh=mesh, peak_flops=options.peak_flops, memory_bandwidth=options.memory_bandwidth)
+    ctx = StrategyContext(mesh=mesh, peak_flops=options.peak_flops)
     table = strategy_table(graph, ctx, options.input_candidates)
     combined = gradient_nodes(graph) if options.combine_gradient_all_reduces else frozenset()
     problem, exact, node_of = build_problem(graph, table, mesh, aliases=aliases,

@@ -93,8 +93,6 @@ class StrategyContext:
     mesh: LogicalMesh
     peak_flops: float = 1e12
     """FLOP/s of one device, to price replicated work of heavy operators."""
-    memory_bandwidth: float | None = None
-    """Bytes/s of one device's memory, for the memory-traffic term (None: not priced)."""
 
 
 def make_spec(axes: Sequence[DimAxes]) -> ShardingSpec:

@@ -253,27 +253,3 @@ def test_strategies_memoised_across_equations_equal_the_rules_run_on_every_node(
     assert len(auto_sharding._RULE_CACHE) < sum(len(row) for row in cached) / 2  # the layers did share entries
     monkeypatch.setattr(auto_sharding, "eqn_signature", lambda eqn: None)
     assert auto_sharding.strategy_table(graph, ctx) == cached
-
-
-def test_memory_traffic_makes_replicated_weights_cost_their_reads():
-    """y = x @ W with a tiny batch on 8 devices and free links: splitting the batch and splitting W's columns
-    both need no collective, so FLOPs alone price them the same (objective 0; only the tie-break picks).
-    With a memory bandwidth, every device reading all of W (4 MiB) costs its reads, the column split reads
-    an eighth of W but all of x: the ILP splits W, and the objective is that strategy's traffic beyond the
-    even split of the equation's bytes."""
-    def matmul(params, batch):
-        return batch["x"] @ params["w"]
-
-    args = ({"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)},
-            {"x": jax.ShapeDtypeStruct((8, 1024), jnp.float32)})
-    bandwidth = 1e9
-    solution, specs, graph = solve_step(matmul, args, mesh((1, 8)), PassOptions(memory_bandwidth=bandwidth))
-    assert str(specs["params.w"]) == "RS1"
-    w, x, y = 4 * 1024 * 1024, 4 * 8 * 1024, 4 * 8 * 1024
-    ideal = (w + x + y) / (8 * bandwidth)  # the roofline split evenly: memory-bound, 2 * 8 * 1024^2 FLOPs are not
-    assert solution.objective == pytest.approx((w / 8 + x + y / 8) / bandwidth - ideal)
-    assert solve_step(matmul, args, mesh((1, 8)))[0].objective == 0.0
-    batch_split = {"batch.x": (S("S1R"),), "params.w": (S("RR"),)}
-    forced = solve_step(matmul, args, mesh((1, 8)), PassOptions(memory_bandwidth=bandwidth, input_candidates={
-        i: batch_split[path] for i, path in enumerate(("params.w", "batch.x"))}))[0]
-    assert forced.objective == pytest.approx((w + x / 8 + y / 8) / bandwidth - ideal)
