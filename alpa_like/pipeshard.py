@@ -335,7 +335,9 @@ def _plan_token_slicing(method: PipeshardParallel, sliced: SlicedStep, solution:
     decision = choose_token_slicing([s.t_intra for s in solution.stages], fractions, seq_len,
                                     method.num_micro_batches, rows, fixed=fixed)
     scale = decision.latency / decision.latency_unsliced if decision.latency_unsliced > 0 else 1.0
-    return dataclasses.replace(plan, token_slicing=decision.batch_slices,
+    # The plan says what will run: with token slicing the step's micro-batches are the scheme's batch slices.
+    micro_batches = len(decision.batch_slices) if decision.batch_slices else plan.num_micro_batches
+    return dataclasses.replace(plan, token_slicing=decision.batch_slices, num_micro_batches=micro_batches,
                                estimated_iteration_time=plan.estimated_iteration_time * scale,
                                iteration_time_without_token_slicing=plan.estimated_iteration_time)
 
