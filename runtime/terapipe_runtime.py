@@ -21,9 +21,10 @@ TeraPipe (seed 000, dissertation ch. 2, Fig. 2.1) cuts the sequence of a causal 
 4. the loss is a mean over all ``batch x seq`` tokens, so a slice of ``l`` tokens of a micro-batch
    contributes its own loss with weight ``l / (seq * num_micro_batches)``.
 
-On the first step the weighted slice losses are compared with the unsliced loss on the same batch: a model
-that breaks 3 or 4 (say, positions from ``arange``) fails there with a clear error instead of training on a
-wrong gradient.
+On the first step the weighted slice losses of one batch slice (the smallest that is cut) are compared with
+the loss of its whole sequences, run forward only through the same stages on their meshes: a model that
+breaks 3 or 4 (say, positions from ``arange``) fails there with a clear error instead of training on a wrong
+gradient.
 
 How it runs. The step runs the scheme the plan prints, ``[(rows, [l_1, ...]), ...]``: batch slices of
 possibly different sizes (section 2.3.4), each with its own token slicing. The loss is traced once per
@@ -35,7 +36,9 @@ the full-length trace. Each (shape, stage) forward is a jitted ``jax.vjp`` on th
 its residuals there; the backward applies it to the output cotangents. A slice's cached prefix is the
 previous slice's prefix extended by that slice's own keys and values (on the stage's mesh), and in the
 backward the prefix's cotangent is split back the same way. Forwards are issued unit by unit in sequence
-order, backwards in reverse (Fig. 2.1; JAX's asynchronous dispatch lets the meshes overlap).
+order, backwards in reverse (Fig. 2.1): the order is the schedule :func:`alpa_like.runtime.schedules.terapipe`
+builds for the scheme (plain data, ``TerapipeExecutable.schedule``), issued tick by tick (JAX's asynchronous
+dispatch lets the meshes overlap).
 
 Layouts (the plan's intra-op shardings): parameters and other step inputs are placed on each stage's
 mesh with the ILP's spec of that leaf for the stage (``StagePlan.inputs``), batch slices and values sent
@@ -46,8 +49,7 @@ Update: everything after ``al.grad`` is the step's apply-grad pieces of
 :func:`alpa_like.compiler.stage_construction.build_stage_program`, each run on the mesh of the stage owning
 its layers' parameters, fed with the summed gradients and loss (so no parameter crosses meshes).
 
-Limits: the contract check of the first step computes the unsliced loss once on stage 0's mesh; slices
-with equal lengths but different contexts are different shapes, so they do not share executables
+Limits: slices with equal lengths but different contexts are different shapes, so they do not share executables
 (sharing one would mean padding the context, i.e. attention over tokens TeraPipe exists to skip).
 """
 from __future__ import annotations
@@ -63,7 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal, Var
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.layer_slicing import APPLY
@@ -74,6 +76,7 @@ from alpa_like.grad import grad_hook
 from alpa_like.nn import TokenSliceContext, token_slice_context
 from alpa_like.runtime.mesh import make_mesh, named_sharding
 from alpa_like.runtime.pipeshard_runtime import MESH_AXES, activation_spec
+from alpa_like.runtime.schedules import Phase, Schedule, Task, terapipe
 
 __all__ = ["TerapipeContractError", "LossCall", "find_loss_call", "TerapipeExecutable", "slice_starts",
            "check_batch_slices"]
@@ -274,6 +277,14 @@ def _inexact(aval) -> bool:
     return jnp.issubdtype(aval.dtype, jnp.inexact)
 
 
+def _part_body(part: _StagePart):
+    def body(*values):
+        env = dict(zip(part.inputs, values, strict=True))
+        jax_compat.eval_eqns(part.eqns, env)
+        return [env[v] for v in part.outputs]
+    return body
+
+
 def _stage_functions(part: _StagePart):
     """Jitted forward (outputs and the vjp closure, residuals kept where computed) and backward."""
     diff = [_inexact(v.aval) for v in part.inputs]
@@ -381,8 +392,23 @@ class TerapipeExecutable:
                 self._fwd[unit.key, q], self._bwd[unit.key, q], self._diff_inputs[unit.key, q] = \
                     _stage_functions(part)
         self._update = _UpdateProgram(program, self.call, traced, self.meshes, self._sharding)
-        self._unsliced_loss = jax.jit(lambda values: self.call.loss_fn(
-            *jax.tree_util.tree_unflatten(self.call.arg_tree, values)))
+        self.schedule: Schedule = terapipe(self.num_stages, len(self.batch_slices),
+                                           tuple(len(lengths) for _, lengths in self.batch_slices))
+        """The order the step runs, as plain data (:func:`alpa_like.runtime.schedules.terapipe`); :meth:`run`
+        issues its grid tick by tick. Any valid TeraPipe schedule of the same units can replace it."""
+        self.last_tasks: tuple[Task, ...] = ()
+        """The tasks the last step issued, in order."""
+        self._check_unit, self._check_fwd = None, {}
+        if check_contract:
+            self._check_unit = _contract_check_unit(self.batch_slices, self.seq_len)
+        if self._check_unit is not None:
+            rows, _, _ = self._check_unit.key
+            closed = _trace_slice(self.call, self._leaf_avals(rows), self._batch_leaf, self.seq_len, 0, kv_avals,
+                                  rows / self.batch_size)
+            stages = _transfer_stages(signature, eqn_stage, [e.primitive.name for e in closed.jaxpr.eqns])
+            self._check_program = self._program(closed, stages)
+            self._check_fwd = {q: jax.jit(_part_body(part)) for q, part in enumerate(self._check_program.parts)}
+        self._check_contract = self._check_unit is not None
 
     @property
     def num_executables(self) -> int:
@@ -446,19 +472,23 @@ class TerapipeExecutable:
         cts: dict[tuple[int, int], dict] = {}
         carried: dict[tuple[int, int, int], Any] = {}
         grads: dict[int, Any] = {}
-        losses = []
-        for unit in self.units:
-            for q in range(self.num_stages):
-                self._forward(q, unit, env, prefixes, vjps, leaf_on)
-        for unit in reversed(self.units):
-            for q in reversed(range(self.num_stages)):
-                self._backward(q, unit, env, vjps, cts, carried, grads, losses)
+        losses: dict[int, list] = {}
+        issued = []
+        for row in self.schedule.ticks:
+            for task in row:
+                if task is None:
+                    continue
+                unit = self.units_by[task.micro_batch][task.slice or 0]
+                if task.phase == Phase.F:
+                    self._forward(task.stage, unit, env, prefixes, vjps, leaf_on)
+                else:
+                    self._backward(task.stage, unit, env, vjps, cts, carried, grads, losses)
+                issued.append(task)
+        self.last_tasks = tuple(issued)
         grad_leaves = [grads.get(j) for j in call.grad_order]
-        loss = losses[0]
-        for x in losses[1:]:
-            loss = loss + jax.device_put(x, loss.sharding)
+        loss = _sum_on_first([x for k in sorted(losses) for x in losses[k]])
         if self._check_contract:
-            self._verify_loss(leaves, loss)
+            self._verify_loss(_sum_on_first(losses[self._check_unit.batch_slice]), leaf_on)
         out = self._update.run(flat, grad_leaves, loss, lambda k, q: self._param_on(placed, flat, k, q))
         self.last_step_seconds = time.perf_counter() - start_time
         return jax.tree_util.tree_unflatten(self.traced.out_tree, out)
@@ -471,8 +501,10 @@ class TerapipeExecutable:
             placed[(k, q)] = jax.device_put(flat[k], self._sharding(q, leaf.path, np.shape(flat[k])))
         return placed[(k, q)]
 
-    def _forward(self, q: int, unit: _Unit, env, prefixes, vjps, leaf_on):
-        prog = self.programs[unit.key]
+    def _forward(self, q: int, unit: _Unit, env, prefixes, vjps, leaf_on, prog: _SliceProgram | None = None):
+        """Stage ``q``'s forward of ``unit``; with ``prog`` given (the contract check), forward only."""
+        check = prog is not None
+        prog = prog if check else self.programs[unit.key]
         part = prog.parts[q]
         k, i = unit.batch_slice, unit.index
         local = env.setdefault((k, i), {})
@@ -492,6 +524,9 @@ class TerapipeExecutable:
                 values.append(jax.device_put(consts[v], self._sharding(q, None, np.shape(consts[v]))))
             else:
                 raise RuntimeError(f"stage {q} of slice {unit} reads {v}, which nothing provides")
+        if check:
+            local.update(zip(part.outputs, self._check_fwd[q](*values), strict=True))
+            return
         outs, vjp = self._fwd[unit.key, q](*values)
         local.update(zip(part.outputs, outs, strict=True))
         vjps[(q, k, i)] = vjp
@@ -501,7 +536,7 @@ class TerapipeExecutable:
         by the previous slice's own keys or values (all on stage ``q``'s mesh)."""
         n, kv = call_kv
         k, i = unit.batch_slice, unit.index
-        if i == 0:
+        if i <= 0:  # the first slice, or the contract check's whole sequences (index -1): no context
             value = jax.device_put(jnp.zeros(aval.shape, aval.dtype), self._sharding(q, None, aval.shape))
         else:
             previous = self.programs[self.units_by[k][i - 1].key]
@@ -522,7 +557,7 @@ class TerapipeExecutable:
         k, i = unit.batch_slice, unit.index
         pending = cts.setdefault((k, i), {})
         if prog.loss_var in part.outputs:
-            losses.append(env[(k, i)][prog.loss_var])
+            losses.setdefault(k, []).append(env[(k, i)][prog.loss_var])
             pending[prog.loss_var] = jnp.ones((), prog.loss_var.aval.dtype)
         cotangents = [pending.pop(v, None) for v in part.outputs]
         inputs_ct = self._bwd[unit.key, q](vjps.pop((q, k, i)), cotangents)
@@ -545,18 +580,47 @@ class TerapipeExecutable:
                 carried[(k, n, kv)] = earlier
                 _accumulate(cts.setdefault((k, i - 1), {}), self.programs[previous.key].kv_vars[n][kv], own)
 
-    def _verify_loss(self, leaves, loss) -> None:
-        """Contract points 3-4: the weighted slice losses must add up to the unsliced loss (first step only;
-        computed on stage 0's mesh)."""
+    def _verify_loss(self, sliced, leaf_on) -> None:
+        """Contract points 3-4, first step only: the weighted losses of the token slices of one batch slice
+        (the smallest one that is sliced) must add up to the loss of its whole sequences. The whole
+        sequences run forward only, through the plan's stages on their meshes (no parameter moves, no
+        backward): one extra forward of that batch slice's rows."""
         self._check_contract = False
-        whole = self._unsliced_loss(jax.device_put(leaves, NamedSharding(self.meshes[0], PartitionSpec())))
-        if not np.allclose(np.asarray(loss), np.asarray(whole), rtol=1e-4, atol=1e-6):
+        unit = self._check_unit
+        env: dict = {}
+        for q in range(self.num_stages):
+            self._forward(q, unit, env, {}, None, leaf_on, prog=self._check_program)
+        whole = env[(unit.batch_slice, unit.index)][self._check_program.loss_var]
+        if not np.allclose(np.asarray(sliced), np.asarray(whole), rtol=1e-4, atol=1e-6):
+            rows = unit.key[0]
             raise TerapipeContractError(
-                f"token slicing {format_scheme(self.batch_slices)} gives loss {float(loss):.6g} but the unsliced "
-                f"loss is {float(whole):.6g}: the model breaks the TeraPipe contract. Positions must come from the "
+                f"token slicing {format_scheme(self.batch_slices)}: batch slice {unit.batch_slice} ({rows} rows, "
+                f"slices {list(self.batch_slices[unit.batch_slice][1])}) gives weighted loss {float(sliced):.6g} "
+                f"but its whole sequences give {float(whole):.6g}: the model breaks the TeraPipe contract. "
+                "Positions must come from the "
                 "inputs (e.g. batch['position_ids'], sliced like the tokens; not arange(seq) inside the model), "
                 "every cross-token operation must be alpa_like.nn.causal_self_attention, and the loss must be a "
                 "mean over all batch x sequence tokens")
+
+
+def _sum_on_first(values):
+    total = values[0]
+    for x in values[1:]:
+        total = total + jax.device_put(x, total.sharding)
+    return total
+
+
+def _contract_check_unit(batch_slices: BatchSlices, seq_len: int) -> _Unit | None:
+    """The whole sequences of the smallest batch slice cut into more than one token slice, as a unit of its
+    own (batch slice ``k``, index ``-1``: its inputs are cached apart from the real slices'); None when no
+    batch slice is cut (the step is then the unsliced loss, nothing to check)."""
+    row_starts = slice_starts([rows for rows, _ in batch_slices])
+    cut = [k for k, (_, lengths) in enumerate(batch_slices) if len(lengths) > 1]
+    if not cut:
+        return None
+    k = min(cut, key=lambda k: batch_slices[k][0])
+    return _Unit(batch_slice=k, index=-1, key=(batch_slices[k][0], 0, seq_len), row_start=row_starts[k],
+                 token_start=0)
 
 
 def _units(batch_slices: BatchSlices) -> tuple[_Unit, ...]:
