@@ -162,9 +162,19 @@ class PipeshardParallel:
     e.g. ``(776, 640, 632)``, used for every micro-batch; or a whole batch + token slicing (section 2.3.4) as
     plans print it, ``((rows, (lengths...)), ...)`` with rows summing to the batch size, e.g.
     ``((2, (8, 8)), (1, (16,)))``. None: the TeraPipe DP chooses (see ``ParallelPlan.token_slicing``)."""
+    share_slice_executables: bool = False
+    """``pipeline_schedule="terapipe"`` only. True: token slices of equal length (and rows) share one
+    executable per stage whatever their context: each reads its cached keys/values left-padded to the longest
+    context among them, the padding masked out of the attention (results equal; fewer compiles, but the
+    attention then also spans the padding). False: one executable per (rows, context, length)."""
 
     def __post_init__(self):
         _check_micro_batches(self.num_micro_batches)
+        if self.share_slice_executables not in (False, True):
+            raise ValueError(f"share_slice_executables must be a bool, got {self.share_slice_executables!r}")
+        if self.share_slice_executables and self.pipeline_schedule != "terapipe":
+            raise ValueError("share_slice_executables needs pipeline_schedule='terapipe', got "
+                             f"{self.pipeline_schedule!r}")
         if self.token_slices is not None:
             if self.pipeline_schedule != "terapipe":
                 raise ValueError(f"token_slices needs pipeline_schedule='terapipe', got {self.pipeline_schedule!r}")
@@ -529,7 +539,8 @@ def _compile_terapipe(method: PipeshardParallel, fun: Callable, args: Sequence[A
     specs.update(_optimizer_state_specs(specs, sliced.traced.in_leaves))
     return TerapipeExecutable(fun=fun, args=args, traced=sliced.traced, plan=plan, program=program,
                               layer_assign=method.layer_option.layering().assign, devices=devices,
-                              batch_slices=scheme, input_specs=specs)
+                              batch_slices=scheme, input_specs=specs,
+                              share_contexts=method.share_slice_executables)
 
 
 def _loop_layers(plan: ParallelPlan, num_layers: int, virtual_stages: int):

@@ -207,10 +207,12 @@ class _SliceProgram:
     parts: tuple[_StagePart, ...]
     producer: dict[Var, int]
     """Stage that computes each var that crosses stages or leaves the slice."""
+    valid_var: Var | None = None
+    """With shared contexts: the invar holding how many of the padded prefix's tokens are real."""
 
 
 def _trace_slice(call: LossCall, leaf_avals, batch_leaf: Sequence[bool], length: int, context: int, kv_avals,
-                 weight: float):
+                 weight: float, padded: bool = False):
     """Traces the weighted loss of one slice of ``length`` tokens after ``context`` cached tokens (one
     ``(keys, values)`` prefix per attention call); returns the closed jaxpr."""
     def sliced(aval, is_batch):
@@ -223,8 +225,8 @@ def _trace_slice(call: LossCall, leaf_avals, batch_leaf: Sequence[bool], length:
     prefixes = [[(jax.ShapeDtypeStruct((rows, context, *k.shape[2:]), k.dtype),
                   jax.ShapeDtypeStruct((rows, context, *v.shape[2:]), v.dtype))] for k, v in kv_avals]
 
-    def loss(leaf_values, prefix_values):
-        slice_context = TokenSliceContext(prefixes=prefix_values)
+    def loss(leaf_values, prefix_values, valid):
+        slice_context = TokenSliceContext(prefixes=prefix_values, prefix_valid=valid)
         with token_slice_context(slice_context):
             value = call.loss_fn(*jax.tree_util.tree_unflatten(call.arg_tree, leaf_values))
         if len(slice_context.produced) != len(kv_avals):
@@ -232,7 +234,8 @@ def _trace_slice(call: LossCall, leaf_avals, batch_leaf: Sequence[bool], length:
                                         f"on a slice but {len(kv_avals)} times on the whole sequence")
         return [jnp.asarray(value) * weight] + [x for kv in slice_context.produced for x in kv]
 
-    return jax_compat.inline_calls(jax.make_jaxpr(loss)(leaves, prefixes))
+    valid = jax.ShapeDtypeStruct((), jnp.int32) if padded else None
+    return jax_compat.inline_calls(jax.make_jaxpr(loss)(leaves, prefixes, valid))
 
 
 def _attention_kv_avals(call: LossCall, leaf_avals):
@@ -320,6 +323,16 @@ def _append_tokens(prefix, new):
     return jnp.concatenate([prefix, new], axis=1)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _left_pad(prefix, tokens: int):
+    return jnp.pad(prefix, [(0, 0), (tokens, 0)] + [(0, 0)] * (prefix.ndim - 2))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _drop_padding(cotangent, tokens: int):
+    return cotangent[:, tokens:]
+
+
 @functools.partial(jax.jit, static_argnums=2)
 def _split_prefix_cotangent(cotangent, carried, at: int):
     """The cotangent of a prefix ``concat(earlier prefix, keys or values of the previous slice)``, plus what
@@ -346,7 +359,7 @@ class TerapipeExecutable:
 
     def __init__(self, *, fun: Callable, args: Sequence[Any], traced, plan, program: StageProgram,
                  layer_assign: Callable, devices: Sequence[Any], batch_slices, input_specs: dict[tuple[int, str], ShardingSpec],
-                 check_contract: bool = True):
+                 check_contract: bool = True, share_contexts: bool = False):
         self.traced = traced
         self.plan = plan
         self.call = find_loss_call(fun, args, traced)
@@ -364,7 +377,8 @@ class TerapipeExecutable:
         self.seq_len = _check_batch_leaves(leaves, self._batch_leaf)
         self.batch_size = next(leaf.shape[0] for leaf, b in zip(leaves, self._batch_leaf, strict=True) if b)
         self.batch_slices = check_batch_slices(batch_slices, self.batch_size, self.seq_len)
-        self.units = _units(self.batch_slices)
+        self.share_contexts = bool(share_contexts)
+        self.units = _units(self.batch_slices, self.share_contexts)
         self._leaves = leaves
         first_rows = self.batch_slices[0][0]
         kv_avals = _attention_kv_avals(self.call, self._leaf_avals(first_rows))
@@ -385,7 +399,7 @@ class TerapipeExecutable:
                 continue
             rows, context, length = unit.key
             closed = _trace_slice(self.call, self._leaf_avals(rows), self._batch_leaf, length, context, kv_avals,
-                                  rows * length / (self.batch_size * self.seq_len))
+                                  rows * length / (self.batch_size * self.seq_len), self.share_contexts)
             stages = _transfer_stages(signature, eqn_stage, [e.primitive.name for e in closed.jaxpr.eqns])
             self.programs[unit.key] = prog = self._program(closed, stages)
             for q, part in enumerate(prog.parts):
@@ -404,7 +418,7 @@ class TerapipeExecutable:
         if self._check_unit is not None:
             rows, _, _ = self._check_unit.key
             closed = _trace_slice(self.call, self._leaf_avals(rows), self._batch_leaf, self.seq_len, 0, kv_avals,
-                                  rows / self.batch_size)
+                                  rows / self.batch_size, self.share_contexts)
             stages = _transfer_stages(signature, eqn_stage, [e.primitive.name for e in closed.jaxpr.eqns])
             self._check_program = self._program(closed, stages)
             self._check_fwd = {q: jax.jit(_part_body(part)) for q, part in enumerate(self._check_program.parts)}
@@ -434,6 +448,7 @@ class TerapipeExecutable:
         leaf_vars = tuple(jaxpr.invars[:num_leaves])
         prefix_vars = {jaxpr.invars[num_leaves + 2 * n + kv]: (n, kv)
                        for n in range(self._num_attention_calls) for kv in (0, 1)}
+        valid_var = jaxpr.invars[num_leaves + 2 * self._num_attention_calls] if self.share_contexts else None
         outs = jaxpr.outvars
         if any(isinstance(v, Literal) for v in outs):
             raise TerapipeContractError("the loss or an attention's keys/values are constants: nothing to pipeline")
@@ -441,7 +456,7 @@ class TerapipeExecutable:
         return _SliceProgram(closed=closed, leaf_vars=leaf_vars, prefix_vars=prefix_vars, loss_var=outs[0],
                              kv_vars=tuple((outs[1 + 2 * n], outs[2 + 2 * n])
                                            for n in range(self._num_attention_calls)),
-                             parts=parts, producer=producer)
+                             parts=parts, producer=producer, valid_var=valid_var)
 
     # ------------------------------------------------------------------------------------------------ run
 
@@ -520,6 +535,8 @@ class TerapipeExecutable:
                 values.append(leaf_on(leaf_index[v], q, unit))
             elif v in prog.prefix_vars:
                 values.append(self._prefix(q, unit, prog.prefix_vars[v], v.aval, env, prefixes))
+            elif v is prog.valid_var:
+                values.append(jax.device_put(np.int32(unit.token_start), self._sharding(q, None, ())))
             elif v in consts:
                 values.append(jax.device_put(consts[v], self._sharding(q, None, np.shape(consts[v]))))
             else:
@@ -533,16 +550,19 @@ class TerapipeExecutable:
 
     def _prefix(self, q: int, unit: _Unit, call_kv: tuple[int, int], aval, env, prefixes):
         """Keys or values of the earlier slices of the same sequence: the previous slice's prefix extended
-        by the previous slice's own keys or values (all on stage ``q``'s mesh)."""
+        by the previous slice's own keys or values (all on stage ``q``'s mesh). With shared contexts the
+        program reads it left-padded with zeros to its key's context (the padding is masked out)."""
         n, kv = call_kv
         k, i = unit.batch_slice, unit.index
         if i <= 0:  # the first slice, or the contract check's whole sequences (index -1): no context
-            value = jax.device_put(jnp.zeros(aval.shape, aval.dtype), self._sharding(q, None, aval.shape))
+            shape = (aval.shape[0], 0, *aval.shape[2:])
+            value = jax.device_put(jnp.zeros(shape, aval.dtype), self._sharding(q, None, shape))
         else:
             previous = self.programs[self.units_by[k][i - 1].key]
             value = _append_tokens(prefixes[(k, i - 1, n, kv)], env[(k, i - 1)][previous.kv_vars[n][kv]])
         prefixes[(k, i, n, kv)] = value
-        return value
+        padding = aval.shape[1] - value.shape[1]
+        return _left_pad(value, padding) if padding else value
 
     @functools.cached_property
     def units_by(self) -> dict[int, list[_Unit]]:
@@ -575,6 +595,8 @@ class TerapipeExecutable:
                 extra = carried.pop((k, n, kv), None)
                 if i == 0:
                     continue
+                if g.shape[1] != unit.token_start:  # shared contexts: drop the padding's (zero) cotangent
+                    g = _drop_padding(g, g.shape[1] - unit.token_start)
                 previous = self.units_by[k][i - 1]
                 earlier, own = _split_prefix_cotangent(g, extra, previous.token_start)
                 carried[(k, n, kv)] = earlier
@@ -623,14 +645,22 @@ def _contract_check_unit(batch_slices: BatchSlices, seq_len: int) -> _Unit | Non
                  token_start=0)
 
 
-def _units(batch_slices: BatchSlices) -> tuple[_Unit, ...]:
-    """Every (batch slice, token slice) in sequence order: the order forwards run (backwards: reversed)."""
+def _units(batch_slices: BatchSlices, share_contexts: bool = False) -> tuple[_Unit, ...]:
+    """Every (batch slice, token slice) in sequence order: the order forwards run (backwards: reversed).
+    ``share_contexts``: units of equal (rows, length) get one key, whose context is the longest among them
+    (their programs read the cached prefix left-padded to it)."""
     units, row = [], 0
     for k, (rows, lengths) in enumerate(batch_slices):
         for i, (start, length) in enumerate(zip(slice_starts(lengths), lengths)):
             units.append(_Unit(batch_slice=k, index=i, key=(rows, start, length), row_start=row, token_start=start))
         row += rows
-    return tuple(units)
+    if not share_contexts:
+        return tuple(units)
+    longest: dict[tuple[int, int], int] = {}
+    for u in units:
+        rows, start, length = u.key
+        longest[(rows, length)] = max(longest.get((rows, length), 0), start)
+    return tuple(dataclasses.replace(u, key=(u.key[0], longest[(u.key[0], u.key[2])], u.key[2])) for u in units)
 
 
 class _UpdateProgram:

@@ -167,3 +167,31 @@ def test_the_runtime_runs_the_schedule_it_is_given():
     assert list(exe.last_tasks) == issued and str(issued[:5]) == "[0F0.0, 0F0.1, 1F0.0, 1F0.1, 1B0.1]"
     assert_trees_close(got_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
     assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
+
+
+@SLOW
+def test_equal_length_slices_share_executables_when_asked():
+    """share_slice_executables=True: four 4-token slices at contexts 0, 4, 8, 12 run one executable per stage
+    (their prefixes left-padded to 12 tokens, the padding masked) and the step still equals jax.jit; two
+    batch slices of different rows keep separate shapes; the contract check still runs on the first step."""
+    loss_fn, state, batches = gpt_case(num_layers=2)
+    step = train_step_for(loss_fn)
+    method = al.PipeshardParallel(layer_option=al.AutoLayerOption(layer_num=2),
+                                  stage_option=stages(((0,), (1,)), ((1, 4),) * 2, ((1, 4),) * 2),
+                                  pipeline_schedule="terapipe", share_slice_executables=True,
+                                  token_slices=((3, (4, 4, 4, 4)), (1, (8, 4, 4))))
+    ref_state, ref_losses = reference_on_one_device(step, state, batches)
+    parallel = al.parallelize(step, method=method)
+    got_state, got_losses = run_steps(parallel, state, batches)
+    exe = parallel.get_executable(state, batches[0])
+    assert sorted({u.key for u in exe.units}) == [(1, 0, 8), (1, 12, 4), (3, 12, 4)]
+    assert exe.num_executables == 3 * exe.num_stages  # without sharing: 4 + 3 shapes
+    assert_trees_close(got_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
+
+
+def test_share_slice_executables_is_checked():
+    with pytest.raises(ValueError, match="share_slice_executables needs pipeline_schedule='terapipe'"):
+        al.PipeshardParallel(share_slice_executables=True)
+    with pytest.raises(ValueError, match="share_slice_executables must be a bool"):
+        al.PipeshardParallel(pipeline_schedule="terapipe", share_slice_executables="yes")
