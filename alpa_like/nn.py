@@ -38,6 +38,10 @@ class TokenSliceContext:
 
     prefixes: Sequence[Sequence[tuple[jax.Array, jax.Array]]] | None = None
     produced: list[tuple[jax.Array, jax.Array]] = dataclasses.field(default_factory=list)
+    prefix_valid: jax.Array | None = None
+    """Shared executables for slices of one length and different contexts: the prefixes are left-padded
+    to a common length ``P`` and only their last ``prefix_valid`` tokens (an int scalar, traced) are real;
+    the padding is masked out of the attention (its probability is exactly 0). None: all tokens real."""
 
 
 _SLICE: contextvars.ContextVar[TokenSliceContext | None] = contextvars.ContextVar("alpa_like_token_slice",
@@ -55,11 +59,21 @@ def token_slice_context(context: TokenSliceContext) -> Iterator[TokenSliceContex
         _SLICE.reset(token)
 
 
-def _with_prefix(k: jax.Array, v: jax.Array, mask) -> tuple[jax.Array, jax.Array]:
-    """k, v extended by the cached prefix of the active token slice (if any)."""
+def _with_prefix(k: jax.Array, v: jax.Array, mask):
+    """k, v extended by the cached prefix of the active token slice (if any), and the key mask (None, or
+    the real keys when the prefix is padded: ``[1, 1, 1, P + S_k]``)."""
     context = _SLICE.get()
     if context is None:
-        return k, v
+        return k, v, mask
+    k, v = _concat_prefix(context, k, v, mask)
+    if context.prefix_valid is None or context.prefixes is None:
+        return k, v, None
+    padded = k.shape[1] - context.produced[-1][0].shape[1]  # P: prefix tokens before this slice's keys
+    real = jnp.arange(k.shape[1]) >= padded - context.prefix_valid
+    return k, v, real[None, None, None, :]
+
+
+def _concat_prefix(context: TokenSliceContext, k: jax.Array, v: jax.Array, mask) -> tuple[jax.Array, jax.Array]:
     if mask is not None:
         raise ValueError("causal_self_attention(mask=...) is not supported with pipeline_schedule='terapipe': "
                          "a mask spans the whole sequence, token slices see only part of it")
@@ -134,7 +148,7 @@ def causal_self_attention(
     """
     _check_qkv(q, k, v)
     with jax.named_scope(ATTENTION_SCOPE):
-        k, v = _with_prefix(k, v, mask)
+        k, v, mask = _with_prefix(k, v, mask)
         q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[3]
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
         scores = scores.astype(jnp.float32) / math.sqrt(head_dim)

@@ -163,9 +163,19 @@ class PipeshardParallel:
     e.g. ``(776, 640, 632)``, used for every micro-batch; or a whole batch + token slicing (section 2.3.4) as
     plans print it, ``((rows, (lengths...)), ...)`` with rows summing to the batch size, e.g.
     ``((2, (8, 8)), (1, (16,)))``. None: the TeraPipe DP chooses (see ``ParallelPlan.token_slicing``)."""
+    share_slice_executables: bool = False
+    """``pipeline_schedule="terapipe"`` only. True: token slices of equal length (and rows) share one
+    executable per stage whatever their context: each reads its cached keys/values left-padded to the longest
+    context among them, the padding masked out of the attention (results equal; fewer compiles, but the
+    attention then also spans the padding). False: one executable per (rows, context, length)."""
 
     def __post_init__(self):
         _check_micro_batches(self.num_micro_batches)
+        if self.share_slice_executables not in (False, True):
+            raise ValueError(f"share_slice_executables must be a bool, got {self.share_slice_executables!r}")
+        if self.share_slice_executables and self.pipeline_schedule != "terapipe":
+            raise ValueError("share_slice_executables needs pipeline_schedule='terapipe', got "
+                             f"{self.pipeline_schedule!r}")
         if self.token_slices is not None:
             if self.pipeline_schedule != "terapipe":
                 raise ValueError(f"token_slices needs pipeline_schedule='terapipe', got {self.pipeline_schedule!r}")
@@ -336,7 +346,9 @@ def _plan_token_slicing(method: PipeshardParallel, sliced: SlicedStep, solution:
     decision = choose_token_slicing([s.t_intra for s in solution.stages], fractions, seq_len,
                                     method.num_micro_batches, rows, fixed=fixed)
     scale = decision.latency / decision.latency_unsliced if decision.latency_unsliced > 0 else 1.0
-    return dataclasses.replace(plan, token_slicing=decision.batch_slices,
+    # The plan says what will run: with token slicing the step's micro-batches are the scheme's batch slices.
+    micro_batches = len(decision.batch_slices) if decision.batch_slices else plan.num_micro_batches
+    return dataclasses.replace(plan, token_slicing=decision.batch_slices, num_micro_batches=micro_batches,
                                estimated_iteration_time=plan.estimated_iteration_time * scale,
                                iteration_time_without_token_slicing=plan.estimated_iteration_time)
 
@@ -531,7 +543,8 @@ def _compile_terapipe(method: PipeshardParallel, fun: Callable, args: Sequence[A
     specs.update(_optimizer_state_specs(specs, sliced.traced.in_leaves))
     return TerapipeExecutable(fun=fun, args=args, traced=sliced.traced, plan=plan, program=program,
                               layer_assign=method.layer_option.layering().assign, devices=devices,
-                              batch_slices=scheme, input_specs=specs)
+                              batch_slices=scheme, input_specs=specs,
+                              share_contexts=method.share_slice_executables)
 
 
 def _loop_layers(plan: ParallelPlan, num_layers: int, virtual_stages: int):

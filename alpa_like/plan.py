@@ -192,6 +192,8 @@ class ParallelPlan:
     method: str
     """The method's repr, e.g. ``DataParallel(num_micro_batches=2)``."""
     num_micro_batches: int
+    """Micro-batches the step runs; under TeraPipe with token slicing, the scheme's batch slices
+    (``len(token_slicing)``, which the joint DP of section 2.3.4 may make differ from the method's)."""
     cluster: ClusterSpec
     stages: tuple[StagePlan, ...]
     pipeline_schedule: str | None

@@ -25,7 +25,8 @@ import numpy as np
 
 from alpa_like.cluster import ClusterSpec
 
-__all__ = ["SliceCostModel", "fit_slice_costs", "analytic_slice_costs", "measured_slice_costs",
+__all__ = ["SliceCostModel", "SliceTimings", "fit_slice_costs", "analytic_slice_costs", "measured_slice_costs",
+           "slice_grid", "time_slice_grid",
            "transformer_layer_flops", "data_parallel_sync_seconds"]
 
 
@@ -42,6 +43,14 @@ class SliceCostModel:
     """Largest relative error of the model over the points it was fitted on."""
     mean_fit_error: float
     """Mean relative error over the same points."""
+    fit_points: tuple[tuple[int, int, float, float], ...] = ()
+    """Per sample ``(length, context, seconds, model's seconds)``: the fit error at every grid point."""
+    last_slice: tuple[float, ...] = ()
+    """Measured sources only (``fit_slice_costs(..., tabulate_last_slice=True)``): t(i, L - i) for
+    i = 1..L, the slice that ends the sequence, tabulated like ``base`` instead of taken from the plane."""
+    context_fit_error: float = 0.0
+    """Largest relative error over the samples the context term was fitted on (j > 0, not tabulated)."""
+    mean_context_fit_error: float = 0.0
 
     @property
     def seq_len(self) -> int:
@@ -55,18 +64,30 @@ class SliceCostModel:
             raise ValueError(f"slices must satisfy 1 <= length and length + context <= {self.seq_len}")
         a0, a1, a2, a3 = self.context_coefficients
         ctx = np.where(j > 0, np.maximum(a0 + a1 * i + a2 * j + a3 * i * j, 0.0), 0.0)
-        return np.asarray(self.base)[i - 1] + ctx
+        out = np.asarray(self.base)[i - 1] + ctx
+        if self.last_slice:
+            out = np.where((i + j == self.seq_len) & (j > 0), np.asarray(self.last_slice)[i - 1], out)
+        return out
 
     def __call__(self, lengths, contexts) -> np.ndarray:
         return self.slice_time(lengths, contexts)
 
 
-def fit_slice_costs(seq_len: int, samples: Sequence[tuple[int, int, float]]) -> SliceCostModel:
+def fit_slice_costs(seq_len: int, samples: Sequence[tuple[int, int, float]], *,
+                    tabulate_last_slice: bool = False) -> SliceCostModel:
     """Eq. 2.9 from measured ``(length, context, seconds)`` samples.
 
     ``t(i, 0)`` is interpolated linearly between the sampled lengths with context 0; the context term is
     the least-squares fit of ``t(i, j) - t(i, 0)`` over the samples with ``j > 0``. The fit error is the
-    relative error of the resulting model on every sample.
+    relative error of the resulting model on every sample (also per sample: ``fit_points``);
+    ``context_fit_error`` the same over the samples the context term was fitted on.
+
+    ``tabulate_last_slice``: the slice ending the sequence (``i + j = L``; every slicing has exactly one) is
+    interpolated from the samples with ``i + j = L`` instead of taken from the fitted plane, which is then
+    fitted without them. For measured CPU costs: with ``L`` a power of two, that slice's attention rows are
+    ``L`` keys long, and on the machine of this project such rows (1024, 2048 keys) ran 1.7-3.7x slower than
+    rows of 1000 or 1048 keys (set-associative cache aliasing of power-of-two strides; measured in the
+    benchmark), a step no bilinear context term can fit.
     """
     if not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
@@ -77,7 +98,18 @@ def fit_slice_costs(seq_len: int, samples: Sequence[tuple[int, int, float]]) -> 
     order = np.argsort(zero[:, 0])
     lengths = np.arange(1, seq_len + 1)
     base = np.interp(lengths, zero[order, 0], zero[order, 2])
-    ctx = data[data[:, 1] > 0]
+    ends = (data[:, 0] + data[:, 1] == seq_len) & (data[:, 1] > 0)
+    last = ()
+    if tabulate_last_slice:
+        if not ends.any():
+            raise ValueError("tabulate_last_slice needs samples with length + context = seq_len and context > 0")
+        rows = data[ends]
+        rows = rows[np.argsort(rows[:, 0])]
+        # i = L (context 0) is t(L, 0); it anchors the interpolation at the long end.
+        xs = np.concatenate([rows[:, 0], [seq_len]])
+        ys = np.concatenate([rows[:, 2], [np.interp(seq_len, zero[order, 0], zero[order, 2])]])
+        last = tuple(float(x) for x in np.interp(lengths, xs, ys))
+    ctx = data[(data[:, 1] > 0) & ~(ends & tabulate_last_slice)]
     coefficients = (0.0, 0.0, 0.0, 0.0)
     if len(ctx):
         i, j = ctx[:, 0], ctx[:, 1]
@@ -85,10 +117,14 @@ def fit_slice_costs(seq_len: int, samples: Sequence[tuple[int, int, float]]) -> 
         target = ctx[:, 2] - np.interp(i, zero[order, 0], zero[order, 2])
         coefficients = tuple(float(x) for x in np.linalg.lstsq(design, target, rcond=None)[0])
     model = SliceCostModel(base=tuple(float(x) for x in base), context_coefficients=coefficients,
-                           fit_error=0.0, mean_fit_error=0.0)
+                           fit_error=0.0, mean_fit_error=0.0, last_slice=last)
     predicted = model.slice_time(data[:, 0].astype(int), data[:, 1])
     errors = np.abs(predicted - data[:, 2]) / np.maximum(data[:, 2], 1e-30)
-    return dataclasses.replace(model, fit_error=float(errors.max()), mean_fit_error=float(errors.mean()))
+    points = tuple((int(i), int(j), float(t), float(p)) for (i, j, t), p in zip(data, predicted, strict=True))
+    fitted = errors[(data[:, 1] > 0) & ~(ends & tabulate_last_slice)]
+    return dataclasses.replace(model, fit_error=float(errors.max()), mean_fit_error=float(errors.mean()),
+                               fit_points=points, context_fit_error=float(fitted.max(initial=0.0)),
+                               mean_context_fit_error=float(fitted.mean()) if len(fitted) else 0.0)
 
 
 def transformer_layer_flops(batch: int, length, context, hidden: int, ffn_ratio: int = 4):
@@ -179,28 +215,71 @@ def analytic_slice_costs(cluster: ClusterSpec, *, seq_len: int, hidden: int, lay
     return fit_slice_costs(seq_len, samples)
 
 
-def measured_slice_costs(time_slice: Callable[[int, int], float], seq_len: int, *,
-                         lengths: Sequence[int] | None = None, contexts: Sequence[int] | None = None,
-                         repeats: int = 3) -> SliceCostModel:
-    """Eq. 2.9 from timing a real stage: ``time_slice(length, context)`` runs the stage once on such a
-    slice (and blocks until done); each grid point keeps the best of ``repeats`` runs after a warm-up.
+@dataclasses.dataclass(frozen=True)
+class SliceTimings:
+    """Repeated timings of a stage on a grid of ``(length, context)`` points (:func:`time_slice_grid`)."""
 
-    Defaults: 8 lengths from 1 to ``seq_len`` (geometric) and 4 contexts per length.
-    """
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    runs: dict[tuple[int, int], tuple[float, ...]]
+    """Seconds of every timed run per point, warm-up runs excluded."""
+
+    def medians(self) -> list[tuple[int, int, float]]:
+        """``(length, context, median seconds)`` per point: the samples Eq. 2.9 is fitted on."""
+        return [(i, j, float(np.median(t))) for (i, j), t in sorted(self.runs.items())]
+
+    def spread(self) -> dict[tuple[int, int], float]:
+        """Timing noise per point: interquartile range / median of its runs."""
+        return {p: float((np.percentile(t, 75) - np.percentile(t, 25)) / np.median(t)) for p, t in self.runs.items()}
+
+
+def time_slice_grid(time_slice: Callable[[int, int], float], points: Sequence[tuple[int, int]], *,
+                    repeats: int = 9, warmup: int = 2, seed: int = 0) -> SliceTimings:
+    """Times ``time_slice(length, context)`` (one blocking run of the stage) at every point: ``warmup`` runs
+    per point first (compilation, caches), then ``repeats`` rounds that each time every point once, in a
+    fresh random order per round, so a change in machine load during the measurement spreads over all
+    points instead of biasing the ones timed at that moment."""
+    for name, value in (("repeats", repeats), ("warmup", warmup)):
+        if not isinstance(value, int) or value < (1 if name == "repeats" else 0):
+            raise ValueError(f"{name} must be an int >= {1 if name == 'repeats' else 0}, got {value!r}")
+    points = sorted(set((int(i), int(j)) for i, j in points))
+    for i, j in points:
+        for _ in range(warmup):
+            time_slice(i, j)
+    rng = np.random.default_rng(seed)
+    runs: dict[tuple[int, int], list[float]] = {p: [] for p in points}
+    for _ in range(repeats):
+        for n in rng.permutation(len(points)):
+            start = time.perf_counter()
+            time_slice(*points[n])
+            runs[points[n]].append(time.perf_counter() - start)
+    return SliceTimings(runs={p: tuple(t) for p, t in runs.items()})
+
+
+def slice_grid(seq_len: int, lengths: Sequence[int] | None = None,
+               contexts: Sequence[int] | None = None, *, last_slice: bool = False) -> list[tuple[int, int]]:
+    """Every ``(length, context)`` with ``length + context <= seq_len`` from the given lengths and contexts
+    (context 0 always; with ``last_slice`` also ``seq_len - length``, the slice that ends the sequence).
+    Defaults: 8 lengths from 1 to ``seq_len`` (geometric), 4 contexts per length."""
     lengths = sorted(set(lengths or np.unique(np.geomspace(1, seq_len, 8).astype(int)).tolist()))
-    samples = []
+    points = []
     for i in lengths:
         if not 1 <= i <= seq_len:
             raise ValueError(f"lengths must lie in 1..{seq_len}, got {i}")
         ctx = contexts if contexts is not None else np.unique(np.linspace(0, seq_len - i, 4).astype(int)).tolist()
-        for j in sorted(set([0, *[int(c) for c in ctx if 0 <= c <= seq_len - i]])):
-            time_slice(i, j)  # warm-up (compilation)
-            best = np.inf
-            for _ in range(repeats):
-                start = time.perf_counter()
-                time_slice(i, j)
-                best = min(best, time.perf_counter() - start)
-            samples.append((i, j, best))
-    return fit_slice_costs(seq_len, samples)
+        ends = [seq_len - i] if last_slice else []
+        points += [(i, j) for j in sorted(set([0, *ends, *[int(c) for c in ctx if 0 <= c <= seq_len - i]]))]
+    return points
+
+
+def measured_slice_costs(time_slice: Callable[[int, int], float], seq_len: int, *,
+                         lengths: Sequence[int] | None = None, contexts: Sequence[int] | None = None,
+                         repeats: int = 9, warmup: int = 2, tabulate_last_slice: bool = False
+                         ) -> SliceCostModel:
+    """Eq. 2.9 from timing a real stage: ``time_slice(length, context)`` runs the stage once on such a slice
+    (and blocks until done); each grid point (:func:`slice_grid`) is the median of ``repeats`` runs timed
+    in shuffled rounds after ``warmup`` runs (:func:`time_slice_grid`), then :func:`fit_slice_costs`
+    (``tabulate_last_slice``: also time every length as the sequence's last slice and tabulate it).
+    Pick lengths whose stage time is well above the per-call dispatch time, or dispatch dominates the fit.
+    """
+    grid = slice_grid(seq_len, lengths, contexts, last_slice=tabulate_last_slice)
+    timings = time_slice_grid(time_slice, grid, repeats=repeats, warmup=warmup)
+    return fit_slice_costs(seq_len, timings.medians(), tabulate_last_slice=tabulate_last_slice)

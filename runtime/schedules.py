@@ -151,8 +151,23 @@ def backward(stage: int, micro_batch: int) -> Task:
     return Task(StageIdx(stage), MicroBatchIdx(micro_batch), Phase.B)
 
 
+SliceCounts = int | tuple[int, ...]
+"""Token slices per micro-batch (TeraPipe): one count for every micro-batch, or one per micro-batch (the
+joint batch + token slicing of TeraPipe section 2.3.4 gives batch slices their own slicings)."""
+
+
+def slices_of(num_slices: SliceCounts, micro_batch: int) -> int:
+    """How many token slices ``micro_batch`` has."""
+    return num_slices if isinstance(num_slices, int) else num_slices[micro_batch]
+
+
+def is_sliced(num_slices: SliceCounts) -> bool:
+    """Whether tasks name token slices: some micro-batch has more than one (then every task names one)."""
+    return (num_slices if isinstance(num_slices, int) else max(num_slices)) > 1
+
+
 @functools.lru_cache(maxsize=1 << 16)
-def dependencies(task: Task, num_stages: int, num_slices: int = 1) -> tuple[Task, ...]:
+def dependencies(task: Task, num_stages: int, num_slices: SliceCounts = 1) -> tuple[Task, ...]:
     """The tasks whose outputs ``task`` reads: ``F(s-1, k)`` for ``F(s, k)``; ``F(s, k)`` (stashed
     activations) and ``B(s+1, k)`` (output gradient) for ``B(s, k)``.
 
@@ -169,7 +184,7 @@ def dependencies(task: Task, num_stages: int, num_slices: int = 1) -> tuple[Task
             deps.append(same(s, Phase.F, i - 1))
         return tuple(deps)
     deps = [same(s, Phase.F, i)] + ([same(s + 1, Phase.B, i)] if s + 1 < num_stages else [])
-    if i is not None and i + 1 < num_slices:
+    if i is not None and i + 1 < slices_of(num_slices, k):
         deps.append(same(s, Phase.B, i + 1))
     return tuple(deps)
 
@@ -250,7 +265,7 @@ def _per_stage(value: Duration | Sequence[Duration], num_stages: int, arg: str) 
 
 
 def _run(orders: Sequence[Sequence[Task]], num_stages: int, duration: Callable[[Task], Duration],
-         num_slices: int = 1) -> tuple[dict[Task, Duration], tuple[int, ...]]:
+         num_slices: SliceCounts = 1) -> tuple[dict[Task, Duration], tuple[int, ...]]:
     """Replay per-mesh orders as soon as possible: a task starts when its mesh is free and its dependencies
     have ended. Returns the start times of the tasks that ran and, per mesh, how many of its tasks ran
     (all of them unless the orders deadlock)."""
@@ -274,7 +289,7 @@ def _run(orders: Sequence[Sequence[Task]], num_stages: int, duration: Callable[[
     return start, tuple(done)
 
 
-def _ticks_from_orders(orders: Sequence[Sequence[Task]], num_stages: int, num_slices: int = 1
+def _ticks_from_orders(orders: Sequence[Sequence[Task]], num_stages: int, num_slices: SliceCounts = 1
                        ) -> tuple[tuple[Task | None, ...], ...]:
     """Place per-mesh orders on unit ticks, each task as early as its mesh and dependencies allow."""
     start, _ = _run(orders, num_stages, lambda task: 1, num_slices)
@@ -325,16 +340,18 @@ class Schedule:
     """Mesh of each stage."""
     ticks: tuple[tuple[Task | None, ...], ...]
     """``ticks[t][mesh]``: the task ``mesh`` runs at tick ``t`` (one tick each with unit durations)."""
-    num_slices: int = 1
-    """Token slices per micro-batch (TeraPipe); with more than 1 every task names its slice."""
+    num_slices: SliceCounts = 1
+    """Token slices per micro-batch (TeraPipe), one count or one per micro-batch (a tuple whose counts all
+    agree is stored as the int); when any count is more than 1 every task names its slice."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
             raise ValueError(f"Schedule.name must be a str, got {self.name!r}")
-        for field in ("num_meshes", "num_stages", "num_micro_batches", "num_slices"):
+        for field in ("num_meshes", "num_stages", "num_micro_batches"):
             value = getattr(self, field)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"Schedule.{field} must be an int >= 1, got {value!r}")
+        object.__setattr__(self, "num_slices", _slice_counts(self.num_slices, self.num_micro_batches))
         object.__setattr__(self, "stage_to_mesh", tuple(self.stage_to_mesh))
         object.__setattr__(self, "ticks", tuple(tuple(row) for row in self.ticks))
         if len(self.stage_to_mesh) != self.num_stages or not all(
@@ -389,13 +406,14 @@ class Schedule:
             for mesh, task in enumerate(row):
                 if task is None:
                     continue
-                if (task.slice is None) != (self.num_slices == 1) or (task.slice or 0) >= self.num_slices:
-                    raise self._fail(f"{task} at tick {tick} must name a token slice in 0..{self.num_slices - 1}"
-                                     if self.num_slices > 1 else f"{task} at tick {tick} has a token slice, but "
-                                     "the schedule has num_slices=1", {tick: f"{task} slice"})
                 if task.stage >= self.num_stages or task.micro_batch >= self.num_micro_batches:
                     raise self._fail(f"{task} at tick {tick} is out of range: stages 0..{self.num_stages - 1}, "
                                      f"micro-batches 0..{self.num_micro_batches - 1}", {tick: f"{task}"})
+                count = slices_of(self.num_slices, task.micro_batch)
+                if (task.slice is None) == is_sliced(self.num_slices) or (task.slice or 0) >= count:
+                    raise self._fail(f"{task} at tick {tick} must name a token slice in 0..{count - 1}"
+                                     if is_sliced(self.num_slices) else f"{task} at tick {tick} has a token slice, "
+                                     "but the schedule has num_slices=1", {tick: f"{task} slice"})
                 if self.stage_to_mesh[task.stage] != mesh:
                     raise self._fail(f"{task} at tick {tick} runs on mesh {mesh}, but stage {task.stage} "
                                      f"lives on mesh {self.stage_to_mesh[task.stage]}",
@@ -404,8 +422,8 @@ class Schedule:
                     raise self._fail(f"{task} runs twice, at ticks {seen[task]} and {tick}",
                                      {seen[task]: f"{task} (first)", tick: f"{task} again"})
                 seen[task] = tick
-        slices = [None] if self.num_slices == 1 else range(self.num_slices)
-        missing = [task for s in range(self.num_stages) for k in range(self.num_micro_batches) for i in slices
+        missing = [task for s in range(self.num_stages) for k in range(self.num_micro_batches)
+                   for i in _slice_ids(self.num_slices, k)
                    for task in (Task(StageIdx(s), MicroBatchIdx(k), Phase.F, i),
                                 Task(StageIdx(s), MicroBatchIdx(k), Phase.B, i)) if task not in seen]
         if missing:
@@ -485,8 +503,8 @@ class Schedule:
             "num_stages": self.num_stages, "num_micro_batches": self.num_micro_batches,
             "stage_to_mesh": list(self.stage_to_mesh),
             "ticks": [[None if t is None else str(t) for t in row] for row in self.ticks]}
-        if self.num_slices > 1:
-            data["num_slices"] = self.num_slices
+        if self.num_slices != 1:
+            data["num_slices"] = self.num_slices if isinstance(self.num_slices, int) else list(self.num_slices)
         return json.dumps(data)
 
     @classmethod
@@ -502,7 +520,7 @@ class Schedule:
                    num_micro_batches=data["num_micro_batches"],
                    stage_to_mesh=tuple(MeshIdx(x) for x in data["stage_to_mesh"]),
                    ticks=tuple(tuple(None if t is None else Task.from_str(t) for t in row)
-                               for row in data["ticks"]), num_slices=data.get("num_slices", 1))
+                               for row in data["ticks"]), num_slices=_from_json_counts(data.get("num_slices", 1)))
 
     def to_chrome_trace(self, path: str, t_f: Duration | Sequence[Duration] = 1,
                         t_b: Duration | Sequence[Duration] | None = None, *,
@@ -649,11 +667,13 @@ def breadth_first(num_meshes: int, num_micro_batches: int, virtual_stages: int) 
                     _breadth_first_orders(num_meshes, num_micro_batches, virtual_stages))
 
 
-def terapipe(num_meshes: int, num_micro_batches: int, num_slices: int) -> Schedule:
+def terapipe(num_meshes: int, num_micro_batches: int, num_slices: SliceCounts) -> Schedule:
     r"""TeraPipe (seed 000, Fig. 2.1): GPipe over (micro-batch, token slice) units. Every mesh runs the
     forwards of ``0.0, 0.1, ..., 0.(n-1), 1.0, ...`` in sequence order, then the backwards in reverse
     (so each slice's key/value gradients reach the earlier slices of its sequence). With equal unit times
-    it is GPipe with :math:`m n` micro-batches: :math:`t_{pb}/t_{id} = (p-1)/(m n)`.
+    it is GPipe with :math:`m n` micro-batches: :math:`t_{pb}/t_{id} = (p-1)/(m n)`. ``num_slices`` may
+    give each micro-batch (batch slice, section 2.3.4) its own count; the TeraPipe runtime runs this
+    schedule's grid tick by tick.
 
     >>> print(terapipe(2, 1, 2).table())
     tick  mesh0  mesh1
@@ -666,9 +686,8 @@ def terapipe(num_meshes: int, num_micro_batches: int, num_slices: int) -> Schedu
     """
     _check_count("num_meshes", num_meshes)
     _check_count("num_micro_batches", num_micro_batches)
-    _check_count("num_slices", num_slices)
-    slices = [None] if num_slices == 1 else list(range(num_slices))
-    units = [(k, i) for k in range(num_micro_batches) for i in slices]
+    num_slices = _slice_counts(num_slices, num_micro_batches)
+    units = [(k, i) for k in range(num_micro_batches) for i in _slice_ids(num_slices, k)]
     orders = [[Task(StageIdx(q), MicroBatchIdx(k), Phase.F, i) for k, i in units]
               + [Task(StageIdx(q), MicroBatchIdx(k), Phase.B, i) for k, i in reversed(units)]
               for q in range(num_meshes)]
@@ -678,6 +697,27 @@ def terapipe(num_meshes: int, num_micro_batches: int, num_slices: int) -> Schedu
                     ticks=_ticks_from_orders(orders, num_meshes, num_slices), num_slices=num_slices)
 
 
+def _slice_counts(num_slices, num_micro_batches: int) -> SliceCounts:
+    """``num_slices`` checked: an int >= 1, or one such int per micro-batch (all equal: that int)."""
+    if _is_int(num_slices) and num_slices >= 1:
+        return int(num_slices)
+    if isinstance(num_slices, (tuple, list)) and len(num_slices) == num_micro_batches \
+            and all(_is_int(x) and x >= 1 for x in num_slices):
+        counts = tuple(int(x) for x in num_slices)
+        return counts[0] if len(set(counts)) == 1 else counts
+    raise ValueError(f"num_slices must be an int >= 1 or one such int per micro-batch ({num_micro_batches}), "
+                     f"got {num_slices!r}")
+
+
+def _slice_ids(num_slices: SliceCounts, micro_batch: int) -> list[int | None]:
+    """The ``slice`` field of ``micro_batch``'s tasks."""
+    return list(range(slices_of(num_slices, micro_batch))) if is_sliced(num_slices) else [None]
+
+
+def _from_json_counts(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
 _FLAT: dict[str, Callable[[int, int], Schedule]] = {
     ScheduleName.GPIPE: gpipe, ScheduleName.ONE_F_ONE_B: one_f_one_b}
 _LOOPING: dict[str, Callable[[int, int, int], Schedule]] = {
@@ -685,7 +725,7 @@ _LOOPING: dict[str, Callable[[int, int, int], Schedule]] = {
 
 
 def make_schedule(name: str, num_meshes: int, num_micro_batches: int, virtual_stages: int = 1,
-                  num_slices: int = 1) -> Schedule:
+                  num_slices: SliceCounts = 1) -> Schedule:
     """Build the schedule called ``name`` (one of :class:`ScheduleName`); ``num_slices`` is for
     ``"terapipe"`` only.
 

@@ -21,9 +21,10 @@ TeraPipe (seed 000, dissertation ch. 2, Fig. 2.1) cuts the sequence of a causal 
 4. the loss is a mean over all ``batch x seq`` tokens, so a slice of ``l`` tokens of a micro-batch
    contributes its own loss with weight ``l / (seq * num_micro_batches)``.
 
-On the first step the weighted slice losses are compared with the unsliced loss on the same batch: a model
-that breaks 3 or 4 (say, positions from ``arange``) fails there with a clear error instead of training on a
-wrong gradient.
+On the first step the weighted slice losses of one batch slice (the smallest that is cut) are compared with
+the loss of its whole sequences, run forward only through the same stages on their meshes: a model that
+breaks 3 or 4 (say, positions from ``arange``) fails there with a clear error instead of training on a wrong
+gradient.
 
 How it runs. The step runs the scheme the plan prints, ``[(rows, [l_1, ...]), ...]``: batch slices of
 possibly different sizes (section 2.3.4), each with its own token slicing. The loss is traced once per
@@ -35,7 +36,9 @@ the full-length trace. Each (shape, stage) forward is a jitted ``jax.vjp`` on th
 its residuals there; the backward applies it to the output cotangents. A slice's cached prefix is the
 previous slice's prefix extended by that slice's own keys and values (on the stage's mesh), and in the
 backward the prefix's cotangent is split back the same way. Forwards are issued unit by unit in sequence
-order, backwards in reverse (Fig. 2.1; JAX's asynchronous dispatch lets the meshes overlap).
+order, backwards in reverse (Fig. 2.1): the order is the schedule :func:`alpa_like.runtime.schedules.terapipe`
+builds for the scheme (plain data, ``TerapipeExecutable.schedule``), issued tick by tick (JAX's asynchronous
+dispatch lets the meshes overlap).
 
 Layouts (the plan's intra-op shardings): parameters and other step inputs are placed on each stage's
 mesh with the ILP's spec of that leaf for the stage (``StagePlan.inputs``), batch slices and values sent
@@ -46,8 +49,7 @@ Update: everything after ``al.grad`` is the step's apply-grad pieces of
 :func:`alpa_like.compiler.stage_construction.build_stage_program`, each run on the mesh of the stage owning
 its layers' parameters, fed with the summed gradients and loss (so no parameter crosses meshes).
 
-Limits: the contract check of the first step computes the unsliced loss once on stage 0's mesh; slices
-with equal lengths but different contexts are different shapes, so they do not share executables
+Limits: slices with equal lengths but different contexts are different shapes, so they do not share executables
 (sharing one would mean padding the context, i.e. attention over tokens TeraPipe exists to skip).
 """
 from __future__ import annotations
@@ -63,7 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal, Var
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.layer_slicing import APPLY
@@ -74,6 +76,7 @@ from alpa_like.grad import grad_hook
 from alpa_like.nn import TokenSliceContext, token_slice_context
 from alpa_like.runtime.mesh import make_mesh, named_sharding
 from alpa_like.runtime.pipeshard_runtime import MESH_AXES, activation_spec
+from alpa_like.runtime.schedules import Phase, Schedule, Task, terapipe
 
 __all__ = ["TerapipeContractError", "LossCall", "find_loss_call", "TerapipeExecutable", "slice_starts",
            "check_batch_slices"]
@@ -204,10 +207,12 @@ class _SliceProgram:
     parts: tuple[_StagePart, ...]
     producer: dict[Var, int]
     """Stage that computes each var that crosses stages or leaves the slice."""
+    valid_var: Var | None = None
+    """With shared contexts: the invar holding how many of the padded prefix's tokens are real."""
 
 
 def _trace_slice(call: LossCall, leaf_avals, batch_leaf: Sequence[bool], length: int, context: int, kv_avals,
-                 weight: float):
+                 weight: float, padded: bool = False):
     """Traces the weighted loss of one slice of ``length`` tokens after ``context`` cached tokens (one
     ``(keys, values)`` prefix per attention call); returns the closed jaxpr."""
     def sliced(aval, is_batch):
@@ -220,8 +225,8 @@ def _trace_slice(call: LossCall, leaf_avals, batch_leaf: Sequence[bool], length:
     prefixes = [[(jax.ShapeDtypeStruct((rows, context, *k.shape[2:]), k.dtype),
                   jax.ShapeDtypeStruct((rows, context, *v.shape[2:]), v.dtype))] for k, v in kv_avals]
 
-    def loss(leaf_values, prefix_values):
-        slice_context = TokenSliceContext(prefixes=prefix_values)
+    def loss(leaf_values, prefix_values, valid):
+        slice_context = TokenSliceContext(prefixes=prefix_values, prefix_valid=valid)
         with token_slice_context(slice_context):
             value = call.loss_fn(*jax.tree_util.tree_unflatten(call.arg_tree, leaf_values))
         if len(slice_context.produced) != len(kv_avals):
@@ -229,7 +234,8 @@ def _trace_slice(call: LossCall, leaf_avals, batch_leaf: Sequence[bool], length:
                                         f"on a slice but {len(kv_avals)} times on the whole sequence")
         return [jnp.asarray(value) * weight] + [x for kv in slice_context.produced for x in kv]
 
-    return jax_compat.inline_calls(jax.make_jaxpr(loss)(leaves, prefixes))
+    valid = jax.ShapeDtypeStruct((), jnp.int32) if padded else None
+    return jax_compat.inline_calls(jax.make_jaxpr(loss)(leaves, prefixes, valid))
 
 
 def _attention_kv_avals(call: LossCall, leaf_avals):
@@ -274,6 +280,14 @@ def _inexact(aval) -> bool:
     return jnp.issubdtype(aval.dtype, jnp.inexact)
 
 
+def _part_body(part: _StagePart):
+    def body(*values):
+        env = dict(zip(part.inputs, values, strict=True))
+        jax_compat.eval_eqns(part.eqns, env)
+        return [env[v] for v in part.outputs]
+    return body
+
+
 def _stage_functions(part: _StagePart):
     """Jitted forward (outputs and the vjp closure, residuals kept where computed) and backward."""
     diff = [_inexact(v.aval) for v in part.inputs]
@@ -309,6 +323,16 @@ def _append_tokens(prefix, new):
     return jnp.concatenate([prefix, new], axis=1)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _left_pad(prefix, tokens: int):
+    return jnp.pad(prefix, [(0, 0), (tokens, 0)] + [(0, 0)] * (prefix.ndim - 2))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _drop_padding(cotangent, tokens: int):
+    return cotangent[:, tokens:]
+
+
 @functools.partial(jax.jit, static_argnums=2)
 def _split_prefix_cotangent(cotangent, carried, at: int):
     """The cotangent of a prefix ``concat(earlier prefix, keys or values of the previous slice)``, plus what
@@ -335,7 +359,7 @@ class TerapipeExecutable:
 
     def __init__(self, *, fun: Callable, args: Sequence[Any], traced, plan, program: StageProgram,
                  layer_assign: Callable, devices: Sequence[Any], batch_slices, input_specs: dict[tuple[int, str], ShardingSpec],
-                 check_contract: bool = True):
+                 check_contract: bool = True, share_contexts: bool = False):
         self.traced = traced
         self.plan = plan
         self.call = find_loss_call(fun, args, traced)
@@ -353,7 +377,8 @@ class TerapipeExecutable:
         self.seq_len = _check_batch_leaves(leaves, self._batch_leaf)
         self.batch_size = next(leaf.shape[0] for leaf, b in zip(leaves, self._batch_leaf, strict=True) if b)
         self.batch_slices = check_batch_slices(batch_slices, self.batch_size, self.seq_len)
-        self.units = _units(self.batch_slices)
+        self.share_contexts = bool(share_contexts)
+        self.units = _units(self.batch_slices, self.share_contexts)
         self._leaves = leaves
         first_rows = self.batch_slices[0][0]
         kv_avals = _attention_kv_avals(self.call, self._leaf_avals(first_rows))
@@ -374,15 +399,30 @@ class TerapipeExecutable:
                 continue
             rows, context, length = unit.key
             closed = _trace_slice(self.call, self._leaf_avals(rows), self._batch_leaf, length, context, kv_avals,
-                                  rows * length / (self.batch_size * self.seq_len))
+                                  rows * length / (self.batch_size * self.seq_len), self.share_contexts)
             stages = _transfer_stages(signature, eqn_stage, [e.primitive.name for e in closed.jaxpr.eqns])
             self.programs[unit.key] = prog = self._program(closed, stages)
             for q, part in enumerate(prog.parts):
                 self._fwd[unit.key, q], self._bwd[unit.key, q], self._diff_inputs[unit.key, q] = \
                     _stage_functions(part)
         self._update = _UpdateProgram(program, self.call, traced, self.meshes, self._sharding)
-        self._unsliced_loss = jax.jit(lambda values: self.call.loss_fn(
-            *jax.tree_util.tree_unflatten(self.call.arg_tree, values)))
+        self.schedule: Schedule = terapipe(self.num_stages, len(self.batch_slices),
+                                           tuple(len(lengths) for _, lengths in self.batch_slices))
+        """The order the step runs, as plain data (:func:`alpa_like.runtime.schedules.terapipe`); :meth:`run`
+        issues its grid tick by tick. Any valid TeraPipe schedule of the same units can replace it."""
+        self.last_tasks: tuple[Task, ...] = ()
+        """The tasks the last step issued, in order."""
+        self._check_unit, self._check_fwd = None, {}
+        if check_contract:
+            self._check_unit = _contract_check_unit(self.batch_slices, self.seq_len)
+        if self._check_unit is not None:
+            rows, _, _ = self._check_unit.key
+            closed = _trace_slice(self.call, self._leaf_avals(rows), self._batch_leaf, self.seq_len, 0, kv_avals,
+                                  rows / self.batch_size, self.share_contexts)
+            stages = _transfer_stages(signature, eqn_stage, [e.primitive.name for e in closed.jaxpr.eqns])
+            self._check_program = self._program(closed, stages)
+            self._check_fwd = {q: jax.jit(_part_body(part)) for q, part in enumerate(self._check_program.parts)}
+        self._check_contract = self._check_unit is not None
 
     @property
     def num_executables(self) -> int:
@@ -408,6 +448,7 @@ class TerapipeExecutable:
         leaf_vars = tuple(jaxpr.invars[:num_leaves])
         prefix_vars = {jaxpr.invars[num_leaves + 2 * n + kv]: (n, kv)
                        for n in range(self._num_attention_calls) for kv in (0, 1)}
+        valid_var = jaxpr.invars[num_leaves + 2 * self._num_attention_calls] if self.share_contexts else None
         outs = jaxpr.outvars
         if any(isinstance(v, Literal) for v in outs):
             raise TerapipeContractError("the loss or an attention's keys/values are constants: nothing to pipeline")
@@ -415,7 +456,7 @@ class TerapipeExecutable:
         return _SliceProgram(closed=closed, leaf_vars=leaf_vars, prefix_vars=prefix_vars, loss_var=outs[0],
                              kv_vars=tuple((outs[1 + 2 * n], outs[2 + 2 * n])
                                            for n in range(self._num_attention_calls)),
-                             parts=parts, producer=producer)
+                             parts=parts, producer=producer, valid_var=valid_var)
 
     # ------------------------------------------------------------------------------------------------ run
 
@@ -446,19 +487,23 @@ class TerapipeExecutable:
         cts: dict[tuple[int, int], dict] = {}
         carried: dict[tuple[int, int, int], Any] = {}
         grads: dict[int, Any] = {}
-        losses = []
-        for unit in self.units:
-            for q in range(self.num_stages):
-                self._forward(q, unit, env, prefixes, vjps, leaf_on)
-        for unit in reversed(self.units):
-            for q in reversed(range(self.num_stages)):
-                self._backward(q, unit, env, vjps, cts, carried, grads, losses)
+        losses: dict[int, list] = {}
+        issued = []
+        for row in self.schedule.ticks:
+            for task in row:
+                if task is None:
+                    continue
+                unit = self.units_by[task.micro_batch][task.slice or 0]
+                if task.phase == Phase.F:
+                    self._forward(task.stage, unit, env, prefixes, vjps, leaf_on)
+                else:
+                    self._backward(task.stage, unit, env, vjps, cts, carried, grads, losses)
+                issued.append(task)
+        self.last_tasks = tuple(issued)
         grad_leaves = [grads.get(j) for j in call.grad_order]
-        loss = losses[0]
-        for x in losses[1:]:
-            loss = loss + jax.device_put(x, loss.sharding)
+        loss = _sum_on_first([x for k in sorted(losses) for x in losses[k]])
         if self._check_contract:
-            self._verify_loss(leaves, loss)
+            self._verify_loss(_sum_on_first(losses[self._check_unit.batch_slice]), leaf_on)
         out = self._update.run(flat, grad_leaves, loss, lambda k, q: self._param_on(placed, flat, k, q))
         self.last_step_seconds = time.perf_counter() - start_time
         return jax.tree_util.tree_unflatten(self.traced.out_tree, out)
@@ -471,8 +516,10 @@ class TerapipeExecutable:
             placed[(k, q)] = jax.device_put(flat[k], self._sharding(q, leaf.path, np.shape(flat[k])))
         return placed[(k, q)]
 
-    def _forward(self, q: int, unit: _Unit, env, prefixes, vjps, leaf_on):
-        prog = self.programs[unit.key]
+    def _forward(self, q: int, unit: _Unit, env, prefixes, vjps, leaf_on, prog: _SliceProgram | None = None):
+        """Stage ``q``'s forward of ``unit``; with ``prog`` given (the contract check), forward only."""
+        check = prog is not None
+        prog = prog if check else self.programs[unit.key]
         part = prog.parts[q]
         k, i = unit.batch_slice, unit.index
         local = env.setdefault((k, i), {})
@@ -488,26 +535,34 @@ class TerapipeExecutable:
                 values.append(leaf_on(leaf_index[v], q, unit))
             elif v in prog.prefix_vars:
                 values.append(self._prefix(q, unit, prog.prefix_vars[v], v.aval, env, prefixes))
+            elif v is prog.valid_var:
+                values.append(jax.device_put(np.int32(unit.token_start), self._sharding(q, None, ())))
             elif v in consts:
                 values.append(jax.device_put(consts[v], self._sharding(q, None, np.shape(consts[v]))))
             else:
                 raise RuntimeError(f"stage {q} of slice {unit} reads {v}, which nothing provides")
+        if check:
+            local.update(zip(part.outputs, self._check_fwd[q](*values), strict=True))
+            return
         outs, vjp = self._fwd[unit.key, q](*values)
         local.update(zip(part.outputs, outs, strict=True))
         vjps[(q, k, i)] = vjp
 
     def _prefix(self, q: int, unit: _Unit, call_kv: tuple[int, int], aval, env, prefixes):
         """Keys or values of the earlier slices of the same sequence: the previous slice's prefix extended
-        by the previous slice's own keys or values (all on stage ``q``'s mesh)."""
+        by the previous slice's own keys or values (all on stage ``q``'s mesh). With shared contexts the
+        program reads it left-padded with zeros to its key's context (the padding is masked out)."""
         n, kv = call_kv
         k, i = unit.batch_slice, unit.index
-        if i == 0:
-            value = jax.device_put(jnp.zeros(aval.shape, aval.dtype), self._sharding(q, None, aval.shape))
+        if i <= 0:  # the first slice, or the contract check's whole sequences (index -1): no context
+            shape = (aval.shape[0], 0, *aval.shape[2:])
+            value = jax.device_put(jnp.zeros(shape, aval.dtype), self._sharding(q, None, shape))
         else:
             previous = self.programs[self.units_by[k][i - 1].key]
             value = _append_tokens(prefixes[(k, i - 1, n, kv)], env[(k, i - 1)][previous.kv_vars[n][kv]])
         prefixes[(k, i, n, kv)] = value
-        return value
+        padding = aval.shape[1] - value.shape[1]
+        return _left_pad(value, padding) if padding else value
 
     @functools.cached_property
     def units_by(self) -> dict[int, list[_Unit]]:
@@ -522,7 +577,7 @@ class TerapipeExecutable:
         k, i = unit.batch_slice, unit.index
         pending = cts.setdefault((k, i), {})
         if prog.loss_var in part.outputs:
-            losses.append(env[(k, i)][prog.loss_var])
+            losses.setdefault(k, []).append(env[(k, i)][prog.loss_var])
             pending[prog.loss_var] = jnp.ones((), prog.loss_var.aval.dtype)
         cotangents = [pending.pop(v, None) for v in part.outputs]
         inputs_ct = self._bwd[unit.key, q](vjps.pop((q, k, i)), cotangents)
@@ -540,33 +595,72 @@ class TerapipeExecutable:
                 extra = carried.pop((k, n, kv), None)
                 if i == 0:
                     continue
+                if g.shape[1] != unit.token_start:  # shared contexts: drop the padding's (zero) cotangent
+                    g = _drop_padding(g, g.shape[1] - unit.token_start)
                 previous = self.units_by[k][i - 1]
                 earlier, own = _split_prefix_cotangent(g, extra, previous.token_start)
                 carried[(k, n, kv)] = earlier
                 _accumulate(cts.setdefault((k, i - 1), {}), self.programs[previous.key].kv_vars[n][kv], own)
 
-    def _verify_loss(self, leaves, loss) -> None:
-        """Contract points 3-4: the weighted slice losses must add up to the unsliced loss (first step only;
-        computed on stage 0's mesh)."""
+    def _verify_loss(self, sliced, leaf_on) -> None:
+        """Contract points 3-4, first step only: the weighted losses of the token slices of one batch slice
+        (the smallest one that is sliced) must add up to the loss of its whole sequences. The whole
+        sequences run forward only, through the plan's stages on their meshes (no parameter moves, no
+        backward): one extra forward of that batch slice's rows."""
         self._check_contract = False
-        whole = self._unsliced_loss(jax.device_put(leaves, NamedSharding(self.meshes[0], PartitionSpec())))
-        if not np.allclose(np.asarray(loss), np.asarray(whole), rtol=1e-4, atol=1e-6):
+        unit = self._check_unit
+        env: dict = {}
+        for q in range(self.num_stages):
+            self._forward(q, unit, env, {}, None, leaf_on, prog=self._check_program)
+        whole = env[(unit.batch_slice, unit.index)][self._check_program.loss_var]
+        if not np.allclose(np.asarray(sliced), np.asarray(whole), rtol=1e-4, atol=1e-6):
+            rows = unit.key[0]
             raise TerapipeContractError(
-                f"token slicing {format_scheme(self.batch_slices)} gives loss {float(loss):.6g} but the unsliced "
-                f"loss is {float(whole):.6g}: the model breaks the TeraPipe contract. Positions must come from the "
+                f"token slicing {format_scheme(self.batch_slices)}: batch slice {unit.batch_slice} ({rows} rows, "
+                f"slices {list(self.batch_slices[unit.batch_slice][1])}) gives weighted loss {float(sliced):.6g} "
+                f"but its whole sequences give {float(whole):.6g}: the model breaks the TeraPipe contract. "
+                "Positions must come from the "
                 "inputs (e.g. batch['position_ids'], sliced like the tokens; not arange(seq) inside the model), "
                 "every cross-token operation must be alpa_like.nn.causal_self_attention, and the loss must be a "
                 "mean over all batch x sequence tokens")
 
 
-def _units(batch_slices: BatchSlices) -> tuple[_Unit, ...]:
-    """Every (batch slice, token slice) in sequence order: the order forwards run (backwards: reversed)."""
+def _sum_on_first(values):
+    total = values[0]
+    for x in values[1:]:
+        total = total + jax.device_put(x, total.sharding)
+    return total
+
+
+def _contract_check_unit(batch_slices: BatchSlices, seq_len: int) -> _Unit | None:
+    """The whole sequences of the smallest batch slice cut into more than one token slice, as a unit of its
+    own (batch slice ``k``, index ``-1``: its inputs are cached apart from the real slices'); None when no
+    batch slice is cut (the step is then the unsliced loss, nothing to check)."""
+    row_starts = slice_starts([rows for rows, _ in batch_slices])
+    cut = [k for k, (_, lengths) in enumerate(batch_slices) if len(lengths) > 1]
+    if not cut:
+        return None
+    k = min(cut, key=lambda k: batch_slices[k][0])
+    return _Unit(batch_slice=k, index=-1, key=(batch_slices[k][0], 0, seq_len), row_start=row_starts[k],
+                 token_start=0)
+
+
+def _units(batch_slices: BatchSlices, share_contexts: bool = False) -> tuple[_Unit, ...]:
+    """Every (batch slice, token slice) in sequence order: the order forwards run (backwards: reversed).
+    ``share_contexts``: units of equal (rows, length) get one key, whose context is the longest among them
+    (their programs read the cached prefix left-padded to it)."""
     units, row = [], 0
     for k, (rows, lengths) in enumerate(batch_slices):
         for i, (start, length) in enumerate(zip(slice_starts(lengths), lengths)):
             units.append(_Unit(batch_slice=k, index=i, key=(rows, start, length), row_start=row, token_start=start))
         row += rows
-    return tuple(units)
+    if not share_contexts:
+        return tuple(units)
+    longest: dict[tuple[int, int], int] = {}
+    for u in units:
+        rows, start, length = u.key
+        longest[(rows, length)] = max(longest.get((rows, length), 0), start)
+    return tuple(dataclasses.replace(u, key=(u.key[0], longest[(u.key[0], u.key[2])], u.key[2])) for u in units)
 
 
 class _UpdateProgram:

@@ -17,11 +17,19 @@ Three parts, printed side by side and written as JSON:
 2. **Table 2.3**: the DP's slicing versus the best uniform slicing (4 ... 128 equal slices), settings 8
    and 9, under the same model.
 3. **Measured on the 8 CPU devices**: a small GPT with long sequences and batch 1 on 4 stages of 2 devices,
-   1F1B (whole sequences) versus ``pipeline_schedule="terapipe"``; the token slices come from the DP on a
+   1F1B (whole sequences) versus ``pipeline_schedule="terapipe"``, and TeraPipe with
+   ``share_slice_executables=True`` ("shared": equal-length slices share one executable per stage, their
+   cached keys/values padded to the longest context; fewer compiles, more attention work); the token
+   slices come from the DP on a
    *measured* Eq. 2.9 model (one GPT block timed on a grid of slice/context lengths in the DP's 128-token
-   steps, best of 7 runs per point; fit error and timing noise printed), searched in steps of 128 tokens.
+   steps, 2 warm-up runs per point, then 9 rounds timing every point once in shuffled order; the median per
+   point), searched in steps of 128 tokens. The same timings are fitted two ways, both printed per grid
+   point: Eq. 2.9's bilinear context term over every point ("plane"), and the same with the slice that ends
+   the sequence tabulated ("last tabulated", used for the DP): power-of-two key lengths run slower on this
+   CPU (see compiler/terapipe_cost.fit_slice_costs). Fit error: |model - median| / median; noise: the
+   interquartile range of a point's 9 runs / its median.
 
-    python examples/benchmarks/terapipe.py --out results/terapipe.json
+    python examples/benchmarks/terapipe.py --steps 6 --out results/terapipe.json
 """
 import argparse
 import dataclasses
@@ -43,7 +51,7 @@ from flax.training import train_state  # noqa: E402
 
 import alpa_like as al  # noqa: E402
 from alpa_like.compiler.terapipe_cost import (analytic_slice_costs, data_parallel_sync_seconds,  # noqa: E402
-                                              measured_slice_costs)
+                                              fit_slice_costs, slice_grid, time_slice_grid)
 from alpa_like.compiler.token_slicing import (format_scheme, slice_cost_table, solve_joint_slicing,  # noqa: E402
                                               solve_token_slicing, uniform_slicing)
 from alpa_like.models import gpt  # noqa: E402
@@ -220,20 +228,23 @@ def part3(seq_len, steps, stages=4):
           f"{stages} stages x 2 devices")
     grain = 128  # the DP searches slice lengths in multiples of 128 tokens: measure on that grid
     timer = block_timer(config, config.num_layers // stages)
-    runs: dict[tuple[int, int], list[float]] = {}
-
-    def recording_timer(k, c):
-        start = time.perf_counter()
-        timer(k, c)
-        runs.setdefault((k, c), []).append(time.perf_counter() - start)
-
-    lengths = [x for x in (128, 256, 384, 512, 768, seq_len) if x <= seq_len]
-    model_cost = measured_slice_costs(recording_timer, seq_len, lengths=lengths,
-                                      contexts=list(range(0, seq_len, 256)), repeats=7)
-    spread = [statistics.median(t[1:]) / min(t[1:]) - 1 for t in runs.values()]  # t[0]: warm-up/compile
-    print(f"measured Eq. 2.9 model of one stage ({len(runs)} grid points, min of 7 runs each): fit error max "
-          f"{model_cost.fit_error:.1%}, mean {model_cost.mean_fit_error:.1%}; timing noise (median / min - 1 "
-          f"per point) max {max(spread):.0%}, mean {statistics.mean(spread):.0%}")
+    lengths = [x for x in range(grain, seq_len + 1, grain)]
+    points = slice_grid(seq_len, lengths, list(range(0, seq_len, 2 * grain)), last_slice=True)
+    timings = time_slice_grid(timer, points, repeats=9, warmup=2)
+    plane = fit_slice_costs(seq_len, timings.medians())
+    model_cost = fit_slice_costs(seq_len, timings.medians(), tabulate_last_slice=True)
+    spread = timings.spread()
+    print(f"measured Eq. 2.9 model of one stage: {len(points)} grid points, median of 9 shuffled rounds each; "
+          f"timing noise (IQR / median) max {max(spread.values()):.0%}, mean {statistics.mean(spread.values()):.0%}")
+    for name, m in (("plane", plane), ("last tabulated", model_cost)):
+        print(f"  fit error over the fitted context points ({name}): max {m.context_fit_error:.1%}, mean "
+              f"{m.mean_context_fit_error:.1%}; over all points: max {m.fit_error:.1%}, mean {m.mean_fit_error:.1%}")
+    print(f"  {'length':>6} {'context':>7} {'median':>9} {'noise':>6} {'plane':>7} {'last tab.':>9}")
+    per_point = []
+    for (i, j, t, p0), (_, _, _, p1) in zip(plane.fit_points, model_cost.fit_points, strict=True):
+        per_point.append({"length": i, "context": j, "median_s": t, "noise": spread[(i, j)],
+                          "plane_error": (p0 - t) / t, "tabulated_error": (p1 - t) / t})
+        print(f"  {i:>6} {j:>7} {t * 1e3:>7.2f}ms {spread[(i, j)]:>6.0%} {(p0 - t) / t:>+7.1%} {(p1 - t) / t:>+9.1%}")
     table = slice_cost_table(lambda k, c: model_cost.slice_time(k * grain, c * grain), seq_len // grain)
     solution = solve_joint_slicing({1: table}, 1, stages, epsilon=1e-5)
     slices = tuple(x * grain for x in solution.batch_slices[0][1])
@@ -252,10 +263,12 @@ def part3(seq_len, steps, stages=4):
     stage_option = al.UniformStageOption(num_stages=stages, submesh_physical_shape=(1, 8 // stages),
                                          submesh_logical_shape=(1, 8 // stages), show_progress=False)
     rows = []
-    for name, schedule, token_slices in (("1f1b", "1f1b", None), ("terapipe", "terapipe", slices)):
+    for name, schedule, token_slices, share in (("1f1b", "1f1b", None, False),
+                                                ("terapipe", "terapipe", slices, False),
+                                                ("shared", "terapipe", slices, True)):
         method = al.PipeshardParallel(num_micro_batches=1, layer_option=al.AutoLayerOption(layer_num=stages),
                                       stage_option=stage_option, pipeline_schedule=schedule,
-                                      token_slices=token_slices)
+                                      token_slices=token_slices, share_slice_executables=share)
         fn = al.parallelize(step, method=method)
         start = time.perf_counter()
         s, _ = fn(state, batches[0])
@@ -267,16 +280,22 @@ def part3(seq_len, steps, stages=4):
             s, loss = fn(s, b)
             jax.block_until_ready(s)
             times.append(time.perf_counter() - start)
+        stage_executables = getattr(fn.get_executable(state, batches[0]), "num_executables", None)
         rows.append({"schedule": name, "token_slices": list(token_slices or [seq_len]),
+                     "terapipe_forward_executables": stage_executables,
                      "median_step_s": statistics.median(times), "steps_s": times, "first_step_s": first})
     base = rows[0]["median_step_s"]
-    print(f"{'schedule':>9} {'slices':>28} {'median step':>11} {'vs 1f1b':>7}  (first step incl. compile)")
+    print(f"{'schedule':>9} {'slices':>28} {'median step':>11} {'vs 1f1b':>7}  first step incl. compile "
+          f"(stage executables)")
     for r in rows:
+        count = r["terapipe_forward_executables"]
         print(f"{r['schedule']:>9} {str(r['token_slices']):>28} {r['median_step_s']:>10.3f}s "
-              f"{base / r['median_step_s']:>6.2f}x  ({r['first_step_s']:.1f} s)")
-    return {"fit_error": model_cost.fit_error, "mean_fit_error": model_cost.mean_fit_error,
-            "timing_noise_max": max(spread), "timing_noise_mean": statistics.mean(spread),
-            "grid_min_seconds": {f"{k}/{c}": min(t[1:]) for (k, c), t in runs.items()},
+              f"{base / r['median_step_s']:>6.2f}x  {r['first_step_s']:.1f} s"
+              + ("" if count is None else f" ({count} forward + {count} backward)"))
+    return {"fit_error_plane": plane.context_fit_error, "mean_fit_error_plane": plane.mean_context_fit_error,
+            "fit_error": model_cost.context_fit_error, "mean_fit_error": model_cost.mean_context_fit_error,
+            "timing_noise_max": max(spread.values()), "timing_noise_mean": statistics.mean(spread.values()),
+            "grid": per_point,
             "dp_slices": list(slices), "runs": rows}
 
 

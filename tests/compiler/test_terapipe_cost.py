@@ -4,7 +4,8 @@ import pytest
 
 from alpa_like.cluster import ClusterSpec
 from alpa_like.compiler.terapipe_cost import (analytic_slice_costs, data_parallel_sync_seconds, fit_slice_costs,
-                                              measured_slice_costs, transformer_layer_flops)
+                                              measured_slice_costs, slice_grid, time_slice_grid,
+                                              transformer_layer_flops)
 from alpa_like.compiler.token_slicing import slice_cost_table, solve_token_slicing
 
 
@@ -26,6 +27,43 @@ def test_measured_model_reports_its_fit_error():
     model = measured_slice_costs(lambda i, j: calls.append((i, j)), 16, lengths=[1, 8, 16], repeats=1)
     assert (16, 0) in calls and (8, 8) in calls
     assert model.seq_len == 16 and model.fit_error >= 0
+    assert {(i, j) for i, j, _, _ in model.fit_points} == set(calls)
+
+
+def test_grid_timing_warms_up_then_times_every_point_once_per_shuffled_round():
+    calls = []
+    points = slice_grid(16, [4, 8], [4])
+    assert points == [(4, 0), (4, 4), (8, 0), (8, 4)]
+    assert slice_grid(16, [4, 8], [4], last_slice=True) == [(4, 0), (4, 4), (4, 12), (8, 0), (8, 4), (8, 8)]
+    timings = time_slice_grid(lambda i, j: calls.append((i, j)), points, repeats=5, warmup=2)
+    assert calls[:8] == [p for p in points for _ in range(2)]  # warm-up: each point twice, in grid order
+    rounds = [calls[8 + 4 * r: 12 + 4 * r] for r in range(5)]
+    assert all(sorted(r) == points for r in rounds) and len({tuple(r) for r in rounds}) > 1
+    assert all(len(t) == 5 for t in timings.runs.values())
+    assert [(i, j) for i, j, _ in timings.medians()] == points
+    with pytest.raises(ValueError, match="repeats"):
+        time_slice_grid(lambda i, j: None, points, repeats=0)
+
+
+def test_tabulated_last_slice_takes_a_step_the_plane_cannot():
+    """Costs on Eq. 2.9's plane except slices ending the sequence (i + j = L), which pay a step (the
+    power-of-two key-length aliasing measured on CPU): with the last slice tabulated, the plane is recovered
+    exactly and the last slice is exact at every measured length."""
+    def stepped(i, j):
+        return synthetic(i, j) + 5e-4 * (i + j == 32) * (j > 0)
+
+    points = slice_grid(32, [2, 4, 8, 16, 32], [3, 10], last_slice=True)
+    samples = [(i, j, stepped(i, j)) for i, j in points]
+    plain = fit_slice_costs(32, samples)
+    tabulated = fit_slice_costs(32, samples, tabulate_last_slice=True)
+    assert plain.context_fit_error > 0.05
+    np.testing.assert_allclose(tabulated.context_coefficients, (3e-6, 1e-7, 4e-6, 5e-8), rtol=1e-6, atol=1e-12)
+    assert tabulated.fit_error < 1e-9 and tabulated.context_fit_error < 1e-9
+    assert tabulated.slice_time(8, 24) == pytest.approx(stepped(8, 24))
+    assert tabulated.slice_time(8, 20) == pytest.approx(synthetic(8, 20))  # not the last slice: the plane
+    assert tabulated.slice_time(32, 0) == pytest.approx(synthetic(32, 0))
+    with pytest.raises(ValueError, match="tabulate_last_slice needs samples"):
+        fit_slice_costs(32, [(4, 0, 1.0), (4, 3, 2.0)], tabulate_last_slice=True)
 
 
 def test_analytic_model_has_the_utilisation_floor_and_grows_with_context():

@@ -98,19 +98,24 @@ def test_stage_cost_is_the_stage_time_for_the_whole_sequence():
     assert float(cost(8, 0)) == pytest.approx(float(cost(32, 0)) - 3.0 * 0.25 * (32 * 32 - 8 * 8) / 128**2)
 
 
-def gpt_plan(**method_options):
-    config = gpt.GPTConfig(vocab_size=1024, seq_len=512, hidden_size=256, num_layers=8, num_heads=8)
+def gpt_plan(num_stages=8, batch_size=8, seq_len=512, **method_options):
+    """Planning only (shapes, no arrays) on one simulated 8-GPU node, one layer per stage, one sequence per
+    micro-batch. A narrow model keeps the ILP fast; few short sequences keep the joint token DP fast (its
+    t_max candidates grow with the batch-slice sizes and the sequence length)."""
+    config = gpt.GPTConfig(vocab_size=256, seq_len=seq_len, hidden_size=64, num_layers=num_stages, num_heads=4)
     model = gpt.GPTModel(config)
     params = gpt.gpt_param_shapes(config)
-    batch = gpt.gpt_batch_shapes(config, 8, position_ids=True)
+    batch = gpt.gpt_batch_shapes(config, batch_size, position_ids=True)
 
     def step(params, batch):
         grads = al.grad(gpt.gpt_loss(model))(params, batch)
         return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
 
-    method = al.PipeshardParallel(num_micro_batches=8, layer_option=al.AutoLayerOption(layer_num=8, eps=None),
-                                  stage_option=al.UniformStageOption(num_stages=8, submesh_physical_shape=(1, 1),
-                                                                     submesh_logical_shape=(1, 1),
+    method = al.PipeshardParallel(num_micro_batches=batch_size,
+                                  layer_option=al.AutoLayerOption(layer_num=num_stages, eps=None),
+                                  stage_option=al.UniformStageOption(num_stages=num_stages,
+                                                                     submesh_physical_shape=(1, 8 // num_stages),
+                                                                     submesh_logical_shape=(1, 8 // num_stages),
                                                                      show_progress=False),
                                   pipeline_schedule="terapipe", **method_options)
     return al.plan(step, params, batch, method=method, cluster=al.ClusterSpec.preset("p3.16xlarge", num_nodes=1))
@@ -122,12 +127,23 @@ def test_token_slices_must_cover_the_sequence():
 
 
 def test_plan_prints_the_token_slicing_scheme():
-    plan = gpt_plan()
-    assert plan.token_slicing, "8 stages, 8 sequences of 512 tokens: slicing must pay off"
-    assert sum(rows for rows, _ in plan.token_slicing) == 8
+    plan = gpt_plan(num_stages=4, batch_size=2, seq_len=256)
+    assert plan.token_slicing, "4 stages, 2 sequences of 256 tokens: slicing must pay off"
+    assert sum(rows for rows, _ in plan.token_slicing) == 2
     for _, lengths in plan.token_slicing:
-        assert sum(lengths) == 512 and list(lengths) == sorted(lengths, reverse=True)
+        assert sum(lengths) == 256 and list(lengths) == sorted(lengths, reverse=True)
     assert any(len(lengths) > 1 for _, lengths in plan.token_slicing)
     assert plan.estimated_iteration_time < plan.iteration_time_without_token_slicing
     assert format_scheme(plan.token_slicing) in str(plan)
-    assert al.ParallelPlan.from_json(plan.to_json()).token_slicing == plan.token_slicing
+    assert plan.num_micro_batches == len(plan.token_slicing), "the plan must say what runs: its batch slices"
+    assert f"micro-batches: {plan.num_micro_batches}," in str(plan)
+    again = al.ParallelPlan.from_json(plan.to_json())
+    assert again.token_slicing == plan.token_slicing and again.num_micro_batches == plan.num_micro_batches
+
+
+def test_plan_counts_the_batch_slices_it_runs_as_micro_batches():
+    """A fixed scheme of 3 batch slices (rows 4, 2, 2) from a method asking for 8 micro-batches: the plan's
+    micro-batches are the 3 batch slices that will run."""
+    plan = gpt_plan(num_stages=2, token_slices=((4, (256, 256)), (2, (512,)), (2, (384, 128))))
+    assert plan.token_slicing == ((4, (256, 256)), (2, (512,)), (2, (384, 128)))
+    assert plan.num_micro_batches == 3

@@ -332,3 +332,25 @@ def test_terapipe_schedule_rejects_a_slice_out_of_order():
                  ticks=rows, num_slices=2)
     with pytest.raises(ValueError, match="num_slices"):
         make_schedule("gpipe", 2, 1, num_slices=2)
+
+
+def test_terapipe_schedule_with_a_slice_count_per_micro_batch():
+    """Batch slices with their own token slicings (TeraPipe 2.3.4): micro-batch 0 in 3 slices, 1 whole (one
+    slice, named 1.0), 2 in 2 slices; GPipe over the 6 units, each sequence's backwards in reverse."""
+    s = make_schedule("terapipe", 2, 3, num_slices=(3, 1, 2))
+    assert s.num_slices == (3, 1, 2)
+    orders = s.mesh_orders()
+    assert [str(t) for t in orders[0]] == ["0F0.0", "0F0.1", "0F0.2", "0F1.0", "0F2.0", "0F2.1",
+                                           "0B2.1", "0B2.0", "0B1.0", "0B0.2", "0B0.1", "0B0.0"]
+    assert s.bubble_fraction(relative_to="ideal") == Fraction(1, 6)
+    assert dependencies(Task(0, 1, Phase.B, 0), 2, (3, 1, 2)) == (Task(0, 1, Phase.F, 0), Task(1, 1, Phase.B, 0))
+    assert Task(0, 0, Phase.B, 2) in dependencies(Task(0, 0, Phase.B, 1), 2, (3, 1, 2))
+    assert Schedule.from_json(s.to_json()) == s
+    assert make_schedule("terapipe", 2, 2, num_slices=(2, 2)).num_slices == 2  # equal counts: the int
+    with pytest.raises(ValueError, match=r"one such int per micro-batch \(3\)"):
+        make_schedule("terapipe", 2, 3, num_slices=(3, 1))
+    rows = [[t for t in row] for row in s.ticks]
+    rows[3][0] = Task(0, 1, Phase.F, 1)  # micro-batch 1 has one slice
+    with pytest.raises(ValueError, match=r"0F1.1 at tick 3 must name a token slice in 0..0"):
+        Schedule(name="bad", num_meshes=2, num_stages=2, num_micro_batches=3, stage_to_mesh=(0, 1), ticks=rows,
+                 num_slices=(3, 1, 2))

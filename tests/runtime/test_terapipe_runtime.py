@@ -11,6 +11,7 @@ import alpa_like as al
 from alpa_like import models
 from alpa_like.models import gpt
 from alpa_like.runtime.mesh import named_sharding
+from alpa_like.runtime.schedules import Phase, Schedule, Task, _ticks_from_orders, make_schedule
 from alpa_like.runtime.terapipe_runtime import TerapipeContractError, slice_starts
 from tests.helpers import assert_trees_close, reference_on_one_device, run_steps
 from tests.runtime.test_pipeshard_runtime import stages, train_step_for
@@ -133,3 +134,64 @@ def test_batch_slices_must_cover_the_batch():
                                   pipeline_schedule="terapipe", token_slices=((2, (8, 8)), (1, (16,))))
     with pytest.raises(ValueError, match="rows >= 1 summing to the batch size 4"):
         al.parallelize(train_step_for(loss_fn), method=method)(state, batches[0])
+
+
+def one_f_one_b_over_slices(num_meshes, num_micro_batches, num_slices):
+    """A TeraPipe order other than the default: each mesh finishes a micro-batch (forwards in slice order,
+    backwards in reverse) before starting the next."""
+    orders = [[Task(q, k, phase, i) for k in range(num_micro_batches)
+               for phase, slices in ((Phase.F, range(num_slices)), (Phase.B, reversed(range(num_slices))))
+               for i in slices] for q in range(num_meshes)]
+    return Schedule(name="terapipe_1f1b", num_meshes=num_meshes, num_stages=num_meshes,
+                    num_micro_batches=num_micro_batches, stage_to_mesh=tuple(range(num_meshes)),
+                    ticks=_ticks_from_orders(orders, num_meshes, num_slices), num_slices=num_slices)
+
+
+@SLOW
+def test_the_runtime_runs_the_schedule_it_is_given():
+    """The step's order is runtime.schedules data: the default is terapipe(...) of the scheme; another valid
+    schedule of the same units (here one micro-batch at a time) runs in its order and still equals jax.jit.
+    The contract check of the first step runs (the model follows the contract) and the next steps skip it."""
+    loss_fn, state, batches = gpt_case(num_layers=2)
+    step = train_step_for(loss_fn)
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2),
+                                  stage_option=stages(((0,), (1,)), ((1, 4),) * 2, ((1, 4),) * 2),
+                                  pipeline_schedule="terapipe", token_slices=(10, 6))
+    parallel = al.parallelize(step, method=method)
+    exe = parallel.get_executable(state, batches[0])
+    assert exe.schedule == make_schedule("terapipe", 2, 2, num_slices=2)
+    exe.schedule = one_f_one_b_over_slices(2, 2, 2)
+    ref_state, ref_losses = reference_on_one_device(step, state, batches)
+    got_state, got_losses = run_steps(parallel, state, batches)
+    issued = [t for row in exe.schedule.ticks for t in row if t is not None]
+    assert list(exe.last_tasks) == issued and str(issued[:5]) == "[0F0.0, 0F0.1, 1F0.0, 1F0.1, 1B0.1]"
+    assert_trees_close(got_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
+
+
+@SLOW
+def test_equal_length_slices_share_executables_when_asked():
+    """share_slice_executables=True: four 4-token slices at contexts 0, 4, 8, 12 run one executable per stage
+    (their prefixes left-padded to 12 tokens, the padding masked) and the step still equals jax.jit; two
+    batch slices of different rows keep separate shapes; the contract check still runs on the first step."""
+    loss_fn, state, batches = gpt_case(num_layers=2)
+    step = train_step_for(loss_fn)
+    method = al.PipeshardParallel(layer_option=al.AutoLayerOption(layer_num=2),
+                                  stage_option=stages(((0,), (1,)), ((1, 4),) * 2, ((1, 4),) * 2),
+                                  pipeline_schedule="terapipe", share_slice_executables=True,
+                                  token_slices=((3, (4, 4, 4, 4)), (1, (8, 4, 4))))
+    ref_state, ref_losses = reference_on_one_device(step, state, batches)
+    parallel = al.parallelize(step, method=method)
+    got_state, got_losses = run_steps(parallel, state, batches)
+    exe = parallel.get_executable(state, batches[0])
+    assert sorted({u.key for u in exe.units}) == [(1, 0, 8), (1, 12, 4), (3, 12, 4)]
+    assert exe.num_executables == 3 * exe.num_stages  # without sharing: 4 + 3 shapes
+    assert_trees_close(got_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
+
+
+def test_share_slice_executables_is_checked():
+    with pytest.raises(ValueError, match="share_slice_executables needs pipeline_schedule='terapipe'"):
+        al.PipeshardParallel(share_slice_executables=True)
+    with pytest.raises(ValueError, match="share_slice_executables must be a bool"):
+        al.PipeshardParallel(pipeline_schedule="terapipe", share_slice_executables="yes")
