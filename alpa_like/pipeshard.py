@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 from jax.extend.core import ClosedJaxpr
 
 from alpa_like.cluster import ClusterSpec

@@ -32,7 +32,6 @@ Three parts, printed side by side and written as JSON:
     python examples/benchmarks/terapipe.py --steps 6 --out results/terapipe.json
 """
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
