@@ -48,11 +48,6 @@ class ClusterSpec:
     shared_host_compute: bool = False
     """True when the devices of a node are virtual and share the host's cores (XLA's CPU devices): work on
     two meshes of one node then takes turns instead of overlapping, which the simulated backend models."""
-    memory_bandwidth: float | None = None
-    """Bytes/s per device that element-wise work reads and writes with every device busy. With it, the cost
-    model prices each equation by the larger of its FLOPs at ``peak_flops`` and its bytes at this bandwidth
-    (a roofline, :func:`~alpa_like.compiler.flops.jaxpr_seconds`); None (the presets) keeps FLOPs at the
-    peak only. :meth:`local` measures it."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -94,8 +89,7 @@ class ClusterSpec:
         (the ring model of :class:`~alpa_like.compiler.logical_mesh.LogicalMesh`), each minus the time of
         launching a trivial program on the devices; with one device, to timed ``jax.device_put`` copies from
         the host. There is no inter-node link, so the inter-node fields repeat the intra-node ones. CPU devices
-        share the host's cores (``shared_host_compute``). ``memory_bandwidth`` is the best of a few timed
-        element-wise updates (read and write 4 MB per device) run on every device at once, per device.
+        share the host's cores (``shared_host_compute``).
         ``device_memory`` is ``device.memory_stats()["bytes_limit"]`` when the backend reports it, else
         the host's RAM divided by the device count. The measurements are cached per device set and take
         about a second.
@@ -120,7 +114,6 @@ class ClusterSpec:
             intra_node_latency=latency,
             inter_node_latency=latency,
             shared_host_compute=first.platform == "cpu",
-            memory_bandwidth=_measure_concurrent_memory_bandwidth(devices),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -144,7 +137,6 @@ class ClusterSpec:
             f"({self.peak_flops / 1e12:.4g} TFLOP/s, {self.device_memory / _GIB:.4g} GiB each); "
             f"intra-node {self.intra_node_bandwidth / 1e9:.4g} GB/s, {self.intra_node_latency * 1e6:.3g} us; "
             f"inter-node {self.inter_node_bandwidth / 1e9:.4g} GB/s, {self.inter_node_latency * 1e6:.3g} us"
-            + (f"; memory {self.memory_bandwidth / 1e9:.4g} GB/s" if self.memory_bandwidth is not None else "")
         )
 
 
@@ -164,10 +156,6 @@ def _validate(spec: ClusterSpec) -> None:
         value = getattr(spec, field)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
             raise ValueError(f"{field} must be a number > 0, got {value!r}")
-    bandwidth = spec.memory_bandwidth
-    if bandwidth is not None and (not isinstance(bandwidth, (int, float)) or isinstance(bandwidth, bool)
-                                  or not bandwidth > 0):
-        raise ValueError(f"memory_bandwidth must be None or a number > 0, got {bandwidth!r}")
     for field in ("intra_node_latency", "inter_node_latency"):
         value = getattr(spec, field)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
@@ -296,24 +284,6 @@ def _measure_concurrent_matmul_flops(devices: tuple[Any, ...]) -> float:
     matmul(a, b).block_until_ready()  # Compile outside the timing.
     seconds = _best_time(lambda: matmul(a, b).block_until_ready())
     return 2.0 * _MATMUL_N**3 / seconds
-
-
-_STREAM_ELEMENTS = 2**20  # float32 per device: 4 MB read + 4 MB written, an activation-sized operand
-
-
-@functools.cache
-def _measure_concurrent_memory_bandwidth(devices: tuple[Any, ...]) -> float:
-    """Per-device bytes/s of a jitted element-wise ``x * a + b`` over ``_STREAM_ELEMENTS`` float32 per device,
-    run on every device of ``devices`` at once (bytes read plus written, best of a few runs)."""
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-    mesh = Mesh(np.array(devices), ("d",))
-    x = jax.device_put(np.ones((len(devices), _STREAM_ELEMENTS), np.float32), NamedSharding(mesh, PartitionSpec("d")))
-    update = jax.jit(lambda v: v * 1.0001 + 0.5)
-    update(x).block_until_ready()  # Compile outside the timing.
-    seconds = _best_time(lambda: update(x).block_until_ready(), repeats=4 * _REPEATS)
-    return 2.0 * 4 * _STREAM_ELEMENTS / seconds
 
 
 _ALL_REDUCE_BYTES = (4 * 2**10, 4 * 2**20)  # per device: latency-bound and bandwidth-bound

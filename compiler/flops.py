@@ -1,16 +1,10 @@
-"""FLOP and memory-traffic counts of jaxpr equations, for the compute term of the cost model.
+"""FLOP counts of jaxpr equations, for the compute term of the cost model.
 
 Matrix products and convolutions count 2 FLOPs per multiply-add; every other primitive counts one FLOP per
 output element (a lower bound that keeps elementwise-heavy stages from looking free). Nested jaxprs
 (``jit``, ``custom_jvp_call``, ``scan``, ``while``, ``cond``, ``checkpoint``) are counted through their
 bodies; a ``scan`` body counts ``length`` times, a ``while`` body once (its trip count is unknown) and a
 ``cond`` its most expensive branch.
-
-Memory traffic (:func:`eqn_bytes`) is the bytes of an equation's operands and results, each equation on its
-own (no fusion): what XLA's cost analysis reports as "bytes accessed" before fusion. Shape-only
-equations (reshape, squeeze, expand_dims, markers) move nothing. :func:`jaxpr_seconds` is the roofline of
-each equation, ``max(FLOPs / peak, bytes / bandwidth)``, summed: matmuls are priced by their FLOPs,
-element-wise work (layer norms, softmax, activations, the optimizer update) by its bytes.
 """
 from __future__ import annotations
 
@@ -21,9 +15,6 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 _FREE = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "convert_element_type",
                    "alpa_marker", "copy", "copy_p", "iota", "stop_gradient", "transpose", "slice",
                    "dynamic_slice", "concatenate", "pad", "select_n"})
-
-
-_NO_TRAFFIC = frozenset({"reshape", "squeeze", "expand_dims", "alpa_marker", "stop_gradient"})
 
 
 def _size(aval) -> int:
@@ -82,48 +73,3 @@ def jaxpr_flops(jaxpr: Jaxpr | ClosedJaxpr) -> float:
     if isinstance(jaxpr, ClosedJaxpr):
         jaxpr = jaxpr.jaxpr
     return sum(eqn_flops(e) for e in jaxpr.eqns)
-
-
-def _nbytes(aval) -> float:
-    dtype = getattr(aval, "dtype", None)
-    return float(_size(aval) * getattr(dtype, "itemsize", 0)) if dtype is not None else 0.0
-
-
-def eqn_bytes(eqn: JaxprEqn) -> float:
-    """Bytes one equation reads and writes (see the module docstring); nested jaxprs as in :func:`eqn_flops`."""
-    name = eqn.primitive.name
-    subs = _sub_jaxprs(eqn)
-    if subs:
-        costs = [jaxpr_bytes(j) for j in subs]
-        if name == "cond":
-            return max(costs)
-        return (eqn.params.get("length", 1) if name == "scan" else 1) * sum(costs)
-    if name in _NO_TRAFFIC:
-        return 0.0
-    return sum(_nbytes(v.aval) for v in eqn.invars) + sum(_nbytes(v.aval) for v in eqn.outvars)
-
-
-def jaxpr_bytes(jaxpr: Jaxpr | ClosedJaxpr) -> float:
-    """Total bytes read and written by a jaxpr's equations."""
-    if isinstance(jaxpr, ClosedJaxpr):
-        jaxpr = jaxpr.jaxpr
-    return sum(eqn_bytes(e) for e in jaxpr.eqns)
-
-
-def jaxpr_seconds(jaxpr: Jaxpr | ClosedJaxpr, peak_flops: float, memory_bandwidth: float | None) -> float:
-    """Seconds one device needs for ``jaxpr``: per equation the larger of its FLOPs at ``peak_flops`` and
-    its bytes at ``memory_bandwidth`` (bytes/s), summed; without a bandwidth, FLOPs at the peak only.
-    Nested jaxprs count as whole equations (their totals against each other).
-
-    >>> import jax, jax.numpy as jnp
-    >>> closed = jax.make_jaxpr(lambda x: jnp.tanh(x) + 1.0)(jnp.ones((1000,), jnp.float32))
-    >>> jaxpr_seconds(closed, peak_flops=1e9, memory_bandwidth=None)  # 2000 FLOPs
-    2e-06
-    >>> round(jaxpr_seconds(closed, peak_flops=1e9, memory_bandwidth=1e9), 12)  # 8 kB, then 8 kB + 4 B
-    1.6004e-05
-    """
-    if isinstance(jaxpr, ClosedJaxpr):
-        jaxpr = jaxpr.jaxpr
-    if memory_bandwidth is None:
-        return jaxpr_flops(jaxpr) / peak_flops
-    return sum(max(eqn_flops(e) / peak_flops, eqn_bytes(e) / memory_bandwidth) for e in jaxpr.eqns)

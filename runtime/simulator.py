@@ -4,8 +4,7 @@ Every mesh has a clock. An instruction starts when its mesh is free and its inpu
 
 * ``RUN qFmb`` / ``RUN qBmb``: the stage's modelled time per micro-batch (the plan's compute plus intra-op
   communication, divided over the micro-batches), split 1 : 2 between forward and backward as in
-  Megatron-LM's analysis; ``RUN qA``: the stage's apply-grad roofline time (FLOPs at the device peak, or
-  bytes at ``ClusterSpec.memory_bandwidth`` where that is longer);
+  Megatron-LM's analysis; ``RUN qA``: the stage's apply-grad FLOPs at the device peak;
 * ``RECV``: the resharding plan's alpha-beta time between the two meshes (inter-node link when the meshes
   are on different nodes);
 * ``LOAD``: host-to-device bytes at the intra-node bandwidth; ``ACC``, ``MEAN``, ``FREE``: free.
@@ -25,7 +24,7 @@ import math
 
 import numpy as np
 
-from alpa_like.compiler.flops import jaxpr_seconds
+from alpa_like.compiler.flops import jaxpr_flops
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
 from alpa_like.compiler.stage_construction import StageProgram
 from alpa_like.runtime.instructions import PER_STEP, MeshPrograms, Op
@@ -90,10 +89,10 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
         speedup = (cluster.num_devices_per_node * len(nodes_of[mesh]) / devices if cluster.shared_host_compute
                    else 1.0)
         per_mb = (stage_plan.compute_seconds / speedup + stage_plan.communication_seconds) / m / chunks
-        apply_seconds = jaxpr_seconds(program.piece(q, APPLY).jaxpr, cluster.peak_flops, cluster.memory_bandwidth)
+        apply_flops = jaxpr_flops(program.piece(q, APPLY).jaxpr)
         stage_time[(q, FORWARD)] = per_mb * _FORWARD_SHARE
         stage_time[(q, BACKWARD)] = per_mb * (1 - _FORWARD_SHARE)
-        stage_time[(q, APPLY)] = apply_seconds / (devices * speedup)
+        stage_time[(q, APPLY)] = apply_flops / (devices * speedup * cluster.peak_flops)
     clock = [0.0] * programs.num_meshes
     ready: dict[tuple[int, tuple], float] = {}
     spans, busy, transfers = [], [0.0] * programs.num_meshes, 0.0

@@ -14,7 +14,7 @@ GIB = 2**30
 # Public fields: adding one is an API change (and needs a docstring with units).
 FIELDS = ("name", "num_nodes", "num_devices_per_node", "device_name", "peak_flops", "device_memory",
           "intra_node_bandwidth", "inter_node_bandwidth", "intra_node_latency", "inter_node_latency",
-          "shared_host_compute", "memory_bandwidth")
+          "shared_host_compute")
 
 PRESETS = {
     # name: (device_name, peak_flops, device_memory, intra bytes/s, inter bytes/s per device)
@@ -64,7 +64,7 @@ def test_preset_rejects_bad_num_nodes(num_nodes):
 @pytest.mark.parametrize("field, value", [
     ("num_nodes", 0), ("num_devices_per_node", 0), ("device_memory", -1), ("peak_flops", 0.0),
     ("intra_node_bandwidth", -1.0), ("inter_node_bandwidth", float("nan")), ("intra_node_latency", -1e-6),
-    ("inter_node_latency", "1us"), ("name", ""), ("memory_bandwidth", 0.0), ("memory_bandwidth", True),
+    ("inter_node_latency", "1us"), ("name", ""),
 ])
 def test_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -95,7 +95,7 @@ def test_from_dict_rejects_unknown_and_missing_keys():
     with pytest.raises(ValueError, match=r"missing keys \['peak_flops'\]"):
         ClusterSpec.from_dict(data)
     data = ClusterSpec.preset("p3.16xlarge").to_dict()
-    del data["shared_host_compute"], data["memory_bandwidth"]  # JSON from before the fields: defaults apply
+    del data["shared_host_compute"]  # a JSON file from before the field existed: the default applies
     assert ClusterSpec.from_dict(data) == ClusterSpec.preset("p3.16xlarge")
 
 
@@ -114,8 +114,6 @@ def test_local_measures_this_process():
     assert spec.shared_host_compute  # virtual CPU devices share the host's cores
     assert not ClusterSpec.preset("p3.16xlarge").shared_host_compute
     assert spec.inter_node_bandwidth == spec.intra_node_bandwidth
-    assert spec.memory_bandwidth > 0 and f"memory {spec.memory_bandwidth / 1e9:.4g} GB/s" in str(spec)
-    assert ClusterSpec.preset("p3.16xlarge").memory_bandwidth is None  # presets: FLOPs at the peak only
     assert ClusterSpec.local() == spec  # measurements are cached per device
     assert ClusterSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
 

@@ -17,10 +17,10 @@ def executable(schedule, num_micro_batches=4):
 
 
 def idealised(plan, seconds_per_stage=1.0, shared_host_compute=False):
-    """Equal stages, free communication and apply-grad (no memory term), devices that compute independently:
-    the textbook pipeline."""
-    cluster = dataclasses.replace(plan.cluster, peak_flops=1e30, memory_bandwidth=None, intra_node_bandwidth=1e30,
-                                  inter_node_bandwidth=1e30, intra_node_latency=0.0, inter_node_latency=0.0,
+    """Equal stages, free communication and apply-grad, devices that compute independently: the textbook
+    pipeline."""
+    cluster = dataclasses.replace(plan.cluster, peak_flops=1e30, intra_node_bandwidth=1e30, inter_node_bandwidth=1e30,
+                                  intra_node_latency=0.0, inter_node_latency=0.0,
                                   shared_host_compute=shared_host_compute)
     stages = tuple(dataclasses.replace(s, compute_seconds=seconds_per_stage, communication=()) for s in plan.stages)
     return dataclasses.replace(plan, cluster=cluster, stages=stages)
