@@ -4,7 +4,11 @@ Every mesh has a clock. An instruction starts when its mesh is free and its inpu
 
 * ``RUN qFmb`` / ``RUN qBmb``: the stage's modelled time per micro-batch (the plan's compute plus intra-op
   communication, divided over the micro-batches), split 1 : 2 between forward and backward as in
-  Megatron-LM's analysis; ``RUN qA``: the stage's apply-grad FLOPs at the device peak;
+  Megatron-LM's analysis; ``RUN qA``: the stage's apply-grad FLOPs at the device peak. When the cluster
+  has a ``memory_bandwidth``, the compute part of every RUN is instead the roofline of the piece's own
+  jaxpr (:func:`~alpa_like.compiler.flops.jaxpr_seconds`: per equation the larger of FLOP time and memory
+  time, work split over the mesh's devices), so element-wise work is priced and forward and backward get
+  their own costs; every RUN also pays the cluster's ``launch_overhead`` (one executable launch);
 * ``RECV``: the resharding plan's alpha-beta time between the two meshes (inter-node link when the meshes
   are on different nodes);
 * ``LOAD``: host-to-device bytes at the intra-node bandwidth; ``ACC``, ``MEAN``, ``FREE``: free.
@@ -24,7 +28,7 @@ import math
 
 import numpy as np
 
-from alpa_like.compiler.flops import jaxpr_flops
+from alpa_like.compiler.flops import jaxpr_flops, jaxpr_seconds
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
 from alpa_like.compiler.stage_construction import StageProgram
 from alpa_like.runtime.instructions import PER_STEP, MeshPrograms, Op
@@ -89,10 +93,19 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
         speedup = (cluster.num_devices_per_node * len(nodes_of[mesh]) / devices if cluster.shared_host_compute
                    else 1.0)
         per_mb = (stage_plan.compute_seconds / speedup + stage_plan.communication_seconds) / m / chunks
-        apply_flops = jaxpr_flops(program.piece(q, APPLY).jaxpr)
-        stage_time[(q, FORWARD)] = per_mb * _FORWARD_SHARE
-        stage_time[(q, BACKWARD)] = per_mb * (1 - _FORWARD_SHARE)
-        stage_time[(q, APPLY)] = apply_flops / (devices * speedup * cluster.peak_flops)
+        if cluster.memory_bandwidth is None:
+            apply_flops = jaxpr_flops(program.piece(q, APPLY).jaxpr)
+            stage_time[(q, FORWARD)] = per_mb * _FORWARD_SHARE
+            stage_time[(q, BACKWARD)] = per_mb * (1 - _FORWARD_SHARE)
+            stage_time[(q, APPLY)] = apply_flops / (devices * speedup * cluster.peak_flops)
+        else:
+            comm_per_mb = stage_plan.communication_seconds / m / chunks
+            for phase, share in ((FORWARD, _FORWARD_SHARE), (BACKWARD, 1 - _FORWARD_SHARE), (APPLY, 0.0)):
+                compute = jaxpr_seconds(program.piece(q, phase).jaxpr, cluster.peak_flops, cluster.memory_bandwidth,
+                                        devices * speedup)
+                stage_time[(q, phase)] = compute + comm_per_mb * share
+        for phase in (FORWARD, BACKWARD, APPLY):
+            stage_time[(q, phase)] += cluster.launch_overhead
     clock = [0.0] * programs.num_meshes
     ready: dict[tuple[int, tuple], float] = {}
     spans, busy, transfers = [], [0.0] * programs.num_meshes, 0.0

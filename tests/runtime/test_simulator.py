@@ -21,7 +21,7 @@ def idealised(plan, seconds_per_stage=1.0, shared_host_compute=False):
     pipeline."""
     cluster = dataclasses.replace(plan.cluster, peak_flops=1e30, intra_node_bandwidth=1e30, inter_node_bandwidth=1e30,
                                   intra_node_latency=0.0, inter_node_latency=0.0,
-                                  shared_host_compute=shared_host_compute)
+                                  shared_host_compute=shared_host_compute, memory_bandwidth=None, launch_overhead=0.0)
     stages = tuple(dataclasses.replace(s, compute_seconds=seconds_per_stage, communication=()) for s in plan.stages)
     return dataclasses.replace(plan, cluster=cluster, stages=stages)
 
