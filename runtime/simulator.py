@@ -48,6 +48,9 @@ class Simulation:
     """Per mesh: time spent in RUN instructions."""
     transfer_seconds: float
     """Sum of RECV durations."""
+    seconds_by_kind: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Summed durations per instruction kind (:func:`instruction_kind`: ``RUN F``, ``RUN B``, ``RUN A``,
+    ``RECV``, ``LOAD``, ...), to set beside a profiled step's measured ones."""
 
 
 def _mesh_layout(stage_plan, shape) -> MeshLayout:
@@ -64,6 +67,27 @@ def measured_durations(programs: MeshPrograms, spans) -> dict[str, float]:
     for _, text, start, end in spans:
         samples.setdefault(_strip_micro_batch(text), []).append(end - start)
     return {k: float(np.median(v)) for k, v in samples.items()}
+
+
+def instruction_kind(text: str) -> str:
+    """``RUN F`` / ``RUN B`` / ``RUN A`` for a RUN instruction's text (forward, backward, apply-grad), else
+    the op name (``RECV``, ``LOAD``, ``ACC``, ...)."""
+    head = text.split(" <-")[0].split()
+    if not head:
+        return ""
+    if head[0] == "RUN" and len(head) > 1:
+        phase = head[1].lstrip("0123456789")[:1]
+        return f"RUN {phase}"
+    return head[0]
+
+
+def measured_seconds_by_kind(spans) -> dict[str, float]:
+    """Summed measured seconds per :func:`instruction_kind` from a profiled step's spans."""
+    totals: dict[str, float] = {}
+    for _, text, start, end in spans:
+        kind = instruction_kind(text)
+        totals[kind] = totals.get(kind, 0.0) + (end - start)
+    return totals
 
 
 def _strip_micro_batch(text: str) -> str:
@@ -109,6 +133,7 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
     clock = [0.0] * programs.num_meshes
     ready: dict[tuple[int, tuple], float] = {}
     spans, busy, transfers = [], [0.0] * programs.num_meshes, 0.0
+    by_kind: dict[str, float] = {}
     def hosts(ins) -> frozenset[int]:
         """The nodes whose shared cores ``ins`` occupies (none when devices compute independently)."""
         if not cluster.shared_host_compute:
@@ -162,9 +187,11 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
             start = max(start, ready.get((mesh, ins.key), start))
             ready[(mesh, ins.key)] = start
         clock[mesh] = start + duration
+        kind = instruction_kind(str(ins))
+        by_kind[kind] = by_kind.get(kind, 0.0) + duration
         if ins.op in (Op.RUN, Op.RECV, Op.LOAD):
             node_clock.update(dict.fromkeys(hosts(ins), start + duration))
     timeline = Timeline(name=plan.pipeline_schedule or "pipeline", num_meshes=programs.num_meshes,
                         num_stages=program.num_stages, spans=tuple(sorted(spans, key=lambda s: (s.mesh, s.start))))
     return Simulation(step_seconds=max(clock), timeline=timeline, busy_seconds=tuple(busy),
-                      transfer_seconds=transfers)
+                      transfer_seconds=transfers, seconds_by_kind=by_kind)
