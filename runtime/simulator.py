@@ -10,7 +10,9 @@ Every mesh has a clock. An instruction starts when its mesh is free and its inpu
   time, work split over the mesh's devices), so element-wise work is priced and forward and backward get
   their own costs; every RUN also pays the cluster's ``launch_overhead`` (one executable launch);
 * ``RECV``: the resharding plan's alpha-beta time between the two meshes (inter-node link when the meshes
-  are on different nodes);
+  are on different nodes); with ``shared_host_compute`` its copies are summed, not overlapped
+  (:meth:`~alpa_like.runtime.resharding.ReshardingPlan.serial_seconds`: the driver issues them one by one
+  on one host);
 * ``LOAD``: host-to-device bytes at the intra-node bandwidth; ``ACC``, ``MEAN``, ``FREE``: free.
 
 When the cluster's devices share their host's cores (``ClusterSpec.shared_host_compute``: XLA's virtual
@@ -168,7 +170,10 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
             cross = {d // per_node for d in src_plan.device_ids} != {d // per_node for d in dst_plan.device_ids}
             bandwidth = cluster.inter_node_bandwidth if cross else cluster.intra_node_bandwidth
             latency = cluster.inter_node_latency if cross else cluster.intra_node_latency
-            duration = reshard.estimated_seconds(bandwidth, latency, cluster.intra_node_bandwidth)
+            if cluster.shared_host_compute:
+                duration = reshard.serial_seconds(bandwidth, latency)
+            else:
+                duration = reshard.estimated_seconds(bandwidth, latency, cluster.intra_node_bandwidth)
             if measured is not None:
                 duration = measured.get(_strip_micro_batch(str(ins)), duration)
             transfers += duration
