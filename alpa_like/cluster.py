@@ -151,6 +151,8 @@ class ClusterSpec:
             f"({self.peak_flops / 1e12:.4g} TFLOP/s, {self.device_memory / _GIB:.4g} GiB each); "
             f"intra-node {self.intra_node_bandwidth / 1e9:.4g} GB/s, {self.intra_node_latency * 1e6:.3g} us; "
             f"inter-node {self.inter_node_bandwidth / 1e9:.4g} GB/s, {self.inter_node_latency * 1e6:.3g} us"
+            + ("" if self.memory_bandwidth is None else
+               f"; memory {self.memory_bandwidth / 1e9:.4g} GB/s, launch {self.launch_overhead * 1e6:.3g} us")
         )
 
 
