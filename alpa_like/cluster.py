@@ -48,6 +48,14 @@ class ClusterSpec:
     shared_host_compute: bool = False
     """True when the devices of a node are virtual and share the host's cores (XLA's CPU devices): work on
     two meshes of one node then takes turns instead of overlapping, which the simulated backend models."""
+    memory_bandwidth: float | None = None
+    """Bytes/s per device that an element-wise op reads plus writes while every device of the node runs one
+    (the situation inside a training step). With it, each jaxpr equation costs the larger of its FLOP time
+    and its memory time (:func:`~alpa_like.compiler.flops.equation_seconds`, a roofline). None: no memory
+    term, FLOPs only (the presets, so their predictions stay those of the seeds' FLOP-based model)."""
+    launch_overhead: float = 0.0
+    """Seconds the host spends launching one compiled executable on the devices (dispatch, argument
+    handling, the runtime's thunk start-up), paid once per RUN instruction by the simulated backend."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -91,8 +99,11 @@ class ClusterSpec:
         the host. There is no inter-node link, so the inter-node fields repeat the intra-node ones. CPU devices
         share the host's cores (``shared_host_compute``).
         ``device_memory`` is ``device.memory_stats()["bytes_limit"]`` when the backend reports it, else
-        the host's RAM divided by the device count. The measurements are cached per device set and take
-        about a second.
+        the host's RAM divided by the device count. ``launch_overhead`` is the time of a trivial jitted program
+        on every device (4 bytes each); ``memory_bandwidth`` is fitted, per device, to an element-wise
+        ``x * a + b`` run on every device at once on two array sizes far beyond the caches, bytes read plus
+        written over the time minus the launch (see :func:`_measure_launch_and_memory`). The measurements are
+        cached per device set and take a few seconds.
         """
         import jax  # Local import: presets and JSON loading need no JAX.
 
@@ -102,6 +113,7 @@ class ClusterSpec:
         first = devices[0]
         peer = devices[1] if len(devices) > 1 else None
         bandwidth, latency = _measure_all_reduce(devices) if peer is not None else _measure_copy(first, None)
+        launch_overhead, memory_bandwidth = _measure_launch_and_memory(devices)
         return cls(
             name=f"local-{first.platform}",
             num_nodes=1,
@@ -114,6 +126,8 @@ class ClusterSpec:
             intra_node_latency=latency,
             inter_node_latency=latency,
             shared_host_compute=first.platform == "cpu",
+            memory_bandwidth=memory_bandwidth,
+            launch_overhead=launch_overhead,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -137,6 +151,8 @@ class ClusterSpec:
             f"({self.peak_flops / 1e12:.4g} TFLOP/s, {self.device_memory / _GIB:.4g} GiB each); "
             f"intra-node {self.intra_node_bandwidth / 1e9:.4g} GB/s, {self.intra_node_latency * 1e6:.3g} us; "
             f"inter-node {self.inter_node_bandwidth / 1e9:.4g} GB/s, {self.inter_node_latency * 1e6:.3g} us"
+            + ("" if self.memory_bandwidth is None else
+               f"; memory {self.memory_bandwidth / 1e9:.4g} GB/s, launch {self.launch_overhead * 1e6:.3g} us")
         )
 
 
@@ -156,7 +172,11 @@ def _validate(spec: ClusterSpec) -> None:
         value = getattr(spec, field)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
             raise ValueError(f"{field} must be a number > 0, got {value!r}")
-    for field in ("intra_node_latency", "inter_node_latency"):
+    if spec.memory_bandwidth is not None and (not isinstance(spec.memory_bandwidth, (int, float))
+                                              or isinstance(spec.memory_bandwidth, bool)
+                                              or not spec.memory_bandwidth > 0):
+        raise ValueError(f"memory_bandwidth must be None or a number > 0, got {spec.memory_bandwidth!r}")
+    for field in ("intra_node_latency", "inter_node_latency", "launch_overhead"):
         value = getattr(spec, field)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
             raise ValueError(f"{field} must be a number >= 0, got {value!r}")
@@ -319,6 +339,35 @@ def _measure_all_reduce(devices: tuple[Any, ...]) -> tuple[float, float]:
     seconds_per_byte = max((t_big - t_small) / (volume * (big - small)), 1e-13)
     latency = max(t_small - volume * small * seconds_per_byte, 1e-7)
     return 1.0 / seconds_per_byte, latency
+
+
+_STREAM_BYTES = 8 * 2**20  # per device: beyond a core's caches, the size of a step's larger activations
+
+
+@functools.cache
+def _measure_launch_and_memory(devices: tuple[Any, ...]) -> tuple[float, float]:
+    """(launch seconds, memory bytes/s per device) on ``devices``, every device working at once.
+
+    The launch time is the best time of a jitted ``v + 1`` on one float32 per device. The bandwidth is that
+    of a jitted ``x * 3 + 1`` (one fused element-wise loop reading ``x`` and writing the result: 2 * 8 MB
+    per device) over its best time minus the launch time. (Arrays much larger than a step's activations
+    are slower again on CPUs: fresh result buffers then come from the OS page by page.)
+    """
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    n = len(devices)
+    sharding = NamedSharding(Mesh(np.array(devices), ("d",)), PartitionSpec("d"))
+    launch = jax.jit(lambda v: v + 1.0)
+    tiny = jax.device_put(np.ones((n, 1), np.float32), sharding)
+    launch(tiny).block_until_ready()
+    overhead = _best_time(lambda: launch(tiny).block_until_ready(), repeats=3 * _REPEATS)
+    stream = jax.jit(lambda x: x * 3.0 + 1.0)
+    x = jax.device_put(np.ones((n, _STREAM_BYTES // 4), np.float32), sharding)
+    stream(x).block_until_ready()
+    seconds = _best_time(lambda: stream(x).block_until_ready(), repeats=3 * _REPEATS)
+    return overhead, 2.0 * _STREAM_BYTES / max(seconds - overhead, seconds / 2)
 
 
 @functools.cache

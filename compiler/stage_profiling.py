@@ -55,7 +55,7 @@ from alpa_like.compiler.auto_sharding import (
     restricted_inputs,
     solve_prepared,
 )
-from alpa_like.compiler.flops import jaxpr_flops
+from alpa_like.compiler.flops import jaxpr_seconds
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD, LayerSummary, Piece
 from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.compiler.markers import is_marker
@@ -150,22 +150,27 @@ def is_params_sharded(cost: LayerCost, candidates: dict[int, tuple[ShardingSpec,
 
 
 def profile_layer(closed: ClosedJaxpr, param_inputs: Sequence[bool], mesh: LogicalMesh, peak_flops: float,
-                  options: PassOptions) -> LayerCost:
+                  options: PassOptions, memory_bandwidth: float | None = None) -> LayerCost:
     """Runs the intra-op pass on one layer and returns its cost on ``mesh`` (``options.input_candidates``
     constrains the layer's inputs, e.g. to :func:`sharded_param_candidates`)."""
-    return layer_cost(closed, param_inputs, mesh, peak_flops, auto_shard(build_op_graph(closed), mesh, options))
+    return layer_cost(closed, param_inputs, mesh, peak_flops, auto_shard(build_op_graph(closed), mesh, options),
+                      memory_bandwidth)
 
 
 def layer_cost(closed: ClosedJaxpr, param_inputs: Sequence[bool], mesh: LogicalMesh, peak_flops: float,
-               solution: ShardingSolution) -> LayerCost:
-    """The :class:`LayerCost` of the layer ``closed`` under the intra-op pass's ``solution`` on ``mesh``."""
+               solution: ShardingSolution, memory_bandwidth: float | None = None) -> LayerCost:
+    """The :class:`LayerCost` of the layer ``closed`` under the intra-op pass's ``solution`` on ``mesh``.
+
+    Its compute time is the per-equation roofline :func:`~alpa_like.compiler.flops.jaxpr_seconds` with the
+    work split evenly over the mesh's devices (FLOPs at ``peak_flops`` alone when ``memory_bandwidth`` is
+    None)."""
     param_bytes = 0.0
     for spec, var, is_param in zip(solution.input_specs(), closed.jaxpr.invars, param_inputs, strict=True):
         if is_param:
             nbytes = math.prod(var.aval.shape) * jax_compat.numpy_dtype(var.aval.dtype).itemsize
             param_bytes += nbytes / spec.num_shards(mesh.shape)
     comm_bytes = sum(c.num_bytes for strategy in solution.strategies for c in strategy.collectives)
-    return LayerCost(compute_seconds=jaxpr_flops(closed) / (mesh.num_devices * peak_flops),
+    return LayerCost(compute_seconds=jaxpr_seconds(closed, peak_flops, memory_bandwidth, mesh.num_devices),
                      comm_seconds=float(solution.objective), comm_bytes=float(comm_bytes),
                      param_bytes_per_device=param_bytes, input_specs=tuple(solution.input_specs()))
 
@@ -230,7 +235,8 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
                 pair_job[(l, p, e)] = (key, variant)
     job_keys = list(jobs)
     context = _SolveContext(layers=layers, jobs=[jobs[k] for k in job_keys], param_mask=tuple(param_mask),
-                            peak_flops=cluster.peak_flops, options=options, memory_variants=memory_variants)
+                            peak_flops=cluster.peak_flops, memory_bandwidth=cluster.memory_bandwidth,
+                            options=options, memory_variants=memory_variants)
     results: dict[tuple, tuple[LayerCost, LayerCost]] = {}
     num_solves = 0
     for index, variants, solves in _run_solves(context, max_workers, progress):
@@ -273,6 +279,7 @@ class _SolveContext:
     jobs: list[tuple[int, LogicalMesh]]
     param_mask: tuple[bool, ...]
     peak_flops: float
+    memory_bandwidth: float | None
     options: PassOptions
     memory_variants: bool
 
@@ -289,7 +296,8 @@ def _solve_job(context: _SolveContext, index: int) -> tuple[int, tuple[LayerCost
     closed, inputs = context.layers[l]
     params = [i >= 0 and context.param_mask[i] for i in inputs]
     prepared = prepare(build_op_graph(closed), mesh, context.options)
-    fastest = layer_cost(closed, params, mesh, context.peak_flops, solve_prepared(prepared))
+    fastest = layer_cost(closed, params, mesh, context.peak_flops, solve_prepared(prepared),
+                         context.memory_bandwidth)
     if not context.memory_variants or mesh.num_devices == 1:
         return index, (fastest, fastest), 1
     candidates = sharded_param_candidates(closed, params, mesh)
@@ -301,7 +309,7 @@ def _solve_job(context: _SolveContext, index: int) -> tuple[int, tuple[LayerCost
         options = dataclasses.replace(context.options,
                                       input_candidates={**context.options.input_candidates, **candidates})
         lean = auto_shard(prepared.graph, mesh, options)
-    return index, (fastest, layer_cost(closed, params, mesh, context.peak_flops, lean)), 2
+    return index, (fastest, layer_cost(closed, params, mesh, context.peak_flops, lean, context.memory_bandwidth)), 2
 
 
 def _solve_forked(index: int):

@@ -107,6 +107,17 @@ class ReshardingPlan:
                       for g in self.all_gathers), default=0.0)
         return cross + gather
 
+    def serial_seconds(self, bandwidth: float, latency: float) -> float:
+        """Alpha-beta time when every copy runs one after the other (one driver thread issuing them on one
+        host whose devices share its cores and memory, as :func:`reshard` does on local devices): each
+        transfer, then each device's copy of every other replica's slice in the local all-gathers, pays
+        ``latency + bytes / bandwidth``."""
+        copies = [t.num_bytes for t in self.transfers]
+        for g in self.all_gathers:
+            for d in g.devices:
+                copies.extend(_box_bytes(s, self.itemsize) for o, s in zip(g.devices, g.slices) if o != d)
+        return sum(latency + b / bandwidth for b in copies)
+
 
 def _box_bytes(box: Box, itemsize: int) -> int:
     return math.prod(b - a for a, b in box) * itemsize

@@ -4,9 +4,15 @@ Every mesh has a clock. An instruction starts when its mesh is free and its inpu
 
 * ``RUN qFmb`` / ``RUN qBmb``: the stage's modelled time per micro-batch (the plan's compute plus intra-op
   communication, divided over the micro-batches), split 1 : 2 between forward and backward as in
-  Megatron-LM's analysis; ``RUN qA``: the stage's apply-grad FLOPs at the device peak;
+  Megatron-LM's analysis; ``RUN qA``: the stage's apply-grad FLOPs at the device peak. When the cluster
+  has a ``memory_bandwidth``, the compute part of every RUN is instead the roofline of the piece's own
+  jaxpr (:func:`~alpa_like.compiler.flops.jaxpr_seconds`: per equation the larger of FLOP time and memory
+  time, work split over the mesh's devices), so element-wise work is priced and forward and backward get
+  their own costs; every RUN also pays the cluster's ``launch_overhead`` (one executable launch);
 * ``RECV``: the resharding plan's alpha-beta time between the two meshes (inter-node link when the meshes
-  are on different nodes);
+  are on different nodes); with ``shared_host_compute`` its copies are summed, not overlapped
+  (:meth:`~alpa_like.runtime.resharding.ReshardingPlan.serial_seconds`: the driver issues them one by one
+  on one host);
 * ``LOAD``: host-to-device bytes at the intra-node bandwidth; ``ACC``, ``MEAN``, ``FREE``: free.
 
 When the cluster's devices share their host's cores (``ClusterSpec.shared_host_compute``: XLA's virtual
@@ -24,7 +30,7 @@ import math
 
 import numpy as np
 
-from alpa_like.compiler.flops import jaxpr_flops
+from alpa_like.compiler.flops import jaxpr_flops, jaxpr_seconds
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
 from alpa_like.compiler.stage_construction import StageProgram
 from alpa_like.runtime.instructions import PER_STEP, MeshPrograms, Op
@@ -44,6 +50,9 @@ class Simulation:
     """Per mesh: time spent in RUN instructions."""
     transfer_seconds: float
     """Sum of RECV durations."""
+    seconds_by_kind: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Summed durations per instruction kind (:func:`instruction_kind`: ``RUN F``, ``RUN B``, ``RUN A``,
+    ``RECV``, ``LOAD``, ...), to set beside a profiled step's measured ones."""
 
 
 def _mesh_layout(stage_plan, shape) -> MeshLayout:
@@ -60,6 +69,27 @@ def measured_durations(programs: MeshPrograms, spans) -> dict[str, float]:
     for _, text, start, end in spans:
         samples.setdefault(_strip_micro_batch(text), []).append(end - start)
     return {k: float(np.median(v)) for k, v in samples.items()}
+
+
+def instruction_kind(text: str) -> str:
+    """``RUN F`` / ``RUN B`` / ``RUN A`` for a RUN instruction's text (forward, backward, apply-grad), else
+    the op name (``RECV``, ``LOAD``, ``ACC``, ...)."""
+    head = text.split(" <-")[0].split()
+    if not head:
+        return ""
+    if head[0] == "RUN" and len(head) > 1:
+        phase = head[1].lstrip("0123456789")[:1]
+        return f"RUN {phase}"
+    return head[0]
+
+
+def measured_seconds_by_kind(spans) -> dict[str, float]:
+    """Summed measured seconds per :func:`instruction_kind` from a profiled step's spans."""
+    totals: dict[str, float] = {}
+    for _, text, start, end in spans:
+        kind = instruction_kind(text)
+        totals[kind] = totals.get(kind, 0.0) + (end - start)
+    return totals
 
 
 def _strip_micro_batch(text: str) -> str:
@@ -89,13 +119,23 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
         speedup = (cluster.num_devices_per_node * len(nodes_of[mesh]) / devices if cluster.shared_host_compute
                    else 1.0)
         per_mb = (stage_plan.compute_seconds / speedup + stage_plan.communication_seconds) / m / chunks
-        apply_flops = jaxpr_flops(program.piece(q, APPLY).jaxpr)
-        stage_time[(q, FORWARD)] = per_mb * _FORWARD_SHARE
-        stage_time[(q, BACKWARD)] = per_mb * (1 - _FORWARD_SHARE)
-        stage_time[(q, APPLY)] = apply_flops / (devices * speedup * cluster.peak_flops)
+        if cluster.memory_bandwidth is None:
+            apply_flops = jaxpr_flops(program.piece(q, APPLY).jaxpr)
+            stage_time[(q, FORWARD)] = per_mb * _FORWARD_SHARE
+            stage_time[(q, BACKWARD)] = per_mb * (1 - _FORWARD_SHARE)
+            stage_time[(q, APPLY)] = apply_flops / (devices * speedup * cluster.peak_flops)
+        else:
+            comm_per_mb = stage_plan.communication_seconds / m / chunks
+            for phase, share in ((FORWARD, _FORWARD_SHARE), (BACKWARD, 1 - _FORWARD_SHARE), (APPLY, 0.0)):
+                compute = jaxpr_seconds(program.piece(q, phase).jaxpr, cluster.peak_flops, cluster.memory_bandwidth,
+                                        devices * speedup)
+                stage_time[(q, phase)] = compute + comm_per_mb * share
+        for phase in (FORWARD, BACKWARD, APPLY):
+            stage_time[(q, phase)] += cluster.launch_overhead
     clock = [0.0] * programs.num_meshes
     ready: dict[tuple[int, tuple], float] = {}
     spans, busy, transfers = [], [0.0] * programs.num_meshes, 0.0
+    by_kind: dict[str, float] = {}
     def hosts(ins) -> frozenset[int]:
         """The nodes whose shared cores ``ins`` occupies (none when devices compute independently)."""
         if not cluster.shared_host_compute:
@@ -130,7 +170,10 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
             cross = {d // per_node for d in src_plan.device_ids} != {d // per_node for d in dst_plan.device_ids}
             bandwidth = cluster.inter_node_bandwidth if cross else cluster.intra_node_bandwidth
             latency = cluster.inter_node_latency if cross else cluster.intra_node_latency
-            duration = reshard.estimated_seconds(bandwidth, latency, cluster.intra_node_bandwidth)
+            if cluster.shared_host_compute:
+                duration = reshard.serial_seconds(bandwidth, latency)
+            else:
+                duration = reshard.estimated_seconds(bandwidth, latency, cluster.intra_node_bandwidth)
             if measured is not None:
                 duration = measured.get(_strip_micro_batch(str(ins)), duration)
             transfers += duration
@@ -149,9 +192,11 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
             start = max(start, ready.get((mesh, ins.key), start))
             ready[(mesh, ins.key)] = start
         clock[mesh] = start + duration
+        kind = instruction_kind(str(ins))
+        by_kind[kind] = by_kind.get(kind, 0.0) + duration
         if ins.op in (Op.RUN, Op.RECV, Op.LOAD):
             node_clock.update(dict.fromkeys(hosts(ins), start + duration))
     timeline = Timeline(name=plan.pipeline_schedule or "pipeline", num_meshes=programs.num_meshes,
                         num_stages=program.num_stages, spans=tuple(sorted(spans, key=lambda s: (s.mesh, s.start))))
     return Simulation(step_seconds=max(clock), timeline=timeline, busy_seconds=tuple(busy),
-                      transfer_seconds=transfers)
+                      transfer_seconds=transfers, seconds_by_kind=by_kind)

@@ -9,7 +9,9 @@ it, and prints, side by side in one run:
   only the schedule and dependencies are modelled;
 * executables / driver: from a profiled step where every instruction is waited for: time inside RUN and
   RECV instructions versus the driver's own Python work;
-* bubble: the simulated timeline's idle fraction.
+* bubble: the simulated timeline's idle fraction;
+* per instruction kind (RUN F / B / A, RECV, ACC, ...): the profiled step's summed durations beside the
+  simulator's, to show where the measured time goes that the cost model does not see.
 
     python examples/benchmarks/pipeline.py --out results/pipeline.json
 """
@@ -31,7 +33,7 @@ from flax.training import train_state  # noqa: E402
 import alpa_like as al  # noqa: E402
 from alpa_like import models  # noqa: E402
 from alpa_like.models import gpt  # noqa: E402
-from alpa_like.runtime.simulator import measured_durations, simulate  # noqa: E402
+from alpa_like.runtime.simulator import measured_durations, measured_seconds_by_kind, simulate  # noqa: E402
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("breadth_first", 2)]
 
@@ -84,7 +86,9 @@ def main():
                      "calibrated_over_measured": calibrated.step_seconds / measured,
                      "profiled_step_s": prof.seconds, "executables_s": in_exe, "driver_s": prof.driver_seconds,
                      "driver_share": prof.driver_seconds / prof.seconds, "bubble": float(sim.timeline.bubble_fraction()),
-                     "op_seconds": prof.op_seconds, "instructions": prof.instructions})
+                     "op_seconds": prof.op_seconds, "instructions": prof.instructions,
+                     "measured_by_kind_s": measured_seconds_by_kind(prof.spans),
+                     "simulated_by_kind_s": dict(sim.seconds_by_kind)})
         print(f"{schedule}: {measured * 1e3:.1f} ms", file=sys.stderr)
     print(f"{args.model}, batch {args.batch_size}, {args.micro_batches} micro-batches, 2 stages x 4 CPU devices, "
           f"median of {args.steps} steps")
@@ -95,6 +99,17 @@ def main():
               f"{r['simulated_over_measured']:>9.2f} {r['calibrated_s'] * 1e3:>14.1f} "
               f"{r['calibrated_over_measured']:>9.2f} {r['executables_s'] * 1e3:>8.1f} {r['driver_s'] * 1e3:>10.1f} "
               f"{r['driver_share']:>9.1%} {r['bubble']:>7.1%}")
+    cluster = exe.plan.cluster  # ClusterSpec.local(), measured once per process
+    print(f"\nper instruction kind, summed over the step (profiled: each instruction waited for), ms; "
+          f"cost model: {cluster.peak_flops / 1e9:.3g} GFLOP/s and {cluster.memory_bandwidth / 1e9:.3g} GB/s "
+          f"per device, launch {cluster.launch_overhead * 1e6:.0f} us")
+    print(f"{'schedule':18} {'kind':6} {'measured':>9} {'simulated':>10} {'sim/meas':>9}")
+    for r in rows:
+        measured, simulated = r["measured_by_kind_s"], r["simulated_by_kind_s"]
+        for kind in sorted(set(measured) | set(simulated)):
+            m, s = measured.get(kind, 0.0), simulated.get(kind, 0.0)
+            print(f"{r['schedule']:18} {kind:6} {m * 1e3:>9.1f} {s * 1e3:>10.1f} "
+                  f"{(f'{s / m:.2f}' if m > 0 else '-'):>9}")
     write_results(args.out, rows)
 
 

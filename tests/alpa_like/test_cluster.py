@@ -14,7 +14,7 @@ GIB = 2**30
 # Public fields: adding one is an API change (and needs a docstring with units).
 FIELDS = ("name", "num_nodes", "num_devices_per_node", "device_name", "peak_flops", "device_memory",
           "intra_node_bandwidth", "inter_node_bandwidth", "intra_node_latency", "inter_node_latency",
-          "shared_host_compute")
+          "shared_host_compute", "memory_bandwidth", "launch_overhead")
 
 PRESETS = {
     # name: (device_name, peak_flops, device_memory, intra bytes/s, inter bytes/s per device)
@@ -64,7 +64,8 @@ def test_preset_rejects_bad_num_nodes(num_nodes):
 @pytest.mark.parametrize("field, value", [
     ("num_nodes", 0), ("num_devices_per_node", 0), ("device_memory", -1), ("peak_flops", 0.0),
     ("intra_node_bandwidth", -1.0), ("inter_node_bandwidth", float("nan")), ("intra_node_latency", -1e-6),
-    ("inter_node_latency", "1us"), ("name", ""),
+    ("inter_node_latency", "1us"), ("name", ""), ("memory_bandwidth", 0.0), ("memory_bandwidth", "fast"),
+    ("launch_overhead", -1e-6),
 ])
 def test_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -128,3 +129,16 @@ def test_local_with_a_device_subset():
 
 def test_doctests():
     assert doctest.testmod(cluster_module).failed == 0
+
+
+def test_presets_have_no_memory_term():
+    for name in PRESETS:
+        spec = ClusterSpec.preset(name)
+        assert (spec.memory_bandwidth, spec.launch_overhead) == (None, 0.0)
+
+
+def test_local_measures_memory_bandwidth_and_launch_overhead():
+    spec = ClusterSpec.local()
+    assert spec.memory_bandwidth is not None and 1e7 < spec.memory_bandwidth < 1e13
+    assert 0.0 < spec.launch_overhead < 1.0
+    assert ClusterSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec

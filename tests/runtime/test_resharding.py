@@ -3,6 +3,7 @@ import math
 
 import jax
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
@@ -70,3 +71,15 @@ def test_senders_are_spread_over_source_replicas():
     plan = plan_resharding((8, 4), 4, src, dst)
     senders = [t.src for t in plan.transfers]
     assert len(set(senders)) == 4, senders
+
+
+def test_serial_seconds_sums_every_copy():
+    # Sharded 4 ways -> sharded 4 ways on another mesh: 4 transfers of 8x2 floats, no all-gather.
+    shape = (8, 8)
+    src = MeshLayout(device_ids=((0, 1, 2, 3),), spec=ShardingSpec.from_str("S1R"))
+    plan = plan_resharding(shape, 4, src, MeshLayout(device_ids=((4, 5, 6, 7),), spec=ShardingSpec.from_str("S1R")))
+    assert plan.serial_seconds(1e3, 0.5) == pytest.approx(4 * (0.5 + 64 / 1e3))
+    assert plan.estimated_seconds(1e3, 0.5) == pytest.approx(0.5 + 64 / 1e3)  # overlapped: one receiver's
+    # -> replicated with the all-gather rewrite: 4 transfers of 64 B, then each of 4 devices copies 3 slices.
+    gathered = plan_resharding(shape, 4, src, MeshLayout(device_ids=((4, 5, 6, 7),), spec=ShardingSpec.from_str("RR")))
+    assert gathered.serial_seconds(1e3, 0.5) == pytest.approx((4 + 4 * 3) * (0.5 + 64 / 1e3))

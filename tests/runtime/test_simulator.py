@@ -21,7 +21,7 @@ def idealised(plan, seconds_per_stage=1.0, shared_host_compute=False):
     pipeline."""
     cluster = dataclasses.replace(plan.cluster, peak_flops=1e30, intra_node_bandwidth=1e30, inter_node_bandwidth=1e30,
                                   intra_node_latency=0.0, inter_node_latency=0.0,
-                                  shared_host_compute=shared_host_compute)
+                                  shared_host_compute=shared_host_compute, memory_bandwidth=None, launch_overhead=0.0)
     stages = tuple(dataclasses.replace(s, compute_seconds=seconds_per_stage, communication=()) for s in plan.stages)
     return dataclasses.replace(plan, cluster=cluster, stages=stages)
 
@@ -74,3 +74,37 @@ def test_calibrated_simulation_uses_measured_durations():
     sim = simulate(idealised(exe.plan), exe.program, exe.programs, measured)
     p, m = 2, 4
     assert sim.step_seconds == pytest.approx((m + p - 1) * 3.0)  # GPipe: (m + p - 1)(t_f + t_b)
+
+
+def test_run_costs_are_the_pieces_roofline_plus_one_launch():
+    """With a memory bandwidth, each RUN lasts launch + the roofline of its own piece's jaxpr (work split over
+    the mesh's devices) + its share of the stage's intra-op communication; the kinds add up to that."""
+    from alpa_like.compiler.flops import jaxpr_seconds
+    from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
+
+    exe = executable("gpipe", num_micro_batches=2)
+    base = idealised(exe.plan)
+    cluster = dataclasses.replace(base.cluster, peak_flops=1e9, memory_bandwidth=1e8, launch_overhead=1e-3)
+    plan = dataclasses.replace(base, cluster=cluster)
+    sim = simulate(plan, exe.program, exe.programs)
+    expected = {}
+    for phase, kind in ((FORWARD, "RUN F"), (BACKWARD, "RUN B"), (APPLY, "RUN A")):
+        per_run = [1e-3 + jaxpr_seconds(exe.program.piece(q, phase).jaxpr, 1e9, 1e8,
+                                        len(plan.stages[exe.programs.stage_to_mesh[q]].device_ids))
+                   for q in range(exe.program.num_stages)]
+        expected[kind] = sum(per_run) * (1 if phase == APPLY else 2)
+    for kind, seconds in expected.items():
+        assert sim.seconds_by_kind[kind] == pytest.approx(seconds)
+    assert expected["RUN B"] > expected["RUN F"] > 2e-3  # the pieces are not free
+    f = {s.task.stage: s.end - s.start for s in sim.timeline.spans if s.task.phase is Phase.F}
+    assert f[0] == pytest.approx(1e-3 + jaxpr_seconds(exe.program.piece(0, FORWARD).jaxpr, 1e9, 1e8,
+                                                       len(plan.stages[exe.programs.stage_to_mesh[0]].device_ids)))
+
+
+def test_instruction_kinds():
+    from alpa_like.runtime.simulator import instruction_kind, measured_seconds_by_kind
+
+    assert [instruction_kind(t) for t in ("RUN 12F3", "RUN 0B", "RUN 1A", "RECV v3@1 <- mesh 0", "FREE v2")] == [
+        "RUN F", "RUN B", "RUN A", "RECV", "FREE"]
+    assert measured_seconds_by_kind([(0, "RUN 0F0", 0.0, 1.0), (1, "RUN 1F0", 1.0, 3.0), (0, "LOAD v1", 0, .5)]) == {
+        "RUN F": 3.0, "LOAD": 0.5}
