@@ -59,6 +59,14 @@ def _sub_jaxprs(eqn: JaxprEqn) -> list[Jaxpr]:
     return subs
 
 
+def _nested_total(eqn: JaxprEqn, costs: list[float]) -> float:
+    """An equation's cost from its nested jaxprs' ``costs``: a ``cond`` its most expensive branch, a ``scan``
+    its body ``length`` times, anything else (``jit``, ``while`` once, ``checkpoint``...) their sum."""
+    if eqn.primitive.name == "cond":
+        return max(costs)
+    return (eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1) * sum(costs)
+
+
 def eqn_flops(eqn: JaxprEqn) -> float:
     """FLOPs of one equation (see the module docstring)."""
     name = eqn.primitive.name
@@ -68,11 +76,7 @@ def eqn_flops(eqn: JaxprEqn) -> float:
         return conv_flops(eqn)
     subs = _sub_jaxprs(eqn)
     if subs:
-        costs = [jaxpr_flops(j) for j in subs]
-        if name == "cond":
-            return max(costs)
-        scale = eqn.params.get("length", 1) if name == "scan" else 1
-        return scale * sum(costs)
+        return _nested_total(eqn, [jaxpr_flops(j) for j in subs])
     if name in _FREE:
         return 0.0
     return float(sum(_size(v.aval) for v in eqn.outvars))
@@ -105,11 +109,7 @@ def eqn_bytes(eqn: JaxprEqn) -> float:
     name = eqn.primitive.name
     subs = _sub_jaxprs(eqn)
     if subs:
-        costs = [jaxpr_bytes(j) for j in subs]
-        if name == "cond":
-            return max(costs)
-        scale = eqn.params.get("length", 1) if name == "scan" else 1
-        return scale * sum(costs)
+        return _nested_total(eqn, [jaxpr_bytes(j) for j in subs])
     if name in _NO_TRAFFIC:
         return 0.0
     return float(sum(_nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars) if hasattr(v, "aval")))
@@ -141,11 +141,7 @@ def equation_seconds(eqn: JaxprEqn, peak_flops: float, memory_bandwidth: float |
                          f"{peak_flops!r}, {memory_bandwidth!r}, {num_devices!r}")
     subs = _sub_jaxprs(eqn)
     if subs:
-        costs = [jaxpr_seconds(j, peak_flops, memory_bandwidth, num_devices) for j in subs]
-        if eqn.primitive.name == "cond":
-            return max(costs)
-        scale = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
-        return scale * sum(costs)
+        return _nested_total(eqn, [jaxpr_seconds(j, peak_flops, memory_bandwidth, num_devices) for j in subs])
     compute = eqn_flops(eqn) / (num_devices * peak_flops)
     if memory_bandwidth is None:
         return compute
