@@ -333,7 +333,7 @@ def solve_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_micro_ba
     placement = _Placement.of(costs, num_devices, per_node)
 
     def total(t_max: float) -> float:
-        return _best_finals(eff, t_max, sizes, num_devices, placement)[0] + (batches - 1) * t_max
+        return float(_best_finals(eff, t_max, sizes, num_devices, placement)[0].min()) + (batches - 1) * t_max
 
     groups = _t_max_groups(_stage_time_candidates(eff, costs.boundary_saving), epsilon)
     solved: dict[int, float] = {}
@@ -484,16 +484,14 @@ def _stage_time_candidates(eff: np.ndarray, saving: np.ndarray | None) -> np.nda
 
 
 def _best_finals(eff: np.ndarray, t_max: float, sizes: np.ndarray, num_devices: int,
-                 placement: _Placement | None, track: bool = False):
-    """``min_s F(s, 0, N * M; t_max)`` (Eq. 3.3): the better of every plan priced with boundaries across
-    nodes and of the aligned plans priced for their layout. Returns ``(value, finals, choices, placed)``."""
-    finals, choices = _dp(np.where(eff <= t_max, eff, np.inf), sizes, num_devices, np.add, track)
-    best = (float(finals.min()), finals, choices, None)
-    if placement is not None:
-        placed_finals, placed_choices = _dp(eff, sizes, num_devices, np.add, track, (placement, t_max))
-        if placed_finals.min() <= best[0]:
-            best = (float(placed_finals.min()), placed_finals, placed_choices, placement)
-    return best
+                 placement: _Placement | None, track: bool = False) -> tuple[np.ndarray, list[np.ndarray]]:
+    """``_dp``'s ``(finals, choices)`` at ``t_max`` (Eq. 3.3) of the better table: every plan priced with
+    boundaries across nodes, or the aligned plans priced for their layout (preferred on ties)."""
+    plain = _dp(np.where(eff <= t_max, eff, np.inf), sizes, num_devices, np.add, track)
+    if placement is None:
+        return plain
+    placed = _dp(eff, sizes, num_devices, np.add, track, (placement, t_max))
+    return placed if placed[0].min() <= plain[0].min() else plain
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -637,7 +635,7 @@ def _reconstruct(costs: StageCosts, eff: np.ndarray, view: np.ndarray, t_max: fl
     """Re-runs the DP at ``t_max`` with argmins and walks them from ``(S, 0, N * M)`` to ``(0, K, 0)``.
     ``t_intra`` of the stages is the table's (not yet priced for placement)."""
     sizes = costs.sizes
-    _, finals, choices, _ = _best_finals(eff, t_max, sizes, num_devices, placement, track=True)
+    finals, choices = _best_finals(eff, t_max, sizes, num_devices, placement, track=True)
     s = int(np.argmin(finals))  # Ties: fewer stages.
     first, devices, stages = 0, num_devices, []
     while s > 0:

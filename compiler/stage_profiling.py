@@ -257,9 +257,9 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
         mem_layer[l, p, e] = 2 * cost.param_bytes_per_device + optimizer_bytes[l] / n
         act_layer[l, p, e] = summaries[l].activation_bytes / n
     received = received_per_micro_batch(jaxpr, pieces, num_layers)
-    recv = receive_seconds(received, [a * b for a, b in submeshes], cluster)
-    t_intra = _range_sums(t_layer) + recv[..., None]
-    saving = boundary_saving(received, [a * b for a, b in submeshes], cluster)
+    devices = [a * b for a, b in submeshes]
+    t_intra = _range_sums(t_layer) + receive_seconds(received, devices, cluster)[..., None]
+    saving = boundary_saving(received, devices, cluster)
     costs = StageCosts(num_layers=num_layers, submeshes=tuple(map(tuple, submeshes)),
                        boundary_saving=saving,
                        logical_shapes=tuple(tuple(view for view, _ in e) for e in entries),

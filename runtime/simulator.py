@@ -30,7 +30,7 @@ import math
 
 import numpy as np
 
-from alpa_like.compiler.flops import jaxpr_flops, jaxpr_seconds
+from alpa_like.compiler.flops import jaxpr_seconds
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
 from alpa_like.compiler.stage_construction import StageProgram
 from alpa_like.runtime.instructions import PER_STEP, MeshPrograms, Op
@@ -119,19 +119,14 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
         speedup = (cluster.num_devices_per_node * len(nodes_of[mesh]) / devices if cluster.shared_host_compute
                    else 1.0)
         per_mb = (stage_plan.compute_seconds / speedup + stage_plan.communication_seconds) / m / chunks
-        if cluster.memory_bandwidth is None:
-            apply_flops = jaxpr_flops(program.piece(q, APPLY).jaxpr)
-            stage_time[(q, FORWARD)] = per_mb * _FORWARD_SHARE
-            stage_time[(q, BACKWARD)] = per_mb * (1 - _FORWARD_SHARE)
-            stage_time[(q, APPLY)] = apply_flops / (devices * speedup * cluster.peak_flops)
-        else:
-            comm_per_mb = stage_plan.communication_seconds / m / chunks
-            for phase, share in ((FORWARD, _FORWARD_SHARE), (BACKWARD, 1 - _FORWARD_SHARE), (APPLY, 0.0)):
-                compute = jaxpr_seconds(program.piece(q, phase).jaxpr, cluster.peak_flops, cluster.memory_bandwidth,
-                                        devices * speedup)
-                stage_time[(q, phase)] = compute + comm_per_mb * share
-        for phase in (FORWARD, BACKWARD, APPLY):
-            stage_time[(q, phase)] += cluster.launch_overhead
+        comm_per_mb = stage_plan.communication_seconds / m / chunks
+        for phase, share in ((FORWARD, _FORWARD_SHARE), (BACKWARD, 1 - _FORWARD_SHARE), (APPLY, 0.0)):
+            if phase != APPLY and cluster.memory_bandwidth is None:  # FLOP-only: the plan's time split 1 : 2
+                seconds = per_mb * share
+            else:
+                seconds = (jaxpr_seconds(program.piece(q, phase).jaxpr, cluster.peak_flops,
+                                         cluster.memory_bandwidth, devices * speedup) + comm_per_mb * share)
+            stage_time[(q, phase)] = seconds + cluster.launch_overhead
     clock = [0.0] * programs.num_meshes
     ready: dict[tuple[int, tuple], float] = {}
     spans, busy, transfers = [], [0.0] * programs.num_meshes, 0.0
