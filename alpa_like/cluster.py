@@ -324,10 +324,7 @@ def _measure_all_reduce(devices: tuple[Any, ...]) -> tuple[float, float]:
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
 
     all_reduce = program(lambda v: jax.lax.psum(v, "d"))
-    launch = program(lambda v: v + 1.0)  # launching a program on every device, on a 4-byte buffer each
-    tiny = jax.device_put(np.ones((n, 1), np.float32), NamedSharding(mesh, spec))
-    launch(tiny).block_until_ready()
-    overhead = _best_time(lambda: launch(tiny).block_until_ready(), repeats=3 * _REPEATS)
+    overhead = _measure_launch(devices)
     times = []
     for num_bytes in _ALL_REDUCE_BYTES:
         x = jax.device_put(np.ones((n, num_bytes // 4), np.float32), NamedSharding(mesh, spec))
@@ -345,13 +342,28 @@ _STREAM_BYTES = 8 * 2**20  # per device: beyond a core's caches, the size of a s
 
 
 @functools.cache
+def _measure_launch(devices: tuple[Any, ...]) -> float:
+    """Seconds to launch a program on every device of ``devices``: the best time of a jitted ``v + 1`` on
+    one float32 per device."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    sharding = NamedSharding(Mesh(np.array(devices), ("d",)), PartitionSpec("d"))
+    launch = jax.jit(lambda v: v + 1.0)
+    tiny = jax.device_put(np.ones((len(devices), 1), np.float32), sharding)
+    launch(tiny).block_until_ready()
+    return _best_time(lambda: launch(tiny).block_until_ready(), repeats=3 * _REPEATS)
+
+
+@functools.cache
 def _measure_launch_and_memory(devices: tuple[Any, ...]) -> tuple[float, float]:
     """(launch seconds, memory bytes/s per device) on ``devices``, every device working at once.
 
-    The launch time is the best time of a jitted ``v + 1`` on one float32 per device. The bandwidth is that
-    of a jitted ``x * 3 + 1`` (one fused element-wise loop reading ``x`` and writing the result: 2 * 8 MB
-    per device) over its best time minus the launch time. (Arrays much larger than a step's activations
-    are slower again on CPUs: fresh result buffers then come from the OS page by page.)
+    The launch time is :func:`_measure_launch`. The bandwidth is that of a jitted ``x * 3 + 1`` (one fused
+    element-wise loop reading ``x`` and writing the result: 2 * 8 MB per device) over its best time minus
+    the launch time. (Arrays much larger than a step's activations are slower again on CPUs: fresh result
+    buffers then come from the OS page by page.)
     """
     import jax
     import numpy as np
@@ -359,10 +371,7 @@ def _measure_launch_and_memory(devices: tuple[Any, ...]) -> tuple[float, float]:
 
     n = len(devices)
     sharding = NamedSharding(Mesh(np.array(devices), ("d",)), PartitionSpec("d"))
-    launch = jax.jit(lambda v: v + 1.0)
-    tiny = jax.device_put(np.ones((n, 1), np.float32), sharding)
-    launch(tiny).block_until_ready()
-    overhead = _best_time(lambda: launch(tiny).block_until_ready(), repeats=3 * _REPEATS)
+    overhead = _measure_launch(devices)
     stream = jax.jit(lambda x: x * 3.0 + 1.0)
     x = jax.device_put(np.ones((n, _STREAM_BYTES // 4), np.float32), sharding)
     stream(x).block_until_ready()

@@ -107,7 +107,7 @@ def fit_slice_costs(seq_len: int, samples: Sequence[tuple[int, int, float]], *,
         rows = rows[np.argsort(rows[:, 0])]
         # i = L (context 0) is t(L, 0); it anchors the interpolation at the long end.
         xs = np.concatenate([rows[:, 0], [seq_len]])
-        ys = np.concatenate([rows[:, 2], [np.interp(seq_len, zero[order, 0], zero[order, 2])]])
+        ys = np.concatenate([rows[:, 2], [base[-1]]])
         last = tuple(float(x) for x in np.interp(lengths, xs, ys))
     ctx = data[(data[:, 1] > 0) & ~(ends & tabulate_last_slice)]
     coefficients = (0.0, 0.0, 0.0, 0.0)

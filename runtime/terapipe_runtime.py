@@ -49,8 +49,10 @@ Update: everything after ``al.grad`` is the step's apply-grad pieces of
 :func:`alpa_like.compiler.stage_construction.build_stage_program`, each run on the mesh of the stage owning
 its layers' parameters, fed with the summed gradients and loss (so no parameter crosses meshes).
 
-Limits: slices with equal lengths but different contexts are different shapes, so they do not share executables
-(sharing one would mean padding the context, i.e. attention over tokens TeraPipe exists to skip).
+Limits: by default slices with equal lengths but different contexts are different shapes, so they do not
+share executables; ``share_slice_executables=True`` shares them by left-padding the cached prefix to the
+longest context and masking the padding, which costs attention over the padding (tokens TeraPipe exists to
+skip) that the planner's cost model does not price.
 """
 from __future__ import annotations
 
@@ -281,6 +283,7 @@ def _inexact(aval) -> bool:
 
 
 def _part_body(part: _StagePart):
+    """The stage part's equations as a function of its inputs, returning its outputs."""
     def body(*values):
         env = dict(zip(part.inputs, values, strict=True))
         jax_compat.eval_eqns(part.eqns, env)
@@ -292,11 +295,7 @@ def _stage_functions(part: _StagePart):
     """Jitted forward (outputs and the vjp closure, residuals kept where computed) and backward."""
     diff = [_inexact(v.aval) for v in part.inputs]
     out_avals = [v.aval for v in part.outputs]
-
-    def body(*values):
-        env = dict(zip(part.inputs, values, strict=True))
-        jax_compat.eval_eqns(part.eqns, env)
-        return [env[v] for v in part.outputs]
+    body = _part_body(part)
 
     def forward(*values):
         def f(*differentiable):
@@ -649,11 +648,10 @@ def _units(batch_slices: BatchSlices, share_contexts: bool = False) -> tuple[_Un
     """Every (batch slice, token slice) in sequence order: the order forwards run (backwards: reversed).
     ``share_contexts``: units of equal (rows, length) get one key, whose context is the longest among them
     (their programs read the cached prefix left-padded to it)."""
-    units, row = [], 0
-    for k, (rows, lengths) in enumerate(batch_slices):
-        for i, (start, length) in enumerate(zip(slice_starts(lengths), lengths)):
-            units.append(_Unit(batch_slice=k, index=i, key=(rows, start, length), row_start=row, token_start=start))
-        row += rows
+    row_starts = slice_starts([rows for rows, _ in batch_slices])
+    units = [_Unit(batch_slice=k, index=i, key=(rows, start, length), row_start=row_starts[k], token_start=start)
+             for k, (rows, lengths) in enumerate(batch_slices)
+             for i, (start, length) in enumerate(zip(slice_starts(lengths), lengths))]
     if not share_contexts:
         return tuple(units)
     longest: dict[tuple[int, int], int] = {}
