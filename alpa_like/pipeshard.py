@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 from jax.extend.core import ClosedJaxpr
 
 from alpa_like.cluster import ClusterSpec
@@ -105,6 +106,10 @@ class AutoStageOption:
     """Worker processes for the intra-op solves; None: one per core."""
     show_progress: bool = True
     """Print planning progress to stderr."""
+    equal_layers: bool = False
+    """Alpa's "equal layer" ablation (Fig. 3.9): the DP may only cut stages of one common number of layers
+    (every number dividing the layers is tried, the best plan kept); it still chooses the submeshes and
+    logical meshes."""
 
     def __post_init__(self):
         spaces = ("all", "single_node_model_parallel")
@@ -396,8 +401,20 @@ def _solve(method: PipeshardParallel, costs: StageCosts, cluster: ClusterSpec) -
     option, b = method.stage_option, method.num_micro_batches
     shape = (cluster.num_nodes, cluster.num_devices_per_node)
     if isinstance(option, AutoStageOption):
-        return solve_stages(costs, shape, b, cluster.device_memory, epsilon=option.epsilon,
-                            schedule=_MEMORY_RULE[method.pipeline_schedule])
+        def solve(table: StageCosts) -> StageSolution:
+            return solve_stages(table, shape, b, cluster.device_memory, epsilon=option.epsilon,
+                                schedule=_MEMORY_RULE[method.pipeline_schedule])
+        if not option.equal_layers:
+            return solve(costs)
+        solutions, errors = [], []
+        for per in (k for k in range(1, costs.num_layers + 1) if costs.num_layers % k == 0):
+            try:
+                solutions.append(solve(equal_layer_costs(costs, per)))
+            except ValueError as e:  # this stage length does not cover the cluster or does not fit
+                errors.append(f"{per} layers per stage: {str(e).splitlines()[0]}")
+        if not solutions:
+            raise ValueError("equal_layers: no stage length gives a plan; " + "; ".join(errors))
+        return min(solutions, key=lambda sol: sol.iteration_time)
     if isinstance(option, ManualStageOption):
         layout = [((ids[0], ids[-1]), tuple(p), tuple(v)) for ids, p, v in zip(
             option.forward_stage_layer_ids, option.submesh_physical_shapes, option.submesh_logical_shapes)]
@@ -408,6 +425,17 @@ def _solve(method: PipeshardParallel, costs: StageCosts, cluster: ClusterSpec) -
     per = costs.num_layers // option.num_stages
     layout = [((q * per, q * per + per - 1), costs.submeshes[0], None) for q in range(option.num_stages)]
     return _fixed_solution(costs, layout, b, choose_view=True, cluster=cluster)
+
+
+def equal_layer_costs(costs: StageCosts, layers_per_stage: int) -> StageCosts:
+    """``costs`` with every stage that is not ``layers_per_stage`` layers starting at a multiple of it made
+    infeasible (``t_intra = inf``), so the stage DP cuts equal stages only."""
+    k = costs.num_layers
+    if not isinstance(layers_per_stage, int) or layers_per_stage < 1 or k % layers_per_stage:
+        raise ValueError(f"layers_per_stage must be an int dividing the {k} layers, got {layers_per_stage!r}")
+    first, last = np.arange(k)[:, None], np.arange(k)[None, :]
+    keep = (first % layers_per_stage == 0) & (last - first + 1 == layers_per_stage)
+    return dataclasses.replace(costs, t_intra=np.where(keep[:, :, None, None], costs.t_intra, np.inf))
 
 
 def _fixed_solution(costs: StageCosts, layout, num_micro_batches: int, choose_view: bool,

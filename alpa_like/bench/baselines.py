@@ -8,14 +8,21 @@ All are priced with the cost model our own plans use, on the same cluster:
 * communication: ``al.plan`` with :class:`~alpa_like.Zero2Parallel` / :class:`~alpa_like.Zero3Parallel`
   prices the gradient reduce-scatter, the all-gather of updated (ZeRO-2) or used (ZeRO-3, per micro-batch)
   parameters with the cluster's alpha-beta links;
-* expert parallelism (DeepSpeed-MoE, as Alpa's MoE baseline): the experts of every MoE layer are split over
-  ``EP = gcd(E, N)`` devices, dense parameters are ZeRO-2 data parallel over all ``N``; each MoE layer
-  moves its dispatched tokens with an all-to-all over the ``EP`` group twice in the forward (dispatch,
-  combine), twice in the backward and twice in the recomputed forward; expert gradients are all-reduced
-  over the ``N / EP`` replicas of each expert;
-* memory: parameters and gradients (sharded as the method says), optimizer state over ``N``, and the
-  activations each device keeps for its share of one micro-batch; the number of gradient-accumulation
-  micro-batches is the smallest power of two that fits (the fewest ZeRO-3 gathers).
+* expert parallelism (DeepSpeed-MoE, Alpa's MoE baseline; Alpa's artifact reports DeepSpeed's ZeRO-2 with
+  expert parallelism, ``osdi22_artifact/deepspeed/README.md``): the experts of every MoE layer are split over
+  ``EP`` devices (each device holds ``E / EP`` whole experts; the ``N / EP`` EP groups each hold all of
+  them), everything else is ZeRO-2 data parallel over all ``N``, and expert gradients are ZeRO-2 reduced
+  over the ``N / EP`` replicas of each expert; each MoE layer moves its dispatched tokens with an all-to-all
+  over the ``EP`` group twice in the forward (dispatch, combine), twice in the backward and twice in the
+  recomputed forward. ``EP`` and the micro-batch count are grid-searched (every ``EP`` dividing ``E`` and
+  ``N``), as Alpa grid-searched DeepSpeed's parallelism degrees. Gradients are reduced once per step (real
+  ZeRO-2 reduces every micro-batch's: this favours the baseline). DeepSpeed's tensor model parallelism of
+  the dense layers is not modelled; it would split the dense part, which is small next to the experts
+  (MoE-10B: 0.5 of 10.2 billion parameters);
+* memory: parameters and gradients (sharded as the method says), optimizer state over ``N`` (whatever the
+  workload's optimizer: Adafactor for MoE, ``workloads.OPTIMIZERS``), and the activations each device
+  keeps for its share of one micro-batch; the number of gradient-accumulation micro-batches is the
+  smallest power of two that fits (the fewest ZeRO-3 gathers).
 """
 from __future__ import annotations
 
@@ -120,35 +127,78 @@ def _is_expert(leaf: Any, num_experts: int) -> bool:
     return len(leaf.shape) == 3 and leaf.shape[0] == num_experts
 
 
-def expert_parallel_baseline(workload: Workload, totals: StepTotals, cluster: ClusterSpec) -> BaselineResult:
-    """DeepSpeed-style expert parallelism with ZeRO-2 for the dense part (module docstring)."""
-    config = workload.config
+def expert_parallel_degrees(num_experts: int, num_devices: int) -> list[int]:
+    """EP degrees DeepSpeed-MoE can use: each divides both the experts and the devices (an EP group holds
+    ``E / EP`` whole experts per device and the groups tile the data-parallel devices).
+
+    >>> expert_parallel_degrees(32, 16)
+    [1, 2, 4, 8, 16]
+    """
+    g = math.gcd(num_experts, num_devices)
+    return [k for k in range(1, g + 1) if g % k == 0]
+
+
+def expert_parallel_estimate(workload: Workload, totals: StepTotals, cluster: ClusterSpec, ep: int,
+                             num_micro_batches: int) -> BaselineResult:
+    """DeepSpeed-MoE with ``ep``-way expert parallelism and ZeRO-2 at ``num_micro_batches`` (module
+    docstring); ``step_seconds`` is None when it does not fit in device memory.
+
+    Per device: the dense parameters and this device's ``E / EP`` experts (expert ``e`` on the devices of an
+    EP group, replicated over the ``N / EP`` groups); ZeRO-2 gradient shards (dense over ``N``, each expert
+    over its ``N / EP`` replicas: ``1 / N`` of all gradients) and optimizer state (``1 / N`` of the
+    workload's, whatever its optimizer); one micro-batch of activations.
+    """
+    config, n = workload.config, cluster.num_devices
     if workload.family != "moe":
         raise ValueError(f"expert parallelism needs an MoE workload, got {workload.family!r}")
-    n, e = cluster.num_devices, config.num_experts
-    ep = math.gcd(e, n)
-    leaves = jax.tree.leaves(workload.args[0].params)
+    if ep not in expert_parallel_degrees(config.num_experts, n):
+        raise ValueError(f"ep must divide both the {config.num_experts} experts and the {n} devices, got {ep!r}")
+    state = workload.args[0]
+    e = config.num_experts
+    leaves = jax.tree.leaves(state.params)
     expert_bytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves if _is_expert(x, e))
     dense_bytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves if not _is_expert(x, e))
-    optimizer_bytes = 2 * (expert_bytes + dense_bytes)  # Adam's two moments, float32 like the parameters
+    optimizer_bytes = _tree_bytes(state.opt_state)
     per_node = cluster.num_devices_per_node
     submesh = (1, n) if n <= per_node else (n // per_node, per_node)
     mesh = LogicalMesh.from_cluster(cluster, submesh, (n // ep, ep))
     ring = LogicalMesh.from_cluster(cluster, submesh, (n,))
     compute = (totals.step_flops + totals.apply_flops) / (n * cluster.peak_flops)
+    # ZeRO-2: dense gradients reduce-scattered over all N, updated parameters all-gathered; expert gradients
+    # the same over the N / EP replicas of each expert (an all-reduce's volume)
     sync = 2 * ring.reduce_scatter_cost(dense_bytes, 0) + mesh.all_reduce_cost(expert_bytes / ep, 0)
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
-    itemsize = np.dtype(config.dtype).itemsize
-    last = None
-    for m in _micro_batch_counts(workload.global_batch, n):
-        tokens = workload.global_batch * config.seq_len / (n * m)
-        dispatched = tokens * 2 * config.capacity_factor * config.hidden_size * itemsize  # top-2 slots per token
-        all_to_all = 6 * moe_layers * m * mesh.all_to_all_cost(dispatched * ep, 1)
-        memory = 2 * (dense_bytes + expert_bytes / ep) + optimizer_bytes / n \
-            + totals.activation_bytes_per_sequence * workload.global_batch / (n * m)
-        last = BaselineResult(name="expert parallel", step_seconds=compute + sync + all_to_all, num_micro_batches=m,
-                              memory_per_device=memory, compute_seconds=compute,
-                              communication_seconds=sync + all_to_all, detail=f"EP={ep}")
-        if memory <= cluster.device_memory:
-            return last
-    return dataclasses.replace(last, step_seconds=None, detail=f"EP={ep}; does not fit at any micro-batch count")
+    m = num_micro_batches
+    tokens = workload.global_batch * config.seq_len / (n * m)
+    dispatched = tokens * 2 * config.capacity_factor * config.hidden_size * np.dtype(config.dtype).itemsize
+    all_to_all = 6 * moe_layers * m * mesh.all_to_all_cost(dispatched * ep, 1)  # top-2 slots per token
+    memory = dense_bytes + expert_bytes / ep + (dense_bytes + expert_bytes) / n + optimizer_bytes / n \
+        + totals.activation_bytes_per_sequence * workload.global_batch / (n * m)
+    fits = memory <= cluster.device_memory
+    return BaselineResult(name="expert parallel", step_seconds=compute + sync + all_to_all if fits else None,
+                          num_micro_batches=m, memory_per_device=memory, compute_seconds=compute,
+                          communication_seconds=sync + all_to_all,
+                          detail=f"EP={ep}" + ("" if fits else "; does not fit"))
+
+
+def expert_parallel_baseline(workload: Workload, totals: StepTotals, cluster: ClusterSpec) -> BaselineResult:
+    """DeepSpeed-style expert parallelism with ZeRO-2 (module docstring): the fastest fitting estimate over
+    every EP degree (:func:`expert_parallel_degrees`) and micro-batch count, as Alpa grid-searched
+    DeepSpeed's parallelism degrees (§3.8.1); when nothing fits, the smallest-memory estimate with
+    ``step_seconds`` None."""
+    if workload.family != "moe":
+        raise ValueError(f"expert parallelism needs an MoE workload, got {workload.family!r}")
+    n = cluster.num_devices
+    estimates = [expert_parallel_estimate(workload, totals, cluster, ep, m)
+                 for ep in expert_parallel_degrees(workload.config.num_experts, n)
+                 for m in _micro_batch_counts(workload.global_batch, n)]
+    if not estimates:
+        return BaselineResult(name="expert parallel", step_seconds=None, num_micro_batches=None,
+                              memory_per_device=0.0, compute_seconds=0.0, communication_seconds=0.0,
+                              detail="batch smaller than the device count")
+    fitting = [r for r in estimates if r.step_seconds is not None]
+    if fitting:
+        return min(fitting, key=lambda r: r.step_seconds)
+    closest = min(estimates, key=lambda r: r.memory_per_device)
+    return dataclasses.replace(closest, detail=closest.detail.replace("does not fit",
+                                                                      "does not fit at any EP and micro-batch count"))

@@ -6,7 +6,9 @@ the dissertation's Figs. 3.8-3.9 re-run only the passes they change:
 * ``auto``: Alpa's full search (operator clustering, stage DP over submeshes and logical meshes, ILP);
 * ``intra-op only``: one stage on the whole cluster (the ILP alone);
 * ``inter-op only``: every stage on one device (the stage DP alone, no intra-op parallelism);
-* ``equal layer``: equal layers on equal submeshes, the best over every stage count (Fig. 3.9);
+* ``equal layer``: the stage DP restricted to stages of one common number of layers, the best over every
+  such number; the DP still chooses each stage's submesh and logical mesh (Fig. 3.9: "Equal layer restricts
+  our DP algorithm to use the same number of layers for all stages");
 * ``equal operator``: layers holding equal numbers of operators instead of Eq. 3.6's clustering, then the
   full stage DP (Fig. 3.9).
 
@@ -22,12 +24,11 @@ from collections.abc import Callable
 from alpa_like.cluster import ClusterSpec
 from alpa_like.compiler.layer_construction import Layering, operator_segments
 from alpa_like.compiler.stage_construction import build_stage_program
-from alpa_like.pipeshard import (AutoLayerOption, AutoStageOption, PipeshardParallel, SlicedStep, UniformStageOption,
-                                 plan_sliced, slice_step)
+from alpa_like.pipeshard import AutoLayerOption, AutoStageOption, PipeshardParallel, SlicedStep, plan_sliced, slice_step
 from alpa_like.plan import ParallelPlan
 from alpa_like.runtime.instructions import emit_programs
 from alpa_like.runtime.schedules import make_schedule
-from alpa_like.runtime.simulator import simulate
+from alpa_like.runtime.simulator import Simulation, simulate
 
 from alpa_like.bench.workloads import Workload
 
@@ -44,6 +45,11 @@ class PlanResult:
     """The plan's instruction programs run on the simulated backend's clock."""
     planning_seconds: float
     error: str | None = None
+    seconds_by_kind: dict[str, float] | None = None
+    """The simulation's summed instruction durations per kind (``RUN F``, ``RUN B``, ``RUN A``, ``RECV``,
+    ...) over all meshes: where the step's device time goes."""
+    busy_seconds: tuple[float, ...] | None = None
+    """Per stage (mesh), the simulated seconds spent in RUN instructions."""
 
     @property
     def ok(self) -> bool:
@@ -59,7 +65,8 @@ class PlanResult:
                 "logical_meshes": [list(s.logical_mesh_shape) for s in stages],
                 "dp_predicted_s": self.plan.estimated_iteration_time, "simulated_s": self.simulated_seconds,
                 "memory_per_device_gib": [s.memory_per_device / 2**30 for s in stages],
-                "planning_s": self.planning_seconds}
+                "planning_s": self.planning_seconds, "seconds_by_kind": self.seconds_by_kind,
+                "busy_s": list(self.busy_seconds) if self.busy_seconds is not None else None}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -97,13 +104,13 @@ def slice_workload(workload: Workload, method: PipeshardParallel) -> SlicedStep:
     return slice_step(method, workload.train_step, workload.args, static_argnums=(), batch_argnums=(1,))
 
 
-def simulate_plan(plan: ParallelPlan, sliced: SlicedStep, num_micro_batches: int, schedule: str = "1f1b") -> float:
+def simulate_plan(plan: ParallelPlan, sliced: SlicedStep, num_micro_batches: int, schedule: str = "1f1b") -> Simulation:
     """The plan's per-mesh instruction programs on the simulated backend (``runtime.simulator``)."""
     program = build_stage_program(sliced.closed_jaxpr, sliced.pieces, [s.layer_ids for s in plan.stages],
                                   [r == "batch" for r in sliced.roles])
     sched = make_schedule(schedule, num_meshes=len(plan.stages), num_micro_batches=num_micro_batches)
     programs = emit_programs(program, sched, stage_to_mesh=list(range(len(plan.stages))))
-    return simulate(plan, program, programs).step_seconds
+    return simulate(plan, program, programs)
 
 
 def _plan(variant: str, method: PipeshardParallel, sliced: SlicedStep, cluster: ClusterSpec) -> PlanResult:
@@ -113,30 +120,10 @@ def _plan(variant: str, method: PipeshardParallel, sliced: SlicedStep, cluster: 
     except ValueError as e:  # no plan fits, or the variant cannot split this cluster
         return PlanResult(variant=variant, plan=None, simulated_seconds=None,
                           planning_seconds=time.perf_counter() - start, error=str(e))
-    fixed = isinstance(method.stage_option, UniformStageOption)  # the stage DP checks Eq. 3.5 itself
-    worst = max(_memory_with_in_flight(plan, sliced, method.num_micro_batches)) if fixed else 0.0
-    if worst > cluster.device_memory:  # fixed stages are not checked by the planner (no Eq. 3.5)
-        return PlanResult(variant=variant, plan=None, simulated_seconds=None,
-                          planning_seconds=time.perf_counter() - start,
-                          error=f"the {variant} stages need {worst / 2**30:.2f} GiB per device with 1F1B's "
-                                f"activations in flight (Eq. 3.5), more than the "
-                                f"{cluster.device_memory / 2**30:.4g} GiB of a device")
-    simulated = simulate_plan(plan, sliced, method.num_micro_batches, method.pipeline_schedule)
-    return PlanResult(variant=variant, plan=plan, simulated_seconds=simulated,
-                      planning_seconds=time.perf_counter() - start + sliced.seconds)
-
-
-def _memory_with_in_flight(plan: ParallelPlan, sliced: SlicedStep, num_micro_batches: int) -> list[float]:
-    """Per stage, Eq. 3.5's memory under 1F1B: the plan's figure (state plus one micro-batch of activations)
-    plus the activations of the ``min(S - q, m) - 1`` further micro-batches stage ``q`` of ``S`` holds, with
-    activations divided over the stage's devices as the stage DP does."""
-    out = []
-    for q, stage in enumerate(plan.stages):
-        devices = stage.submesh_shape[0] * stage.submesh_shape[1]
-        act = sum(sliced.summaries[l].activation_bytes for l in stage.layer_ids) / devices
-        held = min(len(plan.stages) - q, num_micro_batches)
-        out.append(stage.memory_per_device + (held - 1) * act)
-    return out
+    simulation = simulate_plan(plan, sliced, method.num_micro_batches, method.pipeline_schedule)
+    return PlanResult(variant=variant, plan=plan, simulated_seconds=simulation.step_seconds,
+                      planning_seconds=time.perf_counter() - start + sliced.seconds,
+                      seconds_by_kind=dict(simulation.seconds_by_kind), busy_seconds=simulation.busy_seconds)
 
 
 def plan_variant(variant: str, workload: Workload, cluster: ClusterSpec, num_micro_batches: int,
@@ -166,26 +153,5 @@ def plan_variant(variant: str, workload: Workload, cluster: ClusterSpec, num_mic
     if variant == "inter-op only":
         option = AutoStageOption(submesh_shapes=((1, 1),), show_progress=False)
         return _plan(variant, dataclasses.replace(method, stage_option=option), sliced, cluster)
-    return _best_equal_layer(method, sliced, cluster)
-
-
-def _best_equal_layer(method: PipeshardParallel, sliced: SlicedStep, cluster: ClusterSpec) -> PlanResult:
-    """Equal layers per stage on equal submeshes, the fastest over every stage count that divides both the
-    layers and the cluster evenly."""
-    start = time.perf_counter()
-    num_layers, devices = len(sliced.summaries), cluster.num_devices
-    best, errors = None, []
-    for stages in range(1, min(num_layers, devices) + 1):
-        if num_layers % stages or devices % stages:
-            continue
-        option = UniformStageOption(num_stages=stages, show_progress=False)
-        result = _plan("equal layer", dataclasses.replace(method, stage_option=option), sliced, cluster)
-        if result.ok and (best is None or result.simulated_seconds < best.simulated_seconds):
-            best = result
-        elif not result.ok:
-            errors.append(f"{stages} stages: {result.error.splitlines()[0]}")
-    seconds = time.perf_counter() - start
-    if best is None:
-        return PlanResult(variant="equal layer", plan=None, simulated_seconds=None, planning_seconds=seconds,
-                          error="; ".join(errors) or "no stage count divides the layers and devices")
-    return dataclasses.replace(best, planning_seconds=seconds)
+    option = AutoStageOption(equal_layers=True, show_progress=False)
+    return _plan(variant, dataclasses.replace(method, stage_option=option), sliced, cluster)

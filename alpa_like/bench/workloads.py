@@ -2,8 +2,8 @@
 
 A :class:`Workload` is everything planning needs (``al.plan(workload.train_step, *workload.args, ...)``)
 built from shapes only, so Table 3.6's GPT-39B on 64 simulated GPUs costs no memory. GPT/OPT and MoE use
-FP16 activations with FP32 parameters and Adam state and per-layer recomputation, as Alpa's benchmark
-does; Wide-ResNet trains in FP32 (Alpa §3.8).
+FP16 activations with FP32 parameters and per-layer recomputation, as Alpa's benchmark does; Wide-ResNet
+trains in FP32 (Alpa §3.8). The optimizer is Adam, except for MoE: see :data:`OPTIMIZERS`.
 """
 from __future__ import annotations
 
@@ -57,9 +57,25 @@ def cluster_for(num_gpus: int, preset: str = "p3.16xlarge") -> al.ClusterSpec:
     return al.ClusterSpec.preset(preset, num_nodes=num_gpus // per_node)
 
 
-def _adam_state(params: Any) -> Any:
-    return jax.eval_shape(lambda p: train_state.TrainState.create(apply_fn=None, params=p, tx=optax.adam(1e-4)),
-                          params)
+OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
+    "gpt": lambda: optax.adam(1e-4),
+    "wresnet": lambda: optax.adam(1e-4),
+    "moe": lambda: optax.adafactor(1e-3),
+}
+"""The optimizer of each family, the same for our plans and every baseline of its suite. MoE trains with
+Adafactor (factored second moments, no first moment: its state is about 0.2-0.7% of the parameters' bytes
+instead of Adam's 200%), because Alpa's MoE comparison does: the Alpa artifact's DeepSpeed instructions
+(``osdi22_artifact/deepspeed/README.md`` in the Alpa repository) say DeepSpeed was patched with "the
+AdaFactor optimizer ... used for MoE training". With Adam, MoE-70B's parameters, gradients and two moments
+alone (16 bytes per parameter) exceed the 16 GiB of a V100 on 64 GPUs, whatever the plan."""
+
+
+def train_state_shapes(family: str, params: Any) -> train_state.TrainState:
+    """``TrainState`` shapes of ``params`` with the family's optimizer (:data:`OPTIMIZERS`)."""
+    if family not in OPTIMIZERS:
+        raise ValueError(f"family must be one of {sorted(OPTIMIZERS)}, got {family!r}")
+    tx = OPTIMIZERS[family]()
+    return jax.eval_shape(lambda p: train_state.TrainState.create(apply_fn=None, params=p, tx=tx), params)
 
 
 def loss_train_step(loss_fn: Callable) -> Callable:
@@ -75,14 +91,14 @@ def make_workload(name: str, global_batch: int) -> Workload:
     config = models.get_config(name)
     if isinstance(config, models.MoEConfig):
         config = dataclasses.replace(config, dtype=jnp.float16)
-        state = _adam_state(moe.moe_param_shapes(config))
+        state = train_state_shapes("moe", moe.moe_param_shapes(config))
         return Workload(name=name, family="moe", config=config, global_batch=global_batch,
                         train_step=loss_train_step(moe.moe_loss(moe.MoEModel(config))),
                         args=(state, moe.moe_batch_shapes(config, global_batch)), num_layers=config.num_layers,
                         remat=True)
     if isinstance(config, models.GPTConfig):
         config = dataclasses.replace(config, dtype=jnp.float16)
-        state = _adam_state(gpt.gpt_param_shapes(config))
+        state = train_state_shapes("gpt", gpt.gpt_param_shapes(config))
         return Workload(name=name, family="gpt", config=config, global_batch=global_batch,
                         train_step=loss_train_step(gpt.gpt_loss(gpt.GPTModel(config))),
                         args=(state, gpt.gpt_batch_shapes(config, global_batch)),
@@ -93,7 +109,7 @@ def make_workload(name: str, global_batch: int) -> Workload:
 def _wresnet_workload(name: str, config: models.WResNetConfig, global_batch: int) -> Workload:
     params, batch_stats = wide_resnet.wresnet_param_shapes(config)
     loss_fn = wide_resnet.wresnet_loss(wide_resnet.WideResNet(config))
-    state = {"train": _adam_state(params), "batch_stats": batch_stats}
+    state = {"train": train_state_shapes("wresnet", params), "batch_stats": batch_stats}
 
     def train_step(state, batch):
         (loss, new_stats), grads = al.value_and_grad(loss_fn, has_aux=True)(

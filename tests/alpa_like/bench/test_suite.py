@@ -86,17 +86,3 @@ def test_a_tiny_moe_case_has_every_baseline():
         assert entry["step_s"] > 0
     # the same FLOPs at the same peak: the baselines differ only in communication
     assert row["baselines"]["zero2"]["compute_s"] == pytest.approx(row["baselines"]["zero3"]["compute_s"])
-
-
-def test_fixed_stage_memory_adds_1f1b_in_flight_activations():
-    from types import SimpleNamespace as NS
-
-    from alpa_like.bench.ours import _memory_with_in_flight
-
-    summaries = [NS(activation_bytes=8.0)] * 4
-    stages = [NS(submesh_shape=(1, 2), layer_ids=(0, 1), memory_per_device=100.0),
-              NS(submesh_shape=(1, 4), layer_ids=(2, 3), memory_per_device=50.0)]
-    plan, sliced = NS(stages=stages), NS(summaries=summaries)
-    # stage 0 holds 2 micro-batches (one more than the plan counts) of 16 bytes over 2 devices; stage 1 holds 1
-    assert _memory_with_in_flight(plan, sliced, num_micro_batches=8) == [108.0, 50.0]
-    assert _memory_with_in_flight(plan, sliced, num_micro_batches=1) == [100.0, 50.0]

@@ -39,3 +39,28 @@ def test_gpt_39b_layers_are_its_blocks_and_the_logits():
     assert len(flops) == 49
     assert max(flops[:48]) == pytest.approx(min(flops[:48]), rel=0.01)
     assert flops[48] / flops[1] == pytest.approx(logits_to_block_flops(workload.config), rel=0.05)
+
+
+def _tree_bytes(tree) -> int:
+    import math
+
+    import jax
+    import numpy as np
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def test_moe_trains_with_adafactor_whose_state_is_under_one_percent_of_the_parameters():
+    """Alpa's MoE comparison uses Adafactor (workloads.OPTIMIZERS); with Adam MoE-70B's parameters, gradients
+    and two moments (16 bytes each) exceed a 16 GiB V100 on 64 GPUs before any activation."""
+    state = make_workload("moe-70b", 1024).args[0]
+    params, optimizer = _tree_bytes(state.params), _tree_bytes(state.opt_state)
+    assert optimizer < 0.01 * params
+    num_params = params / 4  # float32
+    assert 16 * num_params / 64 > 16 * 2**30 > (params + params + optimizer) / 64
+
+
+def test_gpt_and_wide_resnet_keep_adam():
+    gpt_state = make_workload("gpt-tiny", 8).args[0]
+    assert _tree_bytes(gpt_state.opt_state) == pytest.approx(2 * _tree_bytes(gpt_state.params), abs=64)
+    wresnet_state = make_workload("wresnet-tiny", 8).args[0]["train"]
+    assert _tree_bytes(wresnet_state.opt_state) == pytest.approx(2 * _tree_bytes(wresnet_state.params), abs=64)

@@ -1,0 +1,69 @@
+"""The data-parallel baselines: DeepSpeed-style expert parallelism's grid, memory and bad input."""
+import dataclasses
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from alpa_like.bench import baselines, ours
+from alpa_like.bench.workloads import cluster_for, make_workload
+
+
+@pytest.fixture(scope="module")
+def tiny_moe():
+    workload = make_workload("moe-tiny", 8)
+    sliced = ours.slice_workload(workload, ours.pipeshard_method(workload, 2))
+    return workload, baselines.step_totals(sliced, workload, 2)
+
+
+def test_expert_parallel_degrees_divide_experts_and_devices():
+    assert baselines.expert_parallel_degrees(32, 16) == [1, 2, 4, 8, 16]
+    assert baselines.expert_parallel_degrees(48, 32) == [1, 2, 4, 8, 16]
+    assert baselines.expert_parallel_degrees(4, 1) == [1]
+
+
+def test_expert_parallel_memory_is_experts_split_by_ep_and_zero2_shards(tiny_moe):
+    workload, totals = tiny_moe
+    cluster = cluster_for(4)
+    state = workload.args[0]
+    leaves = jax.tree.leaves(state.params)
+    size = lambda x: math.prod(x.shape) * np.dtype(x.dtype).itemsize
+    expert = sum(size(x) for x in leaves if len(x.shape) == 3 and x.shape[0] == 4)
+    dense = sum(size(x) for x in leaves) - expert
+    optimizer = sum(size(x) for x in jax.tree.leaves(state.opt_state))
+    assert expert > 0 and dense > 0
+    for ep in (1, 2, 4):
+        for m in (1, 2):
+            result = baselines.expert_parallel_estimate(workload, totals, cluster, ep, m)
+            expected = (dense + expert / ep + (dense + expert) / 4 + optimizer / 4
+                        + totals.activation_bytes_per_sequence * 8 / (4 * m))
+            assert result.memory_per_device == pytest.approx(expected)
+            assert result.num_micro_batches == m and result.detail.startswith(f"EP={ep}")
+
+
+def test_expert_parallel_baseline_is_the_fastest_fitting_grid_point(tiny_moe):
+    workload, totals = tiny_moe
+    cluster = cluster_for(4)
+    grid = [baselines.expert_parallel_estimate(workload, totals, cluster, ep, m) for ep in (1, 2, 4) for m in (1, 2)]
+    best = baselines.expert_parallel_baseline(workload, totals, cluster)
+    assert best.step_seconds == min(r.step_seconds for r in grid)
+    # splitting the experts over the devices holds less per device than replicating them
+    full = baselines.expert_parallel_estimate(workload, totals, cluster, 4, 1)
+    none = baselines.expert_parallel_estimate(workload, totals, cluster, 1, 1)
+    assert full.memory_per_device < none.memory_per_device
+
+
+def test_nothing_fits_gives_no_step_time(tiny_moe):
+    workload, totals = tiny_moe
+    cluster = dataclasses.replace(cluster_for(4), device_memory=1)
+    result = baselines.expert_parallel_baseline(workload, totals, cluster)
+    assert result.step_seconds is None and "does not fit at any EP and micro-batch count" in result.detail
+
+
+def test_bad_expert_parallel_degree_is_a_clear_error(tiny_moe):
+    workload, totals = tiny_moe
+    with pytest.raises(ValueError, match="ep must divide both the 4 experts and the 4 devices, got 3"):
+        baselines.expert_parallel_estimate(workload, totals, cluster_for(4), 3, 1)
+    with pytest.raises(ValueError, match="expert parallelism needs an MoE workload, got 'gpt'"):
+        baselines.expert_parallel_baseline(make_workload("gpt-tiny", 8), totals, cluster_for(4))
