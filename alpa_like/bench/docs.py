@@ -1,7 +1,8 @@
 """``python -m alpa_like.bench docs``: writes docs/benchmarks.md from the saved results.
 
 Nothing here plans or measures: every number comes from ``results/bench_*.json`` as the suites wrote it,
-with the command that produced it, so the page can be regenerated after rerunning any one suite.
+with the command that produced it, so the page can be regenerated after rerunning any one suite. A section
+whose results file is absent (``results/`` is not in git) is kept as the existing page has it.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def suite_section(suite: str, data: dict) -> list[str]:
 
 def measured_section(name: str, data: dict) -> list[str]:
     rows = data["rows"]
-    out = [f"## Simulator accuracy: {rows[0]['model']} on this machine's devices ({data.get('backend')})", "",
+    out = [f"{MEASURED_HEADING}: {rows[0]['model']} on this machine's devices ({data.get('backend')})", "",
            f"`{data['command']}`", "",
            "Measured median step time beside the cost model's prediction for the same compiled plan on "
            "`ClusterSpec.local()`.", ""]
@@ -66,26 +67,55 @@ def measured_section(name: str, data: dict) -> list[str]:
     return out + [format_markdown(lines), ""]
 
 
-def build(results_dir: str) -> str:
+MEASURED_HEADING = "## Simulator accuracy"
+REPRO_HEADING = "## Reproductions of the seeds' numbers"
+
+
+def sections(page: str) -> dict[str, str]:
+    """The ``## `` sections of a generated page, by heading line, each with its text up to the next one."""
+    out, heading, lines = {}, None, []
+    for line in page.splitlines():
+        if line.startswith("## "):
+            if heading is not None:
+                out[heading] = "\n".join(lines).rstrip("\n") + "\n"
+            heading, lines = line, [line]
+        elif heading is not None:
+            lines.append(line)
+    if heading is not None:
+        out[heading] = "\n".join(lines).rstrip("\n") + "\n"
+    return out
+
+
+def build(results_dir: str, previous: str = "") -> str:
+    """The page from ``results_dir``; sections without results are taken from ``previous`` (the old page)."""
     root = Path(results_dir)
+    kept = sections(previous)
     out = [HEADER]
     for suite in ("gpt", "moe", "wresnet", "opt"):
         path = root / f"bench_{suite}.json"
+        heading = f"## {SUITE_TITLES[suite]}"
         if path.exists():
             out += suite_section(suite, json.loads(path.read_text()))
-    for path in sorted(root.glob("bench_*_local.json")) + sorted(root.glob("bench_*_ray.json")):
+        elif heading in kept:
+            out.append(kept[heading])
+    measured = sorted(root.glob("bench_*_local.json")) + sorted(root.glob("bench_*_ray.json"))
+    for path in measured:
         out += measured_section(path.stem, json.loads(path.read_text()))
+    if not measured:
+        out += [text for heading, text in kept.items() if heading.startswith(MEASURED_HEADING)]
     repro = root / "bench_repro.json"
     if repro.exists():
         data = json.loads(repro.read_text())
-        out += ["## Reproductions of the seeds' numbers", "", f"`{data['command']}`", ""]
+        out += [REPRO_HEADING, "", f"`{data['command']}`", ""]
         out += results_text(data["rows"][0], markdown=True) + [""]
+    elif REPRO_HEADING in kept:
+        out.append(kept[REPRO_HEADING])
     return "\n".join(out)
 
 
 def main(args) -> int:
     target = Path(args.out or "docs/benchmarks.md")
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(build(args.results_dir))
+    target.write_text(build(args.results_dir, target.read_text() if target.exists() else ""))
     print(f"wrote {target}")
     return 0

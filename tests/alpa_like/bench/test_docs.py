@@ -1,0 +1,22 @@
+"""docs/benchmarks.md regeneration: sections with results are rebuilt, the others kept from the old page."""
+from alpa_like.bench import docs, report, suites
+
+
+def test_a_page_without_results_is_kept_as_it_is():
+    page = (docs.HEADER + "\n## " + docs.SUITE_TITLES["gpt"] + "\n\nold gpt table\n\n"
+            + docs.MEASURED_HEADING + ": gpt-small on this machine's devices (local)\n\nold measurements\n\n"
+            + docs.REPRO_HEADING + "\n\nold repro\n")
+    assert docs.build("/nonexistent-results-dir", page) == page
+
+
+def test_a_suite_with_results_is_rebuilt_and_the_others_kept(tmp_path):
+    case = suites.Case(suite="moe", model="moe-tiny", gpus=2, global_batch=8, num_micro_batches=2)
+    row = dict(suites.run_case(case, "p3.16xlarge"), command="python -m alpa_like.bench moe --models moe-tiny")
+    report.write_json(tmp_path / "bench_moe.json", [row], suite="moe", cluster="p3.16xlarge", backend="simulate")
+    old_gpt = "## " + docs.SUITE_TITLES["gpt"] + "\n\nold gpt table\n"
+    old_moe = "## " + docs.SUITE_TITLES["moe"] + "\n\nold moe table\n"
+    page = docs.build(str(tmp_path), docs.HEADER + "\n" + old_gpt + "\n" + old_moe)
+    assert old_gpt in page
+    assert "old moe table" not in page
+    assert "| moe-tiny | 2 |" in page and "`python -m alpa_like.bench moe --models moe-tiny`" in page
+    assert page.index(docs.SUITE_TITLES["gpt"]) < page.index(docs.SUITE_TITLES["moe"])
