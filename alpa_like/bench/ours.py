@@ -65,6 +65,8 @@ class PlanResult:
                 "logical_meshes": [list(s.logical_mesh_shape) for s in stages],
                 "dp_predicted_s": self.plan.estimated_iteration_time, "simulated_s": self.simulated_seconds,
                 "memory_per_device_gib": [s.memory_per_device / 2**30 for s in stages],
+                "stage_compute_s": [s.compute_seconds for s in stages],
+                "stage_intra_op_s": [s.communication_seconds for s in stages],
                 "planning_s": self.planning_seconds, "seconds_by_kind": self.seconds_by_kind,
                 "busy_s": list(self.busy_seconds) if self.busy_seconds is not None else None}
 
@@ -113,7 +115,8 @@ def simulate_plan(plan: ParallelPlan, sliced: SlicedStep, num_micro_batches: int
     return simulate(plan, program, programs)
 
 
-def _plan(variant: str, method: PipeshardParallel, sliced: SlicedStep, cluster: ClusterSpec) -> PlanResult:
+def plan_method(variant: str, method: PipeshardParallel, sliced: SlicedStep, cluster: ClusterSpec) -> PlanResult:
+    """Plans ``sliced`` with ``method`` on ``cluster`` and simulates the plan; ``variant`` labels the result."""
     start = time.perf_counter()
     try:
         plan = plan_sliced(method, sliced, cluster)
@@ -142,16 +145,16 @@ def plan_variant(variant: str, workload: Workload, cluster: ClusterSpec, num_mic
         except ValueError as e:
             return PlanResult(variant=variant, plan=None, simulated_seconds=None,
                               planning_seconds=time.perf_counter() - start, error=str(e))
-        return _plan(variant, method, sliced, cluster)
+        return plan_method(variant, method, sliced, cluster)
     method = pipeshard_method(workload, num_micro_batches)
     sliced = sliced or slice_workload(workload, method)
     if variant == "auto":
-        return _plan(variant, method, sliced, cluster)
+        return plan_method(variant, method, sliced, cluster)
     if variant == "intra-op only":
         option = AutoStageOption(submesh_shapes=((n, m),), show_progress=False)
-        return _plan(variant, dataclasses.replace(method, stage_option=option), sliced, cluster)
+        return plan_method(variant, dataclasses.replace(method, stage_option=option), sliced, cluster)
     if variant == "inter-op only":
         option = AutoStageOption(submesh_shapes=((1, 1),), show_progress=False)
-        return _plan(variant, dataclasses.replace(method, stage_option=option), sliced, cluster)
+        return plan_method(variant, dataclasses.replace(method, stage_option=option), sliced, cluster)
     option = AutoStageOption(equal_layers=True, show_progress=False)
-    return _plan(variant, dataclasses.replace(method, stage_option=option), sliced, cluster)
+    return plan_method(variant, dataclasses.replace(method, stage_option=option), sliced, cluster)

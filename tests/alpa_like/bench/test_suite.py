@@ -86,3 +86,17 @@ def test_a_tiny_moe_case_has_every_baseline():
         assert entry["step_s"] > 0
     # the same FLOPs at the same peak: the baselines differ only in communication
     assert row["baselines"]["zero2"]["compute_s"] == pytest.approx(row["baselines"]["zero3"]["compute_s"])
+
+
+def test_breakdown_plans_auto_equal_layer_and_each_restriction(tmp_path, capsys):
+    from alpa_like.bench import breakdown
+
+    assert breakdown.parse_shapes("2x8,1x4") == ((2, 8), (1, 4))
+    with pytest.raises(ValueError, match="--restrict takes submesh shapes like 2x8"):
+        breakdown.parse_shapes("2by8")
+    rows = breakdown.plan_rows("gpt-tiny", 4, [((1, 4),)], num_micro_batches=2)
+    assert [r["variant"] for r in rows] == ["auto", "equal layer", "only 1x4"]
+    assert rows[2]["submeshes"] == [[1, 4]]  # the only shape allowed: one stage on all four devices
+    for r in rows:
+        assert r["busy_s"][0] == pytest.approx(r["stage_compute_s"][0] + r["stage_intra_op_s"][0], rel=0.02)
+    assert "only 1x4" in breakdown.format_rows(rows)

@@ -1,0 +1,111 @@
+"""``python -m alpa_like.bench.breakdown``: where one row's step goes, and what-if plans on chosen submeshes.
+
+For one model on one simulated cluster this plans our automatic plan, the equal-layer ablation and, for each
+``--restrict`` set of submesh shapes, the stage DP allowed only those shapes (e.g. ``2x8``: every stage
+spans two whole nodes), all from one traced step and simulated the same way as the suites. Per plan it
+prints the simulated and DP-predicted step, the simulator's summed seconds per instruction kind (``RUN``:
+compute plus intra-op communication; ``RECV``: activations between stages) and, per stage, the compute,
+intra-op communication and busy seconds. A restricted DP's plan is the best of its space under the same
+cost model, so comparing it with the automatic plan shows whether the DP missed a better plan there.
+
+    python -m alpa_like.bench.breakdown wresnet-6.8b --gpus 32 --restrict 2x8 --restrict 1x8,2x8
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+
+
+def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """``"2x8,1x8"`` -> ``((2, 8), (1, 8))``.
+
+    >>> parse_shapes("2x8,1x4")
+    ((2, 8), (1, 4))
+    """
+    shapes = []
+    for part in text.split(","):
+        try:
+            a, b = (int(x) for x in part.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"--restrict takes submesh shapes like 2x8 or 1x8,2x8, got {text!r}") from None
+        shapes.append((a, b))
+    return tuple(shapes)
+
+
+def plan_rows(model: str, gpus: int, restrictions, preset: str = "p3.16xlarge",
+              num_micro_batches: int | None = None) -> list[dict]:
+    """One summary per plan (``auto``, ``equal layer``, then each restriction), as the suites write them."""
+    from alpa_like import models
+    from alpa_like.bench import ours, suites
+    from alpa_like.bench.workloads import cluster_for, make_workload
+    from alpa_like.pipeshard import AutoStageOption
+
+    config = models.get_config(model)
+    suite = ("moe" if isinstance(config, models.MoEConfig) else
+             "wresnet" if isinstance(config, models.WResNetConfig) else "gpt")
+    workload = make_workload(model, suites.GLOBAL_BATCH[suite])
+    cluster = cluster_for(gpus, preset)
+    m = num_micro_batches or suites.MICRO_BATCHES[suite]
+    method = ours.pipeshard_method(workload, m)
+    sliced = ours.slice_workload(workload, method)
+    results = [ours.plan_variant("auto", workload, cluster, m, sliced),
+               ours.plan_variant("equal layer", workload, cluster, m, sliced)]
+    for shapes in restrictions:
+        label = "only " + ",".join(f"{a}x{b}" for a, b in shapes)
+        option = AutoStageOption(submesh_shapes=shapes, show_progress=False)
+        results.append(ours.plan_method(label, dataclasses.replace(method, stage_option=option), sliced, cluster))
+    return [dict(r.summary(), model=model, gpus=gpus, cluster=preset, micro_batches=m) for r in results]
+
+
+def format_rows(rows: list[dict]) -> str:
+    from alpa_like.bench.report import format_terminal, plan_text
+
+    lines = [["plan", "stages", "simulated s", "DP s", "RUN s (all meshes)", "RECV s (all meshes)",
+              "per stage: compute + intra-op = busy s"]]
+    for r in rows:
+        if r.get("error"):
+            lines.append([r["variant"], plan_text(r), "-", "-", "-", "-", "-"])
+            continue
+        kinds = r["seconds_by_kind"]
+        run = sum(v for k, v in kinds.items() if k.startswith("RUN"))
+        stages = "; ".join(f"{c:.2f}+{i:.2f}={b:.2f}"
+                           for c, i, b in zip(r["stage_compute_s"], r["stage_intra_op_s"], r["busy_s"]))
+        lines.append([r["variant"], plan_text(r), f"{r['simulated_s']:.2f}", f"{r['dp_predicted_s']:.2f}",
+                      f"{run:.2f}", f"{kinds.get('RECV', 0.0):.2f}", stages])
+    return format_terminal(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m alpa_like.bench.breakdown", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="a model of the gpt, moe or wresnet suite, e.g. wresnet-6.8b")
+    parser.add_argument("--gpus", type=int, required=True)
+    parser.add_argument("--restrict", action="append", default=[], metavar="SHAPES",
+                        help="submesh shapes the DP may use, e.g. 2x8 or 1x8,2x8 (repeatable)")
+    parser.add_argument("--cluster", default="p3.16xlarge")
+    parser.add_argument("--micro-batches", type=int)
+    parser.add_argument("--out", help="JSON path (default results/breakdown_<model>_<gpus>.json)")
+    args = parser.parse_args(argv)
+    try:
+        restrictions = [parse_shapes(text) for text in args.restrict]
+    except ValueError as e:
+        parser.error(str(e))
+    from alpa_like.bench import report
+
+    start = time.perf_counter()
+    rows = plan_rows(args.model, args.gpus, restrictions, args.cluster, args.micro_batches)
+    print(f"\n{args.model} on {args.gpus} GPUs, simulated {args.cluster} ({time.perf_counter() - start:.0f} s)")
+    print(format_rows(rows))
+    out = args.out or os.path.join("results", f"breakdown_{args.model}_{args.gpus}.json")
+    command = "python -m alpa_like.bench.breakdown " + " ".join(sys.argv[1:] if argv is None else argv)
+    path = report.write_json(out, rows, command=command, cluster=args.cluster)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
