@@ -6,8 +6,10 @@ All are priced with the cost model our own plans use, on the same cluster:
   DP sees, so every system does the same arithmetic) at the device's peak, spread over all ``N`` devices,
   plus the optimizer update over ``N`` (ZeRO shards it);
 * communication: ``al.plan`` with :class:`~alpa_like.Zero2Parallel` / :class:`~alpa_like.Zero3Parallel`
-  prices the gradient reduce-scatter, the all-gather of updated (ZeRO-2) or used (ZeRO-3, per micro-batch)
-  parameters with the cluster's alpha-beta links;
+  gives the gradient reduce-scatter, the all-gather of updated (ZeRO-2) or used (ZeRO-3, per micro-batch)
+  parameters; each is priced with the cluster's alpha-beta links as the cheaper of one ring and NCCL's
+  hierarchical form (:func:`collective_seconds`: a ring over several nodes would pay every byte at one
+  device's share of the node's network link);
 * expert parallelism (DeepSpeed-MoE, Alpa's MoE baseline; Alpa's artifact reports DeepSpeed's ZeRO-2 with
   expert parallelism, ``osdi22_artifact/deepspeed/README.md``): the experts of every MoE layer are split over
   ``EP`` devices (each device holds ``E / EP`` whole experts; the ``N / EP`` EP groups each hold all of
@@ -83,6 +85,45 @@ def _micro_batch_counts(global_batch: int, num_devices: int) -> list[int]:
     return [m for m in (2**k for k in range(0, 20)) if m <= per_device and per_device % m == 0]
 
 
+def collective_seconds(kind: str, num_bytes: float, cluster: ClusterSpec, group_size: int, per_node: int) -> float:
+    """One all-reduce, reduce-scatter or all-gather (``num_bytes`` as :class:`LogicalMesh` counts them) over a
+    group of ``group_size`` devices with ``per_node`` of them on each of its nodes: the cheaper of one ring over
+    the whole group and the hierarchical form NCCL also uses, priced with the same alpha-beta links:
+
+    * all-reduce: reduce-scatter inside each node on the whole buffer, all-reduce of its ``1 / per_node``
+      share across the nodes (the node's devices each run one across-node ring at the same time, sharing the
+      node's NICs), all-gather inside the node;
+    * reduce-scatter: inside the node, then across the nodes on ``1 / per_node``; all-gather: the reverse.
+
+    A ring over devices of several nodes pays every byte at one device's share of the inter-node link; the
+    hierarchical form sends only ``1 / per_node`` of them across, at that share, so it moves the across-node
+    bytes at the whole node's rate."""
+    if kind not in ("all-reduce", "reduce-scatter", "all-gather"):
+        raise ValueError(f"kind must be all-reduce, reduce-scatter or all-gather, got {kind!r}")
+    if group_size % per_node:
+        raise ValueError(f"group_size {group_size} must be a multiple of per_node {per_node}")
+    nodes = group_size // per_node
+    inter, intra = 1.0 / cluster.inter_node_bandwidth, 1.0 / cluster.intra_node_bandwidth
+    if nodes == 1:
+        ring = LogicalMesh(shape=(group_size,), alpha=(cluster.intra_node_latency,), beta=(intra,))
+    else:
+        ring = LogicalMesh(shape=(group_size,), alpha=(cluster.inter_node_latency,), beta=(inter,))
+    two_level = LogicalMesh(shape=(nodes, per_node), alpha=(cluster.inter_node_latency, cluster.intra_node_latency),
+                            beta=(inter, intra))
+    share = num_bytes / per_node
+    if kind == "all-reduce":
+        flat = ring.all_reduce_cost(num_bytes, 0)
+        staged = (two_level.reduce_scatter_cost(num_bytes, 1) + two_level.all_reduce_cost(share, 0)
+                  + two_level.all_gather_cost(num_bytes, 1))
+    elif kind == "reduce-scatter":
+        flat = ring.reduce_scatter_cost(num_bytes, 0)
+        staged = two_level.reduce_scatter_cost(num_bytes, 1) + two_level.reduce_scatter_cost(share, 0)
+    else:
+        flat = ring.all_gather_cost(num_bytes, 0)
+        staged = two_level.all_gather_cost(share, 0) + two_level.all_gather_cost(num_bytes, 1)
+    return min(flat, staged)
+
+
 def _tree_bytes(tree: Any) -> int:
     return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
@@ -116,7 +157,8 @@ def zero_baseline(stage: int, workload: Workload, totals: StepTotals, cluster: C
     m = fitting[0] if fitting else counts[-1]
     if m != 1:
         plan = plan_at(m)
-    comm = plan.stages[0].communication_seconds
+    per_node = min(n, cluster.num_devices_per_node)
+    comm = sum(collective_seconds(c.kind, c.num_bytes, cluster, n, per_node) for c in plan.stages[0].communication)
     return BaselineResult(name=name, step_seconds=compute + comm if fitting else None, num_micro_batches=m,
                           memory_per_device=memory_at(state_bytes, m), compute_seconds=compute,
                           communication_seconds=comm,
@@ -162,11 +204,15 @@ def expert_parallel_estimate(workload: Workload, totals: StepTotals, cluster: Cl
     per_node = cluster.num_devices_per_node
     submesh = (1, n) if n <= per_node else (n // per_node, per_node)
     mesh = LogicalMesh.from_cluster(cluster, submesh, (n // ep, ep))
-    ring = LogicalMesh.from_cluster(cluster, submesh, (n,))
     compute = (totals.step_flops + totals.apply_flops) / (n * cluster.peak_flops)
     # ZeRO-2: dense gradients reduce-scattered over all N, updated parameters all-gathered; expert gradients
-    # the same over the N / EP replicas of each expert (an all-reduce's volume)
-    sync = 2 * ring.reduce_scatter_cost(dense_bytes, 0) + mesh.all_reduce_cost(expert_bytes / ep, 0)
+    # the same over the N / EP replicas of each expert (an all-reduce's volume), whose group holds
+    # max(1, M / EP) devices of each of its nodes (EP groups are runs of consecutive devices)
+    replicas = n // ep
+    replicas_per_node = math.gcd(replicas, max(1, min(n, per_node) // ep))
+    sync = (collective_seconds("reduce-scatter", dense_bytes, cluster, n, min(n, per_node))
+            + collective_seconds("all-gather", dense_bytes, cluster, n, min(n, per_node))
+            + collective_seconds("all-reduce", expert_bytes / ep, cluster, replicas, replicas_per_node))
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
     m = num_micro_batches
     tokens = workload.global_batch * config.seq_len / (n * m)

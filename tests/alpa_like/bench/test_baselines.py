@@ -8,6 +8,7 @@ import pytest
 
 from alpa_like.bench import baselines, ours
 from alpa_like.bench.workloads import cluster_for, make_workload
+from alpa_like.compiler.logical_mesh import LogicalMesh
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +68,27 @@ def test_bad_expert_parallel_degree_is_a_clear_error(tiny_moe):
         baselines.expert_parallel_estimate(workload, totals, cluster_for(4), 3, 1)
     with pytest.raises(ValueError, match="expert parallelism needs an MoE workload, got 'gpt'"):
         baselines.expert_parallel_baseline(make_workload("gpt-tiny", 8), totals, cluster_for(4))
+
+
+def test_collectives_inside_a_node_are_one_ring():
+    cluster = cluster_for(8)
+    mesh = LogicalMesh.from_cluster(cluster, (1, 8), (8,))
+    for kind, price in (("all-reduce", mesh.all_reduce_cost), ("reduce-scatter", mesh.reduce_scatter_cost),
+                        ("all-gather", mesh.all_gather_cost)):
+        assert baselines.collective_seconds(kind, 1e9, cluster, 8, 8) == pytest.approx(price(1e9, 0))
+
+
+def test_collectives_across_nodes_send_one_share_per_device_across():
+    """Two nodes of 8: the hierarchical all-reduce of B bytes is a reduce-scatter and an all-gather inside
+    the node (7/8 B each over NVLink) and an all-reduce of B/8 across the 2 nodes (2 * 1/2 * B/8 at one
+    device's share of the network), far below one ring's 2 * 15/16 * B at that share."""
+    cluster = cluster_for(16)
+    b, inter, intra = 8e9, 1 / cluster.inter_node_bandwidth, 1 / cluster.intra_node_bandwidth
+    a_in, a_out = cluster.intra_node_latency, cluster.inter_node_latency
+    expected = 2 * (a_in + 7 / 8 * b * intra) + a_out + 2 * (1 / 2) * (b / 8) * inter
+    assert baselines.collective_seconds("all-reduce", b, cluster, 16, 8) == pytest.approx(expected)
+    assert expected < a_out + 2 * 15 / 16 * b * inter
+    assert baselines.collective_seconds("reduce-scatter", b, cluster, 16, 8) == pytest.approx(
+        a_in + 7 / 8 * b * intra + a_out + 1 / 2 * (b / 8) * inter)
+    with pytest.raises(ValueError, match="kind must be all-reduce, reduce-scatter or all-gather, got 'all-to-all'"):
+        baselines.collective_seconds("all-to-all", b, cluster, 16, 8)
