@@ -36,20 +36,10 @@ def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(shapes)
 
 
-TOP_OPS = 3
-"""Operators listed per stage: those with the most modelled intra-op communication."""
-
-
-def top_ops(plan, count: int = TOP_OPS) -> list[list[dict]]:
-    """Per stage, the ``count`` parameters or operators of the plan with the most intra-op seconds."""
-    return [[{"name": o.name, "strategy": o.strategy, "communication": o.communication, "seconds": o.seconds}
-             for o in sorted(stage.ops, key=lambda o: -o.seconds)[:count]] for stage in plan.stages]
-
-
 def plan_rows(model: str, gpus: int, restrictions, preset: str = "p3.16xlarge",
               num_micro_batches: int | None = None, with_auto: bool = True) -> list[dict]:
     """One summary per plan (``auto`` and ``equal layer`` unless ``with_auto`` is False, then each
-    restriction), as the suites write them, plus each stage's :func:`top_ops`."""
+    restriction), as the suites write them."""
     from alpa_like import models
     from alpa_like.bench import ours, suites
     from alpa_like.bench.workloads import cluster_for, make_workload
@@ -69,8 +59,7 @@ def plan_rows(model: str, gpus: int, restrictions, preset: str = "p3.16xlarge",
         label = "only " + ",".join(f"{a}x{b}" for a, b in shapes)
         option = AutoStageOption(submesh_shapes=shapes, show_progress=False)
         results.append(ours.plan_method(label, dataclasses.replace(method, stage_option=option), sliced, cluster))
-    return [dict(r.summary(), model=model, gpus=gpus, cluster=preset, micro_batches=m,
-                 top_ops=top_ops(r.plan) if r.ok else None) for r in results]
+    return [dict(r.summary(), model=model, gpus=gpus, cluster=preset, micro_batches=m) for r in results]
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -114,10 +103,6 @@ def main(argv: list[str] | None = None) -> int:
                      with_auto=not args.only_restricted)
     print(f"\n{args.model} on {args.gpus} GPUs, simulated {args.cluster} ({time.perf_counter() - start:.0f} s)")
     print(format_rows(rows))
-    for r in rows:
-        for q, ops in enumerate(r.get("top_ops") or []):
-            print(f"{r['variant']}, stage {q}: " + "; ".join(
-                f"{o['name']} [{o['strategy']}] {o['communication']} {o['seconds']:.2f} s" for o in ops))
     out = args.out or os.path.join("results", f"breakdown_{args.model}_{args.gpus}.json")
     command = "python -m alpa_like.bench.breakdown " + " ".join(sys.argv[1:] if argv is None else argv)
     path = report.write_json(out, rows, command=command, cluster=args.cluster)
