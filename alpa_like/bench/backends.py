@@ -17,13 +17,12 @@ import time
 from collections.abc import Callable
 
 import jax
-import optax
 from flax.training import train_state
 
 import alpa_like as al
 from alpa_like import models
 from alpa_like.bench.flops import gpt_step_flops
-from alpa_like.bench.workloads import Workload, loss_train_step
+from alpa_like.bench.workloads import OPTIMIZERS, Workload, loss_train_step
 from alpa_like.models import gpt, moe, wide_resnet
 
 LOCAL_MODELS = {"gpt": ("gpt-small", 32), "opt": ("gpt-small", 32), "moe": ("moe-tiny", 32),
@@ -55,12 +54,12 @@ StepRunner = Callable[[Workload, object, int], Measurement]
 
 
 def local_workload(suite: str) -> Workload:
-    """The suite's small model with real arrays (``LOCAL_MODELS``), FP32."""
+    """The suite's small model with real arrays (``LOCAL_MODELS``), FP32, with its suite's optimizer."""
     name, batch_size = LOCAL_MODELS[suite]
     config = models.get_config(name)
     key, data_key = jax.random.PRNGKey(0), jax.random.PRNGKey(1)
-    tx = optax.adam(1e-3)
     if isinstance(config, models.MoEConfig):
+        tx = OPTIMIZERS["moe"]()
         batch = moe.moe_batch(config, batch_size, data_key)
         params = moe.MoEModel(config).init(key, batch["input_ids"])["params"]
         return Workload(name=name, family="moe", config=config, global_batch=batch_size,
@@ -68,12 +67,14 @@ def local_workload(suite: str) -> Workload:
                         args=(train_state.TrainState.create(apply_fn=None, params=params, tx=tx), batch),
                         num_layers=config.num_layers, remat=False)
     if isinstance(config, models.GPTConfig):
+        tx = OPTIMIZERS["gpt"]()
         batch = gpt.gpt_batch(config, batch_size, data_key)
         params = gpt.GPTModel(config).init(key, batch["input_ids"])["params"]
         return Workload(name=name, family="gpt", config=config, global_batch=batch_size,
                         train_step=loss_train_step(gpt.gpt_loss(gpt.GPTModel(config))),
                         args=(train_state.TrainState.create(apply_fn=None, params=params, tx=tx), batch),
                         num_layers=config.num_layers, remat=False)
+    tx = OPTIMIZERS["wresnet"]()
     batch = wide_resnet.wresnet_batch(config, batch_size, data_key)
     variables = wide_resnet.WideResNet(config).init(key, batch["images"], train=False)
     state = {"train": train_state.TrainState.create(apply_fn=None, params=variables["params"], tx=tx),
