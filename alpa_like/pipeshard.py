@@ -37,6 +37,7 @@ from alpa_like.compiler.markers import is_marker
 from alpa_like.compiler.stage_dp import StageChoice, StageCosts, StageSolution, price_placed_stages, solve_stages
 from alpa_like.compiler.stage_construction import build_stage_program
 from alpa_like.compiler.stage_profiling import StageProfile, apply_phase_inputs, profile_stage_costs
+from alpa_like.compiler.stage_sharding import StageSharding, stage_shardings
 from alpa_like.compiler.submesh import assign_devices, submesh_shapes
 from alpa_like.compiler.terapipe_planning import attention_fractions, choose_token_slicing
 from alpa_like.compiler.trace import TracedStep, trace_step
@@ -283,6 +284,12 @@ def plan_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[Any]
 def plan_sliced(method: PipeshardParallel, sliced: SlicedStep, cluster: ClusterSpec,
                 progress: _Progress | None = None) -> ParallelPlan:
     """Steps 2-4 of planning on an already sliced step."""
+    return _plan_and_profile(method, sliced, cluster, progress)[0]
+
+
+def _plan_and_profile(method: PipeshardParallel, sliced: SlicedStep, cluster: ClusterSpec,
+                      progress: _Progress | None = None) -> tuple[ParallelPlan, StageProfile, StageSolution]:
+    """:func:`plan_sliced`, also returning the profile and the stage DP's solution the plan comes from."""
     progress = progress or _Progress(method.stage_option.show_progress)
     traced, jaxpr, pieces, summaries = sliced.traced, sliced.jaxpr, sliced.pieces, sliced.summaries
     param_mask = [r == "param" for r in sliced.roles]
@@ -322,7 +329,7 @@ def plan_sliced(method: PipeshardParallel, sliced: SlicedStep, cluster: ClusterS
         t4 = time.perf_counter()
         plan = _plan_token_slicing(method, sliced, solution, plan)
         plan = dataclasses.replace(plan, compile_times=plan.compile_times + (("token DP", time.perf_counter() - t4),))
-    return plan
+    return plan, profile, solution
 
 
 def _plan_token_slicing(method: PipeshardParallel, sliced: SlicedStep, solution: StageSolution,
@@ -476,12 +483,16 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
     progress = _Progress(method.stage_option.show_progress)
     progress.step("step 1/4: tracing the step and cutting it into layers")
     sliced = slice_step(method, fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums)
-    plan = plan_sliced(method, sliced, cluster or ClusterSpec.local(devices), progress)
+    plan, profile, solution = _plan_and_profile(method, sliced, cluster or ClusterSpec.local(devices), progress)
     if method.pipeline_schedule == "terapipe":
         return _compile_terapipe(method, fun, args, sliced, plan, devices)
     stage_layers, stage_to_mesh = [s.layer_ids for s in plan.stages], list(range(len(plan.stages)))
+    shardings = None
     if method.virtual_stages > 1:
         plan, stage_layers, stage_to_mesh = _loop_layers(plan, len(sliced.summaries), method.virtual_stages)
+    else:
+        shardings = stage_shardings(sliced.jaxpr, sliced.pieces, stage_layers, lambda q, l: profile.layer_costs[
+            (l, solution.stages[q].submesh_index, solution.stages[q].view_index)])
     program = build_stage_program(sliced.closed_jaxpr, sliced.pieces, stage_layers,
                                   [r == "batch" for r in sliced.roles])
     schedule = make_schedule(method.pipeline_schedule, num_meshes=len(plan.stages),
@@ -490,8 +501,24 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
     path_to_input = {leaf.path: program.step_inputs[k] for k, leaf in enumerate(sliced.traced.in_leaves)}
     input_specs = {path_to_input[t.path]: t.spec for s in plan.stages for t in s.inputs
                    if t.spec is not None and t.path in path_to_input}
+    extra = {}
+    if shardings is not None and make_executable is PipeshardExecutable:
+        extra = dict(stage_shardings=shardings, value_specs=value_specs(program, shardings, stage_to_mesh))
     return make_executable(traced=sliced.traced, plan=plan, program=program, programs=programs,
-                           devices=devices, input_specs=input_specs)
+                           devices=devices, input_specs=input_specs, **extra)
+
+
+def value_specs(program, shardings: Sequence[StageSharding], stage_to_mesh: Sequence[int]) -> dict:
+    """``(value, mesh) -> spec``: the layout each stage's ILP gives the values its mesh reads from outside its
+    layers (what it loads or receives) and those its layers produce (what it sends)."""
+    vid = {v: i for i, v in enumerate(program.values)}
+    out = {}
+    for q, sharding in enumerate(shardings):
+        mesh = stage_to_mesh[q]
+        for var, spec in (*sharding.output_specs.items(), *sharding.input_specs.items()):
+            if var in vid:
+                out.setdefault((vid[var], mesh), spec)
+    return out
 
 
 def _is_lengths(value) -> bool:

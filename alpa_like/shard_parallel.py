@@ -24,7 +24,15 @@ import warnings
 from collections.abc import Sequence
 
 from alpa_like.cluster import ClusterSpec
-from alpa_like.compiler.auto_sharding import PassOptions, ShardingSolution, alias_pairs, auto_shard
+from alpa_like.compiler.auto_sharding import (
+    PINNED_PRIMITIVES,
+    PassOptions,
+    ShardingSolution,
+    alias_pairs,
+    auto_shard,
+    operand_pins,
+    pins,
+)
 from alpa_like.compiler.grad_accumulation import split_at_grad_marker
 from alpa_like.compiler.ilp import DEFAULT_SOLVER, SOLVERS
 from alpa_like.compiler.logical_mesh import LogicalMesh, logical_shapes
@@ -38,9 +46,6 @@ from alpa_like.plan import CommEstimate, OpPlan, SolverReport
 
 MESH_AXIS_NAMES = ("x", "y")
 """Names of the two logical mesh axes in the compiled program (mesh axis 0 is ``x``)."""
-
-PINNED_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "gather", "scatter-add", "scatter"})
-"""Operators whose chosen output spec is pinned with ``with_sharding_constraint``."""
 
 REPORTED_PRIMITIVES = PINNED_PRIMITIVES | CONTROL_FLOW
 """Operators listed one by one in the plan."""
@@ -224,39 +229,6 @@ def realize(traced: TracedStep, graph: OpGraph, solution: ShardingSolution,
                                           num_edges=solution.ilp.num_edges,
                                           num_variables=solution.ilp.num_variables,
                                           num_constraints=solution.ilp.num_constraints, views=tuple(views)))
-
-
-def pins(graph: OpGraph, solution: ShardingSolution, skip=frozenset()) -> list[tuple[int, int, ShardingSpec]]:
-    """``with_sharding_constraint`` sites on values that make XLA follow the plan.
-
-    Every value of the step that has an equation index gets the layout the plan gives it where it is
-    produced, so that XLA's propagation cannot move a layout change elsewhere. ``skip``: nodes whose output
-    layout another pass decides (the weight-update sharding).
-    """
-    sites: dict[tuple[int, int], ShardingSpec] = {}
-    for t, site in graph.pins.items():
-        if graph.tensors[t].producer not in skip:
-            sites[site] = solution.tensor_spec(t)
-    return [(eqn, k, spec) for (eqn, k), spec in sites.items()]
-
-
-def operand_pins(graph: OpGraph, solution: ShardingSolution) -> list[tuple[int, int, ShardingSpec]]:
-    """(equation index, operand position, spec): every operand of a pinned operator (matmul, convolution,
-    gather, scatter) as that operator reads it, in the layout its chosen algorithm needs.
-
-    With the value pinned where it is produced and again as each heavy reader sees it, the resharding the
-    plan pays on that edge happens between the two constraints, and XLA's partitioner sees the algorithm's
-    operand and output layouts, which leaves it one way to compute the operator; a value read by several
-    operators in different layouts is resharded once per reader, as Eq. 3.1 prices it.
-    """
-    out = []
-    for node in graph.nodes:
-        if node.primitive not in PINNED_PRIMITIVES or node.inlined:
-            continue
-        for pos, (t, spec) in enumerate(zip(node.operands, solution.strategies[node.id].in_specs)):
-            if t is not None and spec is not None:
-                out.append((node.eqn_index, pos, spec))
-    return out
 
 
 def predicted_collectives(graph: OpGraph, solution: ShardingSolution, rewrites: Sequence[WeightUpdateSharding],

@@ -51,6 +51,8 @@ from alpa_like.compiler.auto_sharding import (
     PassOptions,
     ShardingSolution,
     auto_shard,
+    operand_pins,
+    pins,
     prepare,
     restricted_inputs,
     solve_prepared,
@@ -81,6 +83,12 @@ class LayerCost:
     """Parameters under the ILP's specs (gradients take as much again)."""
     input_specs: tuple[ShardingSpec, ...]
     """The ILP's spec of each input of the layer's jaxpr."""
+    value_pins: tuple[tuple[int, int, ShardingSpec], ...] = ()
+    """(equation index in the layer's jaxpr, output index, spec): the ILP's layout of each value where it is
+    produced (:func:`~alpa_like.compiler.auto_sharding.pins`)."""
+    operand_pins: tuple[tuple[int, int, ShardingSpec], ...] = ()
+    """(equation index, operand index, spec): the layouts the heavy operators' chosen strategies read
+    (:func:`~alpa_like.compiler.auto_sharding.operand_pins`)."""
 
     @property
     def seconds(self) -> float:
@@ -172,7 +180,9 @@ def layer_cost(closed: ClosedJaxpr, param_inputs: Sequence[bool], mesh: LogicalM
     comm_bytes = sum(c.num_bytes for strategy in solution.strategies for c in strategy.collectives)
     return LayerCost(compute_seconds=jaxpr_seconds(closed, peak_flops, memory_bandwidth, mesh.num_devices),
                      comm_seconds=float(solution.objective), comm_bytes=float(comm_bytes),
-                     param_bytes_per_device=param_bytes, input_specs=tuple(solution.input_specs()))
+                     param_bytes_per_device=param_bytes, input_specs=tuple(solution.input_specs()),
+                     value_pins=tuple(pins(solution.graph, solution)),
+                     operand_pins=tuple(operand_pins(solution.graph, solution)))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -24,10 +24,12 @@ from jax.sharding import NamedSharding
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.grad_accumulation import to_micro_batches
 from alpa_like.compiler.sharding_spec import ShardingSpec
-from alpa_like.compiler.stage_construction import StageProgram
+from alpa_like.compiler.stage_construction import StageProgram, ValueId
+from alpa_like.compiler.stage_sharding import StageSharding
 from alpa_like.runtime.instructions import PER_STEP, Instruction, MeshPrograms, Op
 from alpa_like.runtime.mesh import make_mesh, named_sharding
 from alpa_like.runtime.resharding import layout_of, plan_resharding, reshard
+from alpa_like.runtime.spmd import pin_hook
 
 MESH_AXES = ("x", "y")
 
@@ -69,7 +71,12 @@ class PipeshardExecutable:
     """A compiled pipeline step: call it like the original function."""
 
     def __init__(self, *, traced, plan, program: StageProgram, programs: MeshPrograms, devices: Sequence[Any],
-                 input_specs: dict[int, ShardingSpec]):
+                 input_specs: dict[int, ShardingSpec], stage_shardings: Sequence[StageSharding] | None = None,
+                 value_specs: dict[tuple[ValueId, int], ShardingSpec] | None = None):
+        """``input_specs``: the layout of step inputs (parameters) on every mesh that loads them;
+        ``stage_shardings``: per stage, the ILP's layouts pinned inside its pieces (None: XLA propagates from
+        the inputs' layouts); ``value_specs``: ``(value, mesh) -> spec`` of what a mesh loads or receives
+        (default: :func:`activation_spec`)."""
         self.traced = traced
         self.plan = plan
         self.program = program
@@ -79,6 +86,11 @@ class PipeshardExecutable:
         self.meshes = [make_mesh([by_id[i] for i in stage.device_ids], stage.logical_mesh_shape, MESH_AXES)
                        for stage in plan.stages]
         self._input_specs = input_specs
+        self.value_specs = dict(value_specs or {})
+        self._hooks = {}
+        for q, sharding in enumerate(stage_shardings or ()):
+            mesh = self.meshes[programs.stage_to_mesh[q]]
+            self._hooks[q] = (pin_hook(mesh, sharding.value_pins), pin_hook(mesh, sharding.operand_pins))
         self._jitted: dict[tuple, Any] = {}
         self._fused: dict[tuple, Any] = {}
         self._arg_specs: dict[tuple[int, str], list[jax.ShapeDtypeStruct]] = {}
@@ -169,7 +181,8 @@ class PipeshardExecutable:
             fn = self._fused.get((ins.stage, ins.phase, slots, donate))
             if fn is None:
                 fn = self._fused[(ins.stage, ins.phase, slots, donate)] = jax.jit(
-                    _accumulating_fn(piece, slots), donate_argnums=tuple(k + 1 for k in donate))
+                    _accumulating_fn(piece, slots, *self._hooks.get(ins.stage, ())),
+                    donate_argnums=tuple(k + 1 for k in donate))
             with _quiet_unusable_donations():
                 outs, sums = fn([acc[a.target] for a in fused], *args)
             acc.update({a.target: x for a, x in zip(fused, sums, strict=True)})
@@ -198,7 +211,8 @@ class PipeshardExecutable:
         fn = self._jitted.get((stage, phase, donate))
         if fn is None:
             piece = self.program.piece(stage, phase)
-            fn = self._jitted[(stage, phase, donate)] = jax.jit(_piece_fn(piece), donate_argnums=donate)
+            fn = self._jitted[(stage, phase, donate)] = jax.jit(_piece_fn(piece, *self._hooks.get(stage, ())),
+                                                                donate_argnums=donate)
         return fn
 
     def _mean(self, group: list[Instruction], buffers, accumulators) -> None:
@@ -220,7 +234,7 @@ class PipeshardExecutable:
             mesh_buffers[ins.key] = jax.device_put(value, self._load_sharding(v, np.shape(value), ins.mesh))
         elif ins.op is Op.RECV:
             x = buffers[ins.src_mesh][ins.key]
-            mesh_buffers[ins.key] = self._move(x, ins.mesh, stats)
+            mesh_buffers[ins.key] = self._move(x, ins.key[0], ins.mesh, stats)
         elif ins.op is Op.FREE:
             mesh_buffers.pop(ins.key, None)
         else:
@@ -228,14 +242,15 @@ class PipeshardExecutable:
 
     def _load_sharding(self, value_id, shape, mesh_index: int) -> NamedSharding:
         mesh = self.meshes[mesh_index]
-        spec = self._input_specs.get(value_id)
+        spec = self.value_specs.get((value_id, mesh_index), self._input_specs.get(value_id))
         if spec is None or spec.ndim != len(shape):
             spec = activation_spec(shape, tuple(mesh.devices.shape))
         return named_sharding(mesh, spec)
 
-    def _move(self, x: jax.Array, mesh_index: int, stats: StepStats) -> jax.Array:
+    def _move(self, x: jax.Array, value_id: ValueId, mesh_index: int, stats: StepStats) -> jax.Array:
         mesh = self.meshes[mesh_index]
-        dst = named_sharding(mesh, activation_spec(x.shape, tuple(mesh.devices.shape)))
+        spec = self.value_specs.get((value_id, mesh_index)) or activation_spec(x.shape, tuple(mesh.devices.shape))
+        dst = named_sharding(mesh, spec)
         key = (x.shape, str(x.dtype), x.sharding, dst)
         plan = self._reshard_plans.get(key)
         if plan is None:
@@ -289,15 +304,17 @@ def _split_micro_batches(x, count: int):
     return tuple(to_micro_batches(x, count))
 
 
-def _accumulating_fn(piece, slots: tuple[int, ...]):
+def _accumulating_fn(piece, slots: tuple[int, ...], hook=None, operand_hook=None):
     """The piece, also adding its outputs at ``slots`` to the given accumulators."""
     def run(totals, *args):
-        outs = jax_compat.eval_closed_jaxpr(piece.jaxpr, *args)
+        outs = jax_compat.eval_closed_jaxpr(piece.jaxpr, *args, hook=hook, operand_hook=operand_hook)
         return outs, [t + outs[k] for t, k in zip(totals, slots, strict=True)]
     return run
 
 
-def _piece_fn(piece):
+def _piece_fn(piece, hook=None, operand_hook=None):
+    """The piece as a function of its inputs; ``hook`` / ``operand_hook`` pin layouts inside it
+    (:func:`~alpa_like.runtime.spmd.pin_hook`)."""
     def run(*args):
-        return jax_compat.eval_closed_jaxpr(piece.jaxpr, *args)
+        return jax_compat.eval_closed_jaxpr(piece.jaxpr, *args, hook=hook, operand_hook=operand_hook)
     return run
