@@ -487,12 +487,13 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
     if method.pipeline_schedule == "terapipe":
         return _compile_terapipe(method, fun, args, sliced, plan, devices)
     stage_layers, stage_to_mesh = [s.layer_ids for s in plan.stages], list(range(len(plan.stages)))
-    shardings = None
     if method.virtual_stages > 1:
         plan, stage_layers, stage_to_mesh = _loop_layers(plan, len(sliced.summaries), method.virtual_stages)
-    else:
-        shardings = stage_shardings(sliced.jaxpr, sliced.pieces, stage_layers, lambda q, l: profile.layer_costs[
-            (l, solution.stages[q].submesh_index, solution.stages[q].view_index)])
+
+    def layer_cost(q: int, layer: int):  # every layer was profiled on every mesh's (submesh, logical view)
+        choice = solution.stages[stage_to_mesh[q]]
+        return profile.layer_costs[(layer, choice.submesh_index, choice.view_index)]
+    shardings = stage_shardings(sliced.jaxpr, sliced.pieces, stage_layers, layer_cost)
     program = build_stage_program(sliced.closed_jaxpr, sliced.pieces, stage_layers,
                                   [r == "batch" for r in sliced.roles])
     schedule = make_schedule(method.pipeline_schedule, num_meshes=len(plan.stages),
@@ -502,7 +503,7 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
     input_specs = {path_to_input[t.path]: t.spec for s in plan.stages for t in s.inputs
                    if t.spec is not None and t.path in path_to_input}
     extra = {}
-    if shardings is not None and make_executable is PipeshardExecutable:
+    if make_executable is PipeshardExecutable:
         extra = dict(stage_shardings=shardings, value_specs=value_specs(program, shardings, stage_to_mesh))
     return make_executable(traced=sliced.traced, plan=plan, program=program, programs=programs,
                            devices=devices, input_specs=input_specs, **extra)
