@@ -163,6 +163,11 @@ class PipeshardParallel:
     e.g. ``(776, 640, 632)``, used for every micro-batch; or a whole batch + token slicing (section 2.3.4) as
     plans print it, ``((rows, (lengths...)), ...)`` with rows summing to the batch size, e.g.
     ``((2, (8, 8)), (1, (16,)))``. None: the TeraPipe DP chooses (see ``ParallelPlan.token_slicing``)."""
+    defer_gradient_sync: bool = True
+    """Reduce each stage's gradients over its mesh once per step (Alpa, Megatron-LM) instead of in every
+    backward: the backward pieces accumulate per-shard partial sums of the gradients that allow it
+    (:mod:`alpa_like.compiler.gradient_sync`), reduced by the step's mean. False: every backward
+    all-reduces its gradients (GSPMD's default for a whole-array output). Local backend."""
     share_slice_executables: bool = False
     """``pipeline_schedule="terapipe"`` only. True: token slices of equal length (and rows) share one
     executable per stage whatever their context: each reads its cached keys/values left-padded to the longest
@@ -171,6 +176,8 @@ class PipeshardParallel:
 
     def __post_init__(self):
         _check_micro_batches(self.num_micro_batches)
+        if self.defer_gradient_sync not in (False, True):
+            raise ValueError(f"defer_gradient_sync must be a bool, got {self.defer_gradient_sync!r}")
         if self.share_slice_executables not in (False, True):
             raise ValueError(f"share_slice_executables must be a bool, got {self.share_slice_executables!r}")
         if self.share_slice_executables and self.pipeline_schedule != "terapipe":
@@ -504,7 +511,8 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
                    if t.spec is not None and t.path in path_to_input}
     extra = {}
     if make_executable is PipeshardExecutable:
-        extra = dict(stage_shardings=shardings, value_specs=value_specs(program, shardings, stage_to_mesh))
+        extra = dict(stage_shardings=shardings, value_specs=value_specs(program, shardings, stage_to_mesh),
+                     defer_gradient_sync=method.defer_gradient_sync)
     return make_executable(traced=sliced.traced, plan=plan, program=program, programs=programs,
                            devices=devices, input_specs=input_specs, **extra)
 
