@@ -308,10 +308,12 @@ def _plan_and_profile(method: PipeshardParallel, sliced: SlicedStep, cluster: Cl
     pairs = sum(len(v) for v in views) * len(summaries)
     progress.step(f"step 2/4: intra-op pass on {len(summaries)} layers x {sum(len(v) for v in views)} "
                   f"(submesh, logical mesh) pairs = {pairs}")
+    deferred = method.defer_gradient_sync and method.pipeline_schedule != "terapipe"
     options = PassOptions(solver=method.auto_sharding_option.solver,
                           solver_time_limit=method.auto_sharding_option.solver_time_limit,
                           allow_all_to_all=method.auto_sharding_option.allow_all_to_all,
-                          peak_flops=cluster.peak_flops)
+                          peak_flops=cluster.peak_flops,
+                          gradient_sync_weight=1.0 / method.num_micro_batches if deferred else 1.0)
     profile = profile_stage_costs(
         jaxpr, pieces, summaries, param_mask, optimizer_bytes, cluster, submeshes, views, options,
         max_workers=getattr(method.stage_option, "max_workers", None), progress=progress.solves())
@@ -487,6 +489,8 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
     the local MPMD backend's by default, another backend's through ``make_executable`` (same arguments)."""
     if method.pipeline_schedule == "terapipe" and make_executable is not PipeshardExecutable:
         raise NotImplementedError("pipeline_schedule='terapipe' runs on the local backend only (al.init('local'))")
+    if make_executable is not PipeshardExecutable:  # other backends all-reduce gradients in every backward
+        method = dataclasses.replace(method, defer_gradient_sync=False)
     progress = _Progress(method.stage_option.show_progress)
     progress.step("step 1/4: tracing the step and cutting it into layers")
     sliced = slice_step(method, fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums)

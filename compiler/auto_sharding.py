@@ -32,7 +32,14 @@ from jax.extend.core import Literal
 
 from alpa_like.compiler.ilp import DEFAULT_SOLVER, IlpEdge, IlpProblem, IlpSolution, restrict, solve
 from alpa_like.compiler.logical_mesh import LogicalMesh
-from alpa_like.compiler.op_graph import CONTROL_FLOW, OpGraph, OpNode, gradient_nodes, merged_groups
+from alpa_like.compiler.op_graph import (
+    CONTROL_FLOW,
+    OpGraph,
+    OpNode,
+    gradient_nodes,
+    gradient_producers,
+    merged_groups,
+)
 from alpa_like.compiler.propagation import FOLLOW_RULES
 from alpa_like.compiler.sharding_spec import (
     ReshardStep,
@@ -74,6 +81,13 @@ class PassOptions:
     node_weights: tuple[float, ...] | None = None
     """Per graph node, how many times it runs per step (e.g. ``num_micro_batches`` for compute-grad
     equations under gradient accumulation); its costs and its operands' resharding are scaled by it."""
+    gradient_outputs: frozenset[int] = frozenset()
+    """Indices of the jaxpr's outputs that are gradients, for a piece of a step cut before its grad marker (a
+    pipeline layer); in a whole step the marker says which values are gradients."""
+    gradient_sync_weight: float = 1.0
+    """Times per run of the jaxpr that the all-reduces of the operators computing gradients happen: 1 when
+    every run reduces its gradients; ``1 / B`` for a pipeline stage that accumulates partial sums over ``B``
+    micro-batches and reduces them once per step (:mod:`~alpa_like.compiler.gradient_sync`)."""
     combine_gradient_all_reduces: bool = True
     """Price the all-reduces of the operators that compute gradients as XLA runs them: independent of each
     other until the update, they are combined into one all-reduce per set of mesh axes, so each pays its
@@ -382,11 +396,14 @@ def build_problem(graph: OpGraph, table: list[list[Strategy]], mesh: LogicalMesh
                   aliases: Sequence[tuple[int, int]] = (), memory_budget: float | None = None,
                   allow_all_to_all: bool = True,
                   node_weights: Sequence[float] | None = None,
-                  combined: frozenset[int] = frozenset()) -> tuple[IlpProblem, IlpProblem, np.ndarray]:
+                  combined: frozenset[int] = frozenset(), deferred: frozenset[int] = frozenset(),
+                  deferred_weight: float = 1.0) -> tuple[IlpProblem, IlpProblem, np.ndarray]:
     """The ILP of Eq. 3.1 over the merged groups (costs scaled by each node's ``repeat`` times ``node_weights``).
 
     ``combined``: nodes whose all-reduces XLA combines into one (see
     :attr:`PassOptions.combine_gradient_all_reduces`); their ``c_v`` leaves out each all-reduce's latency.
+    ``deferred``: nodes whose all-reduces run ``deferred_weight`` times per run of the graph (see
+    :attr:`PassOptions.gradient_sync_weight`).
 
     Returns:
       (problem with the tie-break, the same problem without it, ILP node index of every graph node).
@@ -405,7 +422,9 @@ def build_problem(graph: OpGraph, table: list[list[Strategy]], mesh: LogicalMesh
         weight *= np.asarray(node_weights, dtype=float)
     for node in graph.nodes:
         v = node_of[node.id]
-        costs = [s.cost - (all_reduce_latency(s, mesh) if node.id in combined else 0.0) for s in table[node.id]]
+        costs = [s.cost - (all_reduce_latency(s, mesh) if node.id in combined else 0.0)
+                 - (all_reduce_bandwidth(s, mesh) * (1.0 - deferred_weight) if node.id in deferred else 0.0)
+                 for s in table[node.id]]
         comm[v] += weight[node.id] * np.array(costs)
         for k, t in enumerate(node.outputs):
             tensor = graph.tensors[t]
@@ -440,6 +459,12 @@ def all_reduce_latency(strategy: Strategy, mesh: LogicalMesh) -> float:
     """The latency (``alpha``) part of the strategy's all-reduces: what combining them with others saves."""
     no_latency = _without_latency(mesh)
     return sum(c.seconds(mesh) - c.seconds(no_latency) for c in strategy.collectives if c.kind == "all-reduce")
+
+
+def all_reduce_bandwidth(strategy: Strategy, mesh: LogicalMesh) -> float:
+    """The bandwidth (``beta``) part of the strategy's all-reduces."""
+    no_latency = _without_latency(mesh)
+    return sum(c.seconds(no_latency) for c in strategy.collectives if c.kind == "all-reduce")
 
 
 @functools.lru_cache(maxsize=64)
@@ -501,11 +526,16 @@ def prepare(graph: OpGraph, mesh: LogicalMesh, options: PassOptions = PassOption
     """Strategies (step 1) and the ILP (step 2) of the pass; see :func:`auto_shard` for the arguments."""
     ctx = StrategyContext(mesh=mesh, peak_flops=options.peak_flops)
     table = strategy_table(graph, ctx, options.input_candidates)
-    combined = gradient_nodes(graph) if options.combine_gradient_all_reduces else frozenset()
+    gradients = gradient_nodes(graph).union(*(gradient_producers(graph, graph.output_tensors[i])
+                                              for i in options.gradient_outputs
+                                              if graph.output_tensors[i] is not None))
+    combined = gradients if options.combine_gradient_all_reduces else frozenset()
     problem, exact, node_of = build_problem(graph, table, mesh, aliases=aliases,
                                             memory_budget=options.memory_budget,
                                             allow_all_to_all=options.allow_all_to_all,
-                                            node_weights=options.node_weights, combined=combined)
+                                            node_weights=options.node_weights, combined=combined,
+                                            deferred=gradients if options.gradient_sync_weight != 1.0 else frozenset(),
+                                            deferred_weight=options.gradient_sync_weight)
     return PreparedPass(graph=graph, mesh=mesh, options=options, aliases=tuple(aliases), table=table,
                         problem=problem, exact=exact, node_of=node_of, combined=combined)
 

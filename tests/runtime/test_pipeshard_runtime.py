@@ -133,6 +133,38 @@ def test_stage_pieces_compile_the_collectives_their_layers_ilp_chose():
     assert [b * method.num_micro_batches for b in all_reduced] == predicted
 
 
+@pytest.mark.parametrize("defer", [True, False])
+def test_data_parallel_stages_reduce_gradients_once_per_step(defer):
+    # 64 rows per micro-batch against 16 x 16 weights: the ILP splits the batch over each stage's 4 devices.
+    loss_fn, state, _ = mlp_case()
+    rng = np.random.default_rng(1)
+    batches = [{"x": jnp.asarray(rng.normal(size=(256, 16)), jnp.float32),
+                "y": jnp.asarray(rng.normal(size=(256, 16)), jnp.float32)} for _ in range(2)]
+    state = state.replace(tx=SGD, opt_state=SGD.init(state.params))
+    method = al.PipeshardParallel(num_micro_batches=4, layer_option=al.ManualLayerOption(),
+                                  stage_option=stages(((0, 1), (2, 3)), ((1, 4), (1, 4)), ((1, 4), (4, 1))),
+                                  defer_gradient_sync=defer)
+    step = train_step_for(loss_fn)
+    parallel = al.parallelize(step, method=method)
+    exe = parallel.get_executable(state, batches[0])
+    got_state, got_losses = run_steps(parallel, state, batches)
+    ref_state, ref_losses = reference_on_one_device(step, state, batches)
+    assert_trees_close(got_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
+    reduced = {}
+    for part in exe.get_hlo_text().split("// stage ")[1:]:
+        stage, phase = part.split(None, 2)[:2]
+        if phase == "bwd":
+            reduced[int(stage)] = sum(c.result_bytes for c in hlo_stats.collectives(part)
+                                      if c.kind in ("all-reduce", "reduce-scatter"))
+    grad_bytes = 2 * (16 * 16 + 16) * 4  # two layers' weight and bias per stage
+    if defer:  # every weight and bias gradient leaves the backward as per-device partial sums
+        assert {q: len(d.outputs) for q, d in exe.deferred.items()} == {0: 4, 1: 4}
+        assert reduced == {0: 0, 1: 0}
+    else:
+        assert reduced == {0: grad_bytes, 1: grad_bytes}
+
+
 def live_micro_batches(exe, mesh):
     """Peak number of distinct micro-batches whose buffers are alive on ``mesh``, following the program's
     writes (RUN outputs, LOAD, RECV) and FREEs: the activation memory the program holds."""
