@@ -28,6 +28,8 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from jax.extend.core import JaxprEqn, Var
 
 from alpa_like.compiler.markers import is_marker
@@ -83,10 +85,15 @@ def stacked_spec(spec: ShardingSpec, axes: tuple[int, ...]) -> ShardingSpec:
     return ShardingSpec(axes=(tuple(axes),) + tuple(tuple(a for a in dim if a not in axes) for dim in spec.axes))
 
 
-def _source_split(eqn: JaxprEqn, spec_of, mesh_shape: tuple[int, ...]) -> Split | None:
-    """The split of a contraction over a sharded dim, or None when ``eqn`` is not one."""
+def _source_split(eqn: JaxprEqn, spec_of, mesh_shape: tuple[int, ...], is_zero=lambda v: False) -> Split | None:
+    """The split of a contraction over a sharded dim, or None when ``eqn`` is not one. ``is_zero(v)``: whether
+    ``v`` is known to be all zeros (the table an embedding gradient's ``scatter-add`` starts from)."""
     name = eqn.primitive.name
-    if name == "dot_general":
+    if name == "scatter-add":
+        dims, specs, axes = _scatter_split(eqn, spec_of, is_zero)
+        if dims is None:
+            return None
+    elif name == "dot_general":
         (lc, rc), _ = eqn.params["dimension_numbers"]
         lhs, rhs = spec_of(eqn, 0), spec_of(eqn, 1)
         if lhs is None or rhs is None:
@@ -111,10 +118,31 @@ def _source_split(eqn: JaxprEqn, spec_of, mesh_shape: tuple[int, ...]) -> Split 
     else:
         return None
     stack = math.prod(mesh_shape[x] for x in axes)
+    if stack == 1:
+        return None
     for k, dim in dims:
         if eqn.invars[k].aval.shape[dim] % stack:
             return None
     return Split(dims=dims, specs=specs, stack=stack, axes=tuple(axes))
+
+
+def _scatter_split(eqn: JaxprEqn, spec_of, is_zero):
+    """A ``scatter-add`` of updates split over mesh axes along one scatter dim into a table of zeros: the
+    (indices dim, updates dim) pair, their specs and the axes; ``(None, None, None)`` otherwise."""
+    dn = eqn.params["dimension_numbers"]
+    operand, indices, updates = eqn.invars
+    idx, upd = spec_of(eqn, 1), spec_of(eqn, 2)
+    if idx is None or upd is None or not is_zero(operand) or dn.operand_batching_dims:
+        return None, None, None
+    scatter_dims = [u for u in range(len(updates.aval.shape)) if u not in dn.update_window_dims]
+    pairs = [(t, u) for t, u in zip(range(len(indices.aval.shape) - 1), scatter_dims) if upd.axes[u]]
+    if len(pairs) != 1:
+        return None, None, None
+    t, u = pairs[0]
+    axes = upd.axes[u]
+    if idx.axes[t] != axes or any(upd.axes[w] for w in dn.update_window_dims):
+        return None, None, None
+    return ((1, t), (2, u)), (idx, upd), axes
 
 
 def deferrable_gradients(eqns: Sequence[JaxprEqn], gradients: Sequence[Var], outputs: Sequence[Var],
@@ -142,6 +170,12 @@ def deferrable_gradients(eqns: Sequence[JaxprEqn], gradients: Sequence[Var], out
     def spec_of(eqn, k):
         return operand_specs.get((id(eqn), k)) or var_specs.get(eqn.invars[k])
 
+    def is_zero(v) -> bool:
+        """A broadcast of the literal 0 (how the transpose of a gather starts its table)."""
+        e = producer.get(v) if isinstance(v, Var) else None
+        return (e is not None and e.primitive.name == "broadcast_in_dim" and not isinstance(e.invars[0], Var)
+                and np.all(np.asarray(e.invars[0].val) == 0))
+
     found_outputs, found_sources, found_lifted, found_values, claimed = {}, {}, {}, {}, set()
     for g in gradients:
         sources: dict[int, Split] = {}
@@ -156,7 +190,7 @@ def deferrable_gradients(eqns: Sequence[JaxprEqn], gradients: Sequence[Var], out
             if v in members:
                 return True
             eqn = producer[v]
-            split = _source_split(eqn, spec_of, mesh_shape)
+            split = _source_split(eqn, spec_of, mesh_shape, is_zero)
             if split is not None:
                 sources[id(eqn)] = split
                 members.update(eqn.outvars)
@@ -177,7 +211,8 @@ def deferrable_gradients(eqns: Sequence[JaxprEqn], gradients: Sequence[Var], out
             elif name in SCALING:
                 k = 0 if name == "div" else next((i for i, x in enumerate(eqn.invars)
                                                   if isinstance(x, Var) and x in producer
-                                                  and _reaches_source(x, producer, spec_of, mesh_shape)), None)
+                                                  and _reaches_source(x, producer, spec_of, mesh_shape, is_zero)),
+                          None)
                 ok = k is not None and visit(eqn.invars[k]) and not _depends(eqn.invars[1 - k], members, producer)
             else:
                 ok = False
@@ -204,7 +239,7 @@ def deferrable_gradients(eqns: Sequence[JaxprEqn], gradients: Sequence[Var], out
                              stacked=found_values)
 
 
-def _reaches_source(v: Var, producer, spec_of, mesh_shape) -> bool:
+def _reaches_source(v: Var, producer, spec_of, mesh_shape, is_zero) -> bool:
     """Whether some contraction over a sharded dim is an ancestor of ``v`` through linear equations."""
     stack, seen = [v], set()
     while stack:
@@ -213,7 +248,7 @@ def _reaches_source(v: Var, producer, spec_of, mesh_shape) -> bool:
             continue
         seen.add(x)
         eqn = producer[x]
-        if _source_split(eqn, spec_of, mesh_shape) is not None:
+        if _source_split(eqn, spec_of, mesh_shape, is_zero) is not None:
             return True
         if eqn.primitive.name in UNARY_LINEAR | ADDITIVE | SCALING:
             stack.extend(eqn.invars)
@@ -269,7 +304,7 @@ def stacked_params(eqn: JaxprEqn, split: Split) -> dict:
 
 def stack_position(eqn: JaxprEqn, split: Split) -> int:
     """Where the stack dim lands in the output of :func:`stacked_params`'s contraction (moved to 0 after)."""
-    if eqn.primitive.name == "dot_general":
+    if eqn.primitive.name in ("dot_general", "scatter-add"):
         return 0
     (_, r), = split.dims
     return r - sum(1 for x in eqn.params["axes"] if x < r)

@@ -68,6 +68,9 @@ def _partial_sums(eqn: JaxprEqn, invals: Sequence[Any], split: Split, mesh) -> A
     for (k, dim), spec in zip(split.dims, split.specs, strict=True):
         x = jnp.reshape(ops[k], split_shape(ops[k].shape, dim, split.stack))
         ops[k] = jax.lax.with_sharding_constraint(x, named_sharding(mesh, split_spec(spec, dim)))
+    if eqn.primitive.name == "scatter-add":  # one scatter per shard of the updates into its own zero table
+        in_axes = (None,) + tuple(dim for _, dim in split.dims)
+        return jax.vmap(lambda *xs: jax_compat.bind_eqn(eqn, xs)[0], in_axes=in_axes)(*ops)
     params = eqn.primitive.get_bind_params(stacked_params(eqn, split))
     return jnp.moveaxis(eqn.primitive.bind(*ops, **params), stack_position(eqn, split), 0)
 

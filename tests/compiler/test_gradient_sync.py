@@ -72,7 +72,14 @@ def test_linear_steps_after_the_contraction_are_lifted():
     assert len(deferred.outputs) == 1 and len(deferred.sources) == 2
 
 
-CASES = {  # name: (function, argument shapes, specs of the arguments, mesh shape)
+def embedding_grad(idx, dy):
+    """The gradient of an embedding lookup: the rows ``dy`` added into a zero table at ``idx``."""
+    dn = jax.lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0,),
+                                         scatter_dims_to_operand_dims=(0,))
+    return jax.lax.scatter_add(jnp.zeros((10, 4)), idx, dy, dn, mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
+CASES = {  # name: (function, argument shapes (("int", shape, high) for indices), specs, mesh shape)
     "linear": (linear_grads, ((8, 3), (8, 5)), ("S0R", "S0R"), (4, 1)),
     "sequence": (lambda x, dy: (jax.lax.dot_general(x, dy, (((0, 1), (0, 1)), ((), ()))), jnp.sum(dy, axis=(0, 1))),
                  ((4, 6, 3), (4, 6, 5)), ("S0RR", "S0RR"), (2, 2)),
@@ -82,6 +89,7 @@ CASES = {  # name: (function, argument shapes, specs of the arguments, mesh shap
                             ("RS0R", "RS0R"), (4, 1)),
     "contraction not first": (lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ()))), ((3, 8), (5, 8)),
                               ("RS0", "RS0"), (4, 1)),
+    "embedding": (embedding_grad, (("int", (8, 1), 10), (8, 4)), ("S0R", "S0R"), (4, 1)),
     "lifted": (lambda x, dy: (jnp.transpose(xt_dy(x, dy)) * 0.5 - jnp.transpose(xt_dy(x, dy))).reshape(-1),
                ((8, 3), (8, 5)), ("S0R", "S0R"), (4, 1)),
 }
@@ -91,7 +99,8 @@ CASES = {  # name: (function, argument shapes, specs of the arguments, mesh shap
 def test_stacked_partial_sums_add_up_to_the_gradients(case):
     fn, shapes, texts, mesh_shape = CASES[case]
     rng = np.random.default_rng(0)
-    args = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
+    args = [jnp.asarray(rng.integers(0, s[2], size=s[1]), jnp.int32) if s[0] == "int"
+            else jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
     specs = [ShardingSpec.from_str(t) for t in texts]
     closed, deferred = analyse(fn, args, specs, mesh_shape=mesh_shape)
     assert set(deferred.outputs) == set(closed.jaxpr.outvars)
@@ -104,6 +113,15 @@ def test_stacked_partial_sums_add_up_to_the_gradients(case):
         axes = deferred.outputs[var]
         assert stack.shape == (int(np.prod([mesh_shape[a] for a in axes])),) + want.shape
         np.testing.assert_allclose(np.asarray(reduce_stack(stack, 1)), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_an_embedding_gradient_into_a_nonzero_table_is_not_split():
+    def fn(idx, dy):
+        dn = jax.lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0,),
+                                             scatter_dims_to_operand_dims=(0,))
+        return jax.lax.scatter_add(jnp.ones((10, 4)), idx, dy, dn)  # every partial sum would add the ones
+    _, deferred = analyse(fn, (jnp.zeros((8, 1), jnp.int32), jnp.ones((8, 4))), (S0, S0))
+    assert not deferred
 
 
 def test_stacked_spec_puts_the_stack_on_the_reduced_axes_and_takes_them_off_the_value():
