@@ -109,10 +109,11 @@ def choose_token_slicing(stage_times: Sequence[float], fractions: Sequence[float
     batch = num_micro_batches * rows_per_micro_batch
 
     def table(rows: int, grain: int = 1):
+        """The slowest stage's cost per (length, context), in units of ``grain`` tokens."""
         costs = [stage_slice_costs(t, f, seq_len, saturation_tokens, rows, rows_per_micro_batch)
                  for t, f in zip(stage_times, fractions, strict=True)]
-        return np.max([slice_cost_table(lambda a, b, c=c: c(a * grain, b * grain), seq_len // grain)
-                       for c in costs], axis=0)
+        return slice_cost_table(lambda a, b: np.max([c(a * grain, b * grain) for c in costs], axis=0),
+                                seq_len // grain)
 
     whole = float(np.max([stage_slice_costs(t, f, seq_len, saturation_tokens, rows_per_micro_batch,
                                             rows_per_micro_batch)(seq_len, 0)

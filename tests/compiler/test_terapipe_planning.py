@@ -100,8 +100,7 @@ def test_stage_cost_is_the_stage_time_for_the_whole_sequence():
 
 def gpt_plan(num_stages=8, batch_size=8, seq_len=512, **method_options):
     """Planning only (shapes, no arrays) on one simulated 8-GPU node, one layer per stage, one sequence per
-    micro-batch. A narrow model keeps the ILP fast; few short sequences keep the joint token DP fast (its
-    t_max candidates grow with the batch-slice sizes and the sequence length)."""
+    micro-batch. A narrow model keeps the ILP fast."""
     config = gpt.GPTConfig(vocab_size=256, seq_len=seq_len, hidden_size=64, num_layers=num_stages, num_heads=4)
     model = gpt.GPTModel(config)
     params = gpt.gpt_param_shapes(config)
