@@ -46,7 +46,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 __all__ = ["SlicingSolution", "JointSolution", "slice_cost_table", "pipeline_latency", "solve_token_slicing",
-           "solve_joint_slicing", "uniform_slicing", "format_scheme"]
+           "solve_joint_slicing", "uniform_slicing", "format_scheme", "slice_contexts"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +87,26 @@ def format_scheme(batch_slices: Sequence[tuple[int, Sequence[int]]]) -> str:
         else:
             runs.append([key, 1])
     return " + ".join(f"[({b}, {lengths})] x {n}" for (b, lengths), n in runs)
+
+
+def slice_contexts(batch_slices: Sequence[tuple[int, Sequence[int]]], shared: bool = False
+                   ) -> tuple[tuple[int, ...], ...]:
+    """Per batch slice, the context every token slice runs with: its start ``l_1 + ... + l_{i-1}``, or with
+    ``shared`` (``share_slice_executables=True``: slices of equal (rows, length) share one executable) the
+    longest start among the slices of its (rows, length) anywhere in the scheme, its cached keys and values
+    left-padded to that length.
+
+    >>> slice_contexts([(1, (256, 128, 128, 128))], shared=True)
+    ((0, 512, 512, 512),)
+    """
+    starts = [tuple(int(x) for x in np.concatenate([[0], np.cumsum(lengths)[:-1]])) for _, lengths in batch_slices]
+    if not shared:
+        return tuple(starts)
+    longest: dict[tuple[int, int], int] = {}
+    for (rows, lengths), begins in zip(batch_slices, starts, strict=True):
+        for length, start in zip(lengths, begins, strict=True):
+            longest[(rows, length)] = max(longest.get((rows, length), 0), start)
+    return tuple(tuple(longest[(rows, length)] for length in lengths) for rows, lengths in batch_slices)
 
 
 def slice_cost_table(cost, seq_len: int) -> np.ndarray:

@@ -14,6 +14,7 @@ from alpa_like.compiler.token_slicing import (
     _search_t_max,
     format_scheme,
     pipeline_latency,
+    slice_contexts,
     slice_cost_table,
     solve_joint_slicing,
     solve_token_slicing,
@@ -183,6 +184,12 @@ def test_uniform_slicing_and_format():
     assert latency == pytest.approx(pipeline_latency(table, lengths, 4))
     assert format_scheme([(1, (776, 640, 632))] * 16) == "[(1, [776, 640, 632])] x 16"
     assert format_scheme([(2, (4,)), (1, (2, 2))]) == "[(2, [4])] x 1 + [(1, [2, 2])] x 1"
+
+
+def test_slice_contexts_pad_to_the_longest_context_of_equal_rows_and_length():
+    scheme = [(1, (2, 2)), (1, (4,)), (2, (2, 2)), (1, (1, 2, 1))]
+    assert slice_contexts(scheme) == ((0, 2), (0,), (0, 2), (0, 1, 3))
+    assert slice_contexts(scheme, shared=True) == ((2, 2), (0,), (2, 2), (3, 2, 3))
 
 
 def test_bad_input():
