@@ -54,6 +54,7 @@ from flax.training import train_state  # noqa: E402
 import alpa_like as al  # noqa: E402
 from alpa_like.compiler.terapipe_cost import (analytic_slice_costs, data_parallel_sync_seconds,  # noqa: E402
                                               fit_slice_costs, time_slice_grid)
+from alpa_like.compiler.terapipe_planning import choose_token_slicing  # noqa: E402
 from alpa_like.compiler.token_slicing import (format_scheme, slice_cost_table, solve_joint_slicing,  # noqa: E402
                                               solve_token_slicing, uniform_slicing)
 from alpa_like.models import gpt  # noqa: E402
@@ -188,6 +189,15 @@ def part2(calibration):
           f"{solved:.2f} s ({solution.num_candidates} t_max candidates), {len(solution.lengths)} slices")
     rows.append({"dp_speed": {"seq_len": L, "stages": r[7], "table_s": built, "solve_s": solved,
                               "candidates": solution.num_candidates, "lengths": list(solution.lengths)}})
+    # The joint DP as planning runs it with few stages (Alg. 1's K t_max stop alone was slow there): 4 equal
+    # stages, 30% of their time in attention, 8 sequences of 512 tokens, batch slices of 1, 2, 4 or 8.
+    start = time.perf_counter()
+    decision = choose_token_slicing([1.0] * 4, [0.3] * 4, 512, 8, 1)
+    planned = time.perf_counter() - start
+    print(f"joint DP as planning runs it, 4 stages, 8 sequences of 512 tokens (batch slices 1, 2, 4, 8): "
+          f"{planned:.2f} s (tables included), {format_scheme(decision.batch_slices)}")
+    rows.append({"joint_dp_speed": {"seq_len": 512, "stages": 4, "batch": 8, "seconds": planned,
+                                    "scheme": format_scheme(decision.batch_slices)}})
     return rows
 
 
@@ -267,7 +277,8 @@ def part3(seq_len, steps, stages=4):
         t = measured[(i, j)]
         reference = second[(i, j)] if (i, j) in held_out else first[(i, j)]
         errors = [float(m.relative_errors([(i, j, reference)])[0]) for m in models.values()]
-        per_point.append({"length": i, "context": j, "median_s": t, "noise": spread[(i, j)],
+        per_point.append({"length": i, "context": j, "median_s": t, "runs_s": list(timings.runs[(i, j)]),
+                          "noise": spread[(i, j)],
                           "held_out": (i, j) in held_out, "plane_error": errors[0], "tabulated_error": errors[1]})
         print(f"  {i:>6} {j:>7} {t * 1e3:>7.2f}ms {spread[(i, j)]:>6.0%} {'yes' if (i, j) in held_out else '':>8} "
               f"{errors[0]:>+7.1%} {errors[1]:>+9.1%}")
