@@ -52,7 +52,8 @@ its layers' parameters, fed with the summed gradients and loss (so no parameter 
 Limits: by default slices with equal lengths but different contexts are different shapes, so they do not
 share executables; ``share_slice_executables=True`` shares them by left-padding the cached prefix to the
 longest context and masking the padding, which costs attention over the padding (tokens TeraPipe exists to
-skip) that the planner's cost model does not price.
+skip); the planner prices it (:func:`alpa_like.compiler.token_slicing.slice_contexts`) in the plan's estimate
+and its keep-or-drop decision, but its DP optimises the unpadded cost.
 """
 from __future__ import annotations
 

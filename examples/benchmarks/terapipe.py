@@ -25,8 +25,9 @@ Three parts, printed side by side and written as JSON:
    timing every point once in shuffled order. The model (``t(i, 0)`` tabulated per length, the context term
    fitted by least squares) is fitted on the points with contexts 0, 256, 512, ... and on every slice that
    ends the sequence (24 of the 36 points at 1024 tokens) with the medians of the even rounds, and scored
-   on the other points with the medians of the odd rounds: the held-out error. The even- vs odd-round medians on those points give the error no
-   model can beat (timing noise); the interquartile range of a point's runs / its median is printed too.
+   on the other points with the medians of the odd rounds: the held-out error. The even- vs odd-round
+   medians on those points give the error no model can beat (timing noise); the interquartile range of a
+   point's runs / its median is printed too.
    Two fits: Eq. 2.9's bilinear context term over every fitted point ("plane"), and the same with the slice
    that ends the sequence tabulated ("last tabulated", used for the DP): power-of-two key lengths run slower
    on this CPU (see compiler/terapipe_cost.fit_slice_costs). The measured grid also prices the DP's slices
@@ -338,7 +339,8 @@ def part3(seq_len, steps, stages=4):
         print(f"{r['schedule']:>9} {str(r['token_slices']):>28} {r['median_step_s']:>10.3f}s "
               f"{base / r['median_step_s']:>6.2f}x  {r['first_step_s']:.1f} s"
               + ("" if count is None else f" ({count} forward + {count} backward)"))
-    return {"fits": fits, "timing_noise_max": max(spread.values()), "timing_noise_mean": statistics.mean(spread.values()),
+    return {"fits": fits, "timing_noise_max": max(spread.values()),
+            "timing_noise_mean": statistics.mean(spread.values()),
             "split_half_floor_max": float(floor.max()), "split_half_floor_mean": float(floor.mean()),
             "grid": per_point, "context_inversions": inversions, "dp_slices": {k: list(v) for k, v in dp.items()},
             "grid_latency_s": on_grid[False], "grid_latency_shared_s": on_grid[True], "runs": rows}
