@@ -172,7 +172,8 @@ class PipeshardParallel:
     """``pipeline_schedule="terapipe"`` only. True: token slices of equal length (and rows) share one
     executable per stage whatever their context: each reads its cached keys/values left-padded to the longest
     context among them, the padding masked out of the attention (results equal; fewer compiles, but the
-    attention then also spans the padding). False: one executable per (rows, context, length)."""
+    attention then also spans the padding, which the plan's predicted time includes). False: one executable
+    per (rows, context, length)."""
 
     def __post_init__(self):
         _check_micro_batches(self.num_micro_batches)
@@ -359,7 +360,8 @@ def _plan_token_slicing(method: PipeshardParallel, sliced: SlicedStep, solution:
     stage_layers = [tuple(range(s.layers[0], s.layers[1] + 1)) for s in solution.stages]
     fractions = attention_fractions(sliced.jaxpr, sliced.pieces, stage_layers)
     decision = choose_token_slicing([s.t_intra for s in solution.stages], fractions, seq_len,
-                                    method.num_micro_batches, rows, fixed=fixed)
+                                    method.num_micro_batches, rows, fixed=fixed,
+                                    shared_contexts=method.share_slice_executables)
     scale = decision.latency / decision.latency_unsliced if decision.latency_unsliced > 0 else 1.0
     # The plan says what will run: with token slicing the step's micro-batches are the scheme's batch slices.
     micro_batches = len(decision.batch_slices) if decision.batch_slices else plan.num_micro_batches
