@@ -4,10 +4,18 @@ The pipeline (dissertation §3.4, each step in :mod:`alpa_like.compiler`)::
 
     traced step -> build_op_graph            (merge trivial operators, inline custom_jvp/vjp/checkpoint)
                 -> for each logical view of the mesh (8 devices: 1x8, 2x4, 4x2, 8x1):
-                       auto_shard            (strategies, Table 3.2 resharding costs, Eq. 3.1 with CBC)
-                -> the cheapest view
+                       auto_shard            (strategies, Table 3.2 resharding costs, Eq. 3.1)
+                -> the cheapest view         (plan_selection="objective", the default)
                 -> plan_weight_update_sharding   (post-ILP all-reduce -> reduce-scatter + all-gather)
                 -> SpmdLayout                (in/out specs, with_sharding_constraint on heavy operators)
+
+With ``plan_selection="measured"`` the view is chosen by timing instead, as Alpa's profiler does for its
+candidates: each view's plan under the cluster's alpha-beta costs and under bandwidth alone (latency 0: on
+one host the per-collective latency that ``ClusterSpec.local()`` measures between programs is the least
+certain parameter, and it alone decides between data and tensor parallelism on small models) is realised,
+compiled, and run on the devices (:func:`measure_layouts`); the fastest median wins. Plans that lay every
+pinned value out on the same devices (e.g. data parallelism on the 1x8 and the 2x4 view) are one program,
+compiled and timed once.
 
 Example::
 
@@ -17,14 +25,28 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import time
 import warnings
 from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
 
 from alpa_like.cluster import ClusterSpec
-from alpa_like.compiler.auto_sharding import PassOptions, ShardingSolution, alias_pairs, auto_shard
+from alpa_like.compiler.auto_sharding import (
+    PassOptions,
+    ShardingSolution,
+    alias_pairs,
+    auto_shard,
+    prepare,
+    price_on,
+    solve_prepared,
+    without_latency,
+)
 from alpa_like.compiler.grad_accumulation import split_at_grad_marker
 from alpa_like.compiler.ilp import DEFAULT_SOLVER, SOLVERS
 from alpa_like.compiler.logical_mesh import LogicalMesh, logical_shapes
@@ -34,7 +56,9 @@ from alpa_like.compiler.strategies import Collective, shards
 from alpa_like.compiler.trace import TracedStep
 from alpa_like.compiler.weight_update_sharding import WeightUpdateSharding, plan_weight_update_sharding
 from alpa_like.methods import SpmdLayout, _check_micro_batches, input_roles, match_outputs_to_inputs
-from alpa_like.plan import CommEstimate, OpPlan, SolverReport
+from alpa_like.plan import SELECTIONS, CommEstimate, OpPlan, PlanCandidate, SolverReport
+from alpa_like.runtime.spmd import compile_spmd
+from alpa_like.timing import time_interleaved
 
 MESH_AXIS_NAMES = ("x", "y")
 """Names of the two logical mesh axes in the compiled program (mesh axis 0 is ``x``)."""
@@ -71,6 +95,15 @@ class AutoShardingOption:
     solver: str = DEFAULT_SOLVER
     """MILP solver: ``"highs"`` (default: HiGHS via scipy, LP relaxation first) or ``"cbc"`` (PuLP's bundled CBC,
     as Alpa)."""
+    plan_selection: str = "objective"
+    """How the plan is picked among the logical views: ``"objective"`` (default), the lowest Eq. 3.1
+    objective; ``"measured"``, the fastest on the devices of its candidates (each view's plan under the
+    cluster's alpha-beta costs and under bandwidth alone), each compiled and timed at compile time (see the
+    module docstring; this costs one compilation per distinct candidate). ``al.plan`` runs nothing, so
+    there it falls back to ``"objective"`` with a warning in the plan."""
+    measure_rounds: int = 10
+    """``plan_selection="measured"``: timing rounds, each running every distinct candidate once in a
+    shuffled order, after one warm-up run each; a candidate's time is its median."""
 
     def __post_init__(self):
         budget = self.memory_budget_per_device
@@ -92,6 +125,10 @@ class AutoShardingOption:
         if shape is not None and (not isinstance(shape, tuple) or len(shape) != 2
                                   or not all(_is_int(n) and n >= 1 for n in shape)):
             raise ValueError(f"logical_mesh_shape must be a tuple (n0, n1) of ints >= 1 or None, got {shape!r}")
+        if self.plan_selection not in SELECTIONS:
+            raise ValueError(f"plan_selection must be one of {SELECTIONS}, got {self.plan_selection!r}")
+        if not _is_int(self.measure_rounds) or self.measure_rounds < 1:
+            raise ValueError(f"measure_rounds must be an int >= 1, got {self.measure_rounds!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -109,10 +146,17 @@ class ShardParallel:
             raise TypeError(f"auto_sharding_option must be an al.AutoShardingOption, got "
                             f"{type(self.auto_sharding_option).__name__}")
 
-    def layout(self, traced: TracedStep, cluster: ClusterSpec) -> SpmdLayout:
-        """Runs the intra-op pass (see the module docstring) and returns the layout to compile."""
+    def layout(self, traced: TracedStep, cluster: ClusterSpec, *, devices: Sequence[Any] | None = None
+               ) -> SpmdLayout:
+        """Runs the intra-op pass (see the module docstring) and returns the layout to compile.
+
+        ``devices``: the devices of ``cluster`` (in its order), on which ``plan_selection="measured"``
+        times its candidates; None (``al.plan``) selects by the objective.
+        """
         option = self.auto_sharding_option
         views = _views(option.logical_mesh_shape, cluster)
+        if devices is not None and len(devices) != cluster.num_devices:
+            raise ValueError(f"devices: {len(devices)} given for a cluster of {cluster.num_devices} devices")
         roles, warns = input_roles(traced)
         graph = build_op_graph(traced.closed_jaxpr, [leaf.path for leaf in traced.in_leaves])
         if graph.unsupported:
@@ -120,9 +164,19 @@ class ShardParallel:
                        "computed replicated")
             warnings.warn(message, stacklevel=2)
             warns += (message,)
+        measure = option.plan_selection == "measured"
+        if measure and devices is None:
+            message = ("ShardParallel: plan_selection='measured' needs the devices to time plans on, and al.plan "
+                       "runs nothing: the view with the lowest objective is used")
+            warnings.warn(message, stacklevel=2)
+            warns += (message,)
+            measure = False
+        start = time.perf_counter()
         output_to_input = match_outputs_to_inputs(traced)
         weights = _node_weights(traced, graph, self.num_micro_batches)
-        tried = []
+        aliases = alias_pairs(graph, output_to_input)
+        params = [i for i, r in enumerate(roles) if r == "param"]
+        candidates = []
         for shape in views:
             mesh = LogicalMesh.from_cluster(cluster, (cluster.num_nodes, cluster.num_devices_per_node), shape)
             options = PassOptions(memory_budget=option.memory_budget_per_device,
@@ -130,18 +184,130 @@ class ShardParallel:
                                   input_candidates=_batch_candidates(traced, graph, roles, mesh, option),
                                   solver_time_limit=float(option.solver_time_limit), solver=option.solver,
                                   peak_flops=cluster.peak_flops, node_weights=weights)
-            start = time.perf_counter()
-            solution = auto_shard(graph, mesh, options, aliases=alias_pairs(graph, output_to_input))
-            tried.append((solution, time.perf_counter() - start))
-        solution, seconds = min(tried, key=lambda x: x[0].objective)
-        if solution.ilp.status != "optimal":
-            warns += (f"intra-op ILP on mesh {solution.mesh.shape}: {solution.ilp.status}",)
-        params = [i for i, r in enumerate(roles) if r == "param"]
-        rewrites = (plan_weight_update_sharding(graph, solution, params, output_to_input)
-                    if option.prefer_reduce_scatter else ())
-        return realize(traced, graph, solution, rewrites, roles, output_to_input, weights,
-                       views=tuple((s.mesh.shape, s.objective) for s, _ in tried), seconds=seconds,
-                       warnings=warns)
+            solve_start = time.perf_counter()
+            prepared = prepare(graph, mesh, options, aliases=aliases)
+            candidates.append(_Candidate(solution=solve_prepared(prepared), cost_model="alpha-beta",
+                                         seconds=time.perf_counter() - solve_start))
+            if measure:
+                solve_start = time.perf_counter()
+                bandwidth_only = auto_shard(graph, without_latency(mesh), options, aliases=aliases)
+                candidates.append(_Candidate(solution=price_on(prepared, bandwidth_only), cost_model="bandwidth only",
+                                             seconds=time.perf_counter() - solve_start))
+        views_report = tuple((c.solution.mesh.shape, c.solution.objective) for c in candidates
+                             if c.cost_model == "alpha-beta")
+
+        def build(c: _Candidate, **report) -> SpmdLayout:
+            rewrites = (plan_weight_update_sharding(graph, c.solution, params, output_to_input)
+                        if option.prefer_reduce_scatter else ())
+            status = c.solution.ilp.status
+            notes = warns if status == "optimal" else warns + (
+                f"intra-op ILP on mesh {c.solution.mesh.shape}: {status}",)
+            return realize(traced, graph, c.solution, rewrites, roles, output_to_input, weights, views=views_report,
+                           seconds=c.seconds, warnings=notes, **report)
+
+        if not measure:
+            return build(min(candidates, key=lambda c: c.solution.objective))
+        layouts = [build(c) for c in candidates]
+        same_as = duplicates(layouts)
+        distinct = [i for i, j in enumerate(same_as) if j is None]
+        medians = measure_layouts(traced, [layouts[i] for i in distinct], devices,
+                                  num_micro_batches=self.num_micro_batches, rounds=option.measure_rounds)
+        measured = dict(zip(distinct, medians))
+        best = min(distinct, key=lambda i: measured[i])
+        report = tuple(PlanCandidate(logical_mesh_shape=c.solution.mesh.shape, cost_model=c.cost_model,
+                                     objective=c.solution.objective, measured_seconds=measured.get(i),
+                                     same_as=same_as[i], chosen=i == best) for i, c in enumerate(candidates))
+        return build(candidates[best], selection="measured", candidates=report,
+                     selection_seconds=time.perf_counter() - start)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Candidate:
+    solution: ShardingSolution
+    cost_model: str
+    seconds: float
+    """Seconds of its pass (strategies, costs and solve)."""
+
+
+# -------------------------------------------------------------------------------- measured selection
+
+def device_layout(spec: ShardingSpec, mesh_shape: Sequence[int]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per tensor dim, the ``(blocks, device stride)`` factors that split it, major first, for devices
+    numbered row-major on ``mesh_shape`` (axis 0 has stride ``n1``, axis 1 stride 1); axes of one device
+    are left out and a factor whose stride is the next factor's ``blocks x stride`` is merged with it.
+
+    Two specs on views of the same devices with equal device layouts put the same block of the tensor on
+    every device: ``S01`` on a 2x4 view and ``S1`` on a 1x8 view are both ``((8, 1),)`` on their dim.
+
+    >>> device_layout(ShardingSpec.from_str("S01R"), (2, 4)), device_layout(ShardingSpec.from_str("RS1"), (1, 8))
+    ((((8, 1),), ()), ((), ((8, 1),)))
+    >>> device_layout(ShardingSpec.from_str("S0R"), (2, 4)), device_layout(ShardingSpec.from_str("S10"), (2, 4))
+    ((((2, 4),), ()), (((4, 1), (2, 4)),))
+    """
+    strides = (mesh_shape[1], 1)
+    out = []
+    for axes in spec.axes:
+        factors: list[tuple[int, int]] = []
+        for a in axes:
+            n, stride = mesh_shape[a], strides[a]
+            if n == 1:
+                continue
+            if factors and factors[-1][1] == n * stride:
+                factors[-1] = (factors[-1][0] * n, stride)
+            else:
+                factors.append((n, stride))
+        out.append(tuple(factors))
+    return tuple(out)
+
+
+def layout_key(layout: SpmdLayout) -> tuple:
+    """What makes two layouts of one step the same program: the device layout (:func:`device_layout`) of
+    every input, output and pinned value, whatever logical view names it."""
+    def key(spec):
+        return None if spec is None else device_layout(spec, layout.mesh_shape)
+    return (tuple(map(key, layout.in_specs)), tuple(map(key, layout.out_specs)), layout.shard_grads,
+            frozenset((e, k, key(s)) for e, k, s in layout.eqn_constraints),
+            frozenset((e, k, key(s)) for e, k, s in layout.operand_constraints))
+
+
+def duplicates(layouts: Sequence[SpmdLayout]) -> list[int | None]:
+    """Per layout, the index of the first earlier layout with the same :func:`layout_key`, or None."""
+    first: dict[tuple, int] = {}
+    out: list[int | None] = []
+    for i, key in enumerate(map(layout_key, layouts)):
+        out.append(first.get(key))
+        first.setdefault(key, i)
+    return out
+
+
+def zero_inputs(traced: TracedStep, shardings: Sequence[Any]) -> list[jax.Array]:
+    """Zeros of the step's input shapes and dtypes (typed PRNG keys included), created on the devices in
+    ``shardings`` (nothing is built on the host or on one device first)."""
+    avals = [(leaf.shape, v.aval.dtype) for leaf, v in zip(traced.in_leaves, traced.closed_jaxpr.jaxpr.invars,
+                                                          strict=True)]
+    return jax.jit(lambda: [jnp.zeros(shape, dtype) for shape, dtype in avals], out_shardings=list(shardings))()
+
+
+def _run_blocking(compiled, inputs) -> None:
+    jax.block_until_ready(compiled(*inputs))
+
+
+def measure_layouts(traced: TracedStep, layouts: Sequence[SpmdLayout], devices: Sequence[Any], *,
+                    num_micro_batches: int, rounds: int) -> tuple[float, ...]:
+    """Median seconds of one step of each layout on ``devices``.
+
+    Each layout is compiled without donation and run on :func:`zero_inputs` in its own input shardings,
+    the same inputs every run: the user's arrays are neither read nor donated, and nothing the step
+    returns is kept, so the step the user runs afterwards is unaffected. The runs follow
+    :func:`alpa_like.timing.time_interleaved` (one warm-up run each, then ``rounds`` shuffled rounds). Every
+    compiled candidate and its inputs stay in device memory until the timing ends.
+    """
+    runs = {}
+    for i, layout in enumerate(layouts):
+        compiled = compile_spmd(traced, layout, devices, num_micro_batches=num_micro_batches)
+        runs[i] = functools.partial(_run_blocking, compiled.compiled, zero_inputs(traced, compiled.in_shardings))
+    medians = time_interleaved(runs, rounds=rounds).medians()
+    return tuple(medians[i] for i in range(len(layouts)))
 
 
 def _views(shape: tuple[int, int] | None, cluster: ClusterSpec) -> tuple[tuple[int, int], ...]:
@@ -187,8 +353,12 @@ def _node_weights(traced: TracedStep, graph: OpGraph, num_micro_batches: int) ->
 
 def realize(traced: TracedStep, graph: OpGraph, solution: ShardingSolution,
             rewrites: Sequence[WeightUpdateSharding], roles: Sequence[str], output_to_input: Sequence[int | None],
-            weights: Sequence[float] | None, *, views, seconds: float, warnings: Sequence[str]) -> SpmdLayout:
-    """The :class:`SpmdLayout` that makes XLA follow ``solution`` (and the weight-update sharding)."""
+            weights: Sequence[float] | None, *, views, seconds: float, warnings: Sequence[str],
+            selection: str = "objective", candidates: Sequence[PlanCandidate] = (),
+            selection_seconds: float = 0.0) -> SpmdLayout:
+    """The :class:`SpmdLayout` that makes XLA follow ``solution`` (and the weight-update sharding);
+    ``views``, ``seconds``, ``selection``, ``candidates`` and ``selection_seconds`` go to its
+    :class:`SolverReport`."""
     def weight(n: int) -> float:  # times node n runs per step (scan bodies, micro-batches)
         return graph.nodes[n].repeat * (1.0 if weights is None else weights[n])
     in_specs = list(solution.input_specs())
@@ -223,7 +393,9 @@ def realize(traced: TracedStep, graph: OpGraph, solution: ShardingSolution,
                                           solve_seconds=seconds, num_nodes=solution.ilp.num_nodes,
                                           num_edges=solution.ilp.num_edges,
                                           num_variables=solution.ilp.num_variables,
-                                          num_constraints=solution.ilp.num_constraints, views=tuple(views)))
+                                          num_constraints=solution.ilp.num_constraints, views=tuple(views),
+                                          selection=selection, candidates=tuple(candidates),
+                                          selection_seconds=selection_seconds))
 
 
 def pins(graph: OpGraph, solution: ShardingSolution, skip=frozenset()) -> list[tuple[int, int, ShardingSpec]]:
