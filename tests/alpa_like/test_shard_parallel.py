@@ -461,6 +461,12 @@ def test_measured_selection_times_every_distinct_candidate_and_matches_single_de
     assert_trees_close(par_metrics, ref_metrics, rtol=1e-5)
 
 
+def test_pipeshard_parallel_rejects_the_measured_selection():
+    measured = al.AutoShardingOption(plan_selection="measured")
+    with pytest.raises(ValueError, match="plan_selection='measured' is ShardParallel's"):
+        al.PipeshardParallel(auto_sharding_option=measured)
+
+
 def test_measured_selection_without_devices_falls_back_to_the_objective_with_a_warning():
     # al.plan on shapes for a simulated cluster: nothing can be timed.
     step = make_train_step(mlp_loss)
