@@ -110,6 +110,8 @@ class PlanCandidate:
     cost_model: str
     """``"alpha-beta"`` (the cluster's latencies and bandwidths, as the objective) or ``"bandwidth only"``
     (every latency set to 0)."""
+    weight_update_sharding: bool
+    """Whether the post-ILP all-reduce -> reduce-scatter + all-gather rewrite was applied."""
     objective: float
     """Eq. 3.1 objective of this plan under the cluster's alpha-beta costs, in seconds."""
     measured_seconds: float | None
@@ -121,13 +123,13 @@ class PlanCandidate:
 
     def to_dict(self) -> dict[str, Any]:
         return {"logical_mesh_shape": list(self.logical_mesh_shape), "cost_model": self.cost_model,
-                "objective": self.objective, "measured_seconds": self.measured_seconds, "same_as": self.same_as,
+                "weight_update_sharding": self.weight_update_sharding, "objective": self.objective, "measured_seconds": self.measured_seconds, "same_as": self.same_as,
                 "chosen": self.chosen}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> PlanCandidate:
         return cls(logical_mesh_shape=tuple(d["logical_mesh_shape"]), cost_model=d["cost_model"],
-                   objective=d["objective"], measured_seconds=d["measured_seconds"], same_as=d["same_as"],
+                   weight_update_sharding=d["weight_update_sharding"], objective=d["objective"], measured_seconds=d["measured_seconds"], same_as=d["same_as"],
                    chosen=d["chosen"])
 
 
@@ -332,12 +334,13 @@ def _candidates_text(report: SolverReport) -> str:
     for i, c in enumerate(report.candidates):
         measured = f"same program as #{c.same_as}" if c.measured_seconds is None else format_seconds(
             c.measured_seconds)
-        rows.append([str(i), "x".join(map(str, c.logical_mesh_shape)), c.cost_model, format_seconds(c.objective),
-                     measured, "chosen" if c.chosen else ""])
+        rows.append([str(i), "x".join(map(str, c.logical_mesh_shape)), c.cost_model,
+                     "on" if c.weight_update_sharding else "off", format_seconds(c.objective), measured,
+                     "chosen" if c.chosen else ""])
     head = (f"  plan selection: measured, {len(report.candidates)} candidates ({distinct} distinct programs) "
             f"compiled and timed on the devices in {report.selection_seconds:.1f} s")
-    return head + "\n" + format_table(["#", "view", "cost model", "objective", "measured step", ""], rows,
-                                       indent="    ")
+    return head + "\n" + format_table(["#", "view", "cost model", "weight-update sharding", "objective",
+                                        "measured step", ""], rows, indent="    ")
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> str:

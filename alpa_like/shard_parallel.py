@@ -9,13 +9,14 @@ The pipeline (dissertation §3.4, each step in :mod:`alpa_like.compiler`)::
                 -> plan_weight_update_sharding   (post-ILP all-reduce -> reduce-scatter + all-gather)
                 -> SpmdLayout                (in/out specs, with_sharding_constraint on heavy operators)
 
-With ``plan_selection="measured"`` the view is chosen by timing instead, as Alpa's profiler does for its
+With ``plan_selection="measured"`` the plan is chosen by timing instead, as Alpa's profiler does for its
 candidates: each view's plan under the cluster's alpha-beta costs and under bandwidth alone (latency 0: on
 one host the per-collective latency that ``ClusterSpec.local()`` measures between programs is the least
-certain parameter, and it alone decides between data and tensor parallelism on small models) is realised,
-compiled, and run on the devices (:func:`measure_layouts`); the fastest median wins. Plans that lay every
-pinned value out on the same devices (e.g. data parallelism on the 1x8 and the 2x4 view) are one program,
-compiled and timed once.
+certain parameter, and it alone decides between data and tensor parallelism on small models), each with and
+without the post-ILP weight-update sharding (which Eq. 3.1 does not price), is realised, compiled, and run
+on the devices (:func:`measure_layouts`); the fastest median wins. Plans that lay every pinned value out on
+the same devices (e.g. data parallelism on the 1x8 and the 2x4 view, or a plan the rewrite leaves alone) are
+one program, compiled and timed once.
 
 Example::
 
@@ -98,9 +99,10 @@ class AutoShardingOption:
     plan_selection: str = "objective"
     """How the plan is picked among the logical views: ``"objective"`` (default), the lowest Eq. 3.1
     objective; ``"measured"``, the fastest on the devices of its candidates (each view's plan under the
-    cluster's alpha-beta costs and under bandwidth alone), each compiled and timed at compile time (see the
-    module docstring; this costs one compilation per distinct candidate). ``al.plan`` runs nothing, so
-    there it falls back to ``"objective"`` with a warning in the plan."""
+    cluster's alpha-beta costs and under bandwidth alone, with and without the weight-update sharding when
+    ``prefer_reduce_scatter``), each compiled and timed at compile time (see the module docstring; this costs
+    one compilation per distinct candidate). ``al.plan`` runs nothing, so there it falls back to
+    ``"objective"`` with a warning in the plan."""
     measure_rounds: int = 10
     """``plan_selection="measured"``: timing rounds, each running every distinct candidate once in a
     shuffled order, after one warm-up run each; a candidate's time is its median."""
@@ -174,59 +176,87 @@ class ShardParallel:
         start = time.perf_counter()
         output_to_input = match_outputs_to_inputs(traced)
         weights = _node_weights(traced, graph, self.num_micro_batches)
-        aliases = alias_pairs(graph, output_to_input)
-        params = [i for i, r in enumerate(roles) if r == "param"]
-        candidates = []
-        for shape in views:
-            mesh = LogicalMesh.from_cluster(cluster, (cluster.num_nodes, cluster.num_devices_per_node), shape)
-            options = PassOptions(memory_budget=option.memory_budget_per_device,
-                                  allow_all_to_all=option.allow_all_to_all,
-                                  input_candidates=_batch_candidates(traced, graph, roles, mesh, option),
-                                  solver_time_limit=float(option.solver_time_limit), solver=option.solver,
-                                  peak_flops=cluster.peak_flops, node_weights=weights)
-            solve_start = time.perf_counter()
-            prepared = prepare(graph, mesh, options, aliases=aliases)
-            candidates.append(_Candidate(solution=solve_prepared(prepared), cost_model="alpha-beta",
-                                         seconds=time.perf_counter() - solve_start))
-            if measure:
-                solve_start = time.perf_counter()
-                bandwidth_only = auto_shard(graph, without_latency(mesh), options, aliases=aliases)
-                candidates.append(_Candidate(solution=price_on(prepared, bandwidth_only), cost_model="bandwidth only",
-                                             seconds=time.perf_counter() - solve_start))
+        candidates = solve_views(traced, graph, roles, cluster, views, option, weights,
+                                 alias_pairs(graph, output_to_input), bandwidth_only=measure)
         views_report = tuple((c.solution.mesh.shape, c.solution.objective) for c in candidates
                              if c.cost_model == "alpha-beta")
+        if measure and option.prefer_reduce_scatter:  # the post-ILP rewrite is a candidate too (Eq. 3.1 omits it)
+            candidates = [dataclasses.replace(c, rewrite=r) for c in candidates for r in (True, False)]
+        params = [i for i, r in enumerate(roles) if r == "param"]
 
-        def build(c: _Candidate, **report) -> SpmdLayout:
-            rewrites = (plan_weight_update_sharding(graph, c.solution, params, output_to_input)
-                        if option.prefer_reduce_scatter else ())
+        def build(c: Candidate) -> SpmdLayout:
+            rewrites = plan_weight_update_sharding(graph, c.solution, params, output_to_input) if c.rewrite else ()
             status = c.solution.ilp.status
             notes = warns if status == "optimal" else warns + (
                 f"intra-op ILP on mesh {c.solution.mesh.shape}: {status}",)
             return realize(traced, graph, c.solution, rewrites, roles, output_to_input, weights, views=views_report,
-                           seconds=c.seconds, warnings=notes, **report)
+                           seconds=c.seconds, warnings=notes)
 
         if not measure:
             return build(min(candidates, key=lambda c: c.solution.objective))
         layouts = [build(c) for c in candidates]
-        same_as = duplicates(layouts)
-        distinct = [i for i, j in enumerate(same_as) if j is None]
-        medians = measure_layouts(traced, [layouts[i] for i in distinct], devices,
-                                  num_micro_batches=self.num_micro_batches, rounds=option.measure_rounds)
-        measured = dict(zip(distinct, medians))
-        best = min(distinct, key=lambda i: measured[i])
-        report = tuple(PlanCandidate(logical_mesh_shape=c.solution.mesh.shape, cost_model=c.cost_model,
-                                     objective=c.solution.objective, measured_seconds=measured.get(i),
-                                     same_as=same_as[i], chosen=i == best) for i, c in enumerate(candidates))
-        return build(candidates[best], selection="measured", candidates=report,
-                     selection_seconds=time.perf_counter() - start)
+        report = select_measured(traced, candidates, layouts, devices, num_micro_batches=self.num_micro_batches,
+                                 rounds=option.measure_rounds)
+        chosen = layouts[next(i for i, c in enumerate(report) if c.chosen)]
+        solver = dataclasses.replace(chosen.solver, selection="measured", candidates=report,
+                                     selection_seconds=time.perf_counter() - start)
+        return dataclasses.replace(chosen, solver=solver)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Candidate:
+class Candidate:
+    """One plan of the intra-op pass."""
+
     solution: ShardingSolution
+    """The ILP's answer, priced on the cluster's alpha-beta costs."""
     cost_model: str
+    """What it was solved under: ``"alpha-beta"`` or ``"bandwidth only"`` (see :class:`PlanCandidate`)."""
     seconds: float
     """Seconds of its pass (strategies, costs and solve)."""
+    rewrite: bool
+    """Apply the post-ILP weight-update sharding (:func:`plan_weight_update_sharding`)."""
+
+
+def solve_views(traced: TracedStep, graph: OpGraph, roles: Sequence[str], cluster: ClusterSpec,
+                views: Sequence[tuple[int, int]], option: AutoShardingOption, weights: Sequence[float] | None,
+                aliases: Sequence[tuple[int, int]], *, bandwidth_only: bool) -> list[Candidate]:
+    """The ILP's plan on every logical view, under the cluster's alpha-beta costs (Eq. 3.1) and, with
+    ``bandwidth_only``, also under bandwidth alone (every latency 0, :func:`without_latency`), priced on the
+    alpha-beta costs (:func:`price_on`); in view order, the alpha-beta plan first."""
+    candidates = []
+    for shape in views:
+        mesh = LogicalMesh.from_cluster(cluster, (cluster.num_nodes, cluster.num_devices_per_node), shape)
+        options = PassOptions(memory_budget=option.memory_budget_per_device,
+                              allow_all_to_all=option.allow_all_to_all,
+                              input_candidates=_batch_candidates(traced, graph, roles, mesh, option),
+                              solver_time_limit=float(option.solver_time_limit), solver=option.solver,
+                              peak_flops=cluster.peak_flops, node_weights=weights)
+        start = time.perf_counter()
+        prepared = prepare(graph, mesh, options, aliases=aliases)
+        candidates.append(Candidate(solution=solve_prepared(prepared), cost_model="alpha-beta",
+                                    seconds=time.perf_counter() - start, rewrite=option.prefer_reduce_scatter))
+        if bandwidth_only:
+            start = time.perf_counter()
+            solution = price_on(prepared, auto_shard(graph, without_latency(mesh), options, aliases=aliases))
+            candidates.append(Candidate(solution=solution, cost_model="bandwidth only",
+                                        seconds=time.perf_counter() - start, rewrite=option.prefer_reduce_scatter))
+    return candidates
+
+
+def select_measured(traced: TracedStep, candidates: Sequence[Candidate], layouts: Sequence[SpmdLayout],
+                    devices: Sequence[Any], *, num_micro_batches: int, rounds: int) -> tuple[PlanCandidate, ...]:
+    """Times the distinct ``layouts`` (:func:`duplicates`, :func:`measure_layouts`) and reports every
+    candidate, the fastest median marked ``chosen`` (the first of equal medians)."""
+    same_as = duplicates(layouts)
+    distinct = [i for i, j in enumerate(same_as) if j is None]
+    medians = measure_layouts(traced, [layouts[i] for i in distinct], devices, num_micro_batches=num_micro_batches,
+                              rounds=rounds)
+    measured = dict(zip(distinct, medians, strict=True))
+    best = min(distinct, key=lambda i: measured[i])
+    return tuple(PlanCandidate(logical_mesh_shape=c.solution.mesh.shape, cost_model=c.cost_model,
+                               weight_update_sharding=c.rewrite, objective=c.solution.objective,
+                               measured_seconds=measured.get(i), same_as=same_as[i], chosen=i == best)
+                 for i, c in enumerate(candidates))
 
 
 # -------------------------------------------------------------------------------- measured selection
@@ -353,12 +383,8 @@ def _node_weights(traced: TracedStep, graph: OpGraph, num_micro_batches: int) ->
 
 def realize(traced: TracedStep, graph: OpGraph, solution: ShardingSolution,
             rewrites: Sequence[WeightUpdateSharding], roles: Sequence[str], output_to_input: Sequence[int | None],
-            weights: Sequence[float] | None, *, views, seconds: float, warnings: Sequence[str],
-            selection: str = "objective", candidates: Sequence[PlanCandidate] = (),
-            selection_seconds: float = 0.0) -> SpmdLayout:
-    """The :class:`SpmdLayout` that makes XLA follow ``solution`` (and the weight-update sharding);
-    ``views``, ``seconds``, ``selection``, ``candidates`` and ``selection_seconds`` go to its
-    :class:`SolverReport`."""
+            weights: Sequence[float] | None, *, views, seconds: float, warnings: Sequence[str]) -> SpmdLayout:
+    """The :class:`SpmdLayout` that makes XLA follow ``solution`` (and the weight-update sharding)."""
     def weight(n: int) -> float:  # times node n runs per step (scan bodies, micro-batches)
         return graph.nodes[n].repeat * (1.0 if weights is None else weights[n])
     in_specs = list(solution.input_specs())
@@ -393,9 +419,7 @@ def realize(traced: TracedStep, graph: OpGraph, solution: ShardingSolution,
                                           solve_seconds=seconds, num_nodes=solution.ilp.num_nodes,
                                           num_edges=solution.ilp.num_edges,
                                           num_variables=solution.ilp.num_variables,
-                                          num_constraints=solution.ilp.num_constraints, views=tuple(views),
-                                          selection=selection, candidates=tuple(candidates),
-                                          selection_seconds=selection_seconds))
+                                          num_constraints=solution.ilp.num_constraints, views=tuple(views)))
 
 
 def pins(graph: OpGraph, solution: ShardingSolution, skip=frozenset()) -> list[tuple[int, int, ShardingSpec]]:

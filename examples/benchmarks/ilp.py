@@ -204,6 +204,7 @@ def step_times(name: str, batch_size: int, steps: int, measure_rounds: int) -> l
                 timed = "same program as #%d" % c.same_as if c.measured_seconds is None else \
                     f"{c.measured_seconds * 1e3:8.2f} ms"
                 print(f"      candidate {'x'.join(map(str, c.logical_mesh_shape)):4s} {c.cost_model:14s} "
+                      f"rewrite {'on ' if c.weight_update_sharding else 'off'}  "
                       f"objective {c.objective * 1e3:8.3f} ms  measured {timed}{'  chosen' if c.chosen else ''}")
     return rows
 
@@ -236,6 +237,9 @@ def main(argv=None) -> int:
                 result["ilp"] += ilp_size(name, config, n, args.batch, args.solver, args.time_limit)
     if not args.skip_step_time:
         print(f"Part 2: measured step time on {len(jax.devices())} CPU devices")
+        cluster = al.ClusterSpec.local(jax.devices())  # what the ILP plans with (measured once, cached)
+        print(f"  {cluster}")
+        result["local_cluster"] = cluster.to_dict()
         for name in args.step_models.split(","):
             result["step_time"] += step_times(name, args.step_batch, args.steps, args.measure_rounds)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
