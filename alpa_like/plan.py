@@ -108,8 +108,9 @@ class PlanCandidate:
 
     logical_mesh_shape: tuple[int, ...]
     cost_model: str
-    """``"alpha-beta"`` (the cluster's latencies and bandwidths, as the objective) or ``"bandwidth only"``
-    (every latency set to 0)."""
+    """What the ILP solved: ``"alpha-beta"`` (the cluster's latencies and bandwidths, as the objective),
+    ``"bandwidth only"`` (every latency set to 0) or ``"no all-to-all"`` (resharding priced as all-gathers
+    then a slice)."""
     weight_update_sharding: bool
     """Whether the post-ILP all-reduce -> reduce-scatter + all-gather rewrite was applied."""
     objective: float

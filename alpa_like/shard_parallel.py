@@ -10,11 +10,9 @@ The pipeline (dissertation §3.4, each step in :mod:`alpa_like.compiler`)::
                 -> SpmdLayout                (in/out specs, with_sharding_constraint on heavy operators)
 
 With ``plan_selection="measured"`` the plan is chosen by timing instead, as Alpa's profiler does for its
-candidates: each view's plan under the cluster's alpha-beta costs and under bandwidth alone (latency 0: on
-one host the per-collective latency that ``ClusterSpec.local()`` measures between programs is the least
-certain parameter, and it alone decides between data and tensor parallelism on small models), each with and
-without the post-ILP weight-update sharding (which Eq. 3.1 does not price), is realised, compiled, and run
-on the devices (:func:`measure_layouts`); the fastest median wins. Plans that lay every pinned value out on
+candidates: each view's plan under each of :data:`COST_MODELS` (the cluster's alpha-beta costs; latency 0;
+no all-to-all), each with and without the post-ILP weight-update sharding (which Eq. 3.1 does not price),
+is realised, compiled, and run on the devices (:func:`measure_layouts`); the fastest median wins. Plans that lay every pinned value out on
 the same devices (e.g. data parallelism on the 1x8 and the 2x4 view, or a plan the rewrite leaves alone) are
 one program, compiled and timed once.
 
@@ -31,7 +29,7 @@ import math
 import numbers
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -98,9 +96,9 @@ class AutoShardingOption:
     as Alpa)."""
     plan_selection: str = "objective"
     """How the plan is picked among the logical views: ``"objective"`` (default), the lowest Eq. 3.1
-    objective; ``"measured"``, the fastest on the devices of its candidates (each view's plan under the
-    cluster's alpha-beta costs and under bandwidth alone, with and without the weight-update sharding when
-    ``prefer_reduce_scatter``), each compiled and timed at compile time (see the module docstring; this costs
+    objective; ``"measured"``, the fastest on the devices of its candidates (each view's plan under each of
+    :data:`COST_MODELS`, with and without the weight-update sharding when ``prefer_reduce_scatter``), each
+    compiled and timed at compile time (see the module docstring; this costs
     one compilation per distinct candidate). ``al.plan`` runs nothing, so there it falls back to
     ``"objective"`` with a warning in the plan."""
     measure_rounds: int = 10
@@ -177,7 +175,8 @@ class ShardParallel:
         output_to_input = match_outputs_to_inputs(traced)
         weights = _node_weights(traced, graph, self.num_micro_batches)
         candidates = solve_views(traced, graph, roles, cluster, views, option, weights,
-                                 alias_pairs(graph, output_to_input), bandwidth_only=measure)
+                                 alias_pairs(graph, output_to_input),
+                                 cost_models=tuple(COST_MODELS) if measure else ("alpha-beta",))
         views_report = tuple((c.solution.mesh.shape, c.solution.objective) for c in candidates
                              if c.cost_model == "alpha-beta")
         if measure and option.prefer_reduce_scatter:  # the post-ILP rewrite is a candidate too (Eq. 3.1 omits it)
@@ -210,19 +209,29 @@ class Candidate:
     solution: ShardingSolution
     """The ILP's answer, priced on the cluster's alpha-beta costs."""
     cost_model: str
-    """What it was solved under: ``"alpha-beta"`` or ``"bandwidth only"`` (see :class:`PlanCandidate`)."""
+    """What it was solved under, a name of :data:`COST_MODELS`."""
     seconds: float
     """Seconds of its pass (strategies, costs and solve)."""
     rewrite: bool
     """Apply the post-ILP weight-update sharding (:func:`plan_weight_update_sharding`)."""
 
 
+COST_MODELS: dict[str, Callable[[LogicalMesh, PassOptions], tuple[LogicalMesh, PassOptions]]] = {
+    "alpha-beta": lambda mesh, options: (mesh, options),
+    "bandwidth only": lambda mesh, options: (without_latency(mesh), options),
+    "no all-to-all": lambda mesh, options: (mesh, dataclasses.replace(options, allow_all_to_all=False)),
+}
+"""The cost models ``plan_selection="measured"`` solves every view under: Eq. 3.1 on the cluster's
+alpha-beta costs; with every latency 0 (the latency a local probe measures between programs is the least
+certain parameter on one host); and with every resharding priced as all-gathers then a slice (the
+all-to-alls of Table 3.2 cost far more than modelled on CPU devices). Each plan is then priced on the first."""
+
+
 def solve_views(traced: TracedStep, graph: OpGraph, roles: Sequence[str], cluster: ClusterSpec,
                 views: Sequence[tuple[int, int]], option: AutoShardingOption, weights: Sequence[float] | None,
-                aliases: Sequence[tuple[int, int]], *, bandwidth_only: bool) -> list[Candidate]:
-    """The ILP's plan on every logical view, under the cluster's alpha-beta costs (Eq. 3.1) and, with
-    ``bandwidth_only``, also under bandwidth alone (every latency 0, :func:`without_latency`), priced on the
-    alpha-beta costs (:func:`price_on`); in view order, the alpha-beta plan first."""
+                aliases: Sequence[tuple[int, int]], cost_models: Sequence[str] = ("alpha-beta",)) -> list[Candidate]:
+    """The ILP's plan on every logical view under each of ``cost_models`` (names of :data:`COST_MODELS`),
+    each priced on the option's own Eq. 3.1 (:func:`price_on`); view by view, in the order given."""
     candidates = []
     for shape in views:
         mesh = LogicalMesh.from_cluster(cluster, (cluster.num_nodes, cluster.num_devices_per_node), shape)
@@ -233,13 +242,15 @@ def solve_views(traced: TracedStep, graph: OpGraph, roles: Sequence[str], cluste
                               peak_flops=cluster.peak_flops, node_weights=weights)
         start = time.perf_counter()
         prepared = prepare(graph, mesh, options, aliases=aliases)
-        candidates.append(Candidate(solution=solve_prepared(prepared), cost_model="alpha-beta",
-                                    seconds=time.perf_counter() - start, rewrite=option.prefer_reduce_scatter))
-        if bandwidth_only:
-            start = time.perf_counter()
-            solution = price_on(prepared, auto_shard(graph, without_latency(mesh), options, aliases=aliases))
-            candidates.append(Candidate(solution=solution, cost_model="bandwidth only",
-                                        seconds=time.perf_counter() - start, rewrite=option.prefer_reduce_scatter))
+        solution = solve_prepared(prepared)
+        seconds = time.perf_counter() - start
+        for name in cost_models:
+            if name != "alpha-beta":
+                start = time.perf_counter()
+                solution = price_on(prepared, auto_shard(graph, *COST_MODELS[name](mesh, options), aliases=aliases))
+                seconds = time.perf_counter() - start
+            candidates.append(Candidate(solution=solution, cost_model=name, seconds=seconds,
+                                        rewrite=option.prefer_reduce_scatter))
     return candidates
 
 

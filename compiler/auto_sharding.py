@@ -13,6 +13,8 @@ Pipeline (each step a pure function):
 3. :func:`auto_shard`: solves and returns a :class:`ShardingSolution` (:func:`prepare` then
    :func:`solve_prepared`; a prepared pass can be solved again with some inputs limited to fewer specs,
    an exact restriction that skips steps 1 and 2, as the stage profiler's "params-sharded" variant does).
+   :func:`price_on` turns a plan solved on another mesh of the same shape (e.g. :func:`without_latency`)
+   into a solution of this one, its costs those of this mesh (``ShardParallel``'s measured selection).
 
 A tie-break of ``1e-6`` of the cheapest per-byte link cost per byte of every tensor kept per device makes
 the solver prefer sharded layouts when communication is equal; :attr:`ShardingSolution.objective` excludes

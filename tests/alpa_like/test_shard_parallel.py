@@ -440,20 +440,19 @@ def test_measured_selection_times_every_distinct_candidate_and_matches_single_de
     candidates = solver.candidates
     assert [(c.logical_mesh_shape, c.cost_model, c.weight_update_sharding) for c in candidates] == [
         (view, model, rewrite) for view in [(1, 8), (2, 4), (4, 2), (8, 1)]
-        for model in ("alpha-beta", "bandwidth only") for rewrite in (True, False)]
+        for model in ("alpha-beta", "bandwidth only", "no all-to-all") for rewrite in (True, False)]
     timed = [i for i, c in enumerate(candidates) if c.measured_seconds is not None]
     assert len(timed) >= 3  # distinct programs, each timed once
     for i, c in enumerate(candidates):
         assert (c.measured_seconds is None) == (c.same_as is not None)
         assert c.same_as is None or (c.same_as < i and candidates[c.same_as].measured_seconds > 0)
-    assert {candidates[i].logical_mesh_shape for i in timed if candidates[i].cost_model == "bandwidth only"} != {
-        candidates[timed[0]].logical_mesh_shape}
+    assert len({candidates[i].logical_mesh_shape for i in timed}) >= 2  # two views gave different programs
     (chosen,) = [c for c in candidates if c.chosen]
     assert chosen.measured_seconds == min(candidates[i].measured_seconds for i in timed)
     assert exe.plan.stages[0].logical_mesh_shape == chosen.logical_mesh_shape
     assert solver.objective == chosen.objective
     assert [v for v, _ in solver.views] == [(1, 8), (2, 4), (4, 2), (8, 1)]
-    assert "plan selection: measured, 16 candidates" in str(exe.plan)
+    assert "plan selection: measured, 24 candidates" in str(exe.plan)
     assert al.ParallelPlan.from_json(exe.plan.to_json()) == exe.plan
     ref_state, ref_metrics = reference_on_one_device(step, state, batches)
     par_state, par_metrics = run_steps(train_step, state, batches)
