@@ -201,6 +201,9 @@ class PipeshardParallel:
         if self.virtual_stages > 1 and self.pipeline_schedule not in ("interleaved_1f1b", "breadth_first"):
             raise ValueError(f"virtual_stages={self.virtual_stages} needs a looping schedule "
                              f"('interleaved_1f1b' or 'breadth_first'), got {self.pipeline_schedule!r}")
+        if self.auto_sharding_option.plan_selection != "objective":
+            raise ValueError("auto_sharding_option.plan_selection='measured' is ShardParallel's; the stage DP "
+                             "compares the intra-op objectives of its candidates (use plan_selection='objective')")
         if not isinstance(self.layer_option, (AutoLayerOption, ManualLayerOption)):
             raise TypeError(f"layer_option must be AutoLayerOption or ManualLayerOption, got {self.layer_option!r}")
         if not isinstance(self.stage_option, (AutoStageOption, ManualStageOption, UniformStageOption)):

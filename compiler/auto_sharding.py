@@ -13,6 +13,8 @@ Pipeline (each step a pure function):
 3. :func:`auto_shard`: solves and returns a :class:`ShardingSolution` (:func:`prepare` then
    :func:`solve_prepared`; a prepared pass can be solved again with some inputs limited to fewer specs,
    an exact restriction that skips steps 1 and 2, as the stage profiler's "params-sharded" variant does).
+   :func:`price_on` turns a plan solved on another mesh of the same shape (e.g. :func:`without_latency`)
+   into a solution of this one, its costs those of this mesh (``ShardParallel``'s measured selection).
 
 A tie-break of ``1e-6`` of the cheapest per-byte link cost per byte of every tensor kept per device makes
 the solver prefer sharded layouts when communication is equal; :attr:`ShardingSolution.objective` excludes
@@ -457,7 +459,7 @@ def build_problem(graph: OpGraph, table: list[list[Strategy]], mesh: LogicalMesh
 
 def all_reduce_latency(strategy: Strategy, mesh: LogicalMesh) -> float:
     """The latency (``alpha``) part of the strategy's all-reduces: what combining them with others saves."""
-    no_latency = _without_latency(mesh)
+    no_latency = without_latency(mesh)
     return sum(c.seconds(mesh) - c.seconds(no_latency) for c in strategy.collectives if c.kind == "all-reduce")
 
 
@@ -468,7 +470,8 @@ def all_reduce_bandwidth(strategy: Strategy, mesh: LogicalMesh) -> float:
 
 
 @functools.lru_cache(maxsize=64)
-def _without_latency(mesh: LogicalMesh) -> LogicalMesh:
+def without_latency(mesh: LogicalMesh) -> LogicalMesh:
+    """``mesh`` with every axis's latency ``alpha`` set to 0 (the bandwidth terms kept)."""
     return dataclasses.replace(mesh, alpha=(0.0,) * mesh.ndim)
 
 
@@ -571,13 +574,19 @@ def solve_prepared(prepared: PreparedPass,
         if allowed is None:
             raise ValueError("input_candidates must name specs among the prepared inputs' strategies")
         problem, keep = restrict(problem, allowed)
-    options, mesh, graph = prepared.options, prepared.mesh, prepared.graph
+    options = prepared.options
     solution = solve(problem, time_limit=options.solver_time_limit, solver=options.solver)
     if keep is not None:
         solution = dataclasses.replace(solution, choice=tuple(int(k[c]) for k, c in zip(keep, solution.choice)))
     if solution.status == "infeasible":
         warnings.warn(f"no sharding plan fits memory_budget={options.memory_budget} bytes per device on mesh "
-                      f"{mesh.shape}; the greedy plan is used", stacklevel=2)
+                      f"{prepared.mesh.shape}; the greedy plan is used", stacklevel=2)
+    return _solution(prepared, solution)
+
+
+def _solution(prepared: PreparedPass, solution: IlpSolution) -> ShardingSolution:
+    """The :class:`ShardingSolution` of the ILP choice ``solution.choice`` of ``prepared``."""
+    options, mesh, graph = prepared.options, prepared.mesh, prepared.graph
     chosen = tuple(prepared.table[n.id][solution.choice[prepared.node_of[n.id]]] for n in graph.nodes)
     reshards = _reshards(graph, chosen, mesh, prepared.aliases, options.allow_all_to_all)
     peak = prepared.exact.peak_memory(solution.choice) if options.memory_budget is not None else None
@@ -598,6 +607,35 @@ def auto_shard(graph: OpGraph, mesh: LogicalMesh, options: PassOptions = PassOpt
       aliases: (output tensor, input tensor) pairs whose layouts should agree (see :func:`alias_pairs`).
     """
     return solve_prepared(prepare(graph, mesh, options, aliases=aliases))
+
+
+def price_on(prepared: PreparedPass, other: ShardingSolution) -> ShardingSolution:
+    """``other``'s plan (the same graph, solved on a mesh of the same shape but other alpha-beta costs,
+    e.g. :func:`without_latency`) as a solution of ``prepared``: at every node the strategy with the same
+    name and specs, its costs, resharding and objective those of ``prepared``'s mesh.
+
+    Raises:
+      ValueError: the graphs differ, or a chosen strategy is not among ``prepared``'s.
+    """
+    graph = prepared.graph
+    if other.graph is not graph or other.mesh.shape != prepared.mesh.shape:
+        raise ValueError(f"price_on needs a solution of the same graph on a mesh of shape {prepared.mesh.shape}, "
+                         f"got mesh {other.mesh.shape}")
+    roots = np.unique(merged_groups(graph))
+    choice = []
+    for root in roots:
+        wanted = _strategy_key(other.strategies[root])
+        index = next((j for j, s in enumerate(prepared.table[root]) if _strategy_key(s) == wanted), None)
+        if index is None:
+            raise ValueError(f"strategy {other.strategies[root].name} of node {graph.nodes[root].name} is not "
+                             f"among the prepared strategies on mesh {prepared.mesh.shape}")
+        choice.append(index)
+    ilp = dataclasses.replace(other.ilp, choice=tuple(choice), objective=prepared.problem.objective(choice))
+    return _solution(prepared, ilp)
+
+
+def _strategy_key(strategy: Strategy) -> tuple:
+    return strategy.name, strategy.out_specs, strategy.in_specs
 
 
 def _reshards(graph: OpGraph, chosen: Sequence[Strategy], mesh: LogicalMesh, aliases, allow_all_to_all: bool):
