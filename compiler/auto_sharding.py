@@ -465,7 +465,7 @@ def all_reduce_latency(strategy: Strategy, mesh: LogicalMesh) -> float:
 
 def all_reduce_bandwidth(strategy: Strategy, mesh: LogicalMesh) -> float:
     """The bandwidth (``beta``) part of the strategy's all-reduces."""
-    no_latency = _without_latency(mesh)
+    no_latency = without_latency(mesh)
     return sum(c.seconds(no_latency) for c in strategy.collectives if c.kind == "all-reduce")
 
 
