@@ -182,7 +182,8 @@ class ParallelizedFunc:
                                      batch_argnums=self.batch_argnums, devices=devices)
         traced = self._trace(args)
         cluster = ClusterSpec.local(devices)
-        layout = self.method.layout(traced, cluster)
+        layout = (self.method.layout(traced, cluster, devices=devices) if isinstance(self.method, ShardParallel)
+                  else self.method.layout(traced, cluster))  # ShardParallel may time its candidate plans
         donate_flat = [k for k, leaf in enumerate(traced.in_leaves) if leaf.arg_index in self.donate_argnums]
         compiled = compile_spmd(traced, layout, devices, num_micro_batches=self.method.num_micro_batches,
                                 donate_flat=donate_flat)

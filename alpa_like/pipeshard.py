@@ -38,6 +38,7 @@ from alpa_like.compiler.markers import is_marker
 from alpa_like.compiler.stage_dp import StageChoice, StageCosts, StageSolution, price_placed_stages, solve_stages
 from alpa_like.compiler.stage_construction import build_stage_program
 from alpa_like.compiler.stage_profiling import StageProfile, apply_phase_inputs, profile_stage_costs
+from alpa_like.compiler.stage_sharding import StageSharding, stage_shardings
 from alpa_like.compiler.submesh import assign_devices, submesh_shapes
 from alpa_like.compiler.terapipe_planning import attention_fractions, choose_token_slicing
 from alpa_like.compiler.trace import TracedStep, trace_step
@@ -167,14 +168,22 @@ class PipeshardParallel:
     e.g. ``(776, 640, 632)``, used for every micro-batch; or a whole batch + token slicing (section 2.3.4) as
     plans print it, ``((rows, (lengths...)), ...)`` with rows summing to the batch size, e.g.
     ``((2, (8, 8)), (1, (16,)))``. None: the TeraPipe DP chooses (see ``ParallelPlan.token_slicing``)."""
+    defer_gradient_sync: bool = True
+    """Reduce each stage's gradients over its mesh once per step (Alpa, Megatron-LM) instead of in every
+    backward: the backward pieces accumulate per-shard partial sums of the gradients that allow it
+    (:mod:`alpa_like.compiler.gradient_sync`), reduced by the step's mean. False: every backward
+    all-reduces its gradients (GSPMD's default for a whole-array output). Local backend."""
     share_slice_executables: bool = False
     """``pipeline_schedule="terapipe"`` only. True: token slices of equal length (and rows) share one
     executable per stage whatever their context: each reads its cached keys/values left-padded to the longest
     context among them, the padding masked out of the attention (results equal; fewer compiles, but the
-    attention then also spans the padding). False: one executable per (rows, context, length)."""
+    attention then also spans the padding, which the plan's predicted time includes). False: one executable
+    per (rows, context, length)."""
 
     def __post_init__(self):
         _check_micro_batches(self.num_micro_batches)
+        if self.defer_gradient_sync not in (False, True):
+            raise ValueError(f"defer_gradient_sync must be a bool, got {self.defer_gradient_sync!r}")
         if self.share_slice_executables not in (False, True):
             raise ValueError(f"share_slice_executables must be a bool, got {self.share_slice_executables!r}")
         if self.share_slice_executables and self.pipeline_schedule != "terapipe":
@@ -197,6 +206,9 @@ class PipeshardParallel:
         if self.virtual_stages > 1 and self.pipeline_schedule not in ("interleaved_1f1b", "breadth_first"):
             raise ValueError(f"virtual_stages={self.virtual_stages} needs a looping schedule "
                              f"('interleaved_1f1b' or 'breadth_first'), got {self.pipeline_schedule!r}")
+        if self.auto_sharding_option.plan_selection != "objective":
+            raise ValueError("auto_sharding_option.plan_selection='measured' is ShardParallel's; the stage DP "
+                             "compares the intra-op objectives of its candidates (use plan_selection='objective')")
         if not isinstance(self.layer_option, (AutoLayerOption, ManualLayerOption)):
             raise TypeError(f"layer_option must be AutoLayerOption or ManualLayerOption, got {self.layer_option!r}")
         if not isinstance(self.stage_option, (AutoStageOption, ManualStageOption, UniformStageOption)):
@@ -288,6 +300,12 @@ def plan_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[Any]
 def plan_sliced(method: PipeshardParallel, sliced: SlicedStep, cluster: ClusterSpec,
                 progress: _Progress | None = None) -> ParallelPlan:
     """Steps 2-4 of planning on an already sliced step."""
+    return _plan_and_profile(method, sliced, cluster, progress)[0]
+
+
+def _plan_and_profile(method: PipeshardParallel, sliced: SlicedStep, cluster: ClusterSpec,
+                      progress: _Progress | None = None) -> tuple[ParallelPlan, StageProfile, StageSolution]:
+    """:func:`plan_sliced`, also returning the profile and the stage DP's solution the plan comes from."""
     progress = progress or _Progress(method.stage_option.show_progress)
     traced, jaxpr, pieces, summaries = sliced.traced, sliced.jaxpr, sliced.pieces, sliced.summaries
     param_mask = [r == "param" for r in sliced.roles]
@@ -299,10 +317,12 @@ def plan_sliced(method: PipeshardParallel, sliced: SlicedStep, cluster: ClusterS
     pairs = sum(len(v) for v in views) * len(summaries)
     progress.step(f"step 2/4: intra-op pass on {len(summaries)} layers x {sum(len(v) for v in views)} "
                   f"(submesh, logical mesh) pairs = {pairs}")
+    deferred = method.defer_gradient_sync and method.pipeline_schedule != "terapipe"
     options = PassOptions(solver=method.auto_sharding_option.solver,
                           solver_time_limit=method.auto_sharding_option.solver_time_limit,
                           allow_all_to_all=method.auto_sharding_option.allow_all_to_all,
-                          peak_flops=cluster.peak_flops)
+                          peak_flops=cluster.peak_flops,
+                          gradient_sync_weight=1.0 / method.num_micro_batches if deferred else 1.0)
     profile = profile_stage_costs(
         jaxpr, pieces, summaries, param_mask, optimizer_bytes, cluster, submeshes, views, options,
         max_workers=getattr(method.stage_option, "max_workers", None), progress=progress.solves())
@@ -327,7 +347,7 @@ def plan_sliced(method: PipeshardParallel, sliced: SlicedStep, cluster: ClusterS
         t4 = time.perf_counter()
         plan = _plan_token_slicing(method, sliced, solution, plan)
         plan = dataclasses.replace(plan, compile_times=plan.compile_times + (("token DP", time.perf_counter() - t4),))
-    return plan
+    return plan, profile, solution
 
 
 def _plan_token_slicing(method: PipeshardParallel, sliced: SlicedStep, solution: StageSolution,
@@ -348,7 +368,8 @@ def _plan_token_slicing(method: PipeshardParallel, sliced: SlicedStep, solution:
     stage_layers = [tuple(range(s.layers[0], s.layers[1] + 1)) for s in solution.stages]
     fractions = attention_fractions(sliced.jaxpr, sliced.pieces, stage_layers)
     decision = choose_token_slicing([s.t_intra for s in solution.stages], fractions, seq_len,
-                                    method.num_micro_batches, rows, fixed=fixed)
+                                    method.num_micro_batches, rows, fixed=fixed,
+                                    shared_contexts=method.share_slice_executables)
     scale = decision.latency / decision.latency_unsliced if decision.latency_unsliced > 0 else 1.0
     # The plan says what will run: with token slicing the step's micro-batches are the scheme's batch slices.
     micro_batches = len(decision.batch_slices) if decision.batch_slices else plan.num_micro_batches
@@ -501,15 +522,22 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
     the local MPMD backend's by default, another backend's through ``make_executable`` (same arguments)."""
     if method.pipeline_schedule == "terapipe" and make_executable is not PipeshardExecutable:
         raise NotImplementedError("pipeline_schedule='terapipe' runs on the local backend only (al.init('local'))")
+    if make_executable is not PipeshardExecutable:  # other backends all-reduce gradients in every backward
+        method = dataclasses.replace(method, defer_gradient_sync=False)
     progress = _Progress(method.stage_option.show_progress)
     progress.step("step 1/4: tracing the step and cutting it into layers")
     sliced = slice_step(method, fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums)
-    plan = plan_sliced(method, sliced, cluster or ClusterSpec.local(devices), progress)
+    plan, profile, solution = _plan_and_profile(method, sliced, cluster or ClusterSpec.local(devices), progress)
     if method.pipeline_schedule == "terapipe":
         return _compile_terapipe(method, fun, args, sliced, plan, devices)
     stage_layers, stage_to_mesh = [s.layer_ids for s in plan.stages], list(range(len(plan.stages)))
     if method.virtual_stages > 1:
         plan, stage_layers, stage_to_mesh = _loop_layers(plan, len(sliced.summaries), method.virtual_stages)
+
+    def layer_cost(q: int, layer: int):  # every layer was profiled on every mesh's (submesh, logical view)
+        choice = solution.stages[stage_to_mesh[q]]
+        return profile.layer_costs[(layer, choice.submesh_index, choice.view_index)]
+    shardings = stage_shardings(sliced.jaxpr, sliced.pieces, stage_layers, layer_cost)
     program = build_stage_program(sliced.closed_jaxpr, sliced.pieces, stage_layers,
                                   [r == "batch" for r in sliced.roles])
     schedule = make_schedule(method.pipeline_schedule, num_meshes=len(plan.stages),
@@ -518,8 +546,25 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
     path_to_input = {leaf.path: program.step_inputs[k] for k, leaf in enumerate(sliced.traced.in_leaves)}
     input_specs = {path_to_input[t.path]: t.spec for s in plan.stages for t in s.inputs
                    if t.spec is not None and t.path in path_to_input}
+    extra = {}
+    if make_executable is PipeshardExecutable:
+        extra = dict(stage_shardings=shardings, value_specs=value_specs(program, shardings, stage_to_mesh),
+                     defer_gradient_sync=method.defer_gradient_sync)
     return make_executable(traced=sliced.traced, plan=plan, program=program, programs=programs,
-                           devices=devices, input_specs=input_specs)
+                           devices=devices, input_specs=input_specs, **extra)
+
+
+def value_specs(program, shardings: Sequence[StageSharding], stage_to_mesh: Sequence[int]) -> dict:
+    """``(value, mesh) -> spec``: the layout each stage's ILP gives the values its mesh reads from outside its
+    layers (what it loads or receives) and those its layers produce (what it sends)."""
+    vid = {v: i for i, v in enumerate(program.values)}
+    out = {}
+    for q, sharding in enumerate(shardings):
+        mesh = stage_to_mesh[q]
+        for var, spec in (*sharding.output_specs.items(), *sharding.input_specs.items()):
+            if var in vid:
+                out.setdefault((vid[var], mesh), spec)
+    return out
 
 
 def _is_lengths(value) -> bool:

@@ -102,6 +102,43 @@ class OpPlan:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanCandidate:
+    """One plan the intra-op pass considered under ``plan_selection="measured"``: the ILP's answer on one
+    logical view under one cost model, compiled and timed on the devices."""
+
+    logical_mesh_shape: tuple[int, ...]
+    cost_model: str
+    """What the ILP solved: ``"alpha-beta"`` (the cluster's latencies and bandwidths, as the objective),
+    ``"bandwidth only"`` (every latency set to 0) or ``"no all-to-all"`` (resharding priced as all-gathers
+    then a slice)."""
+    weight_update_sharding: bool
+    """Whether the post-ILP all-reduce -> reduce-scatter + all-gather rewrite was applied."""
+    objective: float
+    """Eq. 3.1 objective of this plan under the cluster's alpha-beta costs, in seconds."""
+    measured_seconds: float | None
+    """Median measured seconds of one step; None when the plan is the same program as candidate
+    ``same_as`` (timed once, there)."""
+    same_as: int | None = None
+    """Index of the earlier candidate with the same per-device layout of every pinned value."""
+    chosen: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"logical_mesh_shape": list(self.logical_mesh_shape), "cost_model": self.cost_model,
+                "weight_update_sharding": self.weight_update_sharding, "objective": self.objective, "measured_seconds": self.measured_seconds, "same_as": self.same_as,
+                "chosen": self.chosen}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PlanCandidate:
+        return cls(logical_mesh_shape=tuple(d["logical_mesh_shape"]), cost_model=d["cost_model"],
+                   weight_update_sharding=d["weight_update_sharding"], objective=d["objective"], measured_seconds=d["measured_seconds"], same_as=d["same_as"],
+                   chosen=d["chosen"])
+
+
+SELECTIONS = ("objective", "measured")
+"""How the intra-op pass picks its plan among the logical views (``AutoShardingOption.plan_selection``)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SolverReport:
     """How the intra-op ILP (Eq. 3.1) of a stage was solved."""
 
@@ -116,20 +153,34 @@ class SolverReport:
     num_variables: int
     num_constraints: int
     views: tuple[tuple[tuple[int, ...], float], ...] = ()
-    """Every logical mesh shape tried, with its objective (the cheapest is used)."""
+    """Every logical mesh shape tried, with its objective (with ``selection="objective"`` the cheapest is
+    used)."""
+    selection: str = "objective"
+    """How the plan was picked, one of :data:`SELECTIONS`: the lowest objective, or the fastest measured
+    of ``candidates``."""
+    candidates: tuple[PlanCandidate, ...] = ()
+    """With ``selection="measured"``: every plan considered, its objective and measured step time."""
+    selection_seconds: float = 0.0
+    """With ``selection="measured"``: wall seconds of the whole selection (every candidate's ILP solve,
+    compilation and timing)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"status": self.status, "objective": self.objective, "solve_seconds": self.solve_seconds,
                 "num_nodes": self.num_nodes, "num_edges": self.num_edges, "num_variables": self.num_variables,
                 "num_constraints": self.num_constraints,
-                "views": [[list(shape), objective] for shape, objective in self.views]}
+                "views": [[list(shape), objective] for shape, objective in self.views],
+                "selection": self.selection, "candidates": [c.to_dict() for c in self.candidates],
+                "selection_seconds": self.selection_seconds}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SolverReport:
         return cls(status=d["status"], objective=d["objective"], solve_seconds=d["solve_seconds"],
                    num_nodes=d["num_nodes"], num_edges=d["num_edges"], num_variables=d["num_variables"],
                    num_constraints=d["num_constraints"],
-                   views=tuple((tuple(shape), objective) for shape, objective in d["views"]))
+                   views=tuple((tuple(shape), objective) for shape, objective in d["views"]),
+                   selection=d.get("selection", "objective"),
+                   candidates=tuple(PlanCandidate.from_dict(c) for c in d.get("candidates", ())),
+                   selection_seconds=d.get("selection_seconds", 0.0))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -277,6 +328,22 @@ def format_seconds(s: float) -> str:
     return f"{s * 1e6:.1f} us"
 
 
+def _candidates_text(report: SolverReport) -> str:
+    """The measured plan selection: one row per candidate plan."""
+    distinct = sum(c.same_as is None for c in report.candidates)
+    rows = []
+    for i, c in enumerate(report.candidates):
+        measured = f"same program as #{c.same_as}" if c.measured_seconds is None else format_seconds(
+            c.measured_seconds)
+        rows.append([str(i), "x".join(map(str, c.logical_mesh_shape)), c.cost_model,
+                     "on" if c.weight_update_sharding else "off", format_seconds(c.objective), measured,
+                     "chosen" if c.chosen else ""])
+    head = (f"  plan selection: measured, {len(report.candidates)} candidates ({distinct} distinct programs) "
+            f"compiled and timed on the devices in {report.selection_seconds:.1f} s")
+    return head + "\n" + format_table(["#", "view", "cost model", "weight-update sharding", "objective",
+                                        "measured step", ""], rows, indent="    ")
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> str:
     """Left-aligned text columns separated by two spaces."""
     widths = [max(len(str(r[i])) for r in (headers, *rows)) for i in range(len(headers))]
@@ -395,6 +462,8 @@ def format_plan(plan: ParallelPlan, *, group_layers: bool = True) -> str:
             lines.append(f"  intra-op ILP: {v.status}, objective {format_seconds(v.objective)}, solved in "
                          f"{v.solve_seconds:.2f} s ({v.num_nodes} nodes, {v.num_edges} edges, {v.num_variables} "
                          f"variables, {v.num_constraints} constraints)" + (f"; views {views}" if views else ""))
+            if v.candidates:
+                lines.append(_candidates_text(v))
         if s.ops:
             lines.append("  chosen strategies (parameters and heavy operators):")
             rows = [[o.name, o.kind, "x".join(map(str, o.shape)) or "scalar", str(o.spec) or "scalar",

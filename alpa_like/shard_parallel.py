@@ -4,10 +4,17 @@ The pipeline (dissertation §3.4, each step in :mod:`alpa_like.compiler`)::
 
     traced step -> build_op_graph            (merge trivial operators, inline custom_jvp/vjp/checkpoint)
                 -> for each logical view of the mesh (8 devices: 1x8, 2x4, 4x2, 8x1):
-                       auto_shard            (strategies, Table 3.2 resharding costs, Eq. 3.1 with CBC)
-                -> the cheapest view
+                       auto_shard            (strategies, Table 3.2 resharding costs, Eq. 3.1)
+                -> the cheapest view         (plan_selection="objective", the default)
                 -> plan_weight_update_sharding   (post-ILP all-reduce -> reduce-scatter + all-gather)
                 -> SpmdLayout                (in/out specs, with_sharding_constraint on heavy operators)
+
+With ``plan_selection="measured"`` the plan is chosen by timing instead, as Alpa's profiler does for its
+candidates: each view's plan under each of :data:`COST_MODELS` (the cluster's alpha-beta costs; latency 0;
+no all-to-all), each with and without the post-ILP weight-update sharding (which Eq. 3.1 does not price),
+is realised, compiled, and run on the devices (:func:`measure_layouts`); the fastest median wins. Plans that lay every pinned value out on
+the same devices (e.g. data parallelism on the 1x8 and the 2x4 view, or a plan the rewrite leaves alone) are
+one program, compiled and timed once.
 
 Example::
 
@@ -17,14 +24,31 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
 
 from alpa_like.cluster import ClusterSpec
-from alpa_like.compiler.auto_sharding import PassOptions, ShardingSolution, alias_pairs, auto_shard
+from alpa_like.compiler.auto_sharding import (
+    PINNED_PRIMITIVES,
+    PassOptions,
+    ShardingSolution,
+    alias_pairs,
+    auto_shard,
+    operand_pins,
+    pins,
+    prepare,
+    price_on,
+    solve_prepared,
+    without_latency,
+)
 from alpa_like.compiler.grad_accumulation import split_at_grad_marker
 from alpa_like.compiler.ilp import DEFAULT_SOLVER, SOLVERS
 from alpa_like.compiler.logical_mesh import LogicalMesh, logical_shapes
@@ -34,13 +58,12 @@ from alpa_like.compiler.strategies import Collective, shards
 from alpa_like.compiler.trace import TracedStep
 from alpa_like.compiler.weight_update_sharding import WeightUpdateSharding, plan_weight_update_sharding
 from alpa_like.methods import SpmdLayout, _check_micro_batches, input_roles, match_outputs_to_inputs
-from alpa_like.plan import CommEstimate, OpPlan, SolverReport
+from alpa_like.plan import SELECTIONS, CommEstimate, OpPlan, PlanCandidate, SolverReport
+from alpa_like.runtime.spmd import compile_spmd
+from alpa_like.timing import time_interleaved
 
 MESH_AXIS_NAMES = ("x", "y")
 """Names of the two logical mesh axes in the compiled program (mesh axis 0 is ``x``)."""
-
-PINNED_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "gather", "scatter-add", "scatter"})
-"""Operators whose chosen output spec is pinned with ``with_sharding_constraint``."""
 
 REPORTED_PRIMITIVES = PINNED_PRIMITIVES | CONTROL_FLOW
 """Operators listed one by one in the plan."""
@@ -71,6 +94,16 @@ class AutoShardingOption:
     solver: str = DEFAULT_SOLVER
     """MILP solver: ``"highs"`` (default: HiGHS via scipy, LP relaxation first) or ``"cbc"`` (PuLP's bundled CBC,
     as Alpa)."""
+    plan_selection: str = "objective"
+    """How the plan is picked among the logical views: ``"objective"`` (default), the lowest Eq. 3.1
+    objective; ``"measured"``, the fastest on the devices of its candidates (each view's plan under each of
+    :data:`COST_MODELS`, with and without the weight-update sharding when ``prefer_reduce_scatter``), each
+    compiled and timed at compile time (see the module docstring; this costs
+    one compilation per distinct candidate). ``al.plan`` runs nothing, so there it falls back to
+    ``"objective"`` with a warning in the plan."""
+    measure_rounds: int = 10
+    """``plan_selection="measured"``: timing rounds, each running every distinct candidate once in a
+    shuffled order, after one warm-up run each; a candidate's time is its median."""
 
     def __post_init__(self):
         budget = self.memory_budget_per_device
@@ -92,6 +125,10 @@ class AutoShardingOption:
         if shape is not None and (not isinstance(shape, tuple) or len(shape) != 2
                                   or not all(_is_int(n) and n >= 1 for n in shape)):
             raise ValueError(f"logical_mesh_shape must be a tuple (n0, n1) of ints >= 1 or None, got {shape!r}")
+        if self.plan_selection not in SELECTIONS:
+            raise ValueError(f"plan_selection must be one of {SELECTIONS}, got {self.plan_selection!r}")
+        if not _is_int(self.measure_rounds) or self.measure_rounds < 1:
+            raise ValueError(f"measure_rounds must be an int >= 1, got {self.measure_rounds!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -109,10 +146,17 @@ class ShardParallel:
             raise TypeError(f"auto_sharding_option must be an al.AutoShardingOption, got "
                             f"{type(self.auto_sharding_option).__name__}")
 
-    def layout(self, traced: TracedStep, cluster: ClusterSpec) -> SpmdLayout:
-        """Runs the intra-op pass (see the module docstring) and returns the layout to compile."""
+    def layout(self, traced: TracedStep, cluster: ClusterSpec, *, devices: Sequence[Any] | None = None
+               ) -> SpmdLayout:
+        """Runs the intra-op pass (see the module docstring) and returns the layout to compile.
+
+        ``devices``: the devices of ``cluster`` (in its order), on which ``plan_selection="measured"``
+        times its candidates; None (``al.plan``) selects by the objective.
+        """
         option = self.auto_sharding_option
         views = _views(option.logical_mesh_shape, cluster)
+        if devices is not None and len(devices) != cluster.num_devices:
+            raise ValueError(f"devices: {len(devices)} given for a cluster of {cluster.num_devices} devices")
         roles, warns = input_roles(traced)
         graph = build_op_graph(traced.closed_jaxpr, [leaf.path for leaf in traced.in_leaves])
         if graph.unsupported:
@@ -120,28 +164,191 @@ class ShardParallel:
                        "computed replicated")
             warnings.warn(message, stacklevel=2)
             warns += (message,)
+        measure = option.plan_selection == "measured"
+        if measure and devices is None:
+            message = ("ShardParallel: plan_selection='measured' needs the devices to time plans on, and al.plan "
+                       "runs nothing: the view with the lowest objective is used")
+            warnings.warn(message, stacklevel=2)
+            warns += (message,)
+            measure = False
+        start = time.perf_counter()
         output_to_input = match_outputs_to_inputs(traced)
         weights = _node_weights(traced, graph, self.num_micro_batches)
-        tried = []
-        for shape in views:
-            mesh = LogicalMesh.from_cluster(cluster, (cluster.num_nodes, cluster.num_devices_per_node), shape)
-            options = PassOptions(memory_budget=option.memory_budget_per_device,
-                                  allow_all_to_all=option.allow_all_to_all,
-                                  input_candidates=_batch_candidates(traced, graph, roles, mesh, option),
-                                  solver_time_limit=float(option.solver_time_limit), solver=option.solver,
-                                  peak_flops=cluster.peak_flops, node_weights=weights)
-            start = time.perf_counter()
-            solution = auto_shard(graph, mesh, options, aliases=alias_pairs(graph, output_to_input))
-            tried.append((solution, time.perf_counter() - start))
-        solution, seconds = min(tried, key=lambda x: x[0].objective)
-        if solution.ilp.status != "optimal":
-            warns += (f"intra-op ILP on mesh {solution.mesh.shape}: {solution.ilp.status}",)
+        candidates = solve_views(traced, graph, roles, cluster, views, option, weights,
+                                 alias_pairs(graph, output_to_input),
+                                 cost_models=tuple(COST_MODELS) if measure else ("alpha-beta",))
+        views_report = tuple((c.solution.mesh.shape, c.solution.objective) for c in candidates
+                             if c.cost_model == "alpha-beta")
+        if measure and option.prefer_reduce_scatter:  # the post-ILP rewrite is a candidate too (Eq. 3.1 omits it)
+            candidates = [dataclasses.replace(c, rewrite=r) for c in candidates for r in (True, False)]
         params = [i for i, r in enumerate(roles) if r == "param"]
-        rewrites = (plan_weight_update_sharding(graph, solution, params, output_to_input)
-                    if option.prefer_reduce_scatter else ())
-        return realize(traced, graph, solution, rewrites, roles, output_to_input, weights,
-                       views=tuple((s.mesh.shape, s.objective) for s, _ in tried), seconds=seconds,
-                       warnings=warns)
+
+        def build(c: Candidate) -> SpmdLayout:
+            rewrites = plan_weight_update_sharding(graph, c.solution, params, output_to_input) if c.rewrite else ()
+            status = c.solution.ilp.status
+            notes = warns if status == "optimal" else warns + (
+                f"intra-op ILP on mesh {c.solution.mesh.shape}: {status}",)
+            return realize(traced, graph, c.solution, rewrites, roles, output_to_input, weights, views=views_report,
+                           seconds=c.seconds, warnings=notes)
+
+        if not measure:
+            return build(min(candidates, key=lambda c: c.solution.objective))
+        layouts = [build(c) for c in candidates]
+        report = select_measured(traced, candidates, layouts, devices, num_micro_batches=self.num_micro_batches,
+                                 rounds=option.measure_rounds)
+        chosen = layouts[next(i for i, c in enumerate(report) if c.chosen)]
+        solver = dataclasses.replace(chosen.solver, selection="measured", candidates=report,
+                                     selection_seconds=time.perf_counter() - start)
+        return dataclasses.replace(chosen, solver=solver)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One plan of the intra-op pass."""
+
+    solution: ShardingSolution
+    """The ILP's answer, priced on the cluster's alpha-beta costs."""
+    cost_model: str
+    """What it was solved under, a name of :data:`COST_MODELS`."""
+    seconds: float
+    """Seconds of its pass (strategies, costs and solve)."""
+    rewrite: bool
+    """Apply the post-ILP weight-update sharding (:func:`plan_weight_update_sharding`)."""
+
+
+COST_MODELS: dict[str, Callable[[LogicalMesh, PassOptions], tuple[LogicalMesh, PassOptions]]] = {
+    "alpha-beta": lambda mesh, options: (mesh, options),
+    "bandwidth only": lambda mesh, options: (without_latency(mesh), options),
+    "no all-to-all": lambda mesh, options: (mesh, dataclasses.replace(options, allow_all_to_all=False)),
+}
+"""The cost models ``plan_selection="measured"`` solves every view under: Eq. 3.1 on the cluster's
+alpha-beta costs; with every latency 0 (the latency a local probe measures between programs is the least
+certain parameter on one host); and with every resharding priced as all-gathers then a slice (the
+all-to-alls of Table 3.2 cost far more than modelled on CPU devices). Each plan is then priced on the first."""
+
+
+def solve_views(traced: TracedStep, graph: OpGraph, roles: Sequence[str], cluster: ClusterSpec,
+                views: Sequence[tuple[int, int]], option: AutoShardingOption, weights: Sequence[float] | None,
+                aliases: Sequence[tuple[int, int]], cost_models: Sequence[str] = ("alpha-beta",)) -> list[Candidate]:
+    """The ILP's plan on every logical view under each of ``cost_models`` (names of :data:`COST_MODELS`),
+    each priced on the option's own Eq. 3.1 (:func:`price_on`); view by view, in the order given."""
+    candidates = []
+    for shape in views:
+        mesh = LogicalMesh.from_cluster(cluster, (cluster.num_nodes, cluster.num_devices_per_node), shape)
+        options = PassOptions(memory_budget=option.memory_budget_per_device,
+                              allow_all_to_all=option.allow_all_to_all,
+                              input_candidates=_batch_candidates(traced, graph, roles, mesh, option),
+                              solver_time_limit=float(option.solver_time_limit), solver=option.solver,
+                              peak_flops=cluster.peak_flops, node_weights=weights)
+        start = time.perf_counter()
+        prepared = prepare(graph, mesh, options, aliases=aliases)
+        solution = solve_prepared(prepared)
+        seconds = time.perf_counter() - start
+        for name in cost_models:
+            if name != "alpha-beta":
+                start = time.perf_counter()
+                solution = price_on(prepared, auto_shard(graph, *COST_MODELS[name](mesh, options), aliases=aliases))
+                seconds = time.perf_counter() - start
+            candidates.append(Candidate(solution=solution, cost_model=name, seconds=seconds,
+                                        rewrite=option.prefer_reduce_scatter))
+    return candidates
+
+
+def select_measured(traced: TracedStep, candidates: Sequence[Candidate], layouts: Sequence[SpmdLayout],
+                    devices: Sequence[Any], *, num_micro_batches: int, rounds: int) -> tuple[PlanCandidate, ...]:
+    """Times the distinct ``layouts`` (:func:`duplicates`, :func:`measure_layouts`) and reports every
+    candidate, the fastest median marked ``chosen`` (the first of equal medians)."""
+    same_as = duplicates(layouts)
+    distinct = [i for i, j in enumerate(same_as) if j is None]
+    medians = measure_layouts(traced, [layouts[i] for i in distinct], devices, num_micro_batches=num_micro_batches,
+                              rounds=rounds)
+    measured = dict(zip(distinct, medians, strict=True))
+    best = min(distinct, key=lambda i: measured[i])
+    return tuple(PlanCandidate(logical_mesh_shape=c.solution.mesh.shape, cost_model=c.cost_model,
+                               weight_update_sharding=c.rewrite, objective=c.solution.objective,
+                               measured_seconds=measured.get(i), same_as=same_as[i], chosen=i == best)
+                 for i, c in enumerate(candidates))
+
+
+# -------------------------------------------------------------------------------- measured selection
+
+def device_layout(spec: ShardingSpec, mesh_shape: Sequence[int]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per tensor dim, the ``(blocks, device stride)`` factors that split it, major first, for devices
+    numbered row-major on ``mesh_shape`` (axis 0 has stride ``n1``, axis 1 stride 1); axes of one device
+    are left out and a factor whose stride is the next factor's ``blocks x stride`` is merged with it.
+
+    Two specs on views of the same devices with equal device layouts put the same block of the tensor on
+    every device: ``S01`` on a 2x4 view and ``S1`` on a 1x8 view are both ``((8, 1),)`` on their dim.
+
+    >>> device_layout(ShardingSpec.from_str("S01R"), (2, 4)), device_layout(ShardingSpec.from_str("RS1"), (1, 8))
+    ((((8, 1),), ()), ((), ((8, 1),)))
+    >>> device_layout(ShardingSpec.from_str("S0R"), (2, 4)), device_layout(ShardingSpec.from_str("S10"), (2, 4))
+    ((((2, 4),), ()), (((4, 1), (2, 4)),))
+    """
+    strides = (mesh_shape[1], 1)
+    out = []
+    for axes in spec.axes:
+        factors: list[tuple[int, int]] = []
+        for a in axes:
+            n, stride = mesh_shape[a], strides[a]
+            if n == 1:
+                continue
+            if factors and factors[-1][1] == n * stride:
+                factors[-1] = (factors[-1][0] * n, stride)
+            else:
+                factors.append((n, stride))
+        out.append(tuple(factors))
+    return tuple(out)
+
+
+def layout_key(layout: SpmdLayout) -> tuple:
+    """What makes two layouts of one step the same program: the device layout (:func:`device_layout`) of
+    every input, output and pinned value, whatever logical view names it."""
+    def key(spec):
+        return None if spec is None else device_layout(spec, layout.mesh_shape)
+    return (tuple(map(key, layout.in_specs)), tuple(map(key, layout.out_specs)), layout.shard_grads,
+            frozenset((e, k, key(s)) for e, k, s in layout.eqn_constraints),
+            frozenset((e, k, key(s)) for e, k, s in layout.operand_constraints))
+
+
+def duplicates(layouts: Sequence[SpmdLayout]) -> list[int | None]:
+    """Per layout, the index of the first earlier layout with the same :func:`layout_key`, or None."""
+    first: dict[tuple, int] = {}
+    out: list[int | None] = []
+    for i, key in enumerate(map(layout_key, layouts)):
+        out.append(first.get(key))
+        first.setdefault(key, i)
+    return out
+
+
+def zero_inputs(traced: TracedStep, shardings: Sequence[Any]) -> list[jax.Array]:
+    """Zeros of the step's input shapes and dtypes (typed PRNG keys included), created on the devices in
+    ``shardings`` (nothing is built on the host or on one device first)."""
+    avals = [(leaf.shape, v.aval.dtype) for leaf, v in zip(traced.in_leaves, traced.closed_jaxpr.jaxpr.invars,
+                                                          strict=True)]
+    return jax.jit(lambda: [jnp.zeros(shape, dtype) for shape, dtype in avals], out_shardings=list(shardings))()
+
+
+def _run_blocking(compiled, inputs) -> None:
+    jax.block_until_ready(compiled(*inputs))
+
+
+def measure_layouts(traced: TracedStep, layouts: Sequence[SpmdLayout], devices: Sequence[Any], *,
+                    num_micro_batches: int, rounds: int) -> tuple[float, ...]:
+    """Median seconds of one step of each layout on ``devices``.
+
+    Each layout is compiled without donation and run on :func:`zero_inputs` in its own input shardings,
+    the same inputs every run: the user's arrays are neither read nor donated, and nothing the step
+    returns is kept, so the step the user runs afterwards is unaffected. The runs follow
+    :func:`alpa_like.timing.time_interleaved` (one warm-up run each, then ``rounds`` shuffled rounds). Every
+    compiled candidate and its inputs stay in device memory until the timing ends.
+    """
+    runs = {}
+    for i, layout in enumerate(layouts):
+        compiled = compile_spmd(traced, layout, devices, num_micro_batches=num_micro_batches)
+        runs[i] = functools.partial(_run_blocking, compiled.compiled, zero_inputs(traced, compiled.in_shardings))
+    medians = time_interleaved(runs, rounds=rounds).medians()
+    return tuple(medians[i] for i in range(len(layouts)))
 
 
 def _views(shape: tuple[int, int] | None, cluster: ClusterSpec) -> tuple[tuple[int, int], ...]:
@@ -224,39 +431,6 @@ def realize(traced: TracedStep, graph: OpGraph, solution: ShardingSolution,
                                           num_edges=solution.ilp.num_edges,
                                           num_variables=solution.ilp.num_variables,
                                           num_constraints=solution.ilp.num_constraints, views=tuple(views)))
-
-
-def pins(graph: OpGraph, solution: ShardingSolution, skip=frozenset()) -> list[tuple[int, int, ShardingSpec]]:
-    """``with_sharding_constraint`` sites on values that make XLA follow the plan.
-
-    Every value of the step that has an equation index gets the layout the plan gives it where it is
-    produced, so that XLA's propagation cannot move a layout change elsewhere. ``skip``: nodes whose output
-    layout another pass decides (the weight-update sharding).
-    """
-    sites: dict[tuple[int, int], ShardingSpec] = {}
-    for t, site in graph.pins.items():
-        if graph.tensors[t].producer not in skip:
-            sites[site] = solution.tensor_spec(t)
-    return [(eqn, k, spec) for (eqn, k), spec in sites.items()]
-
-
-def operand_pins(graph: OpGraph, solution: ShardingSolution) -> list[tuple[int, int, ShardingSpec]]:
-    """(equation index, operand position, spec): every operand of a pinned operator (matmul, convolution,
-    gather, scatter) as that operator reads it, in the layout its chosen algorithm needs.
-
-    With the value pinned where it is produced and again as each heavy reader sees it, the resharding the
-    plan pays on that edge happens between the two constraints, and XLA's partitioner sees the algorithm's
-    operand and output layouts, which leaves it one way to compute the operator; a value read by several
-    operators in different layouts is resharded once per reader, as Eq. 3.1 prices it.
-    """
-    out = []
-    for node in graph.nodes:
-        if node.primitive not in PINNED_PRIMITIVES or node.inlined:
-            continue
-        for pos, (t, spec) in enumerate(zip(node.operands, solution.strategies[node.id].in_specs)):
-            if t is not None and spec is not None:
-                out.append((node.eqn_index, pos, spec))
-    return out
 
 
 def predicted_collectives(graph: OpGraph, solution: ShardingSolution, rewrites: Sequence[WeightUpdateSharding],

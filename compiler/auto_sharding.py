@@ -13,6 +13,8 @@ Pipeline (each step a pure function):
 3. :func:`auto_shard`: solves and returns a :class:`ShardingSolution` (:func:`prepare` then
    :func:`solve_prepared`; a prepared pass can be solved again with some inputs limited to fewer specs,
    an exact restriction that skips steps 1 and 2, as the stage profiler's "params-sharded" variant does).
+   :func:`price_on` turns a plan solved on another mesh of the same shape (e.g. :func:`without_latency`)
+   into a solution of this one, its costs those of this mesh (``ShardParallel``'s measured selection).
 
 A tie-break of ``1e-6`` of the cheapest per-byte link cost per byte of every tensor kept per device makes
 the solver prefer sharded layouts when communication is equal; :attr:`ShardingSolution.objective` excludes
@@ -32,7 +34,14 @@ from jax.extend.core import Literal
 
 from alpa_like.compiler.ilp import DEFAULT_SOLVER, IlpEdge, IlpProblem, IlpSolution, restrict, solve
 from alpa_like.compiler.logical_mesh import LogicalMesh
-from alpa_like.compiler.op_graph import CONTROL_FLOW, OpGraph, OpNode, gradient_nodes, merged_groups
+from alpa_like.compiler.op_graph import (
+    CONTROL_FLOW,
+    OpGraph,
+    OpNode,
+    gradient_nodes,
+    gradient_producers,
+    merged_groups,
+)
 from alpa_like.compiler.propagation import FOLLOW_RULES
 from alpa_like.compiler.sharding_spec import (
     ReshardStep,
@@ -74,6 +83,13 @@ class PassOptions:
     node_weights: tuple[float, ...] | None = None
     """Per graph node, how many times it runs per step (e.g. ``num_micro_batches`` for compute-grad
     equations under gradient accumulation); its costs and its operands' resharding are scaled by it."""
+    gradient_outputs: frozenset[int] = frozenset()
+    """Indices of the jaxpr's outputs that are gradients, for a piece of a step cut before its grad marker (a
+    pipeline layer); in a whole step the marker says which values are gradients."""
+    gradient_sync_weight: float = 1.0
+    """Times per run of the jaxpr that the all-reduces of the operators computing gradients happen: 1 when
+    every run reduces its gradients; ``1 / B`` for a pipeline stage that accumulates partial sums over ``B``
+    micro-batches and reduces them once per step (:mod:`~alpa_like.compiler.gradient_sync`)."""
     combine_gradient_all_reduces: bool = True
     """Price the all-reduces of the operators that compute gradients as XLA runs them: independent of each
     other until the update, they are combined into one all-reduce per set of mesh axes, so each pays its
@@ -382,11 +398,14 @@ def build_problem(graph: OpGraph, table: list[list[Strategy]], mesh: LogicalMesh
                   aliases: Sequence[tuple[int, int]] = (), memory_budget: float | None = None,
                   allow_all_to_all: bool = True,
                   node_weights: Sequence[float] | None = None,
-                  combined: frozenset[int] = frozenset()) -> tuple[IlpProblem, IlpProblem, np.ndarray]:
+                  combined: frozenset[int] = frozenset(), deferred: frozenset[int] = frozenset(),
+                  deferred_weight: float = 1.0) -> tuple[IlpProblem, IlpProblem, np.ndarray]:
     """The ILP of Eq. 3.1 over the merged groups (costs scaled by each node's ``repeat`` times ``node_weights``).
 
     ``combined``: nodes whose all-reduces XLA combines into one (see
     :attr:`PassOptions.combine_gradient_all_reduces`); their ``c_v`` leaves out each all-reduce's latency.
+    ``deferred``: nodes whose all-reduces run ``deferred_weight`` times per run of the graph (see
+    :attr:`PassOptions.gradient_sync_weight`).
 
     Returns:
       (problem with the tie-break, the same problem without it, ILP node index of every graph node).
@@ -405,7 +424,9 @@ def build_problem(graph: OpGraph, table: list[list[Strategy]], mesh: LogicalMesh
         weight *= np.asarray(node_weights, dtype=float)
     for node in graph.nodes:
         v = node_of[node.id]
-        costs = [s.cost - (all_reduce_latency(s, mesh) if node.id in combined else 0.0) for s in table[node.id]]
+        costs = [s.cost - (all_reduce_latency(s, mesh) if node.id in combined else 0.0)
+                 - (all_reduce_bandwidth(s, mesh) * (1.0 - deferred_weight) if node.id in deferred else 0.0)
+                 for s in table[node.id]]
         comm[v] += weight[node.id] * np.array(costs)
         for k, t in enumerate(node.outputs):
             tensor = graph.tensors[t]
@@ -438,12 +459,19 @@ def build_problem(graph: OpGraph, table: list[list[Strategy]], mesh: LogicalMesh
 
 def all_reduce_latency(strategy: Strategy, mesh: LogicalMesh) -> float:
     """The latency (``alpha``) part of the strategy's all-reduces: what combining them with others saves."""
-    no_latency = _without_latency(mesh)
+    no_latency = without_latency(mesh)
     return sum(c.seconds(mesh) - c.seconds(no_latency) for c in strategy.collectives if c.kind == "all-reduce")
 
 
+def all_reduce_bandwidth(strategy: Strategy, mesh: LogicalMesh) -> float:
+    """The bandwidth (``beta``) part of the strategy's all-reduces."""
+    no_latency = without_latency(mesh)
+    return sum(c.seconds(no_latency) for c in strategy.collectives if c.kind == "all-reduce")
+
+
 @functools.lru_cache(maxsize=64)
-def _without_latency(mesh: LogicalMesh) -> LogicalMesh:
+def without_latency(mesh: LogicalMesh) -> LogicalMesh:
+    """``mesh`` with every axis's latency ``alpha`` set to 0 (the bandwidth terms kept)."""
     return dataclasses.replace(mesh, alpha=(0.0,) * mesh.ndim)
 
 
@@ -501,11 +529,16 @@ def prepare(graph: OpGraph, mesh: LogicalMesh, options: PassOptions = PassOption
     """Strategies (step 1) and the ILP (step 2) of the pass; see :func:`auto_shard` for the arguments."""
     ctx = StrategyContext(mesh=mesh, peak_flops=options.peak_flops)
     table = strategy_table(graph, ctx, options.input_candidates)
-    combined = gradient_nodes(graph) if options.combine_gradient_all_reduces else frozenset()
+    gradients = gradient_nodes(graph).union(*(gradient_producers(graph, graph.output_tensors[i])
+                                              for i in options.gradient_outputs
+                                              if graph.output_tensors[i] is not None))
+    combined = gradients if options.combine_gradient_all_reduces else frozenset()
     problem, exact, node_of = build_problem(graph, table, mesh, aliases=aliases,
                                             memory_budget=options.memory_budget,
                                             allow_all_to_all=options.allow_all_to_all,
-                                            node_weights=options.node_weights, combined=combined)
+                                            node_weights=options.node_weights, combined=combined,
+                                            deferred=gradients if options.gradient_sync_weight != 1.0 else frozenset(),
+                                            deferred_weight=options.gradient_sync_weight)
     return PreparedPass(graph=graph, mesh=mesh, options=options, aliases=tuple(aliases), table=table,
                         problem=problem, exact=exact, node_of=node_of, combined=combined)
 
@@ -541,13 +574,19 @@ def solve_prepared(prepared: PreparedPass,
         if allowed is None:
             raise ValueError("input_candidates must name specs among the prepared inputs' strategies")
         problem, keep = restrict(problem, allowed)
-    options, mesh, graph = prepared.options, prepared.mesh, prepared.graph
+    options = prepared.options
     solution = solve(problem, time_limit=options.solver_time_limit, solver=options.solver)
     if keep is not None:
         solution = dataclasses.replace(solution, choice=tuple(int(k[c]) for k, c in zip(keep, solution.choice)))
     if solution.status == "infeasible":
         warnings.warn(f"no sharding plan fits memory_budget={options.memory_budget} bytes per device on mesh "
-                      f"{mesh.shape}; the greedy plan is used", stacklevel=2)
+                      f"{prepared.mesh.shape}; the greedy plan is used", stacklevel=2)
+    return _solution(prepared, solution)
+
+
+def _solution(prepared: PreparedPass, solution: IlpSolution) -> ShardingSolution:
+    """The :class:`ShardingSolution` of the ILP choice ``solution.choice`` of ``prepared``."""
+    options, mesh, graph = prepared.options, prepared.mesh, prepared.graph
     chosen = tuple(prepared.table[n.id][solution.choice[prepared.node_of[n.id]]] for n in graph.nodes)
     reshards = _reshards(graph, chosen, mesh, prepared.aliases, options.allow_all_to_all)
     peak = prepared.exact.peak_memory(solution.choice) if options.memory_budget is not None else None
@@ -570,6 +609,35 @@ def auto_shard(graph: OpGraph, mesh: LogicalMesh, options: PassOptions = PassOpt
     return solve_prepared(prepare(graph, mesh, options, aliases=aliases))
 
 
+def price_on(prepared: PreparedPass, other: ShardingSolution) -> ShardingSolution:
+    """``other``'s plan (the same graph, solved on a mesh of the same shape but other alpha-beta costs,
+    e.g. :func:`without_latency`) as a solution of ``prepared``: at every node the strategy with the same
+    name and specs, its costs, resharding and objective those of ``prepared``'s mesh.
+
+    Raises:
+      ValueError: the graphs differ, or a chosen strategy is not among ``prepared``'s.
+    """
+    graph = prepared.graph
+    if other.graph is not graph or other.mesh.shape != prepared.mesh.shape:
+        raise ValueError(f"price_on needs a solution of the same graph on a mesh of shape {prepared.mesh.shape}, "
+                         f"got mesh {other.mesh.shape}")
+    roots = np.unique(merged_groups(graph))
+    choice = []
+    for root in roots:
+        wanted = _strategy_key(other.strategies[root])
+        index = next((j for j, s in enumerate(prepared.table[root]) if _strategy_key(s) == wanted), None)
+        if index is None:
+            raise ValueError(f"strategy {other.strategies[root].name} of node {graph.nodes[root].name} is not "
+                             f"among the prepared strategies on mesh {prepared.mesh.shape}")
+        choice.append(index)
+    ilp = dataclasses.replace(other.ilp, choice=tuple(choice), objective=prepared.problem.objective(choice))
+    return _solution(prepared, ilp)
+
+
+def _strategy_key(strategy: Strategy) -> tuple:
+    return strategy.name, strategy.out_specs, strategy.in_specs
+
+
 def _reshards(graph: OpGraph, chosen: Sequence[Strategy], mesh: LogicalMesh, aliases, allow_all_to_all: bool):
     reshard = reshard_table(mesh, allow_all_to_all)
     out = []
@@ -583,3 +651,42 @@ def _reshards(graph: OpGraph, chosen: Sequence[Strategy], mesh: LogicalMesh, ali
             out.append(Reshard(tensor=use.tensor, node=use.node, src=src, dst=dst, seconds=seconds,
                                steps=reshard.steps(tensor.shape, itemsize, src, dst)))
     return tuple(out)
+
+
+# --------------------------------------------------------------------------------------- realisation
+
+PINNED_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "gather", "scatter-add", "scatter"})
+"""Operators whose operands are pinned, as each reads them, to the layouts of its chosen strategy."""
+
+
+def pins(graph: OpGraph, solution: ShardingSolution, skip=frozenset()) -> list[tuple[int, int, ShardingSpec]]:
+    """``with_sharding_constraint`` sites on values that make XLA follow the plan.
+
+    Every value of the step that has an equation index gets the layout the plan gives it where it is
+    produced, so that XLA's propagation cannot move a layout change elsewhere. ``skip``: nodes whose output
+    layout another pass decides (the weight-update sharding).
+    """
+    sites: dict[tuple[int, int], ShardingSpec] = {}
+    for t, site in graph.pins.items():
+        if graph.tensors[t].producer not in skip:
+            sites[site] = solution.tensor_spec(t)
+    return [(eqn, k, spec) for (eqn, k), spec in sites.items()]
+
+
+def operand_pins(graph: OpGraph, solution: ShardingSolution) -> list[tuple[int, int, ShardingSpec]]:
+    """(equation index, operand position, spec): every operand of a pinned operator (matmul, convolution,
+    gather, scatter) as that operator reads it, in the layout its chosen algorithm needs.
+
+    With the value pinned where it is produced and again as each heavy reader sees it, the resharding the
+    plan pays on that edge happens between the two constraints, and XLA's partitioner sees the algorithm's
+    operand and output layouts, which leaves it one way to compute the operator; a value read by several
+    operators in different layouts is resharded once per reader, as Eq. 3.1 prices it.
+    """
+    out = []
+    for node in graph.nodes:
+        if node.primitive not in PINNED_PRIMITIVES or node.inlined:
+            continue
+        for pos, (t, spec) in enumerate(zip(node.operands, solution.strategies[node.id].in_specs)):
+            if t is not None and spec is not None:
+                out.append((node.eqn_index, pos, spec))
+    return out

@@ -51,6 +51,8 @@ from alpa_like.compiler.auto_sharding import (
     PassOptions,
     ShardingSolution,
     auto_shard,
+    operand_pins,
+    pins,
     prepare,
     restricted_inputs,
     solve_prepared,
@@ -81,6 +83,12 @@ class LayerCost:
     """Parameters under the ILP's specs (gradients take as much again)."""
     input_specs: tuple[ShardingSpec, ...]
     """The ILP's spec of each input of the layer's jaxpr."""
+    value_pins: tuple[tuple[int, int, ShardingSpec], ...] = ()
+    """(equation index in the layer's jaxpr, output index, spec): the ILP's layout of each value where it is
+    produced (:func:`~alpa_like.compiler.auto_sharding.pins`)."""
+    operand_pins: tuple[tuple[int, int, ShardingSpec], ...] = ()
+    """(equation index, operand index, spec): the layouts the heavy operators' chosen strategies read
+    (:func:`~alpa_like.compiler.auto_sharding.operand_pins`)."""
 
     @property
     def seconds(self) -> float:
@@ -172,7 +180,9 @@ def layer_cost(closed: ClosedJaxpr, param_inputs: Sequence[bool], mesh: LogicalM
     comm_bytes = sum(c.num_bytes for strategy in solution.strategies for c in strategy.collectives)
     return LayerCost(compute_seconds=jaxpr_seconds(closed, peak_flops, memory_bandwidth, mesh.num_devices),
                      comm_seconds=float(solution.objective), comm_bytes=float(comm_bytes),
-                     param_bytes_per_device=param_bytes, input_specs=tuple(solution.input_specs()))
+                     param_bytes_per_device=param_bytes, input_specs=tuple(solution.input_specs()),
+                     value_pins=tuple(pins(solution.graph, solution)),
+                     operand_pins=tuple(operand_pins(solution.graph, solution)))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -219,6 +229,10 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
     num_layers = len(summaries)
     layers = [layer_jaxpr(jaxpr, pieces, l) for l in range(num_layers)]
     keys = [structure_key(closed) for closed, _ in layers]
+    marker = next((e for e in jaxpr.eqns if is_marker(e, "grad")), None)
+    gradients = set() if marker is None else {v for v in marker.invars if isinstance(v, Var)}
+    gradient_outputs = [frozenset(k for k, v in enumerate(closed.jaxpr.outvars) if v in gradients)
+                        for closed, _ in layers]
     entries = [[(tuple(view), "") for view in views]
                + [(tuple(view), PARAMS_SHARDED) for view in views if memory_variants and sub[0] * sub[1] > 1]
                for sub, views in zip(submeshes, logical_shapes, strict=True)]
@@ -230,11 +244,12 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
         for p, sub in enumerate(submeshes):
             for e, (view, variant) in enumerate(entries[p]):
                 mesh = LogicalMesh.from_cluster(cluster, tuple(sub), view)
-                key = (keys[l], param_key, mesh)
+                key = (keys[l], param_key, gradient_outputs[l], mesh)
                 jobs.setdefault(key, (l, mesh))
                 pair_job[(l, p, e)] = (key, variant)
     job_keys = list(jobs)
-    context = _SolveContext(layers=layers, jobs=[jobs[k] for k in job_keys], param_mask=tuple(param_mask),
+    context = _SolveContext(layers=layers, gradient_outputs=gradient_outputs,
+                            jobs=[jobs[k] for k in job_keys], param_mask=tuple(param_mask),
                             peak_flops=cluster.peak_flops, memory_bandwidth=cluster.memory_bandwidth,
                             options=options, memory_variants=memory_variants)
     results: dict[tuple, tuple[LayerCost, LayerCost]] = {}
@@ -276,6 +291,8 @@ class _SolveContext:
     """What every solve needs; forked workers inherit it through :data:`_FORKED`."""
 
     layers: list
+    gradient_outputs: list[frozenset[int]]
+    """Per layer, the indices of its jaxpr's outputs that are gradients (:attr:`PassOptions.gradient_outputs`)."""
     jobs: list[tuple[int, LogicalMesh]]
     param_mask: tuple[bool, ...]
     peak_flops: float
@@ -295,7 +312,8 @@ def _solve_job(context: _SolveContext, index: int) -> tuple[int, tuple[LayerCost
     l, mesh = context.jobs[index]
     closed, inputs = context.layers[l]
     params = [i >= 0 and context.param_mask[i] for i in inputs]
-    prepared = prepare(build_op_graph(closed), mesh, context.options)
+    options = dataclasses.replace(context.options, gradient_outputs=context.gradient_outputs[l])
+    prepared = prepare(build_op_graph(closed), mesh, options)
     fastest = layer_cost(closed, params, mesh, context.peak_flops, solve_prepared(prepared),
                          context.memory_bandwidth)
     if not context.memory_variants or mesh.num_devices == 1:
@@ -306,8 +324,7 @@ def _solve_job(context: _SolveContext, index: int) -> tuple[int, tuple[LayerCost
     if restricted_inputs(prepared, candidates) is not None:
         lean = solve_prepared(prepared, candidates)
     else:  # the options limit some parameter to specs without the sharded ones: the twin is its own problem
-        options = dataclasses.replace(context.options,
-                                      input_candidates={**context.options.input_candidates, **candidates})
+        options = dataclasses.replace(options, input_candidates={**options.input_candidates, **candidates})
         lean = auto_shard(prepared.graph, mesh, options)
     return index, (fastest, layer_cost(closed, params, mesh, context.peak_flops, lean, context.memory_bandwidth)), 2
 

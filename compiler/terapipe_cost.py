@@ -72,6 +72,12 @@ class SliceCostModel:
     def __call__(self, lengths, contexts) -> np.ndarray:
         return self.slice_time(lengths, contexts)
 
+    def relative_errors(self, samples: Sequence[tuple[int, int, float]]) -> np.ndarray:
+        """``(model - seconds) / seconds`` per ``(length, context, seconds)`` sample, e.g. on points held out
+        of the fit."""
+        data = np.asarray(samples, dtype=np.float64).reshape(-1, 3)
+        return (self.slice_time(data[:, 0].astype(int), data[:, 1]) - data[:, 2]) / data[:, 2]
+
 
 def fit_slice_costs(seq_len: int, samples: Sequence[tuple[int, int, float]], *,
                     tabulate_last_slice: bool = False) -> SliceCostModel:
@@ -229,6 +235,14 @@ class SliceTimings:
     def spread(self) -> dict[tuple[int, int], float]:
         """Timing noise per point: interquartile range / median of its runs."""
         return {p: float((np.percentile(t, 75) - np.percentile(t, 25)) / np.median(t)) for p, t in self.runs.items()}
+
+    def halves(self) -> tuple[SliceTimings, SliceTimings]:
+        """The even and the odd rounds: two independent measurements of every point (a model fitted on one
+        half is scored on the other, so timing noise is not counted as fit quality)."""
+        if min(len(t) for t in self.runs.values()) < 2:
+            raise ValueError("halves need at least 2 timed runs per point")
+        return (SliceTimings(runs={p: t[0::2] for p, t in self.runs.items()}),
+                SliceTimings(runs={p: t[1::2] for p, t in self.runs.items()}))
 
 
 def time_slice_grid(time_slice: Callable[[int, int], float], points: Sequence[tuple[int, int]], *,

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from alpa_like.compiler.flops import eqn_flops
-from alpa_like.compiler.token_slicing import slice_cost_table, solve_joint_slicing
+from alpa_like.compiler.token_slicing import slice_contexts, slice_cost_table, solve_joint_slicing
 from alpa_like.nn import ATTENTION_SCOPE
 
 __all__ = ["TokenSlicingDecision", "attention_fractions", "stage_slice_costs", "batch_slice_sizes", "token_grain",
@@ -96,7 +96,8 @@ def token_grain(seq_len: int, max_units: int = 512) -> int:
 def choose_token_slicing(stage_times: Sequence[float], fractions: Sequence[float], seq_len: int,
                          num_micro_batches: int, rows_per_micro_batch: int, *,
                          saturation_tokens: int = DEFAULT_SATURATION_TOKENS, epsilon: float | None = None,
-                         fixed: Sequence[tuple[int, Sequence[int]]] | None = None) -> TokenSlicingDecision:
+                         fixed: Sequence[tuple[int, Sequence[int]]] | None = None,
+                         shared_contexts: bool = False) -> TokenSlicingDecision:
     """The joint batch + token DP (section 2.3.4) on the chosen stages, or the latency of the ``fixed``
     scheme ``((rows, lengths), ...)``.
 
@@ -104,35 +105,47 @@ def choose_token_slicing(stage_times: Sequence[float], fractions: Sequence[float
     sizes :func:`batch_slice_sizes` offers, each with its own token slicing (lengths in multiples of
     :func:`token_grain`). ``epsilon`` (seconds) is the DP's t_max step; None: 1e-4 of the unsliced stage
     time, so the answer is within ``K * 1e-4`` of the slowest stage's time from the optimum. Token slicing
-    is kept only when it beats the micro-batches of whole sequences under the same model."""
+    is kept only when it beats the micro-batches of whole sequences under the same model.
+
+    ``shared_contexts`` (``share_slice_executables=True``): every slice is priced at the context it runs
+    with, the longest among the slices of its (rows, length) (:func:`slice_contexts`), both for ``fixed``
+    and for the keep-or-drop decision on the DP's scheme. The DP itself prices each slice at its own
+    context: a padded price depends on every other slice of the same length, which Eq. 2.5-2.8's
+    subproblems (a prefix of the sequence) do not know, so the DP's scheme is the best unpadded one, not
+    necessarily the best padded one."""
     k = len(stage_times)
     batch = num_micro_batches * rows_per_micro_batch
 
-    def table(rows: int, grain: int = 1):
+    def table(rows: int, grain: int):
+        """The slowest stage's cost per (length, context), in units of ``grain`` tokens."""
         costs = [stage_slice_costs(t, f, seq_len, saturation_tokens, rows, rows_per_micro_batch)
                  for t, f in zip(stage_times, fractions, strict=True)]
-        return np.max([slice_cost_table(lambda a, b, c=c: c(a * grain, b * grain), seq_len // grain)
-                       for c in costs], axis=0)
+        return slice_cost_table(lambda a, b: np.max([c(a * grain, b * grain) for c in costs], axis=0),
+                                seq_len // grain)
 
     whole = float(np.max([stage_slice_costs(t, f, seq_len, saturation_tokens, rows_per_micro_batch,
                                             rows_per_micro_batch)(seq_len, 0)
                           for t, f in zip(stage_times, fractions, strict=True)]))
     unsliced = (num_micro_batches + k - 1) * whole
+
+    def latency(scheme) -> float:
+        """Eq. 2.4 over every unit of the scheme, each at the context it runs with."""
+        costs = {r: [stage_slice_costs(t, f, seq_len, saturation_tokens, r, rows_per_micro_batch)
+                     for t, f in zip(stage_times, fractions, strict=True)] for r in {r for r, _ in scheme}}
+        times = [max(float(c(l, ctx)) for c in costs[r])
+                 for (r, ls), contexts in zip(scheme, slice_contexts(scheme, shared_contexts), strict=True)
+                 for l, ctx in zip(ls, contexts, strict=True)]
+        return sum(times) + (k - 1) * max(times)
+
     if fixed is not None:
         scheme = tuple((int(r), tuple(int(x) for x in ls)) for r, ls in fixed)
-        tables = {r: table(r) for r in {r for r, _ in scheme}}
-        times = [float(tables[r][l, c]) for r, ls in scheme for l, c in zip(ls, _starts(ls))]
-        return TokenSlicingDecision(batch_slices=scheme, latency=sum(times) + (k - 1) * max(times),
-                                    latency_unsliced=unsliced)
+        return TokenSlicingDecision(batch_slices=scheme, latency=latency(scheme), latency_unsliced=unsliced)
     epsilon = 1e-4 * whole if epsilon is None else epsilon
     grain = token_grain(seq_len)
     solution = solve_joint_slicing({b: table(b, grain) for b in batch_slice_sizes(batch, rows_per_micro_batch)},
                                    batch, k, epsilon=epsilon)
     scheme = tuple((b, tuple(x * grain for x in ls)) for b, ls in solution.batch_slices)
-    if solution.latency >= unsliced * (1 - 1e-9):
+    predicted = latency(scheme) if shared_contexts else solution.latency
+    if predicted >= unsliced * (1 - 1e-9):
         return TokenSlicingDecision(batch_slices=(), latency=unsliced, latency_unsliced=unsliced)
-    return TokenSlicingDecision(batch_slices=scheme, latency=solution.latency, latency_unsliced=unsliced)
-
-
-def _starts(lengths: Sequence[int]) -> list[int]:
-    return [int(x) for x in np.concatenate([[0], np.cumsum(lengths)[:-1]])]
+    return TokenSlicingDecision(batch_slices=scheme, latency=predicted, latency_unsliced=unsliced)

@@ -34,7 +34,7 @@ def write_timeline(executable, prefix: str) -> None:
     from alpa_like.runtime.simulator import simulate
 
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-    sim = simulate(executable.plan, executable.program, executable.programs)
+    sim = simulate(executable.plan, executable.program, executable.programs, value_specs=executable.value_specs)
     sim.timeline.to_chrome_trace(prefix + ".json", us_per_unit=1e6)
     sim.timeline.plot(prefix + ".png")
     print(executable.programs.table().splitlines()[0])

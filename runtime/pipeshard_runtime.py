@@ -24,10 +24,15 @@ from jax.sharding import NamedSharding
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.grad_accumulation import to_micro_batches
 from alpa_like.compiler.sharding_spec import ShardingSpec
-from alpa_like.compiler.stage_construction import StageProgram
+from alpa_like.compiler.gradient_sync import NONE, DeferredGradients, deferrable_gradients, stacked_spec
+from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
+from alpa_like.compiler.stage_construction import StageProgram, ValueId
+from alpa_like.compiler.stage_sharding import StageSharding
 from alpa_like.runtime.instructions import PER_STEP, Instruction, MeshPrograms, Op
 from alpa_like.runtime.mesh import make_mesh, named_sharding
 from alpa_like.runtime.resharding import layout_of, plan_resharding, reshard
+from alpa_like.runtime.partial_sums import eval_piece, reduce_stack
+from alpa_like.runtime.spmd import pin_hook
 
 MESH_AXES = ("x", "y")
 
@@ -69,7 +74,15 @@ class PipeshardExecutable:
     """A compiled pipeline step: call it like the original function."""
 
     def __init__(self, *, traced, plan, program: StageProgram, programs: MeshPrograms, devices: Sequence[Any],
-                 input_specs: dict[int, ShardingSpec]):
+                 input_specs: dict[int, ShardingSpec], stage_shardings: Sequence[StageSharding] | None = None,
+                 value_specs: dict[tuple[ValueId, int], ShardingSpec] | None = None,
+                 defer_gradient_sync: bool = False):
+        """``input_specs``: the layout of step inputs (parameters) on every mesh that loads them;
+        ``stage_shardings``: per stage, the ILP's layouts pinned inside its pieces (None: XLA propagates from
+        the inputs' layouts); ``value_specs``: ``(value, mesh) -> spec`` of what a mesh loads or receives
+        (default: :func:`activation_spec`); ``defer_gradient_sync`` (needs ``stage_shardings``): gradients
+        whose all-reduce can wait are accumulated as stacks of partial sums and reduced once per step
+        (:mod:`alpa_like.compiler.gradient_sync`)."""
         self.traced = traced
         self.plan = plan
         self.program = program
@@ -79,6 +92,28 @@ class PipeshardExecutable:
         self.meshes = [make_mesh([by_id[i] for i in stage.device_ids], stage.logical_mesh_shape, MESH_AXES)
                        for stage in plan.stages]
         self._input_specs = input_specs
+        self.value_specs = dict(value_specs or {})
+        self.stage_shardings = tuple(stage_shardings or ())
+        self._hooks: dict[tuple[int, str], tuple] = {}
+        self.deferred: dict[int, DeferredGradients] = {}
+        """Per stage, the gradients its backward piece outputs as stacks of partial sums."""
+        self._stack_targets: dict[ValueId, Any] = {}
+        """Accumulators of stacks -> the sharding of their step mean (None: XLA's choice)."""
+        for q, sharding in enumerate(stage_shardings or ()):
+            mesh = self.meshes[programs.stage_to_mesh[q]]
+            deferred = (deferred_gradients(program, q, sharding, tuple(mesh.devices.shape)) if defer_gradient_sync
+                        else NONE)
+            self.deferred[q] = deferred
+            for phase in (FORWARD, BACKWARD, APPLY):
+                mine = deferred if phase == BACKWARD else NONE
+                self._hooks[(q, phase)] = (pin_hook(mesh, stacked_pins(sharding.value_pins, mine)),
+                                           pin_hook(mesh, sharding.operand_pins), mine, mesh)
+            pinned = {var: spec for eqn, k, spec in sharding.value_pins for var in eqn.outvars[k:k + 1]}
+            for src, dst in program.accumulated:
+                var = program.values[src]
+                if var in deferred.outputs:
+                    spec = pinned.get(var)
+                    self._stack_targets[dst] = None if spec is None else named_sharding(mesh, spec)
         self._jitted: dict[tuple, Any] = {}
         self._fused: dict[tuple, Any] = {}
         self._arg_specs: dict[tuple[int, str], list[jax.ShapeDtypeStruct]] = {}
@@ -169,7 +204,8 @@ class PipeshardExecutable:
             fn = self._fused.get((ins.stage, ins.phase, slots, donate))
             if fn is None:
                 fn = self._fused[(ins.stage, ins.phase, slots, donate)] = jax.jit(
-                    _accumulating_fn(piece, slots), donate_argnums=tuple(k + 1 for k in donate))
+                    _accumulating_fn(piece, slots, *self._hooks.get((ins.stage, ins.phase), ())),
+                    donate_argnums=tuple(k + 1 for k in donate))
             with _quiet_unusable_donations():
                 outs, sums = fn([acc[a.target] for a in fused], *args)
             acc.update({a.target: x for a, x in zip(fused, sums, strict=True)})
@@ -198,12 +234,18 @@ class PipeshardExecutable:
         fn = self._jitted.get((stage, phase, donate))
         if fn is None:
             piece = self.program.piece(stage, phase)
-            fn = self._jitted[(stage, phase, donate)] = jax.jit(_piece_fn(piece), donate_argnums=donate)
+            fn = self._jitted[(stage, phase, donate)] = jax.jit(
+                _piece_fn(piece, *self._hooks.get((stage, phase), ())), donate_argnums=donate)
         return fn
 
     def _mean(self, group: list[Instruction], buffers, accumulators) -> None:
         for mesh in sorted({ins.mesh for ins in group}):
             mine = [ins for ins in group if ins.mesh == mesh]
+            stacks = [ins for ins in mine if ins.key[0] in self._stack_targets]
+            for ins in stacks:
+                buffers[mesh][ins.key] = reduce_stack(accumulators[mesh].pop(ins.key[0]), self.num_micro_batches,
+                                                      self._stack_targets[ins.key[0]])
+            mine = [ins for ins in mine if ins.key[0] not in self._stack_targets]
             totals = [accumulators[mesh].pop(ins.key[0]) for ins in mine]
             means = _divide_all(totals, self.num_micro_batches)
             buffers[mesh].update({ins.key: x for ins, x in zip(mine, means, strict=True)})
@@ -220,7 +262,7 @@ class PipeshardExecutable:
             mesh_buffers[ins.key] = jax.device_put(value, self._load_sharding(v, np.shape(value), ins.mesh))
         elif ins.op is Op.RECV:
             x = buffers[ins.src_mesh][ins.key]
-            mesh_buffers[ins.key] = self._move(x, ins.mesh, stats)
+            mesh_buffers[ins.key] = self._move(x, ins.key[0], ins.mesh, stats)
         elif ins.op is Op.FREE:
             mesh_buffers.pop(ins.key, None)
         else:
@@ -228,14 +270,15 @@ class PipeshardExecutable:
 
     def _load_sharding(self, value_id, shape, mesh_index: int) -> NamedSharding:
         mesh = self.meshes[mesh_index]
-        spec = self._input_specs.get(value_id)
+        spec = self.value_specs.get((value_id, mesh_index), self._input_specs.get(value_id))
         if spec is None or spec.ndim != len(shape):
             spec = activation_spec(shape, tuple(mesh.devices.shape))
         return named_sharding(mesh, spec)
 
-    def _move(self, x: jax.Array, mesh_index: int, stats: StepStats) -> jax.Array:
+    def _move(self, x: jax.Array, value_id: ValueId, mesh_index: int, stats: StepStats) -> jax.Array:
         mesh = self.meshes[mesh_index]
-        dst = named_sharding(mesh, activation_spec(x.shape, tuple(mesh.devices.shape)))
+        spec = self.value_specs.get((value_id, mesh_index)) or activation_spec(x.shape, tuple(mesh.devices.shape))
+        dst = named_sharding(mesh, spec)
         key = (x.shape, str(x.dtype), x.sharding, dst)
         plan = self._reshard_plans.get(key)
         if plan is None:
@@ -289,15 +332,43 @@ def _split_micro_batches(x, count: int):
     return tuple(to_micro_batches(x, count))
 
 
-def _accumulating_fn(piece, slots: tuple[int, ...]):
+def _accumulating_fn(piece, slots: tuple[int, ...], hook=None, operand_hook=None, deferred=NONE, mesh=None):
     """The piece, also adding its outputs at ``slots`` to the given accumulators."""
+    body = _piece_fn(piece, hook, operand_hook, deferred, mesh)
+
     def run(totals, *args):
-        outs = jax_compat.eval_closed_jaxpr(piece.jaxpr, *args)
+        outs = body(*args)
         return outs, [t + outs[k] for t, k in zip(totals, slots, strict=True)]
     return run
 
 
-def _piece_fn(piece):
+def _piece_fn(piece, hook=None, operand_hook=None, deferred=NONE, mesh=None):
+    """The piece as a function of its inputs; ``hook`` / ``operand_hook`` pin layouts inside it
+    (:func:`~alpa_like.runtime.spmd.pin_hook`); ``deferred`` gradients come out as stacks of partial sums
+    (:func:`~alpa_like.runtime.partial_sums.eval_piece`)."""
     def run(*args):
-        return jax_compat.eval_closed_jaxpr(piece.jaxpr, *args)
+        if deferred:
+            return eval_piece(piece.jaxpr, args, deferred, mesh, hook=hook, operand_hook=operand_hook)
+        return jax_compat.eval_closed_jaxpr(piece.jaxpr, *args, hook=hook, operand_hook=operand_hook)
     return run
+
+
+def deferred_gradients(program: StageProgram, stage: int, sharding: StageSharding,
+                       mesh_shape: tuple[int, ...]) -> DeferredGradients:
+    """The gradients of ``stage``'s backward piece whose mesh all-reduce can wait for the step's mean:
+    accumulated values that no piece reads (:func:`~alpa_like.compiler.gradient_sync.deferrable_gradients`)."""
+    piece = program.piece(stage, BACKWARD)
+    read = {v for p in program.pieces.values() for v in p.inputs}
+    gradients = [program.values[src] for src, _ in program.accumulated if src in piece.outputs and src not in read]
+    operand_specs = {(id(eqn), k): spec for eqn, k, spec in sharding.operand_pins}
+    return deferrable_gradients(piece.jaxpr.jaxpr.eqns, gradients, piece.jaxpr.jaxpr.outvars,
+                                {**sharding.input_specs, **sharding.output_specs}, operand_specs, mesh_shape)
+
+
+def stacked_pins(value_pins, deferred: DeferredGradients):
+    """``value_pins`` with the values ``deferred`` computes as stacks pinned to their stacked layouts."""
+    out = []
+    for eqn, k, spec in value_pins:
+        axes = deferred.stacked.get(eqn.outvars[k])
+        out.append((eqn, k, spec if axes is None else stacked_spec(spec, axes)))
+    return out

@@ -55,11 +55,12 @@ class Simulation:
     ``RECV``, ``LOAD``, ...), to set beside a profiled step's measured ones."""
 
 
-def _mesh_layout(stage_plan, shape) -> MeshLayout:
+def _mesh_layout(stage_plan, shape, spec=None) -> MeshLayout:
+    """The layout of a value of ``shape`` on a stage's mesh: ``spec``, or :func:`activation_spec`'s."""
     n0, n1 = stage_plan.logical_mesh_shape
     ids = stage_plan.device_ids
     grid = tuple(tuple(ids[i * n1:(i + 1) * n1]) for i in range(n0))
-    return MeshLayout(device_ids=grid, spec=activation_spec(shape, (n0, n1)))
+    return MeshLayout(device_ids=grid, spec=spec or activation_spec(shape, (n0, n1)))
 
 
 def measured_durations(programs: MeshPrograms, spans) -> dict[str, float]:
@@ -100,10 +101,14 @@ def _strip_micro_batch(text: str) -> str:
 
 
 def simulate(plan, program: StageProgram, programs: MeshPrograms,
-             measured: dict[str, float] | None = None) -> Simulation:
+             measured: dict[str, float] | None = None, value_specs: dict | None = None) -> Simulation:
     """Runs ``programs`` on the clock described in the module docstring. With ``measured`` (from
     :func:`measured_durations`) RUN, RECV and LOAD take their measured median durations instead of the
-    cost model's: the schedule and the dependencies are then the only model (a calibrated simulation)."""
+    cost model's: the schedule and the dependencies are then the only model (a calibrated simulation).
+    ``value_specs``: ``(value, mesh) -> spec`` of the values the meshes hold (an executable's
+    ``value_specs``: the layouts its stages' ILP solutions give them); a RECV is planned between those
+    layouts, :func:`activation_spec`'s where none is given."""
+    value_specs = value_specs or {}
     cluster = plan.cluster
     m = plan.num_micro_batches
     per_node = cluster.num_devices_per_node
@@ -160,8 +165,10 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
             start = max([start, ready.get((ins.src_mesh, ins.key), 0.0), *(node_clock[n] for n in hosts(ins))])
             aval = program.values[ins.key[0]].aval
             src_plan, dst_plan = plan.stages[ins.src_mesh], plan.stages[mesh]
+            v = ins.key[0]
             reshard = plan_resharding(aval.shape, np.dtype(aval.dtype).itemsize,
-                                      _mesh_layout(src_plan, aval.shape), _mesh_layout(dst_plan, aval.shape))
+                                      _mesh_layout(src_plan, aval.shape, value_specs.get((v, ins.src_mesh))),
+                                      _mesh_layout(dst_plan, aval.shape, value_specs.get((v, mesh))))
             cross = {d // per_node for d in src_plan.device_ids} != {d // per_node for d in dst_plan.device_ids}
             bandwidth = cluster.inter_node_bandwidth if cross else cluster.intra_node_bandwidth
             latency = cluster.inter_node_latency if cross else cluster.intra_node_latency

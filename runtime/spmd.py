@@ -37,31 +37,19 @@ def _pin_grads_hook(mesh, data_axes: Sequence[int]) -> jax_compat.EqnHook:
     return hook
 
 
-def _pin_values_hook(mesh, eqns, constraints) -> jax_compat.EqnHook:
-    """Pins output ``k`` of equation ``i`` to ``spec`` for each ``(i, k, spec)`` of ``constraints``."""
-    pins: dict[int, dict[int, NamedSharding]] = {}
-    for i, k, spec in constraints:
-        pins.setdefault(id(eqns[i]), {})[k] = named_sharding(mesh, spec)
+def pin_hook(mesh, pins: Sequence[tuple[Any, int, ShardingSpec]]) -> jax_compat.EqnHook:
+    """An equation hook (:func:`~alpa_like.compiler.jax_compat.eval_eqns`) that pins value ``k`` of equation
+    ``eqn`` to ``spec`` for each ``(eqn, k, spec)`` of ``pins``: its outputs when used as ``hook``, its
+    operands as that equation reads them when used as ``operand_hook``."""
+    pinned: dict[int, dict[int, NamedSharding]] = {}
+    for eqn, k, spec in pins:
+        pinned.setdefault(id(eqn), {})[k] = named_sharding(mesh, spec)
 
-    def hook(eqn, outvals):
-        pinned = pins.get(id(eqn))
-        if not pinned:
-            return outvals
-        return [jax.lax.with_sharding_constraint(v, pinned[k]) if k in pinned else v for k, v in enumerate(outvals)]
-    return hook
-
-
-def _pin_operands_hook(mesh, eqns, constraints) -> jax_compat.EqnHook:
-    """Pins operand ``k`` of equation ``i``, as that equation reads it, for each ``(i, k, spec)``."""
-    pins: dict[int, dict[int, NamedSharding]] = {}
-    for i, k, spec in constraints:
-        pins.setdefault(id(eqns[i]), {})[k] = named_sharding(mesh, spec)
-
-    def hook(eqn, invals):
-        pinned = pins.get(id(eqn))
-        if not pinned:
-            return invals
-        return [jax.lax.with_sharding_constraint(v, pinned[k]) if k in pinned else v for k, v in enumerate(invals)]
+    def hook(eqn, values):
+        mine = pinned.get(id(eqn))
+        if not mine:
+            return values
+        return [jax.lax.with_sharding_constraint(v, mine[k]) if k in mine else v for k, v in enumerate(values)]
     return hook
 
 
@@ -106,13 +94,14 @@ def compile_spmd(traced: TracedStep, layout: SpmdLayout, devices: Sequence[Any],
     batch_mask = [r == "batch" for r in layout.roles]
     batch_specs = [s for s, b in zip(layout.in_specs, batch_mask, strict=True) if b]
     hooks = []
+    eqns = traced.closed_jaxpr.jaxpr.eqns
     data_axes = batch_axes(layout)
     if layout.shard_grads and data_axes:
         hooks.append(_pin_grads_hook(mesh, data_axes))
     if layout.eqn_constraints:
-        hooks.append(_pin_values_hook(mesh, traced.closed_jaxpr.jaxpr.eqns, layout.eqn_constraints))
+        hooks.append(pin_hook(mesh, [(eqns[i], k, spec) for i, k, spec in layout.eqn_constraints]))
     hook = _chain_hooks(hooks)
-    operand_hook = (_pin_operands_hook(mesh, traced.closed_jaxpr.jaxpr.eqns, layout.operand_constraints)
+    operand_hook = (pin_hook(mesh, [(eqns[i], k, spec) for i, k, spec in layout.operand_constraints])
                     if layout.operand_constraints else None)
     step = make_step_fn(traced.closed_jaxpr, batch_mask, num_micro_batches=num_micro_batches, eqn_hook=hook,
                         operand_hook=operand_hook,

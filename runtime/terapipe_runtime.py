@@ -52,7 +52,8 @@ its layers' parameters, fed with the summed gradients and loss (so no parameter 
 Limits: by default slices with equal lengths but different contexts are different shapes, so they do not
 share executables; ``share_slice_executables=True`` shares them by left-padding the cached prefix to the
 longest context and masking the padding, which costs attention over the padding (tokens TeraPipe exists to
-skip) that the planner's cost model does not price.
+skip); the planner prices it (:func:`alpa_like.compiler.token_slicing.slice_contexts`) in the plan's estimate
+and its keep-or-drop decision, but its DP optimises the unpadded cost.
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ from alpa_like.compiler import jax_compat
 from alpa_like.compiler.layer_slicing import APPLY
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.stage_construction import StageProgram
-from alpa_like.compiler.token_slicing import format_scheme
+from alpa_like.compiler.token_slicing import format_scheme, slice_contexts
 from alpa_like.grad import grad_hook
 from alpa_like.nn import TokenSliceContext, token_slice_context
 from alpa_like.runtime.mesh import make_mesh, named_sharding
@@ -647,18 +648,14 @@ def _contract_check_unit(batch_slices: BatchSlices, seq_len: int) -> _Unit | Non
 def _units(batch_slices: BatchSlices, share_contexts: bool = False) -> tuple[_Unit, ...]:
     """Every (batch slice, token slice) in sequence order: the order forwards run (backwards: reversed).
     ``share_contexts``: units of equal (rows, length) get one key, whose context is the longest among them
-    (their programs read the cached prefix left-padded to it)."""
+    (their programs read the cached prefix left-padded to it; :func:`slice_contexts`, which the planner
+    prices the same way)."""
     row_starts = slice_starts([rows for rows, _ in batch_slices])
-    units = [_Unit(batch_slice=k, index=i, key=(rows, start, length), row_start=row_starts[k], token_start=start)
-             for k, (rows, lengths) in enumerate(batch_slices)
-             for i, (start, length) in enumerate(zip(slice_starts(lengths), lengths))]
-    if not share_contexts:
-        return tuple(units)
-    longest: dict[tuple[int, int], int] = {}
-    for u in units:
-        rows, start, length = u.key
-        longest[(rows, length)] = max(longest.get((rows, length), 0), start)
-    return tuple(dataclasses.replace(u, key=(u.key[0], longest[(u.key[0], u.key[2])], u.key[2])) for u in units)
+    contexts = slice_contexts(batch_slices, shared=share_contexts)
+    return tuple(_Unit(batch_slice=k, index=i, key=(rows, context, length), row_start=row_starts[k],
+                       token_start=start)
+                 for k, (rows, lengths) in enumerate(batch_slices)
+                 for i, (start, context, length) in enumerate(zip(slice_starts(lengths), contexts[k], lengths)))
 
 
 class _UpdateProgram:

@@ -8,14 +8,16 @@ logical view of the devices: graph nodes, ILP nodes / edges / variables / constr
 shared machine do not inflate, and the solver alone) and the objective. Each view starts cold: the pass's
 memoised strategies and resharding costs are cleared first.
 
-Part 2 (8 CPU devices): measured seconds per training step of ShardParallel's plan beside DataParallel,
+Part 2 (8 CPU devices): measured seconds per training step of ShardParallel's plan, chosen by the objective
+(the default) and by timing its candidates (``plan_selection="measured"``), beside DataParallel,
 Zero2Parallel, Zero3Parallel and a Megatron-style ManualShardParallel (2-way data x 4-way tensor
-parallelism) for gpt-tiny and gpt-small, all run side by side in this process: each round runs every
-method once in a freshly shuffled order (seeded), each step timed until its new state is ready, with
-Python's garbage collector paused; median per method and its ratio to the best hand-written method's median.
-A second, separately compiled DataParallel ("control") runs in the same rounds: its ratio to DataParallel
-is what machine noise alone does to two identical programs (a fixed rotation, used before, always ran each
-method right after the same other method and showed identical programs up to 45% apart under load).
+parallelism) for gpt-tiny and gpt-small, all run side by side in this process with
+:func:`alpa_like.timing.time_interleaved`: each round runs every method once in a freshly shuffled order
+(seeded), each step timed until its new state is ready, with Python's garbage collector paused; median per
+method and its ratio to the best hand-written method's median. A second, separately compiled DataParallel
+("control") runs in the same rounds: its ratio to DataParallel is what machine noise alone does to two
+identical programs (a fixed rotation, used before, always ran each method right after the same other method
+and showed identical programs up to 45% apart under load).
 
     python examples/benchmarks/ilp.py                     # both parts, JSON to results/ilp.json
     python examples/benchmarks/ilp.py --models gpt-1.3b --devices 8 --skip-step-time
@@ -24,11 +26,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
+import itertools
 import json
 import os
-import random
-import statistics
 import sys
 import time
 
@@ -48,6 +48,7 @@ from alpa_like.compiler.op_graph import build_op_graph  # noqa: E402
 from alpa_like.compiler.trace import trace_step  # noqa: E402
 from alpa_like.methods import match_outputs_to_inputs  # noqa: E402
 from alpa_like.models import gpt  # noqa: E402
+from alpa_like.timing import time_interleaved  # noqa: E402
 
 
 def train_step(model):
@@ -132,16 +133,29 @@ def hlo_collectives(exe) -> dict[str, tuple[int, int]]:
 
 CONTROL = "DataParallel (control)"
 """A second compile of DataParallel, timed like the others and left out of the best hand-written method."""
+ILP = "ShardParallel (ILP)"
+ILP_MEASURED = "ShardParallel (ILP, measured)"
 
 
-def step_times(name: str, batch_size: int, steps: int) -> list[dict]:
+def selection_report(exe) -> dict:
+    """How the ILP's plan was picked: the objective per view, and with the measured selection every
+    candidate's objective and measured step."""
+    solver = exe.plan.stages[0].solver
+    return {"selection": solver.selection, "selection_seconds": solver.selection_seconds,
+            "views": [[list(v), o] for v, o in solver.views],
+            "candidates": [c.to_dict() for c in solver.candidates]}
+
+
+def step_times(name: str, batch_size: int, steps: int, measure_rounds: int) -> list[dict]:
     config = models.get_config(name)
     model = gpt.GPTModel(config)
     variables = model.init(jax.random.PRNGKey(0), gpt.gpt_batch(config, 2, jax.random.PRNGKey(1))["input_ids"])
     state = train_state.TrainState.create(apply_fn=model.apply, params=variables["params"], tx=optax.adam(1e-4))
     batches = [gpt.gpt_batch(config, batch_size, jax.random.PRNGKey(10 + i)) for i in range(2)]
+    measured = al.AutoShardingOption(plan_selection="measured", measure_rounds=measure_rounds)
     methods = {
-        "ShardParallel (ILP)": al.ShardParallel(),
+        ILP: al.ShardParallel(),
+        ILP_MEASURED: al.ShardParallel(auto_sharding_option=measured),
         "DataParallel": al.DataParallel(),
         "Zero2Parallel": al.Zero2Parallel(),
         "Zero3Parallel": al.Zero3Parallel(),
@@ -155,42 +169,43 @@ def step_times(name: str, batch_size: int, steps: int) -> list[dict]:
         start = time.perf_counter()
         exe = f.get_executable(state, batches[0])
         compiled[label] = (exe, time.perf_counter() - start)
-    timings: dict[str, list[float]] = {label: [] for label in compiled}
-    cpu: dict[str, list[float]] = {label: [] for label in compiled}
     states = {label: state for label in compiled}
-    for label, (exe, _) in compiled.items():  # warm-up, each method once
-        states[label], _ = exe(states[label], batches[0])
-    order, rng = list(compiled), random.Random(0)
-    for i in range(steps):  # a shuffled order per round, so that no method always follows the same one
-        rng.shuffle(order)
-        gc.collect()
-        gc.disable()
-        for label in order:
-            exe = compiled[label][0]
-            start, cpu_start = time.perf_counter(), time.process_time()
-            states[label], metrics = exe(states[label], batches[i % 2])
-            jax.block_until_ready((states[label], metrics))  # the whole step, not only its loss
-            timings[label].append(time.perf_counter() - start)
-            cpu[label].append(time.process_time() - cpu_start)
-        gc.enable()
-    hand = min(statistics.median(timings[label]) for label in methods if label != "ShardParallel (ILP)")
+    counters = {label: itertools.count() for label in compiled}
+
+    def run(label):  # one step on alternating batches, the state carried over
+        exe = compiled[label][0]
+        states[label], metrics = exe(states[label], batches[next(counters[label]) % 2])
+        jax.block_until_ready((states[label], metrics))  # the whole step, not only its loss
+
+    timings = time_interleaved({label: (lambda label=label: run(label)) for label in compiled}, rounds=steps)
+    medians, cpu = timings.medians(), timings.cpu_medians()
+    hand = min(medians[label] for label in methods if label not in (ILP, ILP_MEASURED))
     rows = []
     for label, (exe, compile_seconds) in compiled.items():
-        median = statistics.median(timings[label])
+        median = medians[label]
         stage = exe.plan.stages[0]
         collectives = hlo_collectives(exe)
         flops = exe.cost_analysis().get("flops", 0.0)
         rows.append({"model": name, "batch": batch_size, "method": label, "step_seconds_median": median,
-                     "cpu_seconds_median": statistics.median(cpu[label]),
+                     "cpu_seconds_median": cpu[label],
                      "ratio_to_best_hand_written": median / hand, "compile_seconds": compile_seconds,
                      "logical_mesh": list(stage.logical_mesh_shape),
                      "modelled_communication_seconds": stage.communication_seconds,
                      "hlo_collectives": collectives, "hlo_flops_per_device": flops})
-        print(f"  {name:9s} batch {batch_size:3d}  {label:22s} {median * 1e3:8.2f} ms/step  "
-              f"x{median / hand:5.2f} of best hand-written  CPU {rows[-1]['cpu_seconds_median'] * 1e3:7.2f} ms  "
+        if label in (ILP, ILP_MEASURED):
+            rows[-1]["plan_selection"] = selection_report(exe)
+        print(f"  {name:9s} batch {batch_size:3d}  {label:29s} {median * 1e3:8.2f} ms/step  "
+              f"x{median / hand:5.2f} of best hand-written  CPU {cpu[label] * 1e3:7.2f} ms  "
               f"mesh {tuple(stage.logical_mesh_shape)}  "
               f"compile {compile_seconds:5.1f}s  HLO {flops / 1e6:7.1f} MFLOP/device, "
               + ", ".join(f"{n} {k} {b / 1e3:.0f} kB" for k, (n, b) in sorted(collectives.items())), flush=True)
+        if label == ILP_MEASURED:
+            for c in stage.solver.candidates:
+                timed = "same program as #%d" % c.same_as if c.measured_seconds is None else \
+                    f"{c.measured_seconds * 1e3:8.2f} ms"
+                print(f"      candidate {'x'.join(map(str, c.logical_mesh_shape)):4s} {c.cost_model:14s} "
+                      f"rewrite {'on ' if c.weight_update_sharding else 'off'}  "
+                      f"objective {c.objective * 1e3:8.3f} ms  measured {timed}{'  chosen' if c.chosen else ''}")
     return rows
 
 
@@ -206,6 +221,8 @@ def main(argv=None) -> int:
     parser.add_argument("--step-models", default="gpt-tiny,gpt-small", help="models timed on the CPU devices")
     parser.add_argument("--step-batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--measure-rounds", type=int, default=10,
+                        help="timing rounds of ShardParallel's measured plan selection")
     parser.add_argument("--skip-ilp", action="store_true")
     parser.add_argument("--skip-step-time", action="store_true")
     args = parser.parse_args(argv)
@@ -220,8 +237,11 @@ def main(argv=None) -> int:
                 result["ilp"] += ilp_size(name, config, n, args.batch, args.solver, args.time_limit)
     if not args.skip_step_time:
         print(f"Part 2: measured step time on {len(jax.devices())} CPU devices")
+        cluster = al.ClusterSpec.local(jax.devices())  # what the ILP plans with (measured once, cached)
+        print(f"  {cluster}")
+        result["local_cluster"] = cluster.to_dict()
         for name in args.step_models.split(","):
-            result["step_time"] += step_times(name, args.step_batch, args.steps)
+            result["step_time"] += step_times(name, args.step_batch, args.steps, args.measure_rounds)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -76,8 +76,9 @@ def main():
             times.append(time.perf_counter() - start)
         exe.run(state, batch, profile=True)
         prof = exe.last_step
-        sim = simulate(exe.plan, exe.program, exe.programs)
-        calibrated = simulate(exe.plan, exe.program, exe.programs, measured_durations(exe.programs, prof.spans))
+        sim = simulate(exe.plan, exe.program, exe.programs, value_specs=exe.value_specs)
+        calibrated = simulate(exe.plan, exe.program, exe.programs, measured_durations(exe.programs, prof.spans),
+                              value_specs=exe.value_specs)
         measured = statistics.median(times)
         in_exe = prof.op_seconds.get("RUN", 0.0) + prof.op_seconds.get("RECV", 0.0)
         rows.append({"schedule": schedule, "virtual_stages": virtual, "measured_s": measured,

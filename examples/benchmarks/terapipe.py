@@ -19,15 +19,19 @@ Three parts, printed side by side and written as JSON:
 3. **Measured on the 8 CPU devices**: a small GPT with long sequences and batch 1 on 4 stages of 2 devices,
    1F1B (whole sequences) versus ``pipeline_schedule="terapipe"``, and TeraPipe with
    ``share_slice_executables=True`` ("shared": equal-length slices share one executable per stage, their
-   cached keys/values padded to the longest context; fewer compiles, more attention work); the token
-   slices come from the DP on a
-   *measured* Eq. 2.9 model (one GPT block timed on a grid of slice/context lengths in the DP's 128-token
-   steps, 2 warm-up runs per point, then 9 rounds timing every point once in shuffled order; the median per
-   point), searched in steps of 128 tokens. The same timings are fitted two ways, both printed per grid
-   point: Eq. 2.9's bilinear context term over every point ("plane"), and the same with the slice that ends
-   the sequence tabulated ("last tabulated", used for the DP): power-of-two key lengths run slower on this
-   CPU (see compiler/terapipe_cost.fit_slice_costs). Fit error: |model - median| / median; noise: the
-   interquartile range of a point's 9 runs / its median.
+   cached keys/values padded to the longest context; fewer compiles, more attention work). The token slices
+   come from the DP on a *measured* Eq. 2.9 model: one GPT block (forward + backward) timed on the DP's whole
+   grid (slice lengths and contexts in 128-token steps), 2 warm-up runs per point, then ``ROUNDS`` rounds
+   timing every point once in shuffled order. The model (``t(i, 0)`` tabulated per length, the context term
+   fitted by least squares) is fitted on the points with contexts 0, 256, 512, ... and on every slice that
+   ends the sequence (24 of the 36 points at 1024 tokens) with the medians of the even rounds, and scored
+   on the other points with the medians of the odd rounds: the held-out error. The even- vs odd-round
+   medians on those points give the error no model can beat (timing noise); the interquartile range of a
+   point's runs / its median is printed too.
+   Two fits: Eq. 2.9's bilinear context term over every fitted point ("plane"), and the same with the slice
+   that ends the sequence tabulated ("last tabulated", used for the DP): power-of-two key lengths run slower
+   on this CPU (see compiler/terapipe_cost.fit_slice_costs). The measured grid also prices the DP's slices
+   with and without the shared executables' padding.
 
     python examples/benchmarks/terapipe.py --steps 6 --out results/terapipe.json
 """
@@ -50,7 +54,8 @@ from flax.training import train_state  # noqa: E402
 
 import alpa_like as al  # noqa: E402
 from alpa_like.compiler.terapipe_cost import (analytic_slice_costs, data_parallel_sync_seconds,  # noqa: E402
-                                              fit_slice_costs, slice_grid, time_slice_grid)
+                                              fit_slice_costs, time_slice_grid)
+from alpa_like.compiler.terapipe_planning import choose_token_slicing  # noqa: E402
 from alpa_like.compiler.token_slicing import (format_scheme, slice_cost_table, solve_joint_slicing,  # noqa: E402
                                               solve_token_slicing, uniform_slicing)
 from alpa_like.models import gpt  # noqa: E402
@@ -58,6 +63,7 @@ from alpa_like.nn import TokenSliceContext, token_slice_context  # noqa: E402
 
 L = 2048
 GRAIN = 8
+ROUNDS = 10  # timed rounds per grid point in part 3 (split into even and odd halves)
 # (row, model, layers N, hidden H, GPUs, batch B, data, pipe, op, paper without, paper scheme, paper with)
 TABLE_2_1 = [
     (1, "1B", 24, 2048, 192, 128, 8, 24, 1, 1.517, "[776, 640, 632]", 1.254),
@@ -184,6 +190,15 @@ def part2(calibration):
           f"{solved:.2f} s ({solution.num_candidates} t_max candidates), {len(solution.lengths)} slices")
     rows.append({"dp_speed": {"seq_len": L, "stages": r[7], "table_s": built, "solve_s": solved,
                               "candidates": solution.num_candidates, "lengths": list(solution.lengths)}})
+    # The joint DP as planning runs it with few stages (Alg. 1's K t_max stop alone was slow there): 4 equal
+    # stages, 30% of their time in attention, 8 sequences of 512 tokens, batch slices of 1, 2, 4 or 8.
+    start = time.perf_counter()
+    decision = choose_token_slicing([1.0] * 4, [0.3] * 4, 512, 8, 1)
+    planned = time.perf_counter() - start
+    print(f"joint DP as planning runs it, 4 stages, 8 sequences of 512 tokens (batch slices 1, 2, 4, 8): "
+          f"{planned:.2f} s (tables included), {format_scheme(decision.batch_slices)}")
+    rows.append({"joint_dp_speed": {"seq_len": 512, "stages": 4, "batch": 8, "seconds": planned,
+                                    "scheme": format_scheme(decision.batch_slices)}})
     return rows
 
 
@@ -225,29 +240,62 @@ def part3(seq_len, steps, stages=4):
     config = gpt.GPTConfig(vocab_size=512, seq_len=seq_len, hidden_size=128, num_layers=stages, num_heads=4)
     print(f"\n(3) 8 CPU devices: GPT h={config.hidden_size} layers={config.num_layers} seq={seq_len} batch 1, "
           f"{stages} stages x 2 devices")
-    grain = 128  # the DP searches slice lengths in multiples of 128 tokens: measure on that grid
+    grain = 128  # the DP searches slice lengths in multiples of 128 tokens: measure that whole grid
     timer = block_timer(config, config.num_layers // stages)
-    lengths = [x for x in range(grain, seq_len + 1, grain)]
-    points = slice_grid(seq_len, lengths, list(range(0, seq_len, 2 * grain)), last_slice=True)
-    timings = time_slice_grid(timer, points, repeats=9, warmup=2)
-    plane = fit_slice_costs(seq_len, timings.medians())
-    model_cost = fit_slice_costs(seq_len, timings.medians(), tabulate_last_slice=True)
+    grid = [(i, j) for i in range(grain, seq_len + 1, grain) for j in range(0, seq_len - i + 1, grain)]
+    timings = time_slice_grid(timer, grid, repeats=ROUNDS, warmup=2)
+    fit_half, test_half = timings.halves()
+    fit_points = [(i, j) for i, j in grid if j % (2 * grain) == 0 or i + j == seq_len]
+    held_out = [p for p in grid if p not in fit_points]
+    fit_samples = [s for s in fit_half.medians() if s[:2] in fit_points]
+    first, second = ({(i, j): t for i, j, t in h.medians()} for h in (fit_half, test_half))
+    held_samples = [(i, j, second[(i, j)]) for i, j in held_out]
+    models = {"plane": fit_slice_costs(seq_len, fit_samples),
+              "last tabulated": fit_slice_costs(seq_len, fit_samples, tabulate_last_slice=True)}
     spread = timings.spread()
-    print(f"measured Eq. 2.9 model of one stage: {len(points)} grid points, median of 9 shuffled rounds each; "
-          f"timing noise (IQR / median) max {max(spread.values()):.0%}, mean {statistics.mean(spread.values()):.0%}")
-    for name, m in (("plane", plane), ("last tabulated", model_cost)):
-        print(f"  fit error over the fitted context points ({name}): max {m.context_fit_error:.1%}, mean "
-              f"{m.mean_context_fit_error:.1%}; over all points: max {m.fit_error:.1%}, mean {m.mean_fit_error:.1%}")
-    print(f"  {'length':>6} {'context':>7} {'median':>9} {'noise':>6} {'plane':>7} {'last tab.':>9}")
+    floor = np.abs([first[p] / second[p] - 1 for p in held_out])
+    print(f"measured Eq. 2.9 model of one stage: the DP's grid ({len(grid)} points: lengths and contexts in "
+          f"{grain}-token steps), {ROUNDS} shuffled rounds; fitted on {len(fit_points)} points (contexts 0, "
+          f"{2 * grain}, {4 * grain}, ... and every last slice) with the medians of the even rounds, scored on the "
+          f"other {len(held_out)} points with the medians of the odd rounds")
+    print(f"  timing noise: IQR / median of a point's {ROUNDS} runs max {max(spread.values()):.0%}, mean "
+          f"{statistics.mean(spread.values()):.0%}; even- vs odd-round medians on the held-out points (what a "
+          f"perfect model could not beat) max {floor.max():.1%}, mean {floor.mean():.1%}")
+    fits = {}
+    for name, m in models.items():
+        held = np.abs(m.relative_errors(held_samples))
+        monotone = _monotone_in_context(m, seq_len, grain)
+        fits[name] = {"fit_error": m.context_fit_error, "mean_fit_error": m.mean_context_fit_error,
+                      "held_out_error": float(held.max()), "mean_held_out_error": float(held.mean()),
+                      "coefficients": list(m.context_coefficients), "monotone_in_context": monotone}
+        print(f"  {name:>14}: fitted points max {m.context_fit_error:.1%} mean {m.mean_context_fit_error:.1%}; "
+              f"held-out points max {held.max():.1%} mean {held.mean():.1%}; non-decreasing in context on the "
+              f"grid: {monotone}")
+    measured = {(i, j): t for i, j, t in timings.medians()}
+    print(f"  {'length':>6} {'context':>7} {'median':>9} {'noise':>6} {'held out':>8} {'plane':>7} {'last tab.':>9}")
     per_point = []
-    for (i, j, t, p0), (_, _, _, p1) in zip(plane.fit_points, model_cost.fit_points, strict=True):
-        per_point.append({"length": i, "context": j, "median_s": t, "noise": spread[(i, j)],
-                          "plane_error": (p0 - t) / t, "tabulated_error": (p1 - t) / t})
-        print(f"  {i:>6} {j:>7} {t * 1e3:>7.2f}ms {spread[(i, j)]:>6.0%} {(p0 - t) / t:>+7.1%} {(p1 - t) / t:>+9.1%}")
-    table = slice_cost_table(lambda k, c: model_cost.slice_time(k * grain, c * grain), seq_len // grain)
-    solution = solve_joint_slicing({1: table}, 1, stages, epsilon=1e-5)
-    slices = tuple(x * grain for x in solution.batch_slices[0][1])
-    print(f"DP slices: {list(slices)}")
+    for i, j in grid:
+        t = measured[(i, j)]
+        reference = second[(i, j)] if (i, j) in held_out else first[(i, j)]
+        errors = [float(m.relative_errors([(i, j, reference)])[0]) for m in models.values()]
+        per_point.append({"length": i, "context": j, "median_s": t, "runs_s": list(timings.runs[(i, j)]),
+                          "noise": spread[(i, j)],
+                          "held_out": (i, j) in held_out, "plane_error": errors[0], "tabulated_error": errors[1]})
+        print(f"  {i:>6} {j:>7} {t * 1e3:>7.2f}ms {spread[(i, j)]:>6.0%} {'yes' if (i, j) in held_out else '':>8} "
+              f"{errors[0]:>+7.1%} {errors[1]:>+9.1%}")
+    inversions = [(i, j) for i, j in grid if (i, j + grain) in measured and measured[(i, j + grain)] < measured[(i, j)]]
+    print(f"  measured medians falling as the context grows by {grain}: {len(inversions)} of "
+          f"{sum((i, j + grain) in measured for i, j in grid)} steps {inversions}")
+    dp = {}
+    for name, m in models.items():
+        table = slice_cost_table(lambda k, c, m=m: m.slice_time(k * grain, c * grain), seq_len // grain)
+        solution = solve_joint_slicing({1: table}, 1, stages, epsilon=1e-5)
+        dp[name] = tuple(x * grain for x in solution.batch_slices[0][1])
+        print(f"DP slices ({name} model): {list(dp[name])}")
+    slices = dp["last tabulated"]
+    on_grid = {share: _grid_latency(measured, slices, stages, share) for share in (False, True)}
+    print(f"the measured grid prices {list(slices)}: {on_grid[False] * 1e3:.1f} ms per iteration (Eq. 2.4), "
+          f"{on_grid[True] * 1e3:.1f} ms with shared executables (each slice at the longest context of its length)")
 
     gpt_model = gpt.GPTModel(config)
     batches = [gpt.gpt_batch(config, 1, jax.random.PRNGKey(i), position_ids=True) for i in range(steps + 1)]
@@ -291,11 +339,26 @@ def part3(seq_len, steps, stages=4):
         print(f"{r['schedule']:>9} {str(r['token_slices']):>28} {r['median_step_s']:>10.3f}s "
               f"{base / r['median_step_s']:>6.2f}x  {r['first_step_s']:.1f} s"
               + ("" if count is None else f" ({count} forward + {count} backward)"))
-    return {"fit_error_plane": plane.context_fit_error, "mean_fit_error_plane": plane.mean_context_fit_error,
-            "fit_error": model_cost.context_fit_error, "mean_fit_error": model_cost.mean_context_fit_error,
-            "timing_noise_max": max(spread.values()), "timing_noise_mean": statistics.mean(spread.values()),
-            "grid": per_point,
-            "dp_slices": list(slices), "runs": rows}
+    return {"fits": fits, "timing_noise_max": max(spread.values()),
+            "timing_noise_mean": statistics.mean(spread.values()),
+            "split_half_floor_max": float(floor.max()), "split_half_floor_mean": float(floor.mean()),
+            "grid": per_point, "context_inversions": inversions, "dp_slices": {k: list(v) for k, v in dp.items()},
+            "grid_latency_s": on_grid[False], "grid_latency_shared_s": on_grid[True], "runs": rows}
+
+
+def _monotone_in_context(model, seq_len: int, grain: int) -> bool:
+    """Whether the model's slice cost never falls as the context grows, on the DP's grid."""
+    return all(model.slice_time(i, j + grain) >= model.slice_time(i, j)
+               for i in range(grain, seq_len + 1, grain) for j in range(0, seq_len - i, grain))
+
+
+def _grid_latency(measured, lengths, stages: int, shared: bool) -> float:
+    """Eq. 2.4 of one sequence's slices on the measured grid; ``shared``: each slice padded to the longest
+    context among the slices of its length (``share_slice_executables=True``)."""
+    starts = [sum(lengths[:n]) for n in range(len(lengths))]
+    longest = {length: max(c for c, l in zip(starts, lengths) if l == length) for length in lengths}
+    times = [measured[(l, longest[l] if shared else c)] for c, l in zip(starts, lengths)]
+    return sum(times) + (stages - 1) * max(times)
 
 
 def main():

@@ -20,6 +20,7 @@ from tests.helpers import (assert_trees_close, make_train_step, mlp_batch, mlp_l
                            reference_on_one_device, run_steps)
 
 MESHES = {"1d": (1, 8), "2d": (2, 4)}
+S = al.ShardingSpec.from_str
 
 
 def shard_parallel(mesh: str, **kw) -> al.ShardParallel:
@@ -236,6 +237,10 @@ def test_compiled_collectives_are_exactly_the_ones_the_ilp_predicted_for_tiny_gp
     ({"solver_time_limit": 0}, ValueError, "solver_time_limit must be a number of seconds > 0"),
     ({"logical_mesh_shape": (8,)}, ValueError, r"logical_mesh_shape must be a tuple \(n0, n1\)"),
     ({"solver": "gurobi"}, ValueError, r"solver must be one of \('cbc', 'highs'\), got 'gurobi'"),
+    ({"plan_selection": "fastest"}, ValueError,
+     r"plan_selection must be one of \('objective', 'measured'\), got 'fastest'"),
+    ({"measure_rounds": 0}, ValueError, "measure_rounds must be an int >= 1, got 0"),
+    ({"measure_rounds": True}, ValueError, "measure_rounds must be an int >= 1, got True"),
 ])
 def test_bad_options_name_the_argument(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -370,3 +375,129 @@ def test_a_typed_prng_key_argument_is_accepted(method):
     actual = al.parallelize(step, method=method)(state, batch, key)
     assert_trees_close(actual[0].params, expected[0].params)
     assert_trees_close(actual[1], expected[1])
+
+
+# ------------------------------------------------------------------------------ measured plan selection
+
+def test_device_layout_is_equal_exactly_when_jax_puts_the_same_block_on_every_device():
+    from alpa_like.compiler.sharding_spec import enumerate_specs
+    from alpa_like.runtime.mesh import make_mesh, named_sharding
+    from alpa_like.shard_parallel import device_layout
+
+    shape = (8, 8)
+    cases = []
+    for view in [(1, 8), (8, 1), (2, 4), (4, 2)]:
+        mesh = make_mesh(jax.devices()[:8], view, ("x", "y"))
+        for spec in enumerate_specs(shape, view):
+            blocks = named_sharding(mesh, spec).devices_indices_map(shape)
+            placement = tuple(tuple((s.start, s.stop) for s in blocks[d]) for d in jax.devices()[:8])
+            cases.append((device_layout(spec, view), placement))
+    same = 0
+    for key_a, placed_a in cases:
+        for key_b, placed_b in cases:
+            assert (key_a == key_b) == (placed_a == placed_b)
+            same += placed_a == placed_b
+    assert same > len(cases)  # some specs on different views do place alike (S01 on 2x4 and S1 on 1x8)
+
+
+def test_duplicates_names_the_first_layout_with_the_same_device_layouts():
+    from alpa_like.methods import SpmdLayout
+    from alpa_like.shard_parallel import duplicates
+
+    def layout(view, batch, pins=()):
+        return SpmdLayout(mesh_shape=view, axis_names=("x", "y"), roles=("batch",), in_specs=(S(batch),),
+                          out_specs=(S("R"),), eqn_constraints=tuple((3, 0, S(p)) for p in pins))
+    layouts = [layout((1, 8), "S1R"), layout((2, 4), "S01R"), layout((2, 4), "S0R"), layout((8, 1), "S0R"),
+               layout((2, 4), "S01R", pins=("RS01",)), layout((4, 2), "S01R", pins=("RS01",)),
+               layout((4, 2), "S01R", pins=("RS0",))]
+    # S01 on 2x4 or 4x2, S1 on 1x8 and S0 on 8x1 split a dim over the 8 devices alike; S0 on 2x4 splits it
+    # over devices {0..3} | {4..7}, S0 on 4x2 over {0, 1} | {2, 3} | ...
+    assert duplicates(layouts) == [None, 0, None, 0, None, 4, None]
+
+
+def _fixed_cluster(monkeypatch, latency):
+    """Makes compilation plan for a fixed cluster of the 8 CPU devices: the measured selection still times
+    on the devices, but its candidates no longer depend on ClusterSpec.local()'s measurements."""
+    import alpa_like.api
+    cluster = dataclasses.replace(al.ClusterSpec.preset("p3.16xlarge"), intra_node_latency=latency,
+                                  inter_node_latency=latency, name="fixed")
+    monkeypatch.setattr(alpa_like.api.ClusterSpec, "local", classmethod(lambda cls, devices=None: cluster))
+
+
+def test_measured_selection_times_every_distinct_candidate_and_matches_single_device_jit(monkeypatch):
+    # With 1 ms per collective every view's alpha-beta plan is data parallel (one combined gradient
+    # all-reduce); without latency the MLP's weights (3 kB) are cheaper to keep split than its activations
+    # (4 kB): the bandwidth-only plans are other programs, and not the same on every view.
+    _fixed_cluster(monkeypatch, latency=1e-3)
+    step, state, batches = _mlp_case()
+    method = al.ShardParallel(auto_sharding_option=al.AutoShardingOption(plan_selection="measured",
+                                                                         measure_rounds=2))
+    train_step = al.parallelize(step, method=method, donate_argnums=(0,))
+    exe = train_step.get_executable(state, batches[0])
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state) if isinstance(x, jax.Array))  # not timed on
+    solver = exe.plan.stages[0].solver
+    assert solver.selection == "measured" and solver.selection_seconds > 0
+    candidates = solver.candidates
+    assert [(c.logical_mesh_shape, c.cost_model, c.weight_update_sharding) for c in candidates] == [
+        (view, model, rewrite) for view in [(1, 8), (2, 4), (4, 2), (8, 1)]
+        for model in ("alpha-beta", "bandwidth only", "no all-to-all") for rewrite in (True, False)]
+    timed = [i for i, c in enumerate(candidates) if c.measured_seconds is not None]
+    assert len(timed) >= 3  # distinct programs, each timed once
+    for i, c in enumerate(candidates):
+        assert (c.measured_seconds is None) == (c.same_as is not None)
+        assert c.same_as is None or (c.same_as < i and candidates[c.same_as].measured_seconds > 0)
+    assert len({candidates[i].logical_mesh_shape for i in timed}) >= 2  # two views gave different programs
+    (chosen,) = [c for c in candidates if c.chosen]
+    assert chosen.measured_seconds == min(candidates[i].measured_seconds for i in timed)
+    assert exe.plan.stages[0].logical_mesh_shape == chosen.logical_mesh_shape
+    assert solver.objective == chosen.objective
+    assert [v for v, _ in solver.views] == [(1, 8), (2, 4), (4, 2), (8, 1)]
+    assert "plan selection: measured, 24 candidates" in str(exe.plan)
+    assert al.ParallelPlan.from_json(exe.plan.to_json()) == exe.plan
+    ref_state, ref_metrics = reference_on_one_device(step, state, batches)
+    par_state, par_metrics = run_steps(train_step, state, batches)
+    assert_trees_close(par_state.params, ref_state.params, rtol=1e-5)
+    assert_trees_close(par_state.opt_state, ref_state.opt_state, rtol=1e-5)
+    assert_trees_close(par_metrics, ref_metrics, rtol=1e-5)
+
+
+def test_pipeshard_parallel_rejects_the_measured_selection():
+    measured = al.AutoShardingOption(plan_selection="measured")
+    with pytest.raises(ValueError, match="plan_selection='measured' is ShardParallel's"):
+        al.PipeshardParallel(auto_sharding_option=measured)
+
+
+def test_measured_selection_without_devices_falls_back_to_the_objective_with_a_warning():
+    # al.plan on shapes for a simulated cluster: nothing can be timed.
+    step = make_train_step(mlp_loss)
+    state = jax.eval_shape(lambda: mlp_state())
+    batch = jax.eval_shape(lambda: mlp_batch(np.random.default_rng(0)))
+    cluster = al.ClusterSpec.preset("p3.16xlarge")
+    measured = al.ShardParallel(auto_sharding_option=al.AutoShardingOption(plan_selection="measured"))
+    with pytest.warns(UserWarning, match="plan_selection='measured' needs the devices to time plans on"):
+        plan = al.plan(step, state, batch, method=measured, cluster=cluster)
+    assert any("the view with the lowest objective is used" in w for w in plan.warnings)
+    solver = plan.stages[0].solver
+    assert solver.selection == "objective" and solver.candidates == () and solver.selection_seconds == 0.0
+    by_objective = al.plan(step, state, batch, method=al.ShardParallel(), cluster=cluster)
+    assert plan.stages[0].inputs == by_objective.stages[0].inputs
+    assert plan.stages[0].ops == by_objective.stages[0].ops
+
+
+def test_zero_inputs_have_the_steps_shapes_dtypes_and_shardings_typed_keys_included():
+    from alpa_like.compiler.trace import trace_step
+    from alpa_like.runtime.mesh import make_mesh, named_sharding
+    from alpa_like.shard_parallel import zero_inputs
+
+    def step(state, batch, key):
+        return state + jnp.sum(batch) + jax.random.normal(key, ())
+
+    args = (jnp.ones((4,), jnp.float32), jnp.ones((8, 2), jnp.int32), jax.random.key(0))
+    traced = trace_step(step, args, batch_argnums=(1,))
+    mesh = make_mesh(jax.devices()[:8], (2, 4), ("x", "y"))
+    shardings = [named_sharding(mesh, S(t)) for t in ("S1", "S01R", "")]
+    zeros = zero_inputs(traced, shardings)
+    for z, arg, sharding in zip(zeros, args, shardings, strict=True):
+        assert z.shape == arg.shape and z.dtype == arg.dtype and z.sharding == sharding
+    assert not np.any(np.asarray(zeros[0])) and not np.any(np.asarray(zeros[1]))
+    assert jax.random.key_data(zeros[2]).shape == jax.random.key_data(args[2]).shape

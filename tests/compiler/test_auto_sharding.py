@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import alpa_like as al
-from alpa_like.compiler.auto_sharding import PassOptions, alias_pairs, auto_shard, prepare, solve_prepared
+from alpa_like.compiler.auto_sharding import (PassOptions, alias_pairs, auto_shard, prepare, price_on, solve_prepared,
+                                             without_latency)
 from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.compiler.op_graph import build_op_graph, merged_groups
 from alpa_like.compiler.sharding_spec import ShardingSpec
@@ -222,6 +223,35 @@ def test_a_prepared_pass_restricted_to_some_input_specs_equals_the_pass_built_wi
     with pytest.raises(ValueError, match="input_candidates must name specs among the prepared inputs"):
         solve_prepared(prepare(graph, m, PassOptions(input_candidates={kernels[0]: (S("RR"),)})),
                        {kernels[0]: (S("S0S1"),)})
+
+
+def test_a_plan_solved_without_latency_is_priced_on_the_mesh_with_latency():
+    # Weights dominate: without latency the ILP picks Megatron's split (one all-reduce of the second matmul's
+    # [batch, 256] partial sums). Priced on the same view with alpha = 1e5 s per collective, the same
+    # strategies pay that alpha once: the objective in closed form.
+    sizes, batch, alpha = (256, 1024, 256), 8, 1e5
+    traced = trace_step(sgd_step(mlp_loss), mlp_args(batch, sizes), batch_argnums=(1,))
+    graph = build_op_graph(traced.closed_jaxpr, [leaf.path for leaf in traced.in_leaves])
+    aliases = alias_pairs(graph, match_outputs_to_inputs(traced))
+    slow = LogicalMesh(shape=(1, 8), alpha=(alpha, alpha), beta=(1.0, 1.0))
+    assert without_latency(slow) == mesh((1, 8))
+    prepared = prepare(graph, slow, aliases=aliases)
+    megatron = auto_shard(graph, without_latency(slow), aliases=aliases)
+    assert megatron.objective == pytest.approx(all_reduce(batch * 256 * 4, 8))
+    priced = price_on(prepared, megatron)
+    assert priced.mesh == slow and priced.graph is graph
+    assert [(s.name, s.out_specs, s.in_specs) for s in priced.strategies] == \
+        [(s.name, s.out_specs, s.in_specs) for s in megatron.strategies]
+    assert [c.seconds(slow) for s in priced.strategies for c in s.collectives] == \
+        [pytest.approx(alpha + all_reduce(batch * 256 * 4, 8))]
+    assert priced.objective == pytest.approx(alpha + all_reduce(batch * 256 * 4, 8))
+    assert priced.ilp.objective == pytest.approx(prepared.problem.objective(priced.ilp.choice))
+    # Pricing the mesh's own solution gives it back.
+    best = solve_prepared(prepared)
+    again = price_on(prepared, best)
+    assert again.strategies == best.strategies and again.objective == pytest.approx(best.objective)
+    with pytest.raises(ValueError, match=r"same graph on a mesh of shape \(1, 8\), got mesh \(2, 4\)"):
+        price_on(prepared, auto_shard(graph, mesh((2, 4)), aliases=aliases))
 
 
 def test_strategies_memoised_across_equations_equal_the_rules_run_on_every_node(monkeypatch):

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 
 from alpa_like.cluster import ClusterSpec
-from alpa_like.compiler.terapipe_cost import (analytic_slice_costs, data_parallel_sync_seconds, fit_slice_costs,
-                                              measured_slice_costs, slice_grid, time_slice_grid,
+from alpa_like.compiler.terapipe_cost import (SliceTimings, analytic_slice_costs, data_parallel_sync_seconds,
+                                              fit_slice_costs, measured_slice_costs, slice_grid, time_slice_grid,
                                               transformer_layer_flops)
 from alpa_like.compiler.token_slicing import slice_cost_table, solve_token_slicing
 
@@ -43,6 +43,20 @@ def test_grid_timing_warms_up_then_times_every_point_once_per_shuffled_round():
     assert [(i, j) for i, j, _ in timings.medians()] == points
     with pytest.raises(ValueError, match="repeats"):
         time_slice_grid(lambda i, j: None, points, repeats=0)
+
+
+def test_halves_split_the_rounds_and_held_out_errors_score_a_model():
+    """Even and odd rounds are two independent measurements of every point; a model fitted on one half is
+    scored on points held out of its fit, against the other half."""
+    timings = SliceTimings(runs={(4, 0): (1.0, 2.0, 3.0, 4.0, 5.0), (4, 4): (2.0, 2.0, 4.0, 4.0, 6.0)})
+    even, odd = timings.halves()
+    assert even.runs == {(4, 0): (1.0, 3.0, 5.0), (4, 4): (2.0, 4.0, 6.0)}
+    assert odd.runs == {(4, 0): (2.0, 4.0), (4, 4): (2.0, 4.0)}
+    with pytest.raises(ValueError, match="at least 2"):
+        SliceTimings(runs={(4, 0): (1.0,)}).halves()
+    model = fit_slice_costs(32, [(i, j, synthetic(i, j)) for i in (1, 8, 32) for j in (0, 8, 24) if i + j <= 32])
+    held_out = [(4, 12, synthetic(4, 12)), (16, 4, 2 * synthetic(16, 4))]
+    np.testing.assert_allclose(model.relative_errors(held_out), [0.0, -0.5], atol=1e-9)
 
 
 def test_tabulated_last_slice_takes_a_step_the_plane_cannot():

@@ -88,6 +88,26 @@ def test_fixed_scheme_latency_is_eq_2_4_over_every_unit():
     assert decision.latency_unsliced == pytest.approx(2 * 4.0)
 
 
+def test_shared_executables_price_every_slice_at_its_padded_context():
+    """share_slice_executables: a slice runs (and is priced) at the longest context among the slices of its
+    length. rho = 1, floor 1, T = 4, R = 1, L = 8: t(k, c) = 4 k (c + k) / 64; slices (4, 2, 2) start at 0, 4,
+    6, and the two 2-token slices both run at context 6."""
+    unpadded = choose_token_slicing([4.0, 4.0], [1.0, 1.0], 8, 1, 1, saturation_tokens=1, fixed=((1, (4, 2, 2)),))
+    padded = choose_token_slicing([4.0, 4.0], [1.0, 1.0], 8, 1, 1, saturation_tokens=1, fixed=((1, (4, 2, 2)),),
+                                  shared_contexts=True)
+    assert unpadded.latency == pytest.approx((1 + 0.75 + 1) + 1)
+    assert padded.latency == pytest.approx((1 + 1 + 1) + 1)
+
+
+def test_shared_executables_drop_slicing_the_padding_makes_dearer():
+    """rho = 1/2, floor 1, one stage, L = 8: the DP's 8 one-token slices cost 0.5 + 0.5 * 36/64 = 0.78 of the
+    whole sequence; shared, each runs at context 7 (8 x (1/16 + 1/16) = 1.0): no gain, so no slicing."""
+    plain = choose_token_slicing([1.0], [0.5], 8, 1, 1, saturation_tokens=1)
+    assert plain.batch_slices == ((1, (1,) * 8),) and plain.latency == pytest.approx(0.78125)
+    shared = choose_token_slicing([1.0], [0.5], 8, 1, 1, saturation_tokens=1, shared_contexts=True)
+    assert shared.batch_slices == () and shared.latency == shared.latency_unsliced == pytest.approx(1.0)
+
+
 def test_token_grain_keeps_tables_small():
     assert token_grain(512) == 1 and token_grain(2048) == 4 and token_grain(1000) == 2
 
@@ -100,8 +120,7 @@ def test_stage_cost_is_the_stage_time_for_the_whole_sequence():
 
 def gpt_plan(num_stages=8, batch_size=8, seq_len=512, **method_options):
     """Planning only (shapes, no arrays) on one simulated 8-GPU node, one layer per stage, one sequence per
-    micro-batch. A narrow model keeps the ILP fast; few short sequences keep the joint token DP fast (its
-    t_max candidates grow with the batch-slice sizes and the sequence length)."""
+    micro-batch. A narrow model keeps the ILP fast."""
     config = gpt.GPTConfig(vocab_size=256, seq_len=seq_len, hidden_size=64, num_layers=num_stages, num_heads=4)
     model = gpt.GPTModel(config)
     params = gpt.gpt_param_shapes(config)

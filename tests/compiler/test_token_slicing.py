@@ -7,8 +7,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from alpa_like.compiler.token_slicing import (
+    _by_end,
+    _candidates,
+    _knapsack,
+    _prefix_sums,
+    _search_t_max,
     format_scheme,
     pipeline_latency,
+    slice_contexts,
     slice_cost_table,
     solve_joint_slicing,
     solve_token_slicing,
@@ -71,6 +77,48 @@ def test_joint_dp_matches_brute_force(seed, seq_len, batch, stages):
     assert sum(b for b, _ in solution.batch_slices) == batch
     assert all(sum(ls) == seq_len for _, ls in solution.batch_slices)
     assert solution.latency == pytest.approx(best, rel=1e-12)
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 10_000), seq_len=st.integers(1, 14), batch=st.integers(1, 5), stages=st.integers(1, 8),
+       epsilon=st.sampled_from([0.0, 1e-3, 0.02, 0.1]), per_round=st.integers(1, 6),
+       kind=st.sampled_from(["random", "floor", "ties"]))
+def test_search_picks_what_evaluating_every_candidate_picks(seed, seq_len, batch, stages, epsilon, per_round, kind):
+    """The t_max search (rounds, bounds, Alg. 1's stop when epsilon = 0) returns exactly the candidate an
+    evaluation of every (thinned) candidate picks: the least U(t) = knapsack(S*(L; t)) + (K - 1) t, the
+    smallest t on ties. That exhaustive loop is the previous implementation without its early stop; on
+    random cases with every distinct cost a candidate both return the brute-force optimum (tests above)."""
+    rng = np.random.default_rng(seed)
+    sizes = sorted({1} | {b for b in range(2, batch + 1) if rng.random() < 0.6})
+    tables = {b: slice_cost_table(_random_cost(rng, kind, b, seq_len), seq_len) for b in sizes}
+    by_end = np.stack([_by_end(tables[b]) for b in sizes])
+    candidates = _candidates([tables[b] for b in sizes], epsilon)
+    u = _knapsack(_prefix_sums(by_end, candidates)[:, :, -1], sizes, batch)[batch] + (stages - 1) * candidates
+    index, evaluated = _search_t_max(by_end, sizes, candidates, batch, stages, per_round, paper_stop=epsilon == 0)
+    assert index == int(np.argmin(u))
+    assert 1 <= evaluated <= len(candidates)
+
+
+def _random_cost(rng, kind, rows, seq_len):
+    if kind == "random":  # unstructured, positive
+        return lambda k, c: rows * (0.3 * k + 0.02 * k * c) + rng.uniform(0, 0.4, size=np.shape(k))
+    if kind == "ties":  # few distinct values: many equal sums and equal bounds
+        return lambda k, c: np.round(rng.uniform(0.1, 2.0, size=np.shape(k)), 1)
+    floor, attention = int(rng.integers(1, 2 * seq_len)), rng.uniform(0, 0.05)
+    return lambda k, c: 0.1 + 0.1 * np.maximum(rows * k, floor) + attention * rows * k * (c + k)
+
+
+def test_few_stages_evaluate_few_candidates():
+    """The slow case of Alg. 1's K t_max stop: 4 stages, 8 sequences, batch slices of 1, 2, 4, 8 and a
+    utilisation floor. The stop would evaluate every candidate with K t <= T* (3248 of 4646); the bounds
+    leave about 100 (deterministic; the benchmark reports the time)."""
+    def cost(rows):
+        return lambda k, c: 0.7 * np.maximum(rows * k, 16) / 64 + 0.3 * rows * k * (c + k) / 64**2
+    tables = {b: slice_cost_table(cost(b), 64) for b in (1, 2, 4, 8)}
+    solution = solve_joint_slicing(tables, 8, 4)
+    candidates = _candidates(list(tables.values()), 0.0)
+    assert int(np.sum(4 * candidates <= solution.latency)) > 3000
+    assert solution.num_candidates < 200
 
 
 def _times(table, lengths):
@@ -136,6 +184,12 @@ def test_uniform_slicing_and_format():
     assert latency == pytest.approx(pipeline_latency(table, lengths, 4))
     assert format_scheme([(1, (776, 640, 632))] * 16) == "[(1, [776, 640, 632])] x 16"
     assert format_scheme([(2, (4,)), (1, (2, 2))]) == "[(2, [4])] x 1 + [(1, [2, 2])] x 1"
+
+
+def test_slice_contexts_pad_to_the_longest_context_of_equal_rows_and_length():
+    scheme = [(1, (2, 2)), (1, (4,)), (2, (2, 2)), (1, (1, 2, 1))]
+    assert slice_contexts(scheme) == ((0, 2), (0,), (0, 2), (0, 1, 3))
+    assert slice_contexts(scheme, shared=True) == ((2, 2), (0,), (2, 2), (3, 2, 3))
 
 
 def test_bad_input():

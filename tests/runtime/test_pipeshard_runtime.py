@@ -12,6 +12,7 @@ from flax.training import train_state
 import alpa_like as al
 from alpa_like import models
 from alpa_like.models import gpt, moe
+from alpa_like.runtime import hlo_stats
 from alpa_like.runtime.instructions import PER_STEP, Op
 from tests.helpers import assert_trees_close, reference_on_one_device, run_steps
 
@@ -91,6 +92,77 @@ def test_pipeline_matches_single_device_jit(case, schedule):
     # Micro-batch sums and sharded matmuls reassociate float32 additions.
     assert_trees_close(got_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
     assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
+
+
+def wide_mlp_loss(params, batch):
+    x = batch["x"]
+    for i in range(4):
+        x = jnp.tanh(x @ params[f"w{i}"])
+        if i < 3:
+            al.mark_pipeline_boundary()
+    return jnp.mean((x - batch["y"]) ** 2)
+
+
+def test_stage_pieces_compile_the_collectives_their_layers_ilp_chose():
+    # Weights dominate (512 x 512 against 4 rows per micro-batch), so the ILP avoids all-reducing gradients:
+    # on stage 0 it gathers the small activations instead, on stage 1 it splits the weights Megatron-style
+    # (one activation all-reduce forward, one backward). Left to propagate from the parameters' layouts, XLA
+    # all-reduced stage 0's 2 MiB of weight gradients in every backward instead.
+    rng = np.random.default_rng(0)
+    params = {f"w{i}": jnp.asarray(rng.normal(size=(512, 512)) / 20, jnp.float32) for i in range(4)}
+    batches = [{"x": jnp.asarray(rng.normal(size=(8, 512)), jnp.float32),
+                "y": jnp.asarray(rng.normal(size=(8, 512)), jnp.float32)} for _ in range(2)]
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=SGD)
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.ManualLayerOption(),
+                                  stage_option=stages(((0, 1), (2, 3)), ((1, 4), (1, 4)), ((1, 4), (2, 2))))
+    step = train_step_for(wide_mlp_loss)
+    parallel = al.parallelize(step, method=method)
+    exe = parallel.get_executable(state, batches[0])
+    got_state, got_losses = run_steps(parallel, state, batches)
+    ref_state, ref_losses = reference_on_one_device(step, state, batches)
+    assert_trees_close(got_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
+    all_reduced = [0, 0]
+    for part in exe.get_hlo_text().split("// stage ")[1:]:
+        stage, phase = part.split(None, 2)[:2]
+        if phase in ("fwd", "bwd"):
+            all_reduced[int(stage)] += sum(c.result_bytes for c in hlo_stats.collectives(part)
+                                           if c.kind in ("all-reduce", "reduce-scatter"))
+    predicted = [sum(c.num_bytes for c in s.communication) for s in exe.plan.stages]
+    assert predicted[0] == 0 and predicted[1] > 0
+    assert [b * method.num_micro_batches for b in all_reduced] == predicted
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_data_parallel_stages_reduce_gradients_once_per_step(defer):
+    # 64 rows per micro-batch against 16 x 16 weights: the ILP splits the batch over each stage's 4 devices.
+    loss_fn, state, _ = mlp_case()
+    rng = np.random.default_rng(1)
+    batches = [{"x": jnp.asarray(rng.normal(size=(256, 16)), jnp.float32),
+                "y": jnp.asarray(rng.normal(size=(256, 16)), jnp.float32)} for _ in range(2)]
+    state = state.replace(tx=SGD, opt_state=SGD.init(state.params))
+    method = al.PipeshardParallel(num_micro_batches=4, layer_option=al.ManualLayerOption(),
+                                  stage_option=stages(((0, 1), (2, 3)), ((1, 4), (1, 4)), ((1, 4), (4, 1))),
+                                  defer_gradient_sync=defer)
+    step = train_step_for(loss_fn)
+    parallel = al.parallelize(step, method=method)
+    exe = parallel.get_executable(state, batches[0])
+    got_state, got_losses = run_steps(parallel, state, batches)
+    ref_state, ref_losses = reference_on_one_device(step, state, batches)
+    assert_trees_close(got_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
+    reduced = {}
+    for part in exe.get_hlo_text().split("// stage ")[1:]:
+        stage, phase = part.split(None, 2)[:2]
+        if phase == "bwd":
+            reduced[int(stage)] = sum(c.result_bytes for c in hlo_stats.collectives(part)
+                                      if c.kind in ("all-reduce", "reduce-scatter"))
+    grad_bytes = 2 * (16 * 16 + 16) * 4  # two layers' weight and bias per stage
+    if defer:  # every weight and bias gradient leaves the backward as per-device partial sums
+        assert {q: len(d.outputs) for q, d in exe.deferred.items()} == {0: 4, 1: 4}
+        assert reduced == {0: 0, 1: 0}
+    else:
+        assert reduced == {0: grad_bytes, 1: grad_bytes}
 
 
 def live_micro_batches(exe, mesh):

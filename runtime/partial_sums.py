@@ -1,0 +1,96 @@
+"""Run a backward piece with some gradients kept as stacks of per-shard partial sums, and reduce the stacks.
+
+The analysis and its contract are :mod:`alpa_like.compiler.gradient_sync`. Here: :func:`eval_piece`
+evaluates a piece's equations with the contractions it names split (their stack of partial sums laid out
+over the mesh axes that split the contracted dim) and the linear equations after them run per partial sum
+(``jax.vmap`` over the stack); :func:`reduce_stack` turns an accumulated stack into the gradient once per
+step.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal, Var
+
+from alpa_like.compiler import jax_compat
+from alpa_like.compiler.gradient_sync import (
+    DeferredGradients,
+    Split,
+    split_shape,
+    split_spec,
+    stack_position,
+    stacked_params,
+)
+from alpa_like.runtime.mesh import named_sharding
+
+
+def eval_piece(closed: ClosedJaxpr, args: Sequence[Any], deferred: DeferredGradients, mesh, *,
+               hook=None, operand_hook=None) -> list[Any]:
+    """``closed`` on ``args`` like :func:`~alpa_like.compiler.jax_compat.eval_closed_jaxpr`, except that the
+    gradients ``deferred`` names come out as stacks ``(d, *shape)`` of partial sums (see the module
+    docstring). ``hook`` / ``operand_hook`` pin layouts (:func:`~alpa_like.runtime.spmd.pin_hook`); the
+    hook must give stacked values stacked layouts."""
+    jaxpr = closed.jaxpr
+    env: dict[Var, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    stacked: set[Var] = set()
+
+    def read(v):
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        if operand_hook is not None:
+            invals = operand_hook(eqn, invals)
+        split = deferred.sources.get(id(eqn))
+        if split is not None:
+            outvals = [_partial_sums(eqn, invals, split, mesh)]
+        elif id(eqn) in deferred.lifted:
+            in_axes = tuple(0 if isinstance(v, Var) and v in stacked else None for v in eqn.invars)
+            outvals = jax.vmap(lambda *xs, eqn=eqn: jax_compat.bind_eqn(eqn, xs), in_axes=in_axes)(*invals)
+        else:
+            outvals = jax_compat.bind_eqn(eqn, invals)
+        if split is not None or id(eqn) in deferred.lifted:
+            stacked.update(eqn.outvars)
+        if hook is not None:
+            outvals = hook(eqn, outvals)
+        env.update(zip(eqn.outvars, outvals, strict=True))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _partial_sums(eqn: JaxprEqn, invals: Sequence[Any], split: Split, mesh) -> Any:
+    """The contraction ``eqn`` with its split dims cut into ``(stack, rest)``: one partial sum per shard,
+    stacked on a leading dim laid out over the shards' mesh axes (no communication)."""
+    ops = list(invals)
+    for (k, dim), spec in zip(split.dims, split.specs, strict=True):
+        x = jnp.reshape(ops[k], split_shape(ops[k].shape, dim, split.stack))
+        ops[k] = jax.lax.with_sharding_constraint(x, named_sharding(mesh, split_spec(spec, dim)))
+    if eqn.primitive.name == "scatter-add":  # one scatter per shard of the updates into its own zero table
+        in_axes = (None,) + tuple(dim for _, dim in split.dims)
+        return jax.vmap(lambda *xs: jax_compat.bind_eqn(eqn, xs)[0], in_axes=in_axes)(*ops)
+    params = eqn.primitive.get_bind_params(stacked_params(eqn, split))
+    return jnp.moveaxis(eqn.primitive.bind(*ops, **params), stack_position(eqn, split), 0)
+
+
+def reduce_stack(stack: Any, count: int, sharding=None) -> Any:
+    """The mean over ``count`` micro-batches of an accumulated stack of partial sums: its sum over the
+    leading dim (one all-reduce, or a reduce-scatter when ``sharding`` splits the result over the stack's
+    axes) divided by ``count``."""
+    return _reduce(stack, count, sharding)
+
+
+def _reduce_impl(stack, count: int):
+    return jnp.sum(stack, axis=0) / jnp.asarray(count, stack.dtype)
+
+
+_REDUCE_CACHE: dict = {}
+
+
+def _reduce(stack, count: int, sharding):
+    fn = _REDUCE_CACHE.get((count, sharding))
+    if fn is None:
+        fn = _REDUCE_CACHE[(count, sharding)] = jax.jit(_reduce_impl, static_argnums=1, out_shardings=sharding)
+    return fn(stack, count)
