@@ -35,7 +35,8 @@ from alpa_like.compiler.layer_slicing import layer_summaries, slice_layers
 from alpa_like.compiler.layer_clustering import DEFAULT_DELTA
 from alpa_like.compiler.logical_mesh import logical_shapes
 from alpa_like.compiler.markers import is_marker
-from alpa_like.compiler.stage_dp import StageChoice, StageCosts, StageSolution, price_placed_stages, solve_stages
+from alpa_like.compiler.stage_dp import (StageChoice, StageCosts, StageSolution, pipeline_latency, price_placed_stages,
+                                         solve_stages)
 from alpa_like.compiler.stage_construction import build_stage_program
 from alpa_like.compiler.stage_profiling import StageProfile, apply_phase_inputs, profile_stage_costs
 from alpa_like.compiler.stage_sharding import StageSharding, stage_shardings
@@ -476,10 +477,11 @@ def _fixed_solution(costs: StageCosts, layout, num_micro_batches: int, choose_vi
              else min(options, key=memory.__getitem__))
         stages.append(StageChoice(layers=(i, j), submesh_index=p, submesh=sub, logical_shape=views[e],
                                   view_index=e, variant=costs.variants[p][e],
-                                  t_intra=float(costs.t_intra[i, j, p, e]), memory_per_device=memory[e]))
+                                  t_intra=float(costs.t_intra[i, j, p, e]), memory_per_device=memory[e],
+                                  step_seconds=costs.step_seconds_of(i, j, p)))
     stages = price_placed_stages(costs, stages, cluster.num_devices_per_node)
     t = [s.t_intra for s in stages]
-    return StageSolution(stages=tuple(stages), iteration_time=sum(t) + (num_micro_batches - 1) * max(t),
+    return StageSolution(stages=tuple(stages), iteration_time=pipeline_latency(stages, num_micro_batches),
                          t_max=max(t), num_micro_batches=num_micro_batches, num_t_max_evaluated=0)
 
 

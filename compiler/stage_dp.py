@@ -66,6 +66,15 @@ stages on exactly the nodes of that layout, and the stage chosen with ``d`` devi
 ``t_intra`` minus the saving of each inside boundary; the answer is the better of that DP and the plain one
 (:func:`price_placed_stages` prices a finished plan the same way; :func:`brute_force_stages` agrees).
 
+**Per-step terms (ours).** A stage may also spend time once per step, outside the pipelined
+micro-batches (:attr:`StageCosts.step_seconds`): the apply-grad of a parameter that layers of several
+stages read (GPT's tied embedding, read by the first layer and the logits) runs where its last gradient is
+made, and first receives the gradient the other stage accumulated, after the pipeline has drained. The
+objective is then Eq. 3.2 plus the sum of these terms; they do not enter the ``t_max`` test (they do not
+pace the micro-batches), so Eq. 3.3 sums ``t_intra + step`` over the stages of a plan whose ``t_intra`` are
+all at most ``t_max``. Both pruning rules stay exact: a plan still costs at least ``B t_max``, and ``F``
+still does not increase with ``t_max``.
+
 **Cost.** One DP is :math:`O(K^3 \cdot NM \cdot P)` for ``P`` submesh shapes (Alpa: :math:`O(K^3 NM (N +
 \log M))`), vectorised with numpy over the last layer, submesh and devices; the number of stages and the
 first layer are Python loops. Measured on this machine (2 shared cores) for a GPT-39B-like table (``K =
@@ -144,6 +153,12 @@ class StageCosts:
     its successor. ``t_intra`` prices what a stage receives from its neighbours as if every boundary crossed
     nodes, since where the neighbours go is only known once all stages are chosen; the DP prices the
     boundaries of plans whose placement it knows (see :func:`price_placed_stages`). None: no savings."""
+    step_seconds: np.ndarray | None = None
+    """Seconds a stage spends once per step outside the pipelined micro-batches, shape ``(K, K, P)``: e.g.
+    receiving, after the pipeline drains, the accumulated gradients of parameters that layers of other
+    stages also read (a tied embedding), for its apply-grad. Added once to Eq. 3.2's latency, not part of
+    the stage's ``t_intra`` (it does not pace the micro-batches): see "Per-step terms" in the module
+    docstring. None: zero."""
 
     def __post_init__(self) -> None:
         k = self.num_layers
@@ -186,6 +201,14 @@ class StageCosts:
                 raise ValueError("boundary_saving must hold finite numbers >= 0")
             saving.setflags(write=False)
             object.__setattr__(self, "boundary_saving", saving)
+        if self.step_seconds is not None:
+            step = np.array(self.step_seconds, dtype=np.float64)
+            if step.shape != shape[:3]:
+                raise ValueError(f"step_seconds must have shape (K, K, P) = {shape[:3]}, got {step.shape}")
+            if not np.isfinite(step).all() or (step < 0).any():
+                raise ValueError("step_seconds must hold finite numbers >= 0")
+            step.setflags(write=False)
+            object.__setattr__(self, "step_seconds", step)
         for p, v in enumerate(views):
             if np.isfinite(arrays["t_intra"][:, :, p, len(v):]).any():
                 raise ValueError(f"t_intra[..., {p}, l] must be inf for l >= {len(v)} (submesh "
@@ -200,6 +223,10 @@ class StageCosts:
     def sizes(self) -> np.ndarray:
         """Devices per submesh, ``n * m``."""
         return np.array([n * m for n, m in self.submeshes], dtype=np.int64)
+
+    def step_seconds_of(self, first: int, last: int, submesh_index: int) -> float:
+        """:attr:`step_seconds` of layers ``first..last`` on submesh ``submesh_index`` (0 when None)."""
+        return 0.0 if self.step_seconds is None else float(self.step_seconds[first, last, submesh_index])
 
     @classmethod
     def from_fn(cls, num_layers: int, submeshes: Sequence[Shape],
@@ -244,6 +271,8 @@ class StageChoice:
     """Seconds per micro-batch (forward + backward)."""
     memory_per_device: float
     """Peak bytes per device under the schedule: ``mem_stage + in_flight * mem_act`` (Eq. 3.5)."""
+    step_seconds: float = 0.0
+    """Seconds once per step outside the pipelined micro-batches (:attr:`StageCosts.step_seconds`)."""
 
     @property
     def num_layers(self) -> int:
@@ -261,7 +290,8 @@ class StageSolution:
 
     stages: tuple[StageChoice, ...]
     iteration_time: float
-    """Eq. 3.2 for these stages: ``sum(t) + (B - 1) * max(t)``, seconds."""
+    """Eq. 3.2 for these stages plus their per-step terms: ``sum(t) + (B - 1) * max(t) + sum(step)``
+    (:func:`pipeline_latency`), seconds."""
     t_max: float
     """Latency of the slowest stage, seconds."""
     num_micro_batches: int
@@ -332,8 +362,11 @@ def solve_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_micro_ba
     eff, view = _effective_costs(costs, in_flight, device_memory)
     placement = _Placement.of(costs, num_devices, per_node)
 
+    step = _step_costs(costs)
+
     def total(t_max: float) -> float:
-        return float(_best_finals(eff, t_max, sizes, num_devices, placement)[0].min()) + (batches - 1) * t_max
+        return (float(_best_finals(eff, t_max, sizes, num_devices, placement, step=step)[0].min())
+                + (batches - 1) * t_max)
 
     groups = _t_max_groups(_stage_time_candidates(eff, costs.boundary_saving), epsilon)
     solved: dict[int, float] = {}
@@ -346,7 +379,7 @@ def solve_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_micro_ba
     if not groups or not math.isfinite(solve(len(groups) - 1)):
         raise _infeasible_error(costs, (n_nodes, per_node), in_flight, device_memory, schedule, batches)
     best_g = _search(groups, solve, batches) if prune else min(range(len(groups)), key=solve)
-    stages = _reconstruct(costs, eff, view, groups[best_g][1], num_devices, in_flight, placement)
+    stages = _reconstruct(costs, eff, view, groups[best_g][1], num_devices, in_flight, placement, step)
     return _solution(price_placed_stages(costs, stages, per_node), batches, num_t_max_evaluated=len(solved))
 
 
@@ -375,15 +408,15 @@ def brute_force_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_mi
                                 logical_shape=costs.logical_shapes[p][l], view_index=l,
                                 variant=costs.variants[p][l], t_intra=float(t),
                                 memory_per_device=float(costs.mem_stage[first, last, p, l]
-                                                        + held * costs.mem_act[first, last, p, l]))
+                                                        + held * costs.mem_act[first, last, p, l]),
+                                step_seconds=costs.step_seconds_of(first, last, p))
                     for p, sub in enumerate(costs.submeshes) for l in range(len(costs.logical_shapes[p]))
                     if math.isfinite(t := costs.t_intra[first, last, p, l])
                     and costs.mem_stage[first, last, p, l] + held * costs.mem_act[first, last, p, l]
                     <= device_memory])
             for plan in _plans_with_devices(options, num_devices):
                 plan = price_placed_stages(costs, plan, per_node)
-                times = [stage.t_intra for stage in plan]
-                value = sum(times) + (batches - 1) * max(times)
+                value = pipeline_latency(plan, batches)
                 if best is None or value < best[0]:
                     best = (value, plan)
     return None if best is None else _solution(best[1], batches, num_t_max_evaluated=0)
@@ -483,14 +516,26 @@ def _stage_time_candidates(eff: np.ndarray, saving: np.ndarray | None) -> np.nda
     return np.unique(values[np.isfinite(values)])
 
 
+def _step_costs(costs: StageCosts) -> np.ndarray | None:
+    """``[k, i, p]``: :attr:`StageCosts.step_seconds` with inf where ``i < k``; None when there are none."""
+    if costs.step_seconds is None or not costs.step_seconds.any():
+        return None
+    k = costs.num_layers
+    upper = (np.arange(k)[:, None] <= np.arange(k)[None, :])[:, :, None]
+    return np.where(upper, costs.step_seconds, np.inf)
+
+
 def _best_finals(eff: np.ndarray, t_max: float, sizes: np.ndarray, num_devices: int,
-                 placement: _Placement | None, track: bool = False) -> tuple[np.ndarray, list[np.ndarray]]:
+                 placement: _Placement | None, track: bool = False,
+                 step: np.ndarray | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
     """``_dp``'s ``(finals, choices)`` at ``t_max`` (Eq. 3.3) of the better table: every plan priced with
-    boundaries across nodes, or the aligned plans priced for their layout (preferred on ties)."""
-    plain = _dp(np.where(eff <= t_max, eff, np.inf), sizes, num_devices, np.add, track)
+    boundaries across nodes, or the aligned plans priced for their layout (preferred on ties). ``step``
+    (:func:`_step_costs`) is added to each stage's summed time, after the ``t_max`` test."""
+    summed = eff if step is None else eff + step[None]
+    plain = _dp(np.where(eff <= t_max, summed, np.inf), sizes, num_devices, np.add, track)
     if placement is None:
         return plain
-    placed = _dp(eff, sizes, num_devices, np.add, track, (placement, t_max))
+    placed = _dp(eff, sizes, num_devices, np.add, track, (placement, t_max, step))
     return placed if placed[0].min() <= plain[0].min() else plain
 
 
@@ -529,15 +574,16 @@ def _effective_costs(costs: StageCosts, in_flight: np.ndarray,
     return eff, view
 
 
-def _dp(cost: np.ndarray, sizes: np.ndarray, num_devices: int, combine: np.ufunc,
-        track: bool = False, placed: tuple[_Placement, float] | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
+def _dp(cost: np.ndarray, sizes: np.ndarray, num_devices: int, combine: np.ufunc, track: bool = False,
+        placed: tuple[_Placement, float, np.ndarray | None] | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
     """Eq. 3.3 over all numbers of stages, with ``combine = np.add`` (sum) or ``np.maximum`` (bottleneck).
 
     ``cost[s - 1, k, i, p]`` is the cost of layers ``k..i`` on submesh ``p`` as the ``s``-th stage from the
     end. Returns ``finals[s] = F(s, 0, num_devices)`` for ``s = 0..S`` and, if ``track``, per ``s`` the
     minimising ``(i, p)`` as ``i * P + p`` for every ``(k, d)`` (-1 where ``F`` is infinite). With
-    ``placed = (placement, t_max)``, ``cost`` is not yet cut at ``t_max``: only aligned contiguous layouts
-    are admitted, each stage priced for its layout (:meth:`_Placement.stage_seconds`).
+    ``placed = (placement, t_max, step)``, ``cost`` is not yet cut at ``t_max``: only aligned contiguous
+    layouts are admitted, each stage priced for its layout (:meth:`_Placement.stage_seconds`), plus its
+    per-step term ``step[k, i, p]`` when ``step`` is not None.
 
     NOTE: the ``s`` stages that remain need at least ``s`` layers, so level ``s`` only has first and last
     layers ``k, i <= K - s``. For each ``k`` the minimum over ``(i, p)`` is one ``(candidates, devices)``
@@ -563,8 +609,12 @@ def _dp(cost: np.ndarray, sizes: np.ndarray, num_devices: int, combine: np.ufunc
             rows = np.flatnonzero(np.isfinite(level[k, k * num_meshes:])) + k * num_meshes
             if rows.size == 0:
                 continue
-            seconds = (level[k, rows][:, None] if placed is None
-                       else placed[0].stage_seconds(k, rows, level[k, rows], placed[1]))
+            if placed is None:
+                seconds = level[k, rows][:, None]
+            else:
+                seconds = placed[0].stage_seconds(k, rows, level[k, rows], placed[1])
+                if placed[2] is not None:
+                    seconds = seconds + placed[2][k, :top, :].reshape(-1)[rows][:, None]
             candidates = combine(seconds, shifted[rows])
             if track:
                 arg = candidates.argmin(axis=0)
@@ -631,11 +681,12 @@ def _search(groups: list[tuple[float, float]], solve: Callable[[int], float], ba
 
 
 def _reconstruct(costs: StageCosts, eff: np.ndarray, view: np.ndarray, t_max: float, num_devices: int,
-                 in_flight: np.ndarray, placement: _Placement | None) -> tuple[StageChoice, ...]:
+                 in_flight: np.ndarray, placement: _Placement | None,
+                 step: np.ndarray | None = None) -> tuple[StageChoice, ...]:
     """Re-runs the DP at ``t_max`` with argmins and walks them from ``(S, 0, N * M)`` to ``(0, K, 0)``.
     ``t_intra`` of the stages is the table's (not yet priced for placement)."""
     sizes = costs.sizes
-    finals, choices = _best_finals(eff, t_max, sizes, num_devices, placement, track=True)
+    finals, choices = _best_finals(eff, t_max, sizes, num_devices, placement, track=True, step=step)
     s = int(np.argmin(finals))  # Ties: fewer stages.
     first, devices, stages = 0, num_devices, []
     while s > 0:
@@ -647,14 +698,27 @@ def _reconstruct(costs: StageCosts, eff: np.ndarray, view: np.ndarray, t_max: fl
             logical_shape=costs.logical_shapes[p][l], view_index=l, variant=costs.variants[p][l],
             t_intra=float(eff[s - 1, first, last, p]),
             memory_per_device=float(costs.mem_stage[first, last, p, l]
-                                    + in_flight[s - 1] * costs.mem_act[first, last, p, l])))
+                                    + in_flight[s - 1] * costs.mem_act[first, last, p, l]),
+            step_seconds=costs.step_seconds_of(first, last, p)))
         first, devices, s = last + 1, devices - int(sizes[p]), s - 1
     return tuple(stages)
 
 
+def pipeline_latency(stages: Sequence[StageChoice], num_micro_batches: int) -> float:
+    """Eq. 3.2 for these stages plus their per-step terms: ``sum(t) + (B - 1) * max(t) + sum(step)``.
+
+    >>> a = StageChoice(layers=(0, 0), submesh_index=MeshIdx(0), submesh=(1, 1), logical_shape=(1, 1),
+    ...                 view_index=0, variant="", t_intra=2.0, memory_per_device=0.0)
+    >>> pipeline_latency([a, dataclasses.replace(a, layers=(1, 1), t_intra=1.0, step_seconds=0.5)], 4)
+    9.5
+    """
+    times = [stage.t_intra for stage in stages]
+    return sum(times) + (num_micro_batches - 1) * max(times) + sum(stage.step_seconds for stage in stages)
+
+
 def _solution(stages: Sequence[StageChoice], batches: int, num_t_max_evaluated: int) -> StageSolution:
     times = [stage.t_intra for stage in stages]
-    return StageSolution(stages=tuple(stages), iteration_time=sum(times) + (batches - 1) * max(times),
+    return StageSolution(stages=tuple(stages), iteration_time=pipeline_latency(stages, batches),
                          t_max=max(times), num_micro_batches=batches, num_t_max_evaluated=num_t_max_evaluated)
 
 

@@ -275,8 +275,9 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
     devices = [a * b for a, b in submeshes]
     t_intra = _range_sums(t_layer) + receive_seconds(received, devices, cluster)[..., None]
     saving = boundary_saving(received, devices, cluster)
+    step_seconds = receive_seconds(received_per_step(jaxpr, pieces, num_layers), devices, cluster)
     costs = StageCosts(num_layers=num_layers, submeshes=tuple(map(tuple, submeshes)),
-                       boundary_saving=saving,
+                       boundary_saving=saving, step_seconds=step_seconds,
                        logical_shapes=tuple(tuple(view for view, _ in e) for e in entries),
                        variants=tuple(tuple(variant for _, variant in e) for e in entries),
                        t_intra=t_intra, mem_stage=_range_sums(mem_layer),
@@ -393,6 +394,37 @@ def received_per_micro_batch(jaxpr: Jaxpr, pieces: Sequence[Piece | None], num_l
         for v in jax_compat.eqn_inputs(e):
             if v in producer_layer and producer_layer[v] != p.layer:
                 readers.setdefault(v, set()).add(p.layer)
+    return _received_by_ranges(producer_layer, readers, num_layers)
+
+
+def received_per_step(jaxpr: Jaxpr, pieces: Sequence[Piece | None], num_layers: int) -> ReceivedValues:
+    """The values each layer range ``i..j`` receives once per step when it is a pipeline stage: values that
+    the apply-grad equations of a layer inside it read and a layer outside it produced, counted once. A
+    gradient accumulated over micro-batches (an output of the grad marker) is produced by the layer that
+    produced the marker's input (the runtime accumulates it there), so a parameter read by layers of two
+    stages (a tied embedding) has its apply-grad, which runs with the last of its gradients' layers, receive
+    the other stage's accumulated gradient."""
+    producer_layer = {v: p.layer for e, p in zip(jaxpr.eqns, pieces, strict=True)
+                      if p is not None and not is_marker(e, "grad") for v in e.outvars}
+    for e in jaxpr.eqns:
+        if is_marker(e, "grad"):
+            for i, o in zip(e.invars, e.outvars, strict=True):
+                if isinstance(i, Var) and i in producer_layer:
+                    producer_layer[o] = producer_layer[i]
+    readers: dict[Var, set[int]] = {}
+    for e, p in zip(jaxpr.eqns, pieces, strict=True):
+        if p is None or p.phase != APPLY or is_marker(e, "grad"):
+            continue
+        for v in jax_compat.eqn_inputs(e):
+            if v in producer_layer and producer_layer[v] != p.layer:
+                readers.setdefault(v, set()).add(p.layer)
+    return _received_by_ranges(producer_layer, readers, num_layers)
+
+
+def _received_by_ranges(producer_layer: dict[Var, int], readers: dict[Var, set[int]],
+                        num_layers: int) -> ReceivedValues:
+    """For every layer range ``i..j``: the values some layer inside reads (``readers``) and a layer outside
+    produces (``producer_layer``), each counted once."""
     first, last = np.meshgrid(np.arange(num_layers), np.arange(num_layers), indexing="ij")
     num_bytes, count = np.zeros((num_layers, num_layers)), np.zeros((num_layers, num_layers))
     neighbour_bytes, neighbour_count = np.zeros((num_layers, num_layers, 2)), np.zeros((num_layers, num_layers, 2))

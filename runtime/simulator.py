@@ -13,7 +13,13 @@ Every mesh has a clock. An instruction starts when its mesh is free and its inpu
   are on different nodes); with ``shared_host_compute`` its copies are summed, not overlapped
   (:meth:`~alpa_like.runtime.resharding.ReshardingPlan.serial_seconds`: the driver issues them one by one
   on one host);
-* ``LOAD``: host-to-device bytes at the intra-node bandwidth; ``ACC``, ``MEAN``, ``FREE``: free.
+* ``LOAD``: host-to-device bytes at the intra-node bandwidth; ``ACC``, ``MEAN``, ``FREE``: free. On a
+  cluster whose devices have their own compute (no ``shared_host_compute``: GPUs), a per-step LOAD of a
+  non-batch input (parameters, optimizer state) is free: a training loop passes each step the state the
+  previous one returned, which stays in device memory (``jax.device_put`` of an array already on its
+  devices does not copy), and the Megatron-LM baseline's replay has no such load either. Batch inputs
+  always pay. With ``shared_host_compute`` (XLA's CPU devices) every LOAD pays, as measured
+  (``examples/benchmarks/pipeline.py``).
 
 When the cluster's devices share their host's cores (``ClusterSpec.shared_host_compute``: XLA's virtual
 CPU devices), each node also has a clock: RUN, RECV and LOAD instructions of different meshes on one node
@@ -53,6 +59,9 @@ class Simulation:
     seconds_by_kind: dict[str, float] = dataclasses.field(default_factory=dict)
     """Summed durations per instruction kind (:func:`instruction_kind`: ``RUN F``, ``RUN B``, ``RUN A``,
     ``RECV``, ``LOAD``, ...), to set beside a profiled step's measured ones."""
+    instruction_spans: tuple[tuple[int, str, float, float], ...] | None = None
+    """With ``simulate(..., trace=True)``: ``(mesh, text, start, end)`` of every RUN, RECV and LOAD, the
+    format of a profiled step's spans (:func:`measured_durations`)."""
 
 
 def _mesh_layout(stage_plan, shape, spec=None) -> MeshLayout:
@@ -101,13 +110,15 @@ def _strip_micro_batch(text: str) -> str:
 
 
 def simulate(plan, program: StageProgram, programs: MeshPrograms,
-             measured: dict[str, float] | None = None, value_specs: dict | None = None) -> Simulation:
+             measured: dict[str, float] | None = None, value_specs: dict | None = None,
+             trace: bool = False) -> Simulation:
     """Runs ``programs`` on the clock described in the module docstring. With ``measured`` (from
     :func:`measured_durations`) RUN, RECV and LOAD take their measured median durations instead of the
     cost model's: the schedule and the dependencies are then the only model (a calibrated simulation).
     ``value_specs``: ``(value, mesh) -> spec`` of the values the meshes hold (an executable's
     ``value_specs``: the layouts its stages' ILP solutions give them); a RECV is planned between those
-    layouts, :func:`activation_spec`'s where none is given."""
+    layouts, :func:`activation_spec`'s where none is given. ``trace``: also return every RUN, RECV and LOAD
+    as a span (:attr:`Simulation.instruction_spans`)."""
     value_specs = value_specs or {}
     cluster = plan.cluster
     m = plan.num_micro_batches
@@ -135,6 +146,7 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
     clock = [0.0] * programs.num_meshes
     ready: dict[tuple[int, tuple], float] = {}
     spans, busy, transfers = [], [0.0] * programs.num_meshes, 0.0
+    traced: list[tuple[int, str, float, float]] | None = [] if trace else None
     by_kind: dict[str, float] = {}
     def hosts(ins) -> frozenset[int]:
         """The nodes whose shared cores ``ins`` occupies (none when devices compute independently)."""
@@ -186,7 +198,9 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
             nbytes = math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
             if ins.key[1] != PER_STEP:
                 nbytes //= m
-            duration = cluster.intra_node_latency + nbytes / cluster.intra_node_bandwidth
+            resident = (not cluster.shared_host_compute and ins.key[1] == PER_STEP
+                        and ins.key[0] not in program.batch_inputs)
+            duration = 0.0 if resident else cluster.intra_node_latency + nbytes / cluster.intra_node_bandwidth
             if measured is not None:
                 duration = measured.get(_strip_micro_batch(str(ins)), duration)
             ready[(mesh, ins.key)] = start + duration
@@ -198,7 +212,10 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
         by_kind[kind] = by_kind.get(kind, 0.0) + duration
         if ins.op in (Op.RUN, Op.RECV, Op.LOAD):
             node_clock.update(dict.fromkeys(hosts(ins), start + duration))
+            if traced is not None:
+                traced.append((mesh, str(ins), start, start + duration))
     timeline = Timeline(name=plan.pipeline_schedule or "pipeline", num_meshes=programs.num_meshes,
                         num_stages=program.num_stages, spans=tuple(sorted(spans, key=lambda s: (s.mesh, s.start))))
     return Simulation(step_seconds=max(clock), timeline=timeline, busy_seconds=tuple(busy),
-                      transfer_seconds=transfers, seconds_by_kind=by_kind)
+                      transfer_seconds=transfers, seconds_by_kind=by_kind,
+                      instruction_spans=None if traced is None else tuple(traced))

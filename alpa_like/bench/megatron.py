@@ -15,6 +15,13 @@ The cost model is the one our own planner uses, so the comparison is like for li
   same :class:`~alpa_like.cluster.ClusterSpec` (tensor all-reduces on the ``t`` axis, the gradient all-reduce
   on the ``d`` axis, point-to-point sends between stages, across nodes with Megatron's scatter/gather
   optimisation: ``1/t`` of the bytes per NIC);
+* tied parameters: a parameter read by layers of several pipeline stages (GPT's word embedding, read by
+  the first layer and by the logits) has its gradient all-reduced between those stages after the pipeline
+  drains, before the optimizer step (Megatron-LM's "embedding group" of first and last stage,
+  ``megatron/core/distributed/finalize_model_grads.py``), ``1/t`` of it per rank (the embedding is split
+  over the vocabulary, ``VocabParallelEmbedding``), over the inter-node link when the stages are on
+  different nodes. Our own plans pay the same transfer (the apply-grad of the tied parameter receives the
+  other stage's accumulated gradient; :func:`~alpa_like.compiler.stage_profiling.received_per_step`);
 * pipeline: Alpa Eq. 3.2 generalised to ``v`` chunks per device,
 
   .. math:: T = m \\max_q W_q + \\frac{1}{v}\\Big(\\sum_q W_q - \\max_q W_q\\Big)
@@ -33,7 +40,10 @@ that fits in memory.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
+
+import numpy as np
 
 from alpa_like.cluster import ClusterSpec
 from alpa_like.compiler.logical_mesh import LogicalMesh
@@ -65,6 +75,9 @@ class TransformerCosts:
     num_heads: int
     recompute: bool
     """Whether the backward recomputes the forward (two more tensor-parallel all-reduces per layer)."""
+    shared_params: tuple[tuple[float, tuple[int, ...]], ...] = ()
+    """``(bytes, layers)`` of every parameter that the forwards of several layers read (a tied embedding:
+    the first and the last layer); its gradient is all-reduced between the stages holding those layers."""
 
     def __post_init__(self):
         n = len(self.forward_flops)
@@ -74,6 +87,10 @@ class TransformerCosts:
                                  f"{len(getattr(self, name))}")
         if n < 1:
             raise ValueError("TransformerCosts needs at least one layer")
+        for nbytes, layers in self.shared_params:
+            if nbytes < 0 or len(layers) < 2 or any(not 0 <= l < n for l in layers):
+                raise ValueError(f"TransformerCosts.shared_params entries must be (bytes >= 0, two or more layer "
+                                 f"indices in 0..{n - 1}), got {(nbytes, layers)!r}")
 
     @property
     def num_layers(self) -> int:
@@ -111,7 +128,8 @@ class MegatronEstimate:
     step_seconds: float
     pipeline_seconds: float
     sync_seconds: float
-    """Gradient all-reduce over ``d`` and the optimizer update (after the pipeline drains)."""
+    """Gradient all-reduce over ``d``, that of tied parameters between stages (:func:`tied_sync_seconds`) and
+    the optimizer update (after the pipeline drains)."""
     stage_forward_seconds: tuple[float, ...]
     """Per chunk (``p * v`` of them), one micro-batch's forward, with its tensor all-reduces and send."""
     stage_backward_seconds: tuple[float, ...]
@@ -182,6 +200,56 @@ def _send_seconds(cluster: ClusterSpec, config: MegatronConfig, src: int, dst: i
     return cluster.intra_node_latency + nbytes / cluster.intra_node_bandwidth
 
 
+def tied_sync_seconds(cluster: ClusterSpec, config: MegatronConfig, costs: TransformerCosts) -> tuple[float, ...]:
+    """Per pipeline stage, the seconds it spends all-reducing the gradients of :attr:`TransformerCosts.shared_params`
+    with the other stages that read them (module docstring): a ring over the ``n`` stages involved, each of the
+    ``t * d`` ranks of a stage paired with the same rank of the others, ``2 (n - 1) / n`` of its ``1/t`` share
+    of the bytes over the inter-node link when the stages span several nodes, plus ``2 (n - 1)`` latencies."""
+    p, size, per_node = config.p, config.t * config.d, cluster.num_devices_per_node
+    chunk = costs.num_layers // (p * config.v)
+    seconds = [0.0] * p
+    for nbytes, layers in costs.shared_params:
+        stages = sorted({(l // chunk) % p for l in layers})
+        n = len(stages)
+        if n < 2:
+            continue
+        cross = len({frozenset(_nodes(q, size, per_node)) for q in stages}) > 1
+        bandwidth = cluster.inter_node_bandwidth if cross else cluster.intra_node_bandwidth
+        latency = cluster.inter_node_latency if cross else cluster.intra_node_latency
+        time = 2 * (n - 1) * latency + 2 * (n - 1) / n * nbytes / config.t / bandwidth
+        for q in stages:
+            seconds[q] += time
+    return tuple(seconds)
+
+
+def shared_parameters(jaxpr, pieces, param_mask) -> tuple[tuple[float, tuple[int, ...]], ...]:
+    """``(bytes, layers)`` of every parameter leaf (``param_mask``) that forward equations of more than one
+    layer read, directly or through a marker (the :attr:`TransformerCosts.shared_params` of a sliced step)."""
+    from alpa_like.compiler import jax_compat
+    from alpa_like.compiler.layer_slicing import FORWARD
+    from alpa_like.compiler.markers import is_marker
+
+    leaf = {v: i for i, v in enumerate(jaxpr.invars) if param_mask[i]}
+    for eqn in jaxpr.eqns:  # a parameter seen through markers is still that leaf
+        if is_marker(eqn):
+            for inp, out in zip(eqn.invars, eqn.outvars, strict=True):
+                if inp in leaf:
+                    leaf[out] = leaf[inp]
+    readers: dict[int, set[int]] = {}
+    for eqn, piece in zip(jaxpr.eqns, pieces, strict=True):
+        if piece is None or piece.phase != FORWARD or is_marker(eqn):
+            continue
+        for v in jax_compat.eqn_inputs(eqn):
+            if v in leaf:
+                readers.setdefault(leaf[v], set()).add(piece.layer)
+    out = []
+    for k, layers in sorted(readers.items()):
+        if len(layers) > 1:
+            aval = jaxpr.invars[k].aval
+            out.append((float(math.prod(aval.shape) * np.dtype(aval.dtype).itemsize), tuple(sorted(layers))))
+    return tuple(out)
+
+
 def estimate(config: MegatronConfig, costs: TransformerCosts, cluster: ClusterSpec,
              global_batch: int) -> MegatronEstimate:
     """The modelled step time and memory of ``config`` (module docstring)."""
@@ -210,10 +278,11 @@ def estimate(config: MegatronConfig, costs: TransformerCosts, cluster: ClusterSp
     work = [sum(forward[k] + backward[k] for k in range(q, chunks, p)) for q in range(p)]
     pipeline = m * max(work) + (sum(work) - max(work)) / v
     sync, memory = [], []
+    tied = tied_sync_seconds(cluster, config, costs)
     for q in range(p):
         layers = [l for k in range(q, chunks, p) for l in range(k * per, (k + 1) * per)]
         params = sum(costs.param_bytes[l] for l in layers) / t
-        sync.append(mesh.all_reduce_cost(params, 0)
+        sync.append(mesh.all_reduce_cost(params, 0) + tied[q]
                     + sum(costs.apply_flops[l] for l in layers) / (t * cluster.peak_flops))
         state = (2 * params + sum(costs.optimizer_bytes[l] for l in layers) / t)
         activations = min(p - q, m) * b * sum(costs.activation_bytes[l] for l in layers) / t

@@ -19,6 +19,7 @@ from flax.training import train_state
 
 import alpa_like as al
 from alpa_like import models
+from alpa_like.bench import megatron
 from alpa_like.bench.megatron import TransformerCosts
 from alpa_like.compiler.layer_slicing import LayerSummary
 from alpa_like.models import gpt, moe, wide_resnet
@@ -140,7 +141,15 @@ def transformer_costs(sliced: Any, workload: Workload, num_micro_batches: int) -
         optimizer_bytes=tuple(float(b) for b in optimizer),
         activation_bytes=tuple(s.activation_bytes / per for s in summaries),
         hidden_bytes=float(config.seq_len * config.hidden_size * np.dtype(config.dtype).itemsize),
-        num_heads=config.num_heads, recompute=workload.remat)
+        num_heads=config.num_heads, recompute=workload.remat,
+        shared_params=_folded_shared_params(sliced, config.num_layers))
+
+
+def _folded_shared_params(sliced: Any, num_blocks: int) -> tuple:
+    """:func:`megatron.shared_parameters` of the sliced step on the folded layers (:func:`_fold_surplus_layers`)."""
+    shared = megatron.shared_parameters(sliced.jaxpr, sliced.pieces, [r == "param" for r in sliced.roles])
+    folded = ((nbytes, tuple(sorted({min(l, num_blocks - 1) for l in layers}))) for nbytes, layers in shared)
+    return tuple((nbytes, layers) for nbytes, layers in folded if len(layers) > 1)
 
 
 def logits_to_block_flops(config) -> float:
