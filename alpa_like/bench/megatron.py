@@ -44,9 +44,13 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+from jax.extend.core import Literal
 
 from alpa_like.cluster import ClusterSpec
+from alpa_like.compiler import jax_compat
+from alpa_like.compiler.layer_slicing import FORWARD
 from alpa_like.compiler.logical_mesh import LogicalMesh
+from alpa_like.compiler.markers import is_marker
 from alpa_like.runtime.schedules import make_schedule
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
@@ -225,15 +229,11 @@ def tied_sync_seconds(cluster: ClusterSpec, config: MegatronConfig, costs: Trans
 def shared_parameters(jaxpr, pieces, param_mask) -> tuple[tuple[float, tuple[int, ...]], ...]:
     """``(bytes, layers)`` of every parameter leaf (``param_mask``) that forward equations of more than one
     layer read, directly or through a marker (the :attr:`TransformerCosts.shared_params` of a sliced step)."""
-    from alpa_like.compiler import jax_compat
-    from alpa_like.compiler.layer_slicing import FORWARD
-    from alpa_like.compiler.markers import is_marker
-
     leaf = {v: i for i, v in enumerate(jaxpr.invars) if param_mask[i]}
     for eqn in jaxpr.eqns:  # a parameter seen through markers is still that leaf
         if is_marker(eqn):
             for inp, out in zip(eqn.invars, eqn.outvars, strict=True):
-                if inp in leaf:
+                if not isinstance(inp, Literal) and inp in leaf:
                     leaf[out] = leaf[inp]
     readers: dict[int, set[int]] = {}
     for eqn, piece in zip(jaxpr.eqns, pieces, strict=True):

@@ -457,3 +457,59 @@ def test_benchmark_gpt_48_layers_64_devices():
 
 def test_doctests():
     assert doctest.testmod(stage_dp_module).failed == 0
+
+
+def with_step_seconds(costs: StageCosts, seed: int) -> StageCosts:
+    """``costs`` with a random per-step term (0-3 s on the 0.1 s grid) for every (layers, submesh)."""
+    rng = np.random.default_rng(seed)
+    shape = costs.t_intra.shape[:3]
+    return dataclasses.replace(costs, step_seconds=np.round(rng.uniform(0.0, 3.0, shape), 1))
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_layers=st.integers(1, 5), cluster=st.sampled_from(SMALL_CLUSTERS),
+       batches=st.integers(1, 16), saving=st.booleans())
+def test_dp_with_per_step_terms_equals_brute_force(seed, num_layers, cluster, batches, saving):
+    """With ``step_seconds`` the objective is Eq. 3.2 plus each stage's per-step term, which does not enter
+    the t_max test; the DP (pruned and full) still finds the brute-force optimum."""
+    costs = with_step_seconds(random_costs(seed, num_layers, cluster), seed + 2)
+    if saving:
+        costs = with_boundary_saving(costs, seed + 1)
+    expected = brute_force_stages(costs, cluster, batches, 10.0)
+    if expected is None:
+        return
+    for prune in (True, False):
+        solution = solve_stages(costs, cluster, batches, 10.0, epsilon=0.0, prune=prune)
+        assert solution.iteration_time == pytest.approx(expected.iteration_time, rel=1e-12)
+    times = [s.t_intra for s in solution.stages]
+    steps = [float(costs.step_seconds[s.layers[0], s.layers[1], s.submesh_index]) for s in solution.stages]
+    assert [s.step_seconds for s in solution.stages] == steps
+    assert solution.t_max == max(times)
+    assert solution.iteration_time == pytest.approx(sum(times) + (batches - 1) * max(times) + sum(steps), rel=1e-12)
+
+
+def test_a_per_step_term_can_change_the_plan():
+    """Two layers of 1 s per micro-batch on one device each, or both on (1, 2) in 1.4 s; B = 4. Without
+    per-step terms two stages win (1 + 1 + 3 * 1 = 5 s against 4 * 1.4 = 5.6 s); a per-step term of 1 s on a
+    stage holding layer 1 without layer 0 (a tied parameter's gradient received after the pipeline) makes the
+    one-stage plan win (6 s against 5.6 s)."""
+    def cost(i, j, sub, view):
+        return (1.0 if sub == (1, 1) and i == j else 1.4 if sub == (1, 2) and (i, j) == (0, 1) else math.inf), 0, 0
+    costs = StageCosts.from_fn(2, [(1, 1), (1, 2)], cost, logical_shapes=[[(1, 1)], [(1, 2)]])
+    plain = solve_stages(costs, (1, 2), 4, 1.0)
+    assert plain.layers_per_stage == (1, 1) and plain.iteration_time == pytest.approx(5.0)
+    step = np.zeros((2, 2, 2))
+    step[1, 1, :] = 1.0
+    tied = solve_stages(dataclasses.replace(costs, step_seconds=step), (1, 2), 4, 1.0)
+    assert tied.layers_per_stage == (2,) and tied.iteration_time == pytest.approx(5.6)
+    step[1, 1, :] = 0.5
+    assert solve_stages(dataclasses.replace(costs, step_seconds=step), (1, 2), 4, 1.0).iteration_time == \
+        pytest.approx(5.5)
+
+
+def test_step_seconds_are_checked():
+    costs = StageCosts.from_fn(2, [(1, 1)], lambda i, j, sub, view: (1.0, 0, 0))
+    with pytest.raises(ValueError, match=r"step_seconds must have shape \(K, K, P\)"):
+        dataclasses.replace(costs, step_seconds=np.zeros((2, 2)))
+    with pytest.raises(ValueError, match="step_seconds must hold finite numbers >= 0"):
+        dataclasses.replace(costs, step_seconds=-np.ones((2, 2, 1)))

@@ -187,3 +187,24 @@ def test_plan_shards_every_weight_when_replicated_weights_do_not_fit(profile):
     for t in plan.stages[0].inputs:
         assert t.spec.num_shards(plan.stages[0].logical_mesh_shape) == 2, plan
     assert plan.stages[0].memory_per_device <= cluster.device_memory
+
+
+def test_the_tied_embedding_gradient_is_received_once_per_step_by_the_last_layers_stage():
+    """GPT ties the word embedding (layer 0) to the logits (the last layer): the apply-grad, with the last
+    layer, adds the gradient layer 0 accumulated, so a stage holding the last layer but not layer 0 receives
+    it once per step; a stage holding both, or not the last layer, does not."""
+    from alpa_like.bench import ours
+    from alpa_like.bench.workloads import make_workload
+    from alpa_like.compiler.stage_profiling import received_per_step
+
+    workload = make_workload("gpt-tiny", 8)
+    sliced = ours.slice_workload(workload, ours.pipeshard_method(
+        workload, 2, layer_option=al.AutoLayerOption(layer_num=3, eps=None)))
+    k = len(sliced.summaries)
+    received = received_per_step(sliced.jaxpr, sliced.pieces, k)
+    config = workload.config
+    embedding = config.vocab_size * config.hidden_size * 4
+    for first in range(1, k):
+        assert embedding <= received.num_bytes[first, k - 1] < 2 * embedding
+    assert received.num_bytes[0, k - 1] == 0
+    assert received.num_bytes[0, :k - 1].max() < embedding

@@ -108,3 +108,25 @@ def test_instruction_kinds():
         "RUN F", "RUN B", "RUN A", "RECV", "FREE"]
     assert measured_seconds_by_kind([(0, "RUN 0F0", 0.0, 1.0), (1, "RUN 1F0", 1.0, 3.0), (0, "LOAD v1", 0, .5)]) == {
         "RUN F": 3.0, "LOAD": 0.5}
+
+
+@pytest.mark.parametrize("shared_host_compute", [False, True])
+def test_state_loads_are_free_on_gpus_and_batch_loads_always_pay(shared_host_compute):
+    """Parameters and optimizer state stay on their mesh between steps on devices with their own memory: their
+    per-step LOAD costs nothing; a micro-batch's inputs pay latency + bytes / bandwidth. With shared host
+    cores (virtual CPU devices) every LOAD pays, as measured. ``trace=True`` lists every instruction."""
+    exe = executable("1f1b")
+    plan = idealised(exe.plan, shared_host_compute=shared_host_compute)
+    plan = dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, intra_node_bandwidth=1e9,
+                                                                 intra_node_latency=1e-6))
+    sim = simulate(plan, exe.program, exe.programs, trace=True)
+    loads = [(text, end - start) for _, text, start, end in sim.instruction_spans if text.startswith("LOAD")]
+    per_step = [d for text, d in loads if "@" not in text]
+    per_micro_batch = [d for text, d in loads if "@" in text]
+    assert per_step and per_micro_batch
+    assert all(d >= 1e-6 for d in per_micro_batch)
+    assert all((d == 0.0) != shared_host_compute for d in per_step)
+    runs = sorted((s.start, s.end) for s in sim.timeline.spans)
+    traced = sorted((start, end) for _, text, start, end in sim.instruction_spans
+                    if text.startswith("RUN") and not text.split()[1].rstrip("0123456789").endswith("A"))
+    assert traced == runs

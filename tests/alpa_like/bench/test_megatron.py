@@ -5,7 +5,7 @@ import pytest
 
 import alpa_like as al
 from alpa_like.bench.megatron import (MegatronConfig, TransformerCosts, enumerate_configs, estimate, grid_search,
-                                      replay)
+                                      replay, shared_parameters, tied_sync_seconds)
 
 GIB = 2**30
 
@@ -125,3 +125,39 @@ def test_bad_input_is_a_clear_error():
         enumerate_configs(num_devices=4, devices_per_node=4, num_layers=4, num_heads=0, global_batch=8)
     with pytest.raises(ValueError, match="one entry per layer"):
         dataclasses.replace(uniform_costs(), apply_flops=(1.0,))
+
+
+def test_tied_parameters_are_all_reduced_between_first_and_last_stage():
+    """A 4-layer model whose first and last layer share 8e8 bytes (a tied embedding), p = 2 stages of t * d = 4
+    devices on two 4-device nodes: after the pipeline both stages all-reduce ``1/t`` of it across nodes, a
+    two-party ring: 2 latencies + (2 - 1) / 2 * 2 * bytes / t / inter-node bandwidth; it adds to the step."""
+    c = cluster(nodes=2, per_node=4)
+    plain = uniform_costs()
+    tied = dataclasses.replace(plain, shared_params=((8e8, (0, 3)),))
+    config = MegatronConfig(t=2, p=2, d=2, b=1)
+    expected = 2 * c.inter_node_latency + 8e8 / 2 / c.inter_node_bandwidth
+    assert tied_sync_seconds(c, config, tied) == pytest.approx((expected, expected))
+    gap = estimate(config, tied, c, 8).step_seconds - estimate(config, plain, c, 8).step_seconds
+    assert gap == pytest.approx(expected)
+    # One stage holds both layers: nothing to reduce. Two stages on one node: the NVLink price.
+    assert tied_sync_seconds(c, MegatronConfig(t=4, p=1, d=2, b=1), tied) == (0.0,)
+    one_node = cluster(nodes=1, per_node=8)
+    assert tied_sync_seconds(one_node, config, tied)[0] == pytest.approx(
+        2 * one_node.intra_node_latency + 8e8 / 2 / one_node.intra_node_bandwidth)
+    with pytest.raises(ValueError, match="shared_params"):
+        dataclasses.replace(plain, shared_params=((1.0, (0,)),))
+
+
+def test_gpt_tied_embedding_is_found_in_the_first_and_last_layer():
+    from alpa_like.bench import ours
+    from alpa_like.bench.workloads import make_workload, transformer_costs
+    from alpa_like.pipeshard import AutoLayerOption
+
+    workload = make_workload("gpt-tiny", 8)
+    sliced = ours.slice_workload(workload, ours.pipeshard_method(
+        workload, 2, layer_option=AutoLayerOption(layer_num=3, eps=None)))
+    config = workload.config
+    embedding = config.vocab_size * config.hidden_size * 4  # float32 parameters
+    assert embedding in [b for b, _ in shared_parameters(sliced.jaxpr, sliced.pieces,
+                                                         [r == "param" for r in sliced.roles])]
+    assert transformer_costs(sliced, workload, 2).shared_params == ((float(embedding), (0, 1)),)
