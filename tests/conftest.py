@@ -1,10 +1,22 @@
 """Every test sees 8 virtual CPU devices: the flag must be set before jax is imported."""
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache per test session, cold at the start: tests that build the same pieces
+# (one model under several schedules, the single-device references, Flax's op-by-op init) compile them once
+# instead of once per test. Keyed by the compiled HLO, so a hit is the same program. Set through the
+# environment so that the Ray workers the session starts share it.
+_CACHE = tempfile.mkdtemp(prefix="alpa-like-tests-jax-cache-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import jax  # noqa: E402  (after the flag on purpose)
 import pytest  # noqa: E402
