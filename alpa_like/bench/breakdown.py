@@ -9,6 +9,11 @@ intra-op communication and busy seconds. A restricted DP's plan is the best of i
 cost model, so comparing it with the automatic plan shows whether the DP missed a better plan there.
 
     python -m alpa_like.bench.breakdown wresnet-6.8b --gpus 32 --restrict 2x8 --restrict 1x8,2x8
+
+``--plan`` prices one given plan instead of searching (``ManualStageOption``: layers per stage, submeshes,
+logical meshes), e.g. Alpa's 16-GPU Wide-ResNet case study (stages of 4, 4 and 8 GPUs):
+
+    python -m alpa_like.bench.breakdown wresnet-4b --gpus 16 --plan 4,4,8@1x4,1x4,1x8@1x4,1x4,2x4
 """
 from __future__ import annotations
 
@@ -36,10 +41,45 @@ def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(shapes)
 
 
+def parse_plan(text: str) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+    """``"LAYERS@SUBMESHES@LOGICAL"`` -> (layers per stage, submesh shapes, logical mesh shapes), one entry
+    per stage in each.
+
+    >>> parse_plan("4,4,8@1x4,1x4,1x8@1x4,1x4,2x4")
+    ((4, 4, 8), ((1, 4), (1, 4), (1, 8)), ((1, 4), (1, 4), (2, 4)))
+    """
+    parts = text.split("@")
+    try:
+        if len(parts) != 3:
+            raise ValueError
+        layers = tuple(int(x) for x in parts[0].split(","))
+        submeshes, logical = parse_shapes(parts[1]), parse_shapes(parts[2])
+    except ValueError:
+        raise ValueError(f"--plan takes LAYERS@SUBMESHES@LOGICAL like 4,4,8@1x4,1x4,1x8@1x4,1x4,2x4, got {text!r}") from None
+    if not len(layers) == len(submeshes) == len(logical) or min(layers) < 1:
+        raise ValueError(f"--plan needs one positive layer count, submesh and logical mesh per stage, got {text!r}")
+    for (a, b), (x, y) in zip(submeshes, logical):
+        if a * b != x * y:
+            raise ValueError(f"--plan: logical mesh {x}x{y} does not have the {a * b} devices of submesh {a}x{b}")
+    return layers, submeshes, logical
+
+
+def manual_option(layers: tuple[int, ...], submeshes, logical):
+    """The ``ManualStageOption`` of :func:`parse_plan`'s fields: stage ``q`` takes the next ``layers[q]``
+    layers in order."""
+    from alpa_like.pipeshard import ManualStageOption
+
+    ends = [sum(layers[:q + 1]) for q in range(len(layers))]
+    ids = tuple(tuple(range(end - n, end)) for n, end in zip(layers, ends))
+    return ManualStageOption(forward_stage_layer_ids=ids, submesh_physical_shapes=tuple(submeshes),
+                             submesh_logical_shapes=tuple(logical), show_progress=False)
+
+
 def plan_rows(model: str, gpus: int, restrictions, preset: str = "p3.16xlarge",
-              num_micro_batches: int | None = None, with_auto: bool = True) -> list[dict]:
+              num_micro_batches: int | None = None, with_auto: bool = True, plans=()) -> list[dict]:
     """One summary per plan (``auto`` and ``equal layer`` unless ``with_auto`` is False, then each
-    restriction), as the suites write them."""
+    restriction, then each of ``plans``, :func:`parse_plan`'s tuples priced as given), as the suites write
+    them."""
     from alpa_like import models
     from alpa_like.bench import ours, suites
     from alpa_like.bench.workloads import cluster_for, make_workload
@@ -58,6 +98,11 @@ def plan_rows(model: str, gpus: int, restrictions, preset: str = "p3.16xlarge",
     for shapes in restrictions:
         label = "only " + ",".join(f"{a}x{b}" for a, b in shapes)
         option = AutoStageOption(submesh_shapes=shapes, show_progress=False)
+        results.append(ours.plan_method(label, dataclasses.replace(method, stage_option=option), sliced, cluster))
+    for layers, submeshes, logical in plans:
+        label = (f"given {list(layers)} on " + ",".join(f"{a}x{b}" for a, b in submeshes)
+                 + " as " + ",".join(f"{x}x{y}" for x, y in logical))
+        option = manual_option(layers, submeshes, logical)
         results.append(ours.plan_method(label, dataclasses.replace(method, stage_option=option), sliced, cluster))
     return [dict(r.summary(), model=model, gpus=gpus, cluster=preset, micro_batches=m) for r in results]
 
@@ -87,20 +132,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", type=int, required=True)
     parser.add_argument("--restrict", action="append", default=[], metavar="SHAPES",
                         help="submesh shapes the DP may use, e.g. 2x8 or 1x8,2x8 (repeatable)")
+    parser.add_argument("--plan", action="append", default=[], metavar="LAYERS@SUBMESHES@LOGICAL",
+                        help="price this plan as given, e.g. 4,4,8@1x4,1x4,1x8@1x4,1x4,2x4 (repeatable)")
     parser.add_argument("--cluster", default="p3.16xlarge")
     parser.add_argument("--micro-batches", type=int)
-    parser.add_argument("--only-restricted", action="store_true", help="skip the auto and equal-layer plans")
+    parser.add_argument("--only-restricted", action="store_true",
+                        help="skip the auto and equal-layer plans (only --restrict and --plan)")
     parser.add_argument("--out", help="JSON path (default results/breakdown_<model>_<gpus>.json)")
     args = parser.parse_args(argv)
     try:
         restrictions = [parse_shapes(text) for text in args.restrict]
+        plans = [parse_plan(text) for text in args.plan]
     except ValueError as e:
         parser.error(str(e))
     from alpa_like.bench import report
 
     start = time.perf_counter()
     rows = plan_rows(args.model, args.gpus, restrictions, args.cluster, args.micro_batches,
-                     with_auto=not args.only_restricted)
+                     with_auto=not args.only_restricted, plans=plans)
     print(f"\n{args.model} on {args.gpus} GPUs, simulated {args.cluster} ({time.perf_counter() - start:.0f} s)")
     print(format_rows(rows))
     out = args.out or os.path.join("results", f"breakdown_{args.model}_{args.gpus}.json")

@@ -100,3 +100,35 @@ def test_breakdown_plans_auto_equal_layer_and_each_restriction(tmp_path, capsys)
     for r in rows:
         assert r["busy_s"][0] == pytest.approx(r["stage_compute_s"][0] + r["stage_intra_op_s"][0], rel=0.02)
     assert "only 1x4" in breakdown.format_rows(rows)
+
+
+def test_breakdown_parses_a_given_plan_and_rejects_bad_ones():
+    from alpa_like.bench import breakdown
+
+    assert breakdown.parse_plan("2,3@1x2,2x4@2x1,4x2") == ((2, 3), ((1, 2), (2, 4)), ((2, 1), (4, 2)))
+    option = breakdown.manual_option((2, 3), ((1, 2), (2, 4)), ((2, 1), (4, 2)))
+    assert option.forward_stage_layer_ids == ((0, 1), (2, 3, 4))
+    for bad, match in (("2,3@1x2,2x4", "LAYERS@SUBMESHES@LOGICAL"), ("2,x@1x2,2x4@2x1,4x2", "LAYERS@SUBMESHES"),
+                       ("2@1x2,2x4@2x1,4x2", "one positive layer count"), ("0,3@1x2,2x4@2x1,4x2", "positive"),
+                       ("2,3@1x2,2x4@2x1,2x2", "logical mesh 2x2 does not have the 8 devices")):
+        with pytest.raises(ValueError, match=match):
+            breakdown.parse_plan(bad)
+
+
+def test_breakdown_prices_a_given_plan_no_better_than_the_dp():
+    """A given plan inside the DP's space, priced by the same cost table, is never better than the DP's
+    optimum (Eq. 3.2), and its stages are the ones asked for."""
+    from alpa_like.bench import breakdown
+    from alpa_like.bench.workloads import make_workload
+
+    layers = make_workload("gpt-tiny", 8).num_layers
+    given = ((1, layers - 1), ((1, 2), (1, 2)), ((1, 2), (2, 1)))
+    rows = breakdown.plan_rows("gpt-tiny", 4, [], num_micro_batches=2, plans=[given])
+    auto, manual = rows[0], rows[-1]
+    assert manual["variant"].startswith("given [1, ")
+    assert manual["layers_per_stage"] == [1, layers - 1]
+    assert manual["submeshes"] == [[1, 2], [1, 2]] and manual["logical_meshes"] == [[1, 2], [2, 1]]
+    assert auto["dp_predicted_s"] <= manual["dp_predicted_s"] * (1 + 1e-9)
+    wrong = breakdown.plan_rows("gpt-tiny", 4, [], num_micro_batches=2, with_auto=False,
+                                plans=[((1, 1), ((1, 2), (1, 2)), ((1, 2), (1, 2)))])
+    assert "layers 0.." in wrong[0]["error"]  # the layers must cover the model: a row with the planner's message
