@@ -142,6 +142,27 @@ def build_stage_program(closed: ClosedJaxpr, pieces: Sequence[Piece | None], sta
                         accumulated=accumulated, home=home)
 
 
+def updating_stages(program: StageProgram) -> dict[ValueId, frozenset[int]]:
+    """Per non-batch step input that some apply-grad piece reads: the stages whose apply-grad reads it.
+
+    An optimizer update reads the old value of the parameter (or optimizer state) it replaces, so these are
+    the stages that compute its next value, which the step returns from their mesh. A stage whose forward
+    or backward reads the input while its own apply-grad does not (the first stage of a GPT, whose lookup
+    reads the word embedding that the logits' stage updates) gets the next step's value from another mesh.
+
+    NOTE: the step's outputs are not matched to its inputs (a training loop feeds the returned state back,
+    but nothing in the jaxpr says which output becomes which input); reading the old value is the proxy.
+    """
+    readers: dict[ValueId, set[int]] = {}
+    step_inputs = set(program.step_inputs) - program.batch_inputs
+    for (q, phase), piece in program.pieces.items():
+        if phase == APPLY:
+            for v in piece.inputs:
+                if v in step_inputs:
+                    readers.setdefault(v, set()).add(q)
+    return {v: frozenset(stages) for v, stages in readers.items()}
+
+
 def run_sequentially(program: StageProgram, flat_inputs: Sequence, num_micro_batches: int) -> list:
     """Runs ``program`` on the current default device in GPipe order: all forwards, all backwards, the mean
     of the accumulated values, then every apply. The reference the pipelined runtimes are tested against."""

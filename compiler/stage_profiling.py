@@ -275,7 +275,8 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
     devices = [a * b for a, b in submeshes]
     t_intra = _range_sums(t_layer) + receive_seconds(received, devices, cluster)[..., None]
     saving = boundary_saving(received, devices, cluster)
-    step_seconds = receive_seconds(received_per_step(jaxpr, pieces, num_layers), devices, cluster)
+    step_seconds = (receive_seconds(received_per_step(jaxpr, pieces, num_layers), devices, cluster)
+                    + receive_seconds(loaded_per_step(jaxpr, pieces, num_layers), devices, cluster))
     costs = StageCosts(num_layers=num_layers, submeshes=tuple(map(tuple, submeshes)),
                        boundary_saving=saving, step_seconds=step_seconds,
                        logical_shapes=tuple(tuple(view for view, _ in e) for e in entries),
@@ -421,10 +422,32 @@ def received_per_step(jaxpr: Jaxpr, pieces: Sequence[Piece | None], num_layers: 
     return _received_by_ranges(producer_layer, readers, num_layers)
 
 
-def _received_by_ranges(producer_layer: dict[Var, int], readers: dict[Var, set[int]],
+def loaded_per_step(jaxpr: Jaxpr, pieces: Sequence[Piece | None], num_layers: int) -> ReceivedValues:
+    """The step inputs each layer range ``i..j`` gets from another stage's mesh once per step when it is a
+    pipeline stage: inputs that the forward or backward of a layer inside reads while the apply-grad that
+    updates them (the apply-grad equations reading them,
+    :func:`~alpa_like.compiler.stage_construction.updating_stages`) runs in layers outside only, counted
+    once. The previous step's update left their value on that stage's mesh (the tied word embedding of a
+    GPT: updated with the logits, read by the first layer's lookup); the simulated backend prices that LOAD
+    as a copy between the meshes. Inputs no apply-grad reads stay where they are."""
+    index = set(jaxpr.invars)
+    updated_in: dict[Var, set[int]] = {}
+    readers: dict[Var, set[int]] = {}
+    for e, p in zip(jaxpr.eqns, pieces, strict=True):
+        if p is None or is_marker(e, "grad"):
+            continue
+        for v in jax_compat.eqn_inputs(e):
+            if v in index:
+                (updated_in if p.phase == APPLY else readers).setdefault(v, set()).add(p.layer)
+    return _received_by_ranges({v: frozenset(layers) for v, layers in updated_in.items()},
+                               {v: layers for v, layers in readers.items() if v in updated_in}, num_layers)
+
+
+def _received_by_ranges(producer_layer: dict[Var, int | frozenset[int]], readers: dict[Var, set[int]],
                         num_layers: int) -> ReceivedValues:
     """For every layer range ``i..j``: the values some layer inside reads (``readers``) and a layer outside
-    produces (``producer_layer``), each counted once."""
+    produces (``producer_layer``: one layer, or a set of layers each holding the value, when none of them
+    is inside), each counted once."""
     first, last = np.meshgrid(np.arange(num_layers), np.arange(num_layers), indexing="ij")
     num_bytes, count = np.zeros((num_layers, num_layers)), np.zeros((num_layers, num_layers))
     neighbour_bytes, neighbour_count = np.zeros((num_layers, num_layers, 2)), np.zeros((num_layers, num_layers, 2))
@@ -432,12 +455,19 @@ def _received_by_ranges(producer_layer: dict[Var, int], readers: dict[Var, set[i
         inside = np.zeros((num_layers, num_layers), dtype=bool)
         for c in layers:
             inside |= (first <= c) & (c <= last)
-        a = producer_layer[v]
-        received = inside & ~((first <= a) & (a <= last))
+        homes = producer_layer[v]
+        homes = (homes,) if isinstance(homes, int) else tuple(sorted(homes))
+        held = np.zeros((num_layers, num_layers), dtype=bool)
+        for a in homes:
+            held |= (first <= a) & (a <= last)
+        received = inside & ~held
         size = math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize
         num_bytes += received * size
         count += received
-        for side, adjacent in enumerate((first == a + 1, last == a - 1)):
+        for side in range(2):
+            adjacent = np.zeros((num_layers, num_layers), dtype=bool)
+            for a in homes:
+                adjacent |= first == a + 1 if side == 0 else last == a - 1
             neighbour_bytes[..., side] += (received & adjacent) * size
             neighbour_count[..., side] += received & adjacent
     return ReceivedValues(num_bytes=num_bytes, count=count, neighbour_bytes=neighbour_bytes,

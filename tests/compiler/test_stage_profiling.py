@@ -208,3 +208,25 @@ def test_the_tied_embedding_gradient_is_received_once_per_step_by_the_last_layer
         assert embedding <= received.num_bytes[first, k - 1] < 2 * embedding
     assert received.num_bytes[0, k - 1] == 0
     assert received.num_bytes[0, :k - 1].max() < embedding
+
+
+def test_the_tied_embedding_is_loaded_from_the_logits_stage_once_per_step():
+    """GPT's word embedding is read by layer 0's lookup and the last layer's logits and updated with the last
+    layer: a stage holding layer 0 but not the last layer loads it once per step from the stage that
+    updated it, exactly one value of the embedding's bytes; no other range loads anything from another
+    stage (every other parameter and optimizer state is updated with the layer that reads it)."""
+    from alpa_like.bench import ours
+    from alpa_like.bench.workloads import make_workload
+    from alpa_like.compiler.stage_profiling import loaded_per_step
+
+    workload = make_workload("gpt-tiny", 8)
+    sliced = ours.slice_workload(workload, ours.pipeshard_method(
+        workload, 2, layer_option=al.AutoLayerOption(layer_num=3, eps=None)))
+    k = len(sliced.summaries)
+    loaded = loaded_per_step(sliced.jaxpr, sliced.pieces, k)
+    config = workload.config
+    embedding = config.vocab_size * config.hidden_size * 4
+    first, last = np.meshgrid(np.arange(k), np.arange(k), indexing="ij")
+    expected = (first == 0) & (last < k - 1)
+    np.testing.assert_array_equal(loaded.num_bytes, np.where(expected, embedding, 0))
+    np.testing.assert_array_equal(loaded.count, expected.astype(float))

@@ -115,12 +115,17 @@ def test_state_loads_are_free_on_gpus_and_batch_loads_always_pay(shared_host_com
     """Parameters and optimizer state stay on their mesh between steps on devices with their own memory: their
     per-step LOAD costs nothing; a micro-batch's inputs pay latency + bytes / bandwidth. With shared host
     cores (virtual CPU devices) every LOAD pays, as measured. ``trace=True`` lists every instruction."""
+    from alpa_like.compiler.stage_construction import updating_stages
+
     exe = executable("1f1b")
     plan = idealised(exe.plan, shared_host_compute=shared_host_compute)
     plan = dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, intra_node_bandwidth=1e9,
                                                                  intra_node_latency=1e-6))
     sim = simulate(plan, exe.program, exe.programs, trace=True)
-    loads = [(text, end - start) for _, text, start, end in sim.instruction_spans if text.startswith("LOAD")]
+    updated_on_1 = {v for v, stages in updating_stages(exe.program).items() if stages == {1}}
+    loads = [(text, end - start) for mesh, text, start, end in sim.instruction_spans if text.startswith("LOAD")
+             # Except GPT's tied embedding on mesh 0: test_a_tied_parameter_is_copied_from_the_mesh_that_updates_it.
+             and (shared_host_compute or mesh != 0 or int(text[6:].split("@")[0]) not in updated_on_1)]
     per_step = [d for text, d in loads if "@" not in text]
     per_micro_batch = [d for text, d in loads if "@" in text]
     assert per_step and per_micro_batch
@@ -130,3 +135,66 @@ def test_state_loads_are_free_on_gpus_and_batch_loads_always_pay(shared_host_com
     traced = sorted((start, end) for _, text, start, end in sim.instruction_spans
                     if text.startswith("RUN") and not text.split()[1].rstrip("0123456789").endswith("A"))
     assert traced == runs
+
+
+def tied_loss(params, batch):
+    """Two layers sharing ``w``: the first multiplies by it, the second by its transpose (a tied embedding)."""
+    import jax.numpy as jnp
+
+    h = jnp.tanh(batch["x"] @ params["w"])
+    al.mark_pipeline_boundary()
+    out = jnp.tanh(h @ params["v"]) @ params["w"].T
+    return jnp.mean((out - batch["y"]) ** 2)
+
+
+def tied_executable(num_micro_batches=2):
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax.training import train_state
+
+    from tests.runtime.test_pipeshard_runtime import stages
+
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(16, 32)) / 4, jnp.float32),
+              "v": jnp.asarray(rng.normal(size=(32, 32)) / 4, jnp.float32)}
+    batch = {"x": jnp.asarray(rng.normal(size=(8, 16)), jnp.float32),
+             "y": jnp.asarray(rng.normal(size=(8, 16)), jnp.float32)}
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+    method = al.PipeshardParallel(num_micro_batches=num_micro_batches, layer_option=al.ManualLayerOption(),
+                                  stage_option=stages(((0,), (1,)), ((1, 4), (1, 4)), ((2, 2), (1, 4))),
+                                  pipeline_schedule="1f1b")
+    return al.parallelize(train_step_for(tied_loss), method=method).get_executable(state, batch)
+
+
+@pytest.mark.parametrize("shared_host_compute", [False, True])
+def test_a_tied_parameter_is_copied_from_the_mesh_that_updates_it(shared_host_compute):
+    """``w`` is read by both stages; its apply-grad (which reads the old ``w``) runs on mesh 1, where the last
+    of its gradients is made. At the next step mesh 0's LOAD of ``w`` is then a copy from mesh 1, priced like
+    a RECV between the two layouts: each of mesh 0's 4 devices gets its quarter of ``w`` (dim 0 split over
+    the mesh on both sides), ``latency + bytes / 4 / bandwidth``, and mesh 0's first forward waits for it.
+    Mesh 1's LOAD of ``w`` and every other per-step LOAD are free (resident state). With shared host cores
+    every LOAD is a host-to-device copy of the whole value."""
+    from alpa_like.compiler.stage_construction import updating_stages
+
+    exe = tied_executable()
+    program = exe.program
+    w = next(v for v in program.step_inputs if program.values[v].aval.shape == (16, 32))
+    assert updating_stages(program)[w] == {1}
+    bandwidth, latency = 1e9, 1e-6
+    plan = idealised(exe.plan, shared_host_compute=shared_host_compute)
+    plan = dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, intra_node_bandwidth=bandwidth,
+                                                                 intra_node_latency=latency))
+    sim = simulate(plan, program, exe.programs, trace=True)
+    loads = {(mesh, text): (start, end) for mesh, text, start, end in sim.instruction_spans if text.startswith("LOAD")}
+    nbytes = 16 * 32 * 4
+    start, end = loads[(0, f"LOAD v{w}")]
+    if shared_host_compute:
+        assert end - start == pytest.approx(latency + nbytes / bandwidth)
+        return
+    assert end - start == pytest.approx(latency + nbytes / 4 / bandwidth)
+    first_forward = min(s.start for s in sim.timeline.spans if s.mesh == 0)
+    assert first_forward >= end
+    assert loads[(1, f"LOAD v{w}")][1] - loads[(1, f"LOAD v{w}")][0] == 0.0
+    others = [e - s for (mesh, text), (s, e) in loads.items() if "@" not in text and text != f"LOAD v{w}"]
+    assert others and all(d == 0.0 for d in others)
