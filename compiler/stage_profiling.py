@@ -276,7 +276,7 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
     t_intra = _range_sums(t_layer) + receive_seconds(received, devices, cluster)[..., None]
     saving = boundary_saving(received, devices, cluster)
     step_seconds = (receive_seconds(received_per_step(jaxpr, pieces, num_layers), devices, cluster)
-                    + receive_seconds(loaded_per_step(jaxpr, pieces, num_layers), devices, cluster))
+                    + receive_seconds(replica_received_per_step(jaxpr, pieces, num_layers), devices, cluster))
     costs = StageCosts(num_layers=num_layers, submeshes=tuple(map(tuple, submeshes)),
                        boundary_saving=saving, step_seconds=step_seconds,
                        logical_shapes=tuple(tuple(view for view, _ in e) for e in entries),
@@ -422,32 +422,73 @@ def received_per_step(jaxpr: Jaxpr, pieces: Sequence[Piece | None], num_layers: 
     return _received_by_ranges(producer_layer, readers, num_layers)
 
 
-def loaded_per_step(jaxpr: Jaxpr, pieces: Sequence[Piece | None], num_layers: int) -> ReceivedValues:
-    """The step inputs each layer range ``i..j`` gets from another stage's mesh once per step when it is a
-    pipeline stage: inputs that the forward or backward of a layer inside reads while the apply-grad that
-    updates them (the apply-grad equations reading them,
-    :func:`~alpa_like.compiler.stage_construction.updating_stages`) runs in layers outside only, counted
-    once. The previous step's update left their value on that stage's mesh (the tied word embedding of a
-    GPT: updated with the logits, read by the first layer's lookup); the simulated backend prices that LOAD
-    as a copy between the meshes. Inputs no apply-grad reads stay where they are."""
-    index = set(jaxpr.invars)
+def replica_received_per_step(jaxpr: Jaxpr, pieces: Sequence[Piece | None], num_layers: int) -> ReceivedValues:
+    """What each layer range ``i..j`` receives once per step for the updates replicated onto it
+    (:func:`~alpa_like.compiler.stage_construction.replicated_updates`): for every step input that the
+    forward or backward of a layer inside reads and that the apply-grad of layers outside only updates (the
+    tied word embedding of a GPT: read by the first layer's lookup, updated with the logits), the stage runs
+    that update too, after receiving the values the update reads that layers outside the range made (the
+    gradient part accumulated with the logits), counted once. Without the replica the stage would instead
+    load the updated value from the other stage's mesh at the next step: for a parameter read by two
+    stages, the same bytes (one gradient part of the parameter's shape), later in the step.
+
+    The update of ``v`` is the apply-grad equations of ``v``'s updating layers that the step outputs
+    depending on ``v`` depend on; a value it reads is made by the layer of its equation, or for an
+    accumulated gradient (a grad marker output) by the layer that made the marker's input."""
+    invars = set(jaxpr.invars)
+    made_in: dict[Var, int] = {}
+    for e, p in zip(jaxpr.eqns, pieces, strict=True):
+        if p is not None and not is_marker(e, "grad"):
+            made_in.update(dict.fromkeys(e.outvars, p.layer))
+    for e in jaxpr.eqns:
+        if is_marker(e, "grad"):
+            made_in.update((o, made_in[i]) for i, o in zip(e.invars, e.outvars, strict=True)
+                           if isinstance(i, Var) and i in made_in)
     updated_in: dict[Var, set[int]] = {}
     readers: dict[Var, set[int]] = {}
     for e, p in zip(jaxpr.eqns, pieces, strict=True):
         if p is None or is_marker(e, "grad"):
             continue
         for v in jax_compat.eqn_inputs(e):
-            if v in index:
+            if v in invars:
                 (updated_in if p.phase == APPLY else readers).setdefault(v, set()).add(p.layer)
-    return _received_by_ranges({v: frozenset(layers) for v, layers in updated_in.items()},
-                               {v: layers for v, layers in readers.items() if v in updated_in}, num_layers)
+    step_outputs = {v for v in jaxpr.outvars if isinstance(v, Var)}
+    first, last = np.meshgrid(np.arange(num_layers), np.arange(num_layers), indexing="ij")
+
+    def holds(layers) -> np.ndarray:
+        mask = np.zeros((num_layers, num_layers), dtype=bool)
+        for layer in layers:
+            mask |= (first <= layer) & (layer <= last)
+        return mask
+
+    received: dict[Var, np.ndarray] = {}
+    for v, layers in updated_in.items():
+        replica = holds(readers.get(v, ())) & ~holds(layers)
+        if not replica.any():
+            continue
+        update = [e for e, p in zip(jaxpr.eqns, pieces, strict=True)
+                  if p is not None and p.phase == APPLY and p.layer in layers and not is_marker(e, "grad")]
+        depends = {v}
+        for e in update:
+            if depends.intersection(jax_compat.eqn_inputs(e)):
+                depends.update(e.outvars)
+        needed = [update[i] for i in sorted(jax_compat.ancestors(
+            update, [o for e in update for o in e.outvars if o in depends and o in step_outputs]))]
+        for g in jax_compat.free_vars(needed):
+            if g in made_in:
+                received[g] = received.get(g, False) | (replica & ~holds((made_in[g],)))
+    num_bytes, count = np.zeros((num_layers, num_layers)), np.zeros((num_layers, num_layers))
+    for g, mask in received.items():
+        num_bytes += mask * (math.prod(g.aval.shape) * np.dtype(g.aval.dtype).itemsize)
+        count += mask
+    zeros = np.zeros((num_layers, num_layers, 2))
+    return ReceivedValues(num_bytes=num_bytes, count=count, neighbour_bytes=zeros, neighbour_count=zeros.copy())
 
 
-def _received_by_ranges(producer_layer: dict[Var, int | frozenset[int]], readers: dict[Var, set[int]],
+def _received_by_ranges(producer_layer: dict[Var, int], readers: dict[Var, set[int]],
                         num_layers: int) -> ReceivedValues:
     """For every layer range ``i..j``: the values some layer inside reads (``readers``) and a layer outside
-    produces (``producer_layer``: one layer, or a set of layers each holding the value, when none of them
-    is inside), each counted once."""
+    produces (``producer_layer``), each counted once."""
     first, last = np.meshgrid(np.arange(num_layers), np.arange(num_layers), indexing="ij")
     num_bytes, count = np.zeros((num_layers, num_layers)), np.zeros((num_layers, num_layers))
     neighbour_bytes, neighbour_count = np.zeros((num_layers, num_layers, 2)), np.zeros((num_layers, num_layers, 2))
@@ -455,19 +496,12 @@ def _received_by_ranges(producer_layer: dict[Var, int | frozenset[int]], readers
         inside = np.zeros((num_layers, num_layers), dtype=bool)
         for c in layers:
             inside |= (first <= c) & (c <= last)
-        homes = producer_layer[v]
-        homes = (homes,) if isinstance(homes, int) else tuple(sorted(homes))
-        held = np.zeros((num_layers, num_layers), dtype=bool)
-        for a in homes:
-            held |= (first <= a) & (a <= last)
-        received = inside & ~held
+        a = producer_layer[v]
+        received = inside & ~((first <= a) & (a <= last))
         size = math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize
         num_bytes += received * size
         count += received
-        for side in range(2):
-            adjacent = np.zeros((num_layers, num_layers), dtype=bool)
-            for a in homes:
-                adjacent |= first == a + 1 if side == 0 else last == a - 1
+        for side, adjacent in enumerate((first == a + 1, last == a - 1)):
             neighbour_bytes[..., side] += (received & adjacent) * size
             neighbour_count[..., side] += received & adjacent
     return ReceivedValues(num_bytes=num_bytes, count=count, neighbour_bytes=neighbour_bytes,

@@ -20,9 +20,12 @@ Every mesh has a clock. An instruction starts when its mesh is free and its inpu
   a training loop passes each step the state the previous one returned, which stays in device memory
   (``jax.device_put`` of an array already on its devices does not copy), and the Megatron-LM baseline's
   replay has no such load either. A per-step LOAD onto a mesh whose apply-grad does not update the value
-  while another mesh's does (GPT's tied word embedding: the first stage's lookup reads it, the logits'
-  stage updates it) is a copy from that mesh, priced like a RECV (:func:`transfer_seconds`); it waits for
-  nothing of this step, as the value was ready when the previous step ended. Batch inputs always pay.
+  while another mesh's does (GPT's tied word embedding when its update is not replicated: the first
+  stage's lookup reads it, the logits' stage updates it) is a copy from that mesh, priced like a RECV
+  (:func:`transfer_seconds`); it waits for nothing of this step, as the value was ready when the previous
+  step ended. (The local runtime replicates such updates,
+  :func:`~alpa_like.compiler.stage_construction.replicated_updates`: the meshes then exchange gradient
+  parts by RECV and load nothing from each other.) Batch inputs always pay.
   With ``shared_host_compute`` (XLA's CPU devices) every LOAD pays host-to-device, as measured
   (``examples/benchmarks/pipeline.py``).
 
