@@ -220,7 +220,8 @@ def updating_stages(program: StageProgram) -> dict[ValueId, frozenset[int]]:
     An optimizer update reads the old value of the parameter (or optimizer state) it replaces, so these are
     the stages that compute its next value, which the step returns from their mesh. A stage whose forward
     or backward reads the input while its own apply-grad does not (the first stage of a GPT, whose lookup
-    reads the word embedding that the logits' stage updates) gets the next step's value from another mesh.
+    reads the word embedding that the logits' stage updates) gets the next step's value from another mesh,
+    unless the program replicates that update on it (:func:`replicated_updates`).
 
     NOTE: the step's outputs are not matched to its inputs (a training loop feeds the returned state back,
     but nothing in the jaxpr says which output becomes which input); reading the old value is the proxy.
