@@ -541,7 +541,7 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
         return profile.layer_costs[(layer, choice.submesh_index, choice.view_index)]
     shardings = stage_shardings(sliced.jaxpr, sliced.pieces, stage_layers, layer_cost)
     program = build_stage_program(sliced.closed_jaxpr, sliced.pieces, stage_layers,
-                                  [r == "batch" for r in sliced.roles])
+                                  [r == "batch" for r in sliced.roles], stage_to_mesh=stage_to_mesh)
     schedule = make_schedule(method.pipeline_schedule, num_meshes=len(plan.stages),
                              num_micro_batches=method.num_micro_batches, virtual_stages=method.virtual_stages)
     programs = emit_programs(program, schedule, stage_to_mesh=stage_to_mesh)

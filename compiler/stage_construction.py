@@ -76,7 +76,7 @@ def stage_of_layer(stage_layers: Sequence[Sequence[int]]) -> dict[int, int]:
 
 
 def build_stage_program(closed: ClosedJaxpr, pieces: Sequence[Piece | None], stage_layers: Sequence[Sequence[int]],
-                        batch_mask: Sequence[bool]) -> StageProgram:
+                        batch_mask: Sequence[bool], stage_to_mesh: Sequence[int] | None = None) -> StageProgram:
     """Groups the equations by (stage, phase) and derives each group's inputs and outputs.
 
     Args:
@@ -84,6 +84,10 @@ def build_stage_program(closed: ClosedJaxpr, pieces: Sequence[Piece | None], sta
       pieces: ``slice_layers(closed.jaxpr)``.
       stage_layers: the layer ids of each stage, in pipeline order.
       batch_mask: per step input, whether it is a batch leaf.
+      stage_to_mesh: the mesh of each stage. When given, the update of a step input that the forward or
+        backward of stages on other meshes also read (a tied embedding) is replicated onto the first such
+        stage of each of those meshes (:func:`replicated_updates`), as Megatron-LM does; None: every update
+        runs once, on the stage that makes the last of its gradients.
     """
     jaxpr = closed.jaxpr
     layer_stage = stage_of_layer(stage_layers)
@@ -103,6 +107,10 @@ def build_stage_program(closed: ClosedJaxpr, pieces: Sequence[Piece | None], sta
             continue
         groups[(layer_stage[piece.layer], piece.phase)].append(eqn)
     producer_group = {v: key for key, eqns in groups.items() for e in eqns for v in e.outvars}
+    if stage_to_mesh is not None:
+        for q, eqns in replicated_updates(jaxpr, groups, stage_to_mesh).items():
+            mine = {id(e) for e in groups[(q, APPLY)]} | {id(e) for e in eqns}
+            groups[(q, APPLY)] = [e for e in jaxpr.eqns if id(e) in mine]  # jaxpr order
     accumulated = tuple((vid(i), vid(o)) for i, o in zip(marker.invars, marker.outvars, strict=True)
                         if isinstance(i, Var))
     for i, o in zip(marker.invars, marker.outvars, strict=True):  # the mean lives where its input is made
@@ -142,6 +150,92 @@ def build_stage_program(closed: ClosedJaxpr, pieces: Sequence[Piece | None], sta
                         accumulated=accumulated, home=home)
 
 
+def replicated_updates(jaxpr, groups: dict[tuple[int, str], list], stage_to_mesh: Sequence[int]) -> dict[int, list]:
+    """Apply-grad equations to run again on other stages, so that no mesh loads a value another mesh updated.
+
+    For each non-batch step input ``v`` that the apply-grad of one stage ``a`` reads (it updates ``v``) and
+    the forward or backward of stages on other meshes read: the step outputs of ``a``'s apply-grad that
+    depend on ``v`` (its next value), and every equation of ``a``'s apply-grad they depend on (the optimizer
+    update, its state's update, the sum of ``v``'s gradient parts), go to the first reading stage of each
+    other mesh as well. That stage's apply-grad then reads the gradient parts accumulated on ``a`` (a RECV),
+    ``a``'s reads its parts (a RECV the other way), and both compute the same next value: Megatron-LM's
+    tied embedding, updated on the first and last stages after an all-reduce of its gradient.
+
+    Returns: stage -> the extra apply-grad equations (not yet merged, in jaxpr order).
+    """
+    num_stages = len(stage_to_mesh)
+    invars = set(jaxpr.invars)
+    step_outputs = {v for v in jaxpr.outvars if isinstance(v, Var)}
+    readers: dict[Var, set[int]] = {}
+    for q in range(num_stages):
+        for phase in (FORWARD, BACKWARD):
+            for e in groups[(q, phase)]:
+                for v in jax_compat.eqn_inputs(e):
+                    if v in invars:
+                        readers.setdefault(v, set()).add(q)
+    extra: dict[int, dict[int, object]] = {}
+    for a in range(num_stages):
+        apply_eqns = groups[(a, APPLY)]
+        updated = {v for e in apply_eqns for v in jax_compat.eqn_inputs(e) if v in invars}
+        for v in updated:
+            targets, meshes = [], {stage_to_mesh[a]}
+            for q in sorted(readers.get(v, ())):
+                if stage_to_mesh[q] not in meshes:
+                    meshes.add(stage_to_mesh[q])
+                    targets.append(q)
+            if not targets:
+                continue
+            depends = {v}
+            for e in apply_eqns:
+                if depends.intersection(jax_compat.eqn_inputs(e)):
+                    depends.update(e.outvars)
+            outputs = [o for e in apply_eqns for o in e.outvars if o in depends and o in step_outputs]
+            needed = jax_compat.ancestors(apply_eqns, outputs)
+            for q in targets:
+                extra.setdefault(q, {}).update((id(apply_eqns[i]), apply_eqns[i]) for i in needed)
+    return {q: list(eqns.values()) for q, eqns in extra.items()}
+
+
+def apply_order(program: StageProgram) -> list[int]:
+    """The stages in an order in which each apply-grad runs after the apply-grads whose outputs it reads
+    (stage order where that holds: a replicated update may read a value a later stage's apply-grad makes)."""
+    made = {v: q for (q, phase), piece in program.pieces.items() if phase == APPLY for v in piece.outputs}
+    order: list[int] = []
+    pending = list(range(program.num_stages))
+    while pending:
+        for q in pending:
+            deps = {made[v] for v in program.piece(q, APPLY).inputs if v in made} - {q}
+            if deps <= set(order):
+                break
+        else:
+            raise ValueError(f"the apply-grads of stages {pending} read each other's outputs")
+        order.append(q)
+        pending.remove(q)
+    return order
+
+
+def updating_stages(program: StageProgram) -> dict[ValueId, frozenset[int]]:
+    """Per non-batch step input that some apply-grad piece reads: the stages whose apply-grad reads it.
+
+    An optimizer update reads the old value of the parameter (or optimizer state) it replaces, so these are
+    the stages that compute its next value, which the step returns from their mesh. A stage whose forward
+    or backward reads the input while its own apply-grad does not (the first stage of a GPT, whose lookup
+    reads the word embedding that the logits' stage updates) gets the next step's value from another mesh,
+    unless the program replicates that update on it (:func:`replicated_updates`).
+
+    NOTE: the step's outputs are not matched to its inputs (a training loop feeds the returned state back,
+    but nothing in the jaxpr says which output becomes which input); reading the old value is the proxy.
+    """
+    readers: dict[ValueId, set[int]] = {}
+    step_inputs = set(program.step_inputs) - program.batch_inputs
+    for (q, phase), piece in program.pieces.items():
+        if phase == APPLY:
+            for v in piece.inputs:
+                if v in step_inputs:
+                    readers.setdefault(v, set()).add(q)
+    return {v: frozenset(stages) for v, stages in readers.items()}
+
+
 def run_sequentially(program: StageProgram, flat_inputs: Sequence, num_micro_batches: int) -> list:
     """Runs ``program`` on the current default device in GPipe order: all forwards, all backwards, the mean
     of the accumulated values, then every apply. The reference the pipelined runtimes are tested against."""
@@ -160,7 +254,7 @@ def run_sequentially(program: StageProgram, flat_inputs: Sequence, num_micro_bat
         per_mb.append(local)
     for src, dst in program.accumulated:
         env[dst] = sum(m[src] for m in per_mb) / num_micro_batches
-    for q in range(program.num_stages):
+    for q in apply_order(program):
         _run_piece(program.piece(q, APPLY), env)
     return [program.literal_outputs[k] if v is None else env[v] for k, v in enumerate(program.step_outputs)]
 

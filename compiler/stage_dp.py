@@ -69,8 +69,9 @@ stages on exactly the nodes of that layout, and the stage chosen with ``d`` devi
 **Per-step terms (ours).** A stage may also spend time once per step, outside the pipelined
 micro-batches (:attr:`StageCosts.step_seconds`): the apply-grad of a parameter that layers of several
 stages read (GPT's tied embedding, read by the first layer and the logits) runs where its last gradient is
-made, and first receives the gradient the other stage accumulated, after the pipeline has drained. The
-objective is then Eq. 3.2 plus the sum of these terms; they do not enter the ``t_max`` test (they do not
+made, and first receives the gradient the other stage accumulated, after the pipeline has drained; the
+other stage runs the same update (the runtime replicates it, as Megatron-LM does) after receiving the first
+one's gradient part. The objective is then Eq. 3.2 plus the sum of these terms; they do not enter the ``t_max`` test (they do not
 pace the micro-batches), so Eq. 3.3 sums ``t_intra + step`` over the stages of a plan whose ``t_intra`` are
 all at most ``t_max``. Both pruning rules stay exact: a plan still costs at least ``B t_max``, and ``F``
 still does not increase with ``t_max``.
@@ -156,7 +157,7 @@ class StageCosts:
     step_seconds: np.ndarray | None = None
     """Seconds a stage spends once per step outside the pipelined micro-batches, shape ``(K, K, P)``: e.g.
     receiving, after the pipeline drains, the accumulated gradients of parameters that layers of other
-    stages also read (a tied embedding), for its apply-grad. Added once to Eq. 3.2's latency, not part of
+    stages also read (a tied embedding), for its apply-grad or its replica of another stage's. Added once to Eq. 3.2's latency, not part of
     the stage's ``t_intra`` (it does not pace the micro-batches): see "Per-step terms" in the module
     docstring. None: zero."""
 

@@ -275,7 +275,8 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
     devices = [a * b for a, b in submeshes]
     t_intra = _range_sums(t_layer) + receive_seconds(received, devices, cluster)[..., None]
     saving = boundary_saving(received, devices, cluster)
-    step_seconds = receive_seconds(received_per_step(jaxpr, pieces, num_layers), devices, cluster)
+    step_seconds = (receive_seconds(received_per_step(jaxpr, pieces, num_layers), devices, cluster)
+                    + receive_seconds(replica_received_per_step(jaxpr, pieces, num_layers), devices, cluster))
     costs = StageCosts(num_layers=num_layers, submeshes=tuple(map(tuple, submeshes)),
                        boundary_saving=saving, step_seconds=step_seconds,
                        logical_shapes=tuple(tuple(view for view, _ in e) for e in entries),
@@ -419,6 +420,69 @@ def received_per_step(jaxpr: Jaxpr, pieces: Sequence[Piece | None], num_layers: 
             if v in producer_layer and producer_layer[v] != p.layer:
                 readers.setdefault(v, set()).add(p.layer)
     return _received_by_ranges(producer_layer, readers, num_layers)
+
+
+def replica_received_per_step(jaxpr: Jaxpr, pieces: Sequence[Piece | None], num_layers: int) -> ReceivedValues:
+    """What each layer range ``i..j`` receives once per step for the updates replicated onto it
+    (:func:`~alpa_like.compiler.stage_construction.replicated_updates`): for every step input that the
+    forward or backward of a layer inside reads and that the apply-grad of layers outside only updates (the
+    tied word embedding of a GPT: read by the first layer's lookup, updated with the logits), the stage runs
+    that update too, after receiving the values the update reads that layers outside the range made (the
+    gradient part accumulated with the logits), counted once. Without the replica the stage would instead
+    load the updated value from the other stage's mesh at the next step: for a parameter read by two
+    stages, the same bytes (one gradient part of the parameter's shape), later in the step.
+
+    The update of ``v`` is the apply-grad equations of ``v``'s updating layers that the step outputs
+    depending on ``v`` depend on; a value it reads is made by the layer of its equation, or for an
+    accumulated gradient (a grad marker output) by the layer that made the marker's input."""
+    invars = set(jaxpr.invars)
+    made_in: dict[Var, int] = {}
+    for e, p in zip(jaxpr.eqns, pieces, strict=True):
+        if p is not None and not is_marker(e, "grad"):
+            made_in.update(dict.fromkeys(e.outvars, p.layer))
+    for e in jaxpr.eqns:
+        if is_marker(e, "grad"):
+            made_in.update((o, made_in[i]) for i, o in zip(e.invars, e.outvars, strict=True)
+                           if isinstance(i, Var) and i in made_in)
+    updated_in: dict[Var, set[int]] = {}
+    readers: dict[Var, set[int]] = {}
+    for e, p in zip(jaxpr.eqns, pieces, strict=True):
+        if p is None or is_marker(e, "grad"):
+            continue
+        for v in jax_compat.eqn_inputs(e):
+            if v in invars:
+                (updated_in if p.phase == APPLY else readers).setdefault(v, set()).add(p.layer)
+    step_outputs = {v for v in jaxpr.outvars if isinstance(v, Var)}
+    first, last = np.meshgrid(np.arange(num_layers), np.arange(num_layers), indexing="ij")
+
+    def holds(layers) -> np.ndarray:
+        mask = np.zeros((num_layers, num_layers), dtype=bool)
+        for layer in layers:
+            mask |= (first <= layer) & (layer <= last)
+        return mask
+
+    received: dict[Var, np.ndarray] = {}
+    for v, layers in updated_in.items():
+        replica = holds(readers.get(v, ())) & ~holds(layers)
+        if not replica.any():
+            continue
+        update = [e for e, p in zip(jaxpr.eqns, pieces, strict=True)
+                  if p is not None and p.phase == APPLY and p.layer in layers and not is_marker(e, "grad")]
+        depends = {v}
+        for e in update:
+            if depends.intersection(jax_compat.eqn_inputs(e)):
+                depends.update(e.outvars)
+        needed = [update[i] for i in sorted(jax_compat.ancestors(
+            update, [o for e in update for o in e.outvars if o in depends and o in step_outputs]))]
+        for g in jax_compat.free_vars(needed):
+            if g in made_in:
+                received[g] = received.get(g, False) | (replica & ~holds((made_in[g],)))
+    num_bytes, count = np.zeros((num_layers, num_layers)), np.zeros((num_layers, num_layers))
+    for g, mask in received.items():
+        num_bytes += mask * (math.prod(g.aval.shape) * np.dtype(g.aval.dtype).itemsize)
+        count += mask
+    zeros = np.zeros((num_layers, num_layers, 2))
+    return ReceivedValues(num_bytes=num_bytes, count=count, neighbour_bytes=zeros, neighbour_count=zeros.copy())
 
 
 def _received_by_ranges(producer_layer: dict[Var, int], readers: dict[Var, set[int]],

@@ -22,7 +22,7 @@ import enum
 from collections.abc import Sequence
 
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
-from alpa_like.compiler.stage_construction import StageProgram, ValueId
+from alpa_like.compiler.stage_construction import StageProgram, ValueId, apply_order
 from alpa_like.runtime.schedules import Phase, Schedule
 
 PER_STEP = -1
@@ -75,6 +75,10 @@ class MeshPrograms:
     stage_to_mesh: tuple[int, ...]
     outputs: tuple[tuple[Key, int] | None, ...]
     """Per step output: its buffer and the mesh holding it (None for a literal output)."""
+    output_copies: tuple[tuple[int, ...], ...] = ()
+    """Per step output: the other meshes that hold the same buffer (a replicated update,
+    :func:`~alpa_like.compiler.stage_construction.replicated_updates`); a runtime may keep their copies for
+    the next step's LOAD of the value the step returned. Empty: none anywhere."""
 
     def program(self, mesh: int) -> tuple[Instruction, ...]:
         return tuple(i for i in self.instructions if i.mesh == mesh)
@@ -147,20 +151,23 @@ def emit_programs(program: StageProgram, schedule: Schedule, stage_to_mesh: Sequ
         mesh = stage_to_mesh[program.home.get(src, 0)]
         out.append(Instruction(Op.MEAN, mesh, key=(dst, PER_STEP)))
         where.setdefault((dst, PER_STEP), set()).add(mesh)
-    for stage in range(program.num_stages):
+    for stage in apply_order(program):
         run(stage, APPLY, PER_STEP)
-    outputs = []
+    outputs, copies = [], []
     for v in program.step_outputs:
         if v is None:
             outputs.append(None)
+            copies.append(())
             continue
         key = key_of(v, PER_STEP)
         holders = where.get(key)
         if not holders:
             raise ValueError(f"step output v{v} is never computed")
         outputs.append((key, min(holders)))
+        copies.append(tuple(sorted(holders - {min(holders)})))
     return MeshPrograms(instructions=tuple(_insert_frees(out, program, {o for o in outputs if o}, key_of)),
-                        num_meshes=schedule.num_meshes, stage_to_mesh=tuple(stage_to_mesh), outputs=tuple(outputs))
+                        num_meshes=schedule.num_meshes, stage_to_mesh=tuple(stage_to_mesh), outputs=tuple(outputs),
+                        output_copies=tuple(copies) if any(copies) else ())
 
 
 def _reads(ins: Instruction, program: StageProgram, key_of) -> list[Key]:

@@ -4,7 +4,10 @@ One process drives every mesh. Stage pieces are jitted once per mesh (XLA compil
 buffers live on their mesh as ``jax.Array``s; a RUN donates the per-micro-batch buffers whose last use it is
 (the ``FREE`` that follows it in the program), so XLA may reuse their memory for the piece's outputs;
 ``RECV`` moves a buffer between meshes with the resharding plan of :mod:`alpa_like.runtime.resharding`. JAX's asynchronous dispatch lets meshes compute concurrently
-while the driver walks the global instruction order.
+while the driver walks the global instruction order. When the program replicates an update on several meshes
+(a tied embedding: :func:`~alpa_like.compiler.stage_construction.replicated_updates`), the step returns one
+mesh's copy and keeps the others until the next step, whose LOAD of that very array on those meshes takes
+their own copy instead of copying it across meshes (:attr:`StepStats.own_copy_loads`).
 """
 from __future__ import annotations
 
@@ -59,6 +62,10 @@ class StepStats:
     """Bytes sent across meshes by RECV."""
     donated_buffers: int = 0
     """Buffers a RUN donated to XLA (their last use; see the module docstring)."""
+    own_copy_loads: int = 0
+    """Per-step LOADs of a value the previous step returned that the mesh took from its own copy (a
+    replicated update: :attr:`~alpa_like.runtime.instructions.MeshPrograms.output_copies`) instead of
+    copying it from the mesh the step returned it from."""
     op_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     """With ``profile=True``: seconds per instruction kind, each instruction waited for (so the rest of
     ``seconds`` is the driver's own work)."""
@@ -118,6 +125,8 @@ class PipeshardExecutable:
         self._fused: dict[tuple, Any] = {}
         self._arg_specs: dict[tuple[int, str], list[jax.ShapeDtypeStruct]] = {}
         self._reshard_plans: dict[tuple, Any] = {}
+        self._own_copies: dict[int, tuple[Any, dict[int, Any]]] = {}
+        """id of an array the last step returned -> (that array, {mesh: the same value on that mesh})."""
         self.last_step = StepStats()
 
     def __call__(self, *args):
@@ -172,12 +181,16 @@ class PipeshardExecutable:
                 stats.spans.append((ins.mesh, str(ins), t0 - start, t1 - start))
         self._step_values = ({}, {})  # the step's micro-batch slices are not kept past the step
         outputs = []
-        for k, out in enumerate(self.programs.outputs):
+        copies = self.programs.output_copies or ((),) * len(self.programs.outputs)
+        self._own_copies = {}
+        for k, (out, others) in enumerate(zip(self.programs.outputs, copies, strict=True)):
             if out is None:
                 outputs.append(self.program.literal_outputs[k])
             else:
                 key, mesh = out
                 outputs.append(buffers[mesh][key])
+                if others:  # kept (with the array, so its id is not recycled) for the next step's LOADs
+                    self._own_copies[id(outputs[-1])] = (outputs[-1], {m: buffers[m][key] for m in others})
         stats.seconds = time.perf_counter() - start
         self.last_step = stats
         return jax.tree_util.tree_unflatten(self.traced.out_tree, outputs)
@@ -259,6 +272,9 @@ class PipeshardExecutable:
                 if v not in micro:
                     micro[v] = _split_micro_batches(jax.numpy.asarray(value), self.num_micro_batches)
                 value = micro[v][mb]
+            elif (own := self._own_copies.get(id(value))) is not None and own[0] is value and ins.mesh in own[1]:
+                value = own[1][ins.mesh]
+                stats.own_copy_loads += 1
             mesh_buffers[ins.key] = jax.device_put(value, self._load_sharding(v, np.shape(value), ins.mesh))
         elif ins.op is Op.RECV:
             x = buffers[ins.src_mesh][ins.key]

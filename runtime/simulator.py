@@ -15,10 +15,18 @@ Every mesh has a clock. An instruction starts when its mesh is free and its inpu
   on one host);
 * ``LOAD``: host-to-device bytes at the intra-node bandwidth; ``ACC``, ``MEAN``, ``FREE``: free. On a
   cluster whose devices have their own compute (no ``shared_host_compute``: GPUs), a per-step LOAD of a
-  non-batch input (parameters, optimizer state) is free: a training loop passes each step the state the
-  previous one returned, which stays in device memory (``jax.device_put`` of an array already on its
-  devices does not copy), and the Megatron-LM baseline's replay has no such load either. Batch inputs
-  always pay. With ``shared_host_compute`` (XLA's CPU devices) every LOAD pays, as measured
+  non-batch input (parameters, optimizer state) onto a mesh whose own apply-grad updates it
+  (:func:`~alpa_like.compiler.stage_construction.updating_stages`), or that no apply-grad updates, is free:
+  a training loop passes each step the state the previous one returned, which stays in device memory
+  (``jax.device_put`` of an array already on its devices does not copy), and the Megatron-LM baseline's
+  replay has no such load either. A per-step LOAD onto a mesh whose apply-grad does not update the value
+  while another mesh's does (GPT's tied word embedding when its update is not replicated: the first
+  stage's lookup reads it, the logits' stage updates it) is a copy from that mesh, priced like a RECV
+  (:func:`transfer_seconds`); it waits for nothing of this step, as the value was ready when the previous
+  step ended. (The local runtime replicates such updates,
+  :func:`~alpa_like.compiler.stage_construction.replicated_updates`: the meshes then exchange gradient
+  parts by RECV and load nothing from each other.) Batch inputs always pay.
+  With ``shared_host_compute`` (XLA's CPU devices) every LOAD pays host-to-device, as measured
   (``examples/benchmarks/pipeline.py``).
 
 When the cluster's devices share their host's cores (``ClusterSpec.shared_host_compute``: XLA's virtual
@@ -38,7 +46,7 @@ import numpy as np
 
 from alpa_like.compiler.flops import jaxpr_seconds
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
-from alpa_like.compiler.stage_construction import StageProgram
+from alpa_like.compiler.stage_construction import StageProgram, updating_stages
 from alpa_like.runtime.instructions import PER_STEP, MeshPrograms, Op
 from alpa_like.runtime.pipeshard_runtime import activation_spec
 from alpa_like.runtime.resharding import MeshLayout, plan_resharding
@@ -70,6 +78,24 @@ def _mesh_layout(stage_plan, shape, spec=None) -> MeshLayout:
     ids = stage_plan.device_ids
     grid = tuple(tuple(ids[i * n1:(i + 1) * n1]) for i in range(n0))
     return MeshLayout(device_ids=grid, spec=spec or activation_spec(shape, (n0, n1)))
+
+
+def transfer_seconds(plan, aval, src_mesh: int, dst_mesh: int, src_spec=None, dst_spec=None) -> float:
+    """Seconds to move a value of ``aval`` from mesh ``src_mesh`` to mesh ``dst_mesh`` of ``plan``: the
+    resharding plan's alpha-beta time between the two layouts (``src_spec`` / ``dst_spec``, or
+    :func:`activation_spec`'s), over the inter-node link when the meshes' nodes differ, else the intra-node
+    one; with ``shared_host_compute`` the copies are summed (one driver issues them one by one)."""
+    cluster = plan.cluster
+    per_node = cluster.num_devices_per_node
+    src_plan, dst_plan = plan.stages[src_mesh], plan.stages[dst_mesh]
+    reshard = plan_resharding(aval.shape, np.dtype(aval.dtype).itemsize,
+                              _mesh_layout(src_plan, aval.shape, src_spec), _mesh_layout(dst_plan, aval.shape, dst_spec))
+    cross = {d // per_node for d in src_plan.device_ids} != {d // per_node for d in dst_plan.device_ids}
+    bandwidth = cluster.inter_node_bandwidth if cross else cluster.intra_node_bandwidth
+    latency = cluster.inter_node_latency if cross else cluster.intra_node_latency
+    if cluster.shared_host_compute:
+        return reshard.serial_seconds(bandwidth, latency)
+    return reshard.estimated_seconds(bandwidth, latency, cluster.intra_node_bandwidth)
 
 
 def measured_durations(programs: MeshPrograms, spans) -> dict[str, float]:
@@ -143,6 +169,8 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
                 seconds = (jaxpr_seconds(program.piece(q, phase).jaxpr, cluster.peak_flops,
                                          cluster.memory_bandwidth, devices * speedup) + comm_per_mb * share)
             stage_time[(q, phase)] = seconds + cluster.launch_overhead
+    updated_on = {v: frozenset(programs.stage_to_mesh[q] for q in stages)
+                  for v, stages in updating_stages(program).items()}
     clock = [0.0] * programs.num_meshes
     ready: dict[tuple[int, tuple], float] = {}
     spans, busy, transfers = [], [0.0] * programs.num_meshes, 0.0
@@ -175,19 +203,8 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
                                   start, start + duration))
         elif ins.op is Op.RECV:
             start = max([start, ready.get((ins.src_mesh, ins.key), 0.0), *(node_clock[n] for n in hosts(ins))])
-            aval = program.values[ins.key[0]].aval
-            src_plan, dst_plan = plan.stages[ins.src_mesh], plan.stages[mesh]
-            v = ins.key[0]
-            reshard = plan_resharding(aval.shape, np.dtype(aval.dtype).itemsize,
-                                      _mesh_layout(src_plan, aval.shape, value_specs.get((v, ins.src_mesh))),
-                                      _mesh_layout(dst_plan, aval.shape, value_specs.get((v, mesh))))
-            cross = {d // per_node for d in src_plan.device_ids} != {d // per_node for d in dst_plan.device_ids}
-            bandwidth = cluster.inter_node_bandwidth if cross else cluster.intra_node_bandwidth
-            latency = cluster.inter_node_latency if cross else cluster.intra_node_latency
-            if cluster.shared_host_compute:
-                duration = reshard.serial_seconds(bandwidth, latency)
-            else:
-                duration = reshard.estimated_seconds(bandwidth, latency, cluster.intra_node_bandwidth)
+            duration = transfer_seconds(plan, program.values[ins.key[0]].aval, ins.src_mesh, mesh,
+                                        value_specs.get((ins.key[0], ins.src_mesh)), value_specs.get((ins.key[0], mesh)))
             if measured is not None:
                 duration = measured.get(_strip_micro_batch(str(ins)), duration)
             transfers += duration
@@ -198,9 +215,14 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
             nbytes = math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
             if ins.key[1] != PER_STEP:
                 nbytes //= m
-            resident = (not cluster.shared_host_compute and ins.key[1] == PER_STEP
-                        and ins.key[0] not in program.batch_inputs)
-            duration = 0.0 if resident else cluster.intra_node_latency + nbytes / cluster.intra_node_bandwidth
+            v = ins.key[0]
+            if cluster.shared_host_compute or ins.key[1] != PER_STEP or v in program.batch_inputs:
+                duration = cluster.intra_node_latency + nbytes / cluster.intra_node_bandwidth
+            elif not (owners := updated_on.get(v)) or mesh in owners:  # resident state
+                duration = 0.0
+            else:  # the previous step's apply-grad left the value on another mesh
+                src = min(owners)
+                duration = transfer_seconds(plan, aval, src, mesh, value_specs.get((v, src)), value_specs.get((v, mesh)))
             if measured is not None:
                 duration = measured.get(_strip_micro_batch(str(ins)), duration)
             ready[(mesh, ins.key)] = start + duration

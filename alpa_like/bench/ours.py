@@ -108,10 +108,11 @@ def slice_workload(workload: Workload, method: PipeshardParallel) -> SlicedStep:
 
 def simulate_plan(plan: ParallelPlan, sliced: SlicedStep, num_micro_batches: int, schedule: str = "1f1b") -> Simulation:
     """The plan's per-mesh instruction programs on the simulated backend (``runtime.simulator``)."""
+    stage_to_mesh = list(range(len(plan.stages)))
     program = build_stage_program(sliced.closed_jaxpr, sliced.pieces, [s.layer_ids for s in plan.stages],
-                                  [r == "batch" for r in sliced.roles])
+                                  [r == "batch" for r in sliced.roles], stage_to_mesh=stage_to_mesh)
     sched = make_schedule(schedule, num_meshes=len(plan.stages), num_micro_batches=num_micro_batches)
-    programs = emit_programs(program, sched, stage_to_mesh=list(range(len(plan.stages))))
+    programs = emit_programs(program, sched, stage_to_mesh=stage_to_mesh)
     return simulate(plan, program, programs)
 
 

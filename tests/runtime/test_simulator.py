@@ -130,3 +130,78 @@ def test_state_loads_are_free_on_gpus_and_batch_loads_always_pay(shared_host_com
     traced = sorted((start, end) for _, text, start, end in sim.instruction_spans
                     if text.startswith("RUN") and not text.split()[1].rstrip("0123456789").endswith("A"))
     assert traced == runs
+
+
+def tied_programs(replicate: bool):
+    """The 2-stage tied model's plan and programs (``tests.runtime.test_pipeshard_runtime.tied_case``), with
+    the tied update on the last stage only (``replicate=False``) or on both (what the runtime runs)."""
+    from alpa_like.compiler.stage_construction import build_stage_program
+    from alpa_like.pipeshard import slice_step
+    from alpa_like.runtime.instructions import emit_programs
+    from alpa_like.runtime.schedules import make_schedule
+    from tests.runtime.test_pipeshard_runtime import TIED_STAGES, tied_case
+
+    loss_fn, state, batches = tied_case()
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.ManualLayerOption(),
+                                  stage_option=TIED_STAGES, pipeline_schedule="1f1b")
+    step = train_step_for(loss_fn)
+    exe = al.parallelize(step, method=method).get_executable(state, batches[0])
+    sliced = slice_step(method, step, (state, batches[0]), static_argnums=(), batch_argnums=(1,))
+    program = build_stage_program(sliced.closed_jaxpr, sliced.pieces, [(0,), (1,)], [r == "batch" for r in sliced.roles],
+                                  stage_to_mesh=[0, 1] if replicate else None)
+    programs = emit_programs(program, make_schedule("1f1b", num_meshes=2, num_micro_batches=2), [0, 1])
+    return exe.plan, program, programs
+
+
+def tied_simulation(replicate: bool, shared_host_compute: bool, bandwidth: float, latency: float):
+    plan, program, programs = tied_programs(replicate)
+    plan = idealised(plan, shared_host_compute=shared_host_compute)
+    plan = dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, intra_node_bandwidth=bandwidth,
+                                                                 intra_node_latency=latency))
+    w = next(v for v in program.step_inputs if program.values[v].aval.shape == (16, 32))
+    return program, programs, w, simulate(plan, program, programs, trace=True)
+
+
+@pytest.mark.parametrize("shared_host_compute", [False, True])
+def test_a_tied_parameter_is_copied_from_the_mesh_that_updates_it(shared_host_compute):
+    """``w`` is read by both stages; its apply-grad (which reads the old ``w``) runs on mesh 1, where the last
+    of its gradients is made. At the next step mesh 0's LOAD of ``w`` is then a copy from mesh 1, priced like
+    a RECV between the two layouts: each of mesh 0's 4 devices gets its quarter of ``w`` (dim 0 split over
+    the mesh on both sides), ``latency + bytes / 4 / bandwidth``, and mesh 0's first forward waits for it.
+    Mesh 1's LOAD of ``w`` and every other per-step LOAD are free (resident state). With shared host cores
+    every LOAD is a host-to-device copy of the whole value."""
+    from alpa_like.compiler.stage_construction import updating_stages
+
+    bandwidth, latency = 1e9, 1e-6
+    program, _, w, sim = tied_simulation(False, shared_host_compute, bandwidth, latency)
+    assert updating_stages(program)[w] == {1}
+    loads = {(mesh, text): (start, end) for mesh, text, start, end in sim.instruction_spans if text.startswith("LOAD")}
+    nbytes = 16 * 32 * 4
+    start, end = loads[(0, f"LOAD v{w}")]
+    if shared_host_compute:
+        assert end - start == pytest.approx(latency + nbytes / bandwidth)
+        return
+    assert end - start == pytest.approx(latency + nbytes / 4 / bandwidth)
+    first_forward = min(s.start for s in sim.timeline.spans if s.mesh == 0)
+    assert first_forward >= end
+    assert loads[(1, f"LOAD v{w}")][1] - loads[(1, f"LOAD v{w}")][0] == 0.0
+    others = [e - s for (mesh, text), (s, e) in loads.items() if "@" not in text and text != f"LOAD v{w}"]
+    assert others and all(d == 0.0 for d in others)
+
+
+def test_a_replicated_tied_update_loads_nothing_across_meshes_and_exchanges_gradient_parts():
+    """With the tied update replicated on both meshes (what the runtime runs), every per-step LOAD is free
+    on GPUs and each mesh receives the other's accumulated gradient part of ``w``, one RECV each way, priced
+    like any RECV: ``latency + bytes / 4 / bandwidth`` (dim 0 split over the 4 devices on both sides)."""
+    from alpa_like.compiler.stage_construction import updating_stages
+
+    bandwidth, latency = 1e9, 1e-6
+    program, programs, w, sim = tied_simulation(True, False, bandwidth, latency)
+    assert updating_stages(program)[w] == {0, 1}
+    per_step_loads = [e - s for _, text, s, e in sim.instruction_spans if text.startswith("LOAD") and "@" not in text]
+    assert per_step_loads and all(d == 0.0 for d in per_step_loads)
+    parts = {dst for src, dst in program.accumulated if program.values[src].aval.shape == (16, 32)}
+    recvs = {(mesh, text): e - s for mesh, text, s, e in sim.instruction_spans
+             if text.startswith("RECV") and "@" not in text and int(text[6:].split()[0]) in parts}
+    assert {mesh for mesh, _ in recvs} == {0, 1} and len(recvs) == 2
+    assert all(d == pytest.approx(latency + 16 * 32 * 4 / 4 / bandwidth) for d in recvs.values())
