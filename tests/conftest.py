@@ -37,3 +37,14 @@ def ray_session():
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def fixed_cluster(monkeypatch):
+    """Plans for one p3.16xlarge node instead of ``ClusterSpec.local()``'s measurements of this (shared,
+    loaded) machine, so that a test's plan does not move with the load (the ILP's choices depend on the
+    measured latency and bandwidth)."""
+    import alpa_like as al
+    cluster = al.ClusterSpec.preset("p3.16xlarge")
+    monkeypatch.setattr(al.ClusterSpec, "local", classmethod(lambda cls, devices=None: cluster))
+    return cluster

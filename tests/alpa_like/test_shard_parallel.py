@@ -207,7 +207,7 @@ def _compiled_by_kind(exe) -> dict[str, int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", sorted(MESHES))
-def test_compiled_collectives_are_exactly_the_ones_the_ilp_predicted_for_tiny_gpt(mesh):
+def test_compiled_collectives_are_exactly_the_ones_the_ilp_predicted_for_tiny_gpt(mesh, fixed_cluster):
     """XLA compiles for tiny GPT exactly the all-reduces the plan predicts: the same operators (a combined
     all-reduce names each of its parts), the same bytes, and no collective the plan does not predict.
 

@@ -39,16 +39,8 @@ CASES = [  # (stage option, micro-batches, token slices: per micro-batch, or the
     pytest.param(FOUR, 4, (10, 6), id="four_stages_four_batch_slices", marks=SLOW),
 ]
 SHARDS_PARAMETERS = {"two_stages_two_batch_slices", "four_stages_four_batch_slices"}
-"""Cases whose plan on :func:`fixed_cluster` splits some parameter (the ILP keeps the others data parallel)."""
-
-
-@pytest.fixture
-def fixed_cluster(monkeypatch):
-    """Plans for a p3.16xlarge node instead of ``ClusterSpec.local()``'s measurements of this (shared,
-    loaded) machine, so that the plan, and with it which parameters are split, does not move with the load."""
-    import alpa_like.api
-    cluster = al.ClusterSpec.preset("p3.16xlarge")
-    monkeypatch.setattr(alpa_like.api.ClusterSpec, "local", classmethod(lambda cls, devices=None: cluster))
+"""Cases whose plan on the ``fixed_cluster`` fixture (tests/conftest.py) splits some parameter (the ILP
+keeps the others data parallel)."""
 
 
 @pytest.mark.parametrize("stage_option,num_micro_batches,slices", CASES)
