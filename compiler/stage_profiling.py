@@ -405,13 +405,7 @@ def received_per_step(jaxpr: Jaxpr, pieces: Sequence[Piece | None], num_layers: 
     produced the marker's input (the runtime accumulates it there), so a parameter read by layers of two
     stages (a tied embedding) has its apply-grad, which runs with the last of its gradients' layers, receive
     the other stage's accumulated gradient."""
-    producer_layer = {v: p.layer for e, p in zip(jaxpr.eqns, pieces, strict=True)
-                      if p is not None and not is_marker(e, "grad") for v in e.outvars}
-    for e in jaxpr.eqns:
-        if is_marker(e, "grad"):
-            for i, o in zip(e.invars, e.outvars, strict=True):
-                if isinstance(i, Var) and i in producer_layer:
-                    producer_layer[o] = producer_layer[i]
+    producer_layer = _made_in(jaxpr, pieces)
     readers: dict[Var, set[int]] = {}
     for e, p in zip(jaxpr.eqns, pieces, strict=True):
         if p is None or p.phase != APPLY or is_marker(e, "grad"):
@@ -420,6 +414,21 @@ def received_per_step(jaxpr: Jaxpr, pieces: Sequence[Piece | None], num_layers: 
             if v in producer_layer and producer_layer[v] != p.layer:
                 readers.setdefault(v, set()).add(p.layer)
     return _received_by_ranges(producer_layer, readers, num_layers)
+
+
+def _made_in(jaxpr: Jaxpr, pieces: Sequence[Piece | None]) -> dict[Var, int]:
+    """The layer that makes each value once per step: an equation's outputs are made by its layer; a gradient
+    accumulated over micro-batches (a grad marker's output) by the layer that made the marker's input (the
+    runtime accumulates it there)."""
+    made_in: dict[Var, int] = {}
+    for e, p in zip(jaxpr.eqns, pieces, strict=True):
+        if p is not None and not is_marker(e, "grad"):
+            made_in.update(dict.fromkeys(e.outvars, p.layer))
+    for e in jaxpr.eqns:
+        if is_marker(e, "grad"):
+            made_in.update((o, made_in[i]) for i, o in zip(e.invars, e.outvars, strict=True)
+                           if isinstance(i, Var) and i in made_in)
+    return made_in
 
 
 def replica_received_per_step(jaxpr: Jaxpr, pieces: Sequence[Piece | None], num_layers: int) -> ReceivedValues:
@@ -436,14 +445,7 @@ def replica_received_per_step(jaxpr: Jaxpr, pieces: Sequence[Piece | None], num_
     depending on ``v`` depend on; a value it reads is made by the layer of its equation, or for an
     accumulated gradient (a grad marker output) by the layer that made the marker's input."""
     invars = set(jaxpr.invars)
-    made_in: dict[Var, int] = {}
-    for e, p in zip(jaxpr.eqns, pieces, strict=True):
-        if p is not None and not is_marker(e, "grad"):
-            made_in.update(dict.fromkeys(e.outvars, p.layer))
-    for e in jaxpr.eqns:
-        if is_marker(e, "grad"):
-            made_in.update((o, made_in[i]) for i, o in zip(e.invars, e.outvars, strict=True)
-                           if isinstance(i, Var) and i in made_in)
+    made_in = _made_in(jaxpr, pieces)
     updated_in: dict[Var, set[int]] = {}
     readers: dict[Var, set[int]] = {}
     for e, p in zip(jaxpr.eqns, pieces, strict=True):

@@ -189,44 +189,44 @@ def test_plan_shards_every_weight_when_replicated_weights_do_not_fit(profile):
     assert plan.stages[0].memory_per_device <= cluster.device_memory
 
 
-def test_the_tied_embedding_gradient_is_received_once_per_step_by_the_last_layers_stage():
-    """GPT ties the word embedding (layer 0) to the logits (the last layer): the apply-grad, with the last
-    layer, adds the gradient layer 0 accumulated, so a stage holding the last layer but not layer 0 receives
-    it once per step; a stage holding both, or not the last layer, does not."""
+@pytest.fixture(scope="module")
+def tied_gpt():
+    """gpt-tiny cut into layers (its word embedding tied to the logits), and the embedding's FP32 bytes."""
     from alpa_like.bench import ours
     from alpa_like.bench.workloads import make_workload
-    from alpa_like.compiler.stage_profiling import received_per_step
 
     workload = make_workload("gpt-tiny", 8)
     sliced = ours.slice_workload(workload, ours.pipeshard_method(
         workload, 2, layer_option=al.AutoLayerOption(layer_num=3, eps=None)))
+    return sliced, workload.config.vocab_size * workload.config.hidden_size * 4
+
+
+def test_the_tied_embedding_gradient_is_received_once_per_step_by_the_last_layers_stage(tied_gpt):
+    """GPT ties the word embedding (layer 0) to the logits (the last layer): the apply-grad, with the last
+    layer, adds the gradient layer 0 accumulated, so a stage holding the last layer but not layer 0 receives
+    it once per step; a stage holding both, or not the last layer, does not."""
+    from alpa_like.compiler.stage_profiling import received_per_step
+
+    sliced, embedding = tied_gpt
     k = len(sliced.summaries)
     received = received_per_step(sliced.jaxpr, sliced.pieces, k)
-    config = workload.config
-    embedding = config.vocab_size * config.hidden_size * 4
     for first in range(1, k):
         assert embedding <= received.num_bytes[first, k - 1] < 2 * embedding
     assert received.num_bytes[0, k - 1] == 0
     assert received.num_bytes[0, :k - 1].max() < embedding
 
 
-def test_a_stage_holding_the_lookup_but_not_the_logits_receives_their_embedding_gradient_once_per_step():
+def test_a_stage_holding_the_lookup_but_not_the_logits_receives_their_embedding_gradient_once_per_step(tied_gpt):
     """GPT's word embedding is read by layer 0's lookup and the last layer's logits and updated with the last
     layer. The update is replicated on a stage holding layer 0 but not the last layer, which first receives
     the gradient part the logits accumulated: exactly one value of the embedding's bytes. No other range
     receives anything for a replica (every other parameter and optimizer state is updated with the layer that
     reads it; a range holding the last layer receives layer 0's part through ``received_per_step``)."""
-    from alpa_like.bench import ours
-    from alpa_like.bench.workloads import make_workload
     from alpa_like.compiler.stage_profiling import replica_received_per_step
 
-    workload = make_workload("gpt-tiny", 8)
-    sliced = ours.slice_workload(workload, ours.pipeshard_method(
-        workload, 2, layer_option=al.AutoLayerOption(layer_num=3, eps=None)))
+    sliced, embedding = tied_gpt
     k = len(sliced.summaries)
     received = replica_received_per_step(sliced.jaxpr, sliced.pieces, k)
-    config = workload.config
-    embedding = config.vocab_size * config.hidden_size * 4
     first, last = np.meshgrid(np.arange(k), np.arange(k), indexing="ij")
     expected = (first == 0) & (last < k - 1)
     np.testing.assert_array_equal(received.num_bytes, np.where(expected, embedding, 0))
