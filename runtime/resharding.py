@@ -12,14 +12,17 @@ Planning is plain data (:func:`plan_resharding`):
    and the replicas then all-gather the slices inside mesh Y. Cross-mesh bytes: each byte of each distinct
    destination tile, once.
 
-:func:`reshard` executes a plan on local devices: every piece is sliced on its source device and copied to
-its destination device; tiles are assembled on the device; the result is a ``jax.Array`` on mesh Y. The two
-halves, :func:`pieces_to_send` and :func:`assemble_received`, also serve the Ray backend, where sender and
-receiver are different processes.
+:func:`reshard` executes a plan on local devices with few dispatches, since on one host each costs more than
+copying a small piece: one executable per source device cuts all its pieces, one batched ``device_put``
+copies them, one executable per destination tile assembles its pieces, and one collective executable per
+replica group runs its local all-gather; the result is a ``jax.Array`` on mesh Y. The two halves,
+:func:`pieces_to_send` and :func:`assemble_received`, also serve the Ray backend, where sender and receiver
+are different processes.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -108,10 +111,9 @@ class ReshardingPlan:
         return cross + gather
 
     def serial_seconds(self, bandwidth: float, latency: float) -> float:
-        """Alpha-beta time when every copy runs one after the other (one driver thread issuing them on one
-        host whose devices share its cores and memory, as :func:`reshard` does on local devices): each
-        transfer, then each device's copy of every other replica's slice in the local all-gathers, pays
-        ``latency + bytes / bandwidth``."""
+        """Alpha-beta time when every copy runs one after the other (devices that share one host's cores
+        and memory, as XLA's CPU devices do): each transfer, then each device's copy of every other replica's
+        slice in the local all-gathers, pays ``latency + bytes / bandwidth``."""
         copies = [t.num_bytes for t in self.transfers]
         for g in self.all_gathers:
             for d in g.devices:
@@ -128,16 +130,22 @@ def _intersect(a: Box, b: Box) -> Box | None:
     return out if all(lo < hi for lo, hi in out) else None
 
 
-def _split(box: Box, parts: int) -> list[Box]:
-    """Cut ``box`` into ``parts`` equal slices along its largest dim that ``parts`` divides (else one
-    slice per part is not possible: every part gets the whole box)."""
-    dims = sorted(range(len(box)), key=lambda d: -(box[d][1] - box[d][0]))
-    for d in dims:
+def _split(box: Box, parts: int, source_tiles: Sequence[Box] = ()) -> list[Box]:
+    """Cut ``box`` into ``parts`` equal slices along one dim that ``parts`` divides (else one slice per part
+    is not possible: every part gets the whole box). Of those dims, the one whose slices intersect the fewest
+    ``source_tiles`` pieces (slices that line up with the source's tiles arrive whole), then the largest."""
+    def slices_along(d):
         lo, hi = box[d]
-        if (hi - lo) % parts == 0 and hi - lo >= parts:
-            step = (hi - lo) // parts
-            return [box[:d] + ((lo + k * step, lo + (k + 1) * step),) + box[d + 1:] for k in range(parts)]
-    return [box] * parts
+        step = (hi - lo) // parts
+        return [box[:d] + ((lo + k * step, lo + (k + 1) * step),) + box[d + 1:] for k in range(parts)]
+
+    def pieces(d):
+        return sum(_intersect(s, t) is not None for s in slices_along(d) for t in source_tiles)
+
+    dims = [d for d in range(len(box)) if (box[d][1] - box[d][0]) % parts == 0 and box[d][1] - box[d][0] >= parts]
+    if not dims:
+        return [box] * parts
+    return slices_along(min(dims, key=lambda d: (pieces(d), -(box[d][1] - box[d][0]), d)))
 
 
 def plan_resharding(shape: Sequence[int], itemsize: int, src: MeshLayout, dst: MeshLayout,
@@ -153,7 +161,7 @@ def plan_resharding(shape: Sequence[int], itemsize: int, src: MeshLayout, dst: M
         replicas.setdefault(box, []).append(device)
     transfers, gathers, turn = [], [], 0
     for tile, devices in replicas.items():
-        slices = _split(tile, len(devices)) if local_all_gather and len(devices) > 1 else [tile] * len(devices)
+        slices = _split(tile, len(devices), tuple(holders)) if local_all_gather and len(devices) > 1 else [tile] * len(devices)
         distinct = local_all_gather and len(devices) > 1 and len(set(slices)) == len(devices)
         if not distinct:
             slices = [tile] * len(devices)
@@ -171,28 +179,50 @@ def plan_resharding(shape: Sequence[int], itemsize: int, src: MeshLayout, dst: M
                           all_gathers=tuple(gathers))
 
 
-def _local(box: Box, origin: Box) -> tuple[slice, ...]:
-    return tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(box, origin, strict=True))
+def _window(box: Box, origin: Box) -> Box:
+    """``box`` in the coordinates of the tile ``origin``."""
+    return tuple((lo - o, hi - o) for (lo, hi), (o, _) in zip(box, origin, strict=True))
+
+
+def _slices(window: Box) -> tuple[slice, ...]:
+    return tuple(slice(lo, hi) for lo, hi in window)
 
 
 def reshard(x: jax.Array, plan: ReshardingPlan, dst_sharding: jax.sharding.NamedSharding) -> jax.Array:
-    """Executes ``plan`` on local devices: returns ``x`` laid out as ``plan.dst`` (``dst_sharding``)."""
+    """Executes ``plan`` on local devices: returns ``x`` laid out as ``plan.dst`` (``dst_sharding``). The
+    pieces are cut by one executable per source device, copied in one batched ``device_put``, assembled by one
+    executable per destination tile and all-gathered by one executable per replica group."""
     devices = {d.id: d for d in jax.devices()}
     src_data = {s.device.id: s.data for s in x.addressable_shards}
-    received = {dst: [(box, jax.device_put(piece, devices[dst])) for box, piece in pieces]
-                for dst, pieces in pieces_to_send(plan, src_data).items()}
+    sent = pieces_to_send(plan, src_data)
+    flat = [(dst, box, piece) for dst, pieces in sent.items() for box, piece in pieces]
+    copies = jax.device_put([piece for _, _, piece in flat], [devices[dst] for dst, _, _ in flat])
+    received: dict[int, list[tuple[Box, jax.Array]]] = {}
+    for (dst, box, _), copy in zip(flat, copies, strict=True):
+        received.setdefault(dst, []).append((box, copy))
     order = [d.id for d in dst_sharding.mesh.devices.flat]
     return assemble_received(plan, received, x.dtype, devices, order, dst_sharding)
 
 
 def pieces_to_send(plan: ReshardingPlan, src_data) -> dict[int, list[tuple[Box, object]]]:
     """Step 2 of the plan on the sending side: per destination device id, the (box, data) pieces cut from
-    the source tiles ``src_data`` (source device id -> its tile, a jax or numpy array)."""
+    the source tiles ``src_data`` (source device id -> its tile, a jax or numpy array; a jax tile is cut by
+    one executable for all its pieces)."""
     src_tiles = plan.src.tiles(plan.shape)
+    cuts: dict[int, list[Transfer]] = {}
+    for t in plan.transfers:
+        if t.box != src_tiles[t.src]:
+            cuts.setdefault(t.src, []).append(t)
+    cut_pieces = {}
+    for src, transfers in cuts.items():
+        windows = tuple(_window(t.box, src_tiles[src]) for t in transfers)
+        data = src_data[src]
+        parts = (_cutter(windows)(data) if isinstance(data, jax.Array)
+                 else tuple(data[_slices(w)] for w in windows))
+        cut_pieces.update(zip(transfers, parts, strict=True))
     out: dict[int, list[tuple[Box, object]]] = {}
     for t in plan.transfers:
-        whole = t.box == src_tiles[t.src]
-        piece = src_data[t.src] if whole else src_data[t.src][_local(t.box, src_tiles[t.src])]
+        piece = cut_pieces[t] if t in cut_pieces else src_data[t.src]
         out.setdefault(t.dst, []).append((t.box, piece))
     return out
 
@@ -200,33 +230,65 @@ def pieces_to_send(plan: ReshardingPlan, src_data) -> dict[int, list[tuple[Box, 
 def assemble_received(plan: ReshardingPlan, received: dict[int, list[tuple[Box, jax.Array]]], dtype,
                       devices: dict, order: Sequence[int], dst_sharding: jax.sharding.Sharding) -> jax.Array:
     """Step 3 of the plan on the receiving side: assembles each destination tile from the pieces its device
-    received (already on that device), runs the local all-gathers, and returns the array laid out as
-    ``dst_sharding``. ``devices`` maps the plan's device ids to devices; ``order`` lists the plan's device
-    ids of ``dst_sharding``'s mesh in its flat order."""
+    received (already on that device), runs the local all-gathers (one collective executable per replica
+    group), and returns the array laid out as ``dst_sharding``. ``devices`` maps the plan's device ids to
+    devices; ``order`` lists the plan's device ids of ``dst_sharding``'s mesh in its flat order."""
     dst_tiles = plan.dst.tiles(plan.shape)
     gather_of = {d: g for g in plan.all_gathers for d in g.devices}
     tiles: dict[int, jax.Array] = {}
     for device, box in dst_tiles.items():
-        if device in gather_of:
-            continue
-        tiles[device] = _assemble(box, received.get(device, []), dtype, devices[device])
+        if device not in gather_of:
+            tiles[device] = _assemble(box, received.get(device, []), dtype)
     for g in plan.all_gathers:
-        slices = {d: _assemble(s, received.get(d, []), dtype, devices[d]) for d, s in zip(g.devices, g.slices)}
-        for d in g.devices:
-            parts = [(s, jax.device_put(slices[o], devices[d])) for o, s in zip(g.devices, g.slices)]
-            tiles[d] = _assemble(g.tile, parts, dtype, devices[d])
+        slices = [_assemble(s, received.get(d, []), dtype) for d, s in zip(g.devices, g.slices)]
+        tiles.update(zip(g.devices, _all_gather(g, [devices[d] for d in g.devices], slices), strict=True))
     return jax.make_array_from_single_device_arrays(plan.shape, dst_sharding, [tiles[d] for d in order])
 
 
-def _assemble(box: Box, parts: list[tuple[Box, jax.Array]], dtype, device) -> jax.Array:
-    """The tile ``box`` on ``device`` from pieces that cover it exactly."""
+def _assemble(box: Box, parts: list[tuple[Box, jax.Array]], dtype) -> jax.Array:
+    """The tile ``box`` from pieces that cover it exactly, all on one device (one executable)."""
     if len(parts) == 1 and parts[0][0] == box:
         return parts[0][1]
-    with jax.default_device(device):
-        tile = jnp.zeros(tuple(hi - lo for lo, hi in box), dtype)
-        for piece_box, data in parts:
-            tile = tile.at[_local(piece_box, box)].set(data)
-    return tile
+    shape = tuple(hi - lo for lo, hi in box)
+    windows = tuple(_window(piece_box, box) for piece_box, _ in parts)
+    return _assembler(shape, np.dtype(dtype).name, windows)(*(data for _, data in parts))
+
+
+def _all_gather(group: LocalAllGather, devices: Sequence[jax.Device], slices: Sequence[jax.Array]) -> list[jax.Array]:
+    """The replicas' slices (equal cuts of the tile along one dim, in device order) all-gathered: one
+    collective on a 1-D mesh of the group's devices. Returns the whole tile on each device, in order."""
+    dims = [d for d, (a, b) in enumerate(zip(group.slices[0], group.slices[-1])) if a != b]
+    if not dims:  # the tile could not be cut: every replica received it whole
+        return list(slices)
+    mesh = jax.sharding.Mesh(np.array(devices), ("replicas",))
+    spec = [None] * len(group.tile)
+    spec[dims[0]] = "replicas"
+    shape = tuple(hi - lo for lo, hi in group.tile)
+    cut = jax.make_array_from_single_device_arrays(
+        shape, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)), list(slices))
+    whole = _gatherer(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))(cut)
+    by_device = {s.device: s.data for s in whole.addressable_shards}
+    return [by_device[d] for d in devices]
+
+
+@functools.lru_cache(maxsize=None)
+def _cutter(windows: tuple[Box, ...]):
+    return jax.jit(lambda tile: tuple(tile[_slices(w)] for w in windows))
+
+
+@functools.lru_cache(maxsize=None)
+def _assembler(shape: tuple[int, ...], dtype: str, windows: tuple[Box, ...]):
+    def assemble(*parts):
+        tile = jnp.zeros(shape, dtype)
+        for window, data in zip(windows, parts, strict=True):
+            tile = tile.at[_slices(window)].set(data)
+        return tile
+    return jax.jit(assemble)
+
+
+@functools.lru_cache(maxsize=None)
+def _gatherer(replicated: jax.sharding.NamedSharding):
+    return jax.jit(lambda x: x, out_shardings=replicated)
 
 
 def layout_of(sharding: jax.sharding.NamedSharding, ndim: int) -> MeshLayout:

@@ -11,8 +11,7 @@ Every mesh has a clock. An instruction starts when its mesh is free and its inpu
   their own costs; every RUN also pays the cluster's ``launch_overhead`` (one executable launch);
 * ``RECV``: the resharding plan's alpha-beta time between the two meshes (inter-node link when the meshes
   are on different nodes); with ``shared_host_compute`` its copies are summed, not overlapped
-  (:meth:`~alpa_like.runtime.resharding.ReshardingPlan.serial_seconds`: the driver issues them one by one
-  on one host);
+  (:meth:`~alpa_like.runtime.resharding.ReshardingPlan.serial_seconds`: one host's cores do every copy);
 * ``LOAD``: host-to-device bytes at the intra-node bandwidth; ``ACC``, ``MEAN``, ``FREE``: free. On a
   cluster whose devices have their own compute (no ``shared_host_compute``: GPUs), a per-step LOAD of a
   non-batch input (parameters, optimizer state) onto a mesh whose own apply-grad updates it
@@ -84,7 +83,7 @@ def transfer_seconds(plan, aval, src_mesh: int, dst_mesh: int, src_spec=None, ds
     """Seconds to move a value of ``aval`` from mesh ``src_mesh`` to mesh ``dst_mesh`` of ``plan``: the
     resharding plan's alpha-beta time between the two layouts (``src_spec`` / ``dst_spec``, or
     :func:`activation_spec`'s), over the inter-node link when the meshes' nodes differ, else the intra-node
-    one; with ``shared_host_compute`` the copies are summed (one driver issues them one by one)."""
+    one; with ``shared_host_compute`` the copies are summed (one host's cores do them all)."""
     cluster = plan.cluster
     per_node = cluster.num_devices_per_node
     src_plan, dst_plan = plan.stages[src_mesh], plan.stages[dst_mesh]

@@ -65,6 +65,18 @@ def test_local_all_gather_sends_each_tile_once():
     assert rewritten.estimated_seconds(1e9, 1e-6) < naive.estimated_seconds(1e9, 1e-6)
 
 
+def test_all_gather_slices_line_up_with_the_source_tiles():
+    # S0 over 4 devices -> replicated: cutting the tile along dim 0 (not its largest dim 1) lets each
+    # destination device receive one whole source tile: 4 transfers instead of 16 pieces.
+    shape = (4, 16, 8)
+    src = MeshLayout(device_ids=((0, 1, 2, 3),), spec=ShardingSpec.from_str("S1RR"))
+    plan = plan_resharding(shape, 4, src, MeshLayout(device_ids=((4, 5, 6, 7),), spec=ShardingSpec.from_str("RRR")))
+    src_tiles = src.tiles(shape)
+    assert len(plan.transfers) == 4
+    assert all(t.box == src_tiles[t.src] for t in plan.transfers)
+    assert plan.cross_mesh_bytes == 4 * 16 * 8 * 4
+
+
 def test_senders_are_spread_over_source_replicas():
     src = MeshLayout(device_ids=((0, 1), (2, 3)), spec=ShardingSpec.from_str("S0R"))
     dst = MeshLayout(device_ids=((4, 5), (6, 7)), spec=ShardingSpec.from_str("S01R"))
