@@ -21,8 +21,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from alpa_like.cluster import ClusterSpec
-from alpa_like.compiler.flops import jaxpr_flops
-from alpa_like.compiler.grad_accumulation import split_at_grad_marker, split_flops
+from alpa_like.compiler.flops import equation_seconds, jaxpr_flops, jaxpr_seconds
+from alpa_like.compiler.grad_accumulation import split_at_grad_marker, split_total
 from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.trace import LeafInfo, TracedStep
@@ -102,7 +102,10 @@ def gradient_communication(layout: SpmdLayout, in_leaves: Sequence[LeafInfo], me
 
 def spmd_plan(method, traced: TracedStep, layout: SpmdLayout, cluster: ClusterSpec,
               device_ids: Sequence[int] = (), out_specs: Sequence[ShardingSpec | None] | None = None) -> ParallelPlan:
-    """The one-stage plan of an SPMD method on ``cluster``.
+    """The one-stage plan of an SPMD method on ``cluster``. Its compute time is the traced step's roofline
+    spread over the cluster's devices (:func:`~alpa_like.compiler.flops.jaxpr_seconds`: FLOPs at peak, or
+    bytes at ``cluster.memory_bandwidth`` when larger and known), as the stage profiler and the simulator
+    price a stage; the predicted collectives add to it.
 
     Args:
       out_specs: the output specs actually compiled (XLA's choice filled in); defaults to the layout's.
@@ -118,12 +121,14 @@ def spmd_plan(method, traced: TracedStep, layout: SpmdLayout, cluster: ClusterSp
         comm = tuple(layout.communication)
     else:
         comm = tuple(gradient_communication(layout, traced.in_leaves, mesh, offset, method.num_micro_batches))
+    rates = (cluster.peak_flops, cluster.memory_bandwidth, cluster.num_devices)
     if method.num_micro_batches > 1:
-        batch_mask = [leaf.is_batch for leaf in traced.in_leaves]
-        flops = float(split_flops(split_at_grad_marker(traced.closed_jaxpr, batch_mask), method.num_micro_batches))
+        split = split_at_grad_marker(traced.closed_jaxpr, [leaf.is_batch for leaf in traced.in_leaves])
+        flops = float(split_total(split, method.num_micro_batches))
+        compute = split_total(split, method.num_micro_batches, lambda e: equation_seconds(e, *rates))
     else:
         flops = float(jaxpr_flops(traced.closed_jaxpr))
-    compute = flops / (cluster.num_devices * cluster.peak_flops)
+        compute = jaxpr_seconds(traced.closed_jaxpr, *rates)
     stage = StagePlan(stage_id=0, layer_ids=(), submesh_shape=cluster_submesh(cluster),
                       logical_mesh_shape=tuple(mesh_shape), mesh_axis_names=layout.axis_names,
                       device_ids=tuple(int(d) for d in device_ids), inputs=inputs, outputs=outputs,

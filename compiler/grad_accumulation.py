@@ -102,10 +102,11 @@ def split_at_grad_marker(closed: ClosedJaxpr, batch_mask: Sequence[bool]) -> Gra
                      marker=marker, apply=tuple(eqns[i] for i in apply))
 
 
-def split_flops(split: GradSplit, num_micro_batches: int) -> float:
-    """FLOPs of one step: the per-micro-batch equations count once per micro-batch."""
+def split_total(split: GradSplit, num_micro_batches: int, cost: Callable[[JaxprEqn], float] = eqn_flops) -> float:
+    """A per-equation ``cost`` (FLOPs by default) summed over one step: the per-micro-batch equations count
+    once per micro-batch."""
     def total(eqns):
-        return sum(eqn_flops(e) for e in eqns)
+        return sum(cost(e) for e in eqns)
     return total(split.hoisted) + num_micro_batches * total(split.per_micro_batch) + total(split.apply)
 
 

@@ -93,7 +93,7 @@ def local_workload(suite: str) -> Workload:
 def _predicted(exe) -> float:
     if hasattr(exe, "programs"):
         from alpa_like.runtime.simulator import simulate
-        return simulate(exe.plan, exe.program, exe.programs).step_seconds
+        return simulate(exe.plan, exe.program, exe.programs, value_specs=getattr(exe, "value_specs", None)).step_seconds
     return exe.plan.estimated_iteration_time
 
 

@@ -102,3 +102,20 @@ def test_data_parallel_plan_predicts_one_gradient_all_reduce():
 def test_plan_is_frozen(mlp_plan):
     with pytest.raises(dataclasses.FrozenInstanceError):
         mlp_plan.num_micro_batches = 4
+
+
+def test_spmd_compute_is_the_steps_roofline_when_the_cluster_has_a_memory_bandwidth():
+    # On XLA's CPU devices (ClusterSpec.local() measures a memory bandwidth) element-wise work is
+    # memory-bound: the estimate is each equation's max(FLOP time, byte time) over the devices, the same
+    # roofline the pipeline simulator and the stage profiler use; without a bandwidth, FLOPs at peak.
+    from alpa_like.compiler.flops import jaxpr_flops, jaxpr_seconds
+    from alpa_like.compiler.trace import trace_step
+    step, state, batch = make_train_step(mlp_loss), mlp_state(), mlp_batch(np.random.default_rng(0))
+    closed = trace_step(step, (state, batch)).closed_jaxpr
+    gpu = al.ClusterSpec.preset("p3.16xlarge", num_nodes=1)
+    cpu = dataclasses.replace(gpu, peak_flops=2e10, memory_bandwidth=3e9)
+    for cluster in (gpu, cpu):
+        plan = al.plan(step, state, batch, method=al.DataParallel(), cluster=cluster)
+        expected = jaxpr_seconds(closed, cluster.peak_flops, cluster.memory_bandwidth, cluster.num_devices)
+        assert plan.stages[0].compute_seconds == pytest.approx(expected, rel=1e-9)
+    assert plan.stages[0].compute_seconds > jaxpr_flops(closed) / (8 * cpu.peak_flops)
