@@ -8,6 +8,7 @@ step.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -79,18 +80,29 @@ def reduce_stack(stack: Any, count: int, sharding=None) -> Any:
     """The mean over ``count`` micro-batches of an accumulated stack of partial sums: its sum over the
     leading dim (one all-reduce, or a reduce-scatter when ``sharding`` splits the result over the stack's
     axes) divided by ``count``."""
-    return _reduce(stack, count, sharding)
+    (mean,), _ = step_means([stack], (sharding,), [], count)
+    return mean
 
 
-def _reduce_impl(stack, count: int):
-    return jnp.sum(stack, axis=0) / jnp.asarray(count, stack.dtype)
+def step_means(stacks: Sequence[Any], shardings: tuple, totals: Sequence[Any], count: int):
+    """The means over ``count`` micro-batches of one mesh's accumulated values, in one executable: each of
+    ``stacks`` summed over its leading dim (laid out as its entry of ``shardings``, or as XLA chooses for
+    None) and divided by ``count``, and each of ``totals`` divided by ``count``. Returns the two lists.
+
+    One executable per mesh and step, not one per gradient: on XLA's CPU devices every executable with a
+    collective occupies a host thread per device while it waits for the others, and dozens of small ones
+    in flight at once were seen to exhaust the threads and deadlock (a 1-stage, 8-device pipeline)."""
+    return _means(tuple(stacks), tuple(totals), count, tuple(shardings))
 
 
-_REDUCE_CACHE: dict = {}
-
-
-def _reduce(stack, count: int, sharding):
-    fn = _REDUCE_CACHE.get((count, sharding))
-    if fn is None:
-        fn = _REDUCE_CACHE[(count, sharding)] = jax.jit(_reduce_impl, static_argnums=1, out_shardings=sharding)
-    return fn(stack, count)
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _means(stacks, totals, count: int, shardings: tuple):
+    def mean(x):
+        return x / jnp.asarray(count, x.dtype)
+    reduced = []
+    for stack, sharding in zip(stacks, shardings, strict=True):
+        total = jnp.sum(stack, axis=0)
+        if sharding is not None:
+            total = jax.lax.with_sharding_constraint(total, sharding)
+        reduced.append(mean(total))
+    return reduced, [mean(t) for t in totals]

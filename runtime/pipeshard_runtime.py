@@ -34,7 +34,7 @@ from alpa_like.compiler.stage_sharding import StageSharding
 from alpa_like.runtime.instructions import PER_STEP, Instruction, MeshPrograms, Op
 from alpa_like.runtime.mesh import make_mesh, named_sharding
 from alpa_like.runtime.resharding import layout_of, plan_resharding, reshard
-from alpa_like.runtime.partial_sums import eval_piece, reduce_stack
+from alpa_like.runtime.partial_sums import eval_piece, step_means
 from alpa_like.runtime.spmd import pin_hook
 
 MESH_AXES = ("x", "y")
@@ -254,14 +254,14 @@ class PipeshardExecutable:
     def _mean(self, group: list[Instruction], buffers, accumulators) -> None:
         for mesh in sorted({ins.mesh for ins in group}):
             mine = [ins for ins in group if ins.mesh == mesh]
-            stacks = [ins for ins in mine if ins.key[0] in self._stack_targets]
-            for ins in stacks:
-                buffers[mesh][ins.key] = reduce_stack(accumulators[mesh].pop(ins.key[0]), self.num_micro_batches,
-                                                      self._stack_targets[ins.key[0]])
-            mine = [ins for ins in mine if ins.key[0] not in self._stack_targets]
-            totals = [accumulators[mesh].pop(ins.key[0]) for ins in mine]
-            means = _divide_all(totals, self.num_micro_batches)
-            buffers[mesh].update({ins.key: x for ins, x in zip(mine, means, strict=True)})
+            stacked = [ins for ins in mine if ins.key[0] in self._stack_targets]
+            plain = [ins for ins in mine if ins.key[0] not in self._stack_targets]
+            stack_means, plain_means = step_means(
+                [accumulators[mesh].pop(ins.key[0]) for ins in stacked],
+                tuple(self._stack_targets[ins.key[0]] for ins in stacked),
+                [accumulators[mesh].pop(ins.key[0]) for ins in plain], self.num_micro_batches)
+            buffers[mesh].update({ins.key: x for ins, x in zip(stacked + plain, stack_means + plain_means,
+                                                               strict=True)})
 
     def _execute(self, ins: Instruction, buffers, inputs, micro, stats: StepStats) -> None:
         mesh_buffers = buffers[ins.mesh]
@@ -336,11 +336,6 @@ def _quiet_unusable_donations():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
         yield
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _divide_all(totals, count: int):
-    return [t / jax.numpy.asarray(count, t.dtype) for t in totals]
 
 
 @functools.partial(jax.jit, static_argnums=1)

@@ -389,9 +389,9 @@ class _StepRun:
             self._wrote((v, ins.micro_batch))
 
     def _mean(self, group: list[Instruction]) -> None:
-        from alpa_like.runtime.pipeshard_runtime import _divide_all
+        from alpa_like.runtime.partial_sums import step_means
         totals = [self.accumulators.pop(ins.key[0]) for ins in group]
-        means = _divide_all(totals, self.program.num_micro_batches)
+        _, means = step_means([], (), totals, self.program.num_micro_batches)
         for ins, x in zip(group, means, strict=True):
             self.buffers[ins.key] = x
             self._wrote(ins.key)

@@ -165,6 +165,25 @@ def test_data_parallel_stages_reduce_gradients_once_per_step(defer):
         assert reduced == {0: grad_bytes, 1: grad_bytes}
 
 
+@pytest.mark.slow
+def test_one_stage_on_all_devices_with_deferred_gradients_runs_step_after_step():
+    # Regression: the step's mean reduced each of gpt-small's ~40 deferred gradients in its own collective
+    # executable; dispatched back to back on 8 CPU devices they exhausted XLA's host threads and the third
+    # or fourth step deadlocked in an all-reduce (XLA aborts after 40 s). One executable per mesh now.
+    config = models.get_config("gpt-small")
+    model = gpt.GPTModel(config)
+    batches = [gpt.gpt_batch(config, 8, jax.random.PRNGKey(10 + i)) for i in range(4)]
+    params = model.init(jax.random.PRNGKey(0), batches[0]["input_ids"])["params"]
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=SGD)
+    step = train_step_for(gpt.gpt_loss(model))
+    method = al.PipeshardParallel(num_micro_batches=4, layer_option=al.AutoLayerOption(layer_num=config.num_layers),
+                                  stage_option=stages((tuple(range(config.num_layers)),), ((1, 8),), ((1, 8),)))
+    got_state, got_losses = run_steps(al.parallelize(step, method=method), state, batches)
+    ref_state, ref_losses = reference_on_one_device(step, state, batches)
+    assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
+
+
 def live_micro_batches(exe, mesh):
     """Peak number of distinct micro-batches whose buffers are alive on ``mesh``, following the program's
     writes (RUN outputs, LOAD, RECV) and FREEs: the activation memory the program holds."""
