@@ -3,8 +3,8 @@
 The analysis and its contract are :mod:`alpa_like.compiler.gradient_sync`. Here: :func:`eval_piece`
 evaluates a piece's equations with the contractions it names split (their stack of partial sums laid out
 over the mesh axes that split the contracted dim) and the linear equations after them run per partial sum
-(``jax.vmap`` over the stack); :func:`reduce_stack` turns an accumulated stack into the gradient once per
-step.
+(``jax.vmap`` over the stack); :func:`step_means` turns the accumulated stacks into the gradients once per
+step (one executable per mesh; :func:`reduce_stack` for one stack).
 """
 from __future__ import annotations
 
