@@ -141,7 +141,9 @@ def emit_programs(program: StageProgram, schedule: Schedule, stage_to_mesh: Sequ
         piece = program.piece(stage, phase)
         checked = (stage, phase) in to_check
         for v in to_check[(stage, phase)] if checked else piece.inputs:
-            make_available(v, mb, mesh)
+            holders = where.get(key_of(v, mb))
+            if holders is None or mesh not in holders:
+                make_available(v, mb, mesh)
         if not checked:
             to_check[(stage, phase)] = tuple(v for v in piece.inputs if v in per_micro_batch)
         out.append(Instruction(Op.RUN, mesh, stage=stage, phase=phase, micro_batch=mb))
@@ -180,38 +182,39 @@ def emit_programs(program: StageProgram, schedule: Schedule, stage_to_mesh: Sequ
 
 def _insert_frees(instructions: list[Instruction], program: StageProgram, keep: set, key_of) -> list[Instruction]:
     """Adds ``FREE`` after the last use of each per-micro-batch buffer on each mesh (step inputs, outputs
-    and accumulators stay)."""
-    per_mb_inputs: dict[tuple[int, str], tuple[ValueId, ...]] = {}
+    and accumulators stay): the last instruction that reads it on the mesh (a RUN's input, an ACC, a RECV
+    into the mesh), writes it there (a RUN's output) or copies it from the mesh (a RECV from it)."""
+    touched: dict[tuple[int, str], tuple[ValueId, ...]] = {}  # per piece: its per-micro-batch inputs and outputs
     last: dict[tuple[int, Key], int] = {}
-    written: dict[tuple[int, Key], int] = {}
+    run, acc, recv = Op.RUN, Op.ACC, Op.RECV
     for i, ins in enumerate(instructions):
-        if ins.op is Op.RUN:
-            if ins.micro_batch == PER_STEP:  # every key it reads or writes is per step
+        op = ins.op
+        if op is run:
+            mb = ins.micro_batch
+            if mb == PER_STEP:  # every key it reads or writes is per step
                 continue
             piece_key = (ins.stage, ins.phase)
-            if piece_key not in per_mb_inputs:
-                per_mb_inputs[piece_key] = tuple(v for v in program.pieces[piece_key].inputs
-                                                 if key_of(v, 0)[1] != PER_STEP)
-            for v in per_mb_inputs[piece_key]:
-                last[(ins.mesh, (v, ins.micro_batch))] = i
-            for v in program.pieces[piece_key].outputs:
-                written[(ins.mesh, (v, ins.micro_batch))] = i
-        elif (ins.op is Op.ACC or ins.op is Op.RECV) and ins.key[1] != PER_STEP:
+            values = touched.get(piece_key)
+            if values is None:
+                piece = program.pieces[piece_key]
+                values = touched[piece_key] = (tuple(v for v in piece.inputs if key_of(v, 0)[1] != PER_STEP)
+                                               + piece.outputs)
+            mesh = ins.mesh
+            for v in values:
+                last[(mesh, (v, mb))] = i
+        elif (op is acc or op is recv) and ins.key[1] != PER_STEP:
             last[(ins.mesh, ins.key)] = i
-            if ins.op is Op.RECV:  # it reads the source mesh's buffer: the source keeps it until then
+            if op is recv:
                 last[(ins.src_mesh, ins.key)] = i
-    for place, i in written.items():
-        last.setdefault(place, i)
-    frees: dict[int, list[Instruction]] = {}
+    frees: dict[int, list[tuple[int, Key]]] = {}
     kept = {key for key, _ in keep}
-    for (mesh, key), i in last.items():
-        if key in kept:
-            continue
-        frees.setdefault(i, []).append(Instruction(Op.FREE, mesh, key=key))
+    for place, i in last.items():
+        if place[1] not in kept:
+            frees.setdefault(i, []).append(place)
     result, done = [], 0
     for i in sorted(frees):
         result.extend(instructions[done:i + 1])
-        result.extend(sorted(frees[i], key=lambda f: (f.mesh, f.key)))
+        result.extend(Instruction(Op.FREE, mesh, key=key) for mesh, key in sorted(frees[i]))
         done = i + 1
     result.extend(instructions[done:])
     return result
