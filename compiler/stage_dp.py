@@ -370,32 +370,38 @@ def solve_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_micro_ba
     placement = _Placement.of(costs, num_devices, per_node)
 
     step = _step_costs(costs)
-    usable = np.isfinite(eff).any(axis=0)
-    levels = [0.0] if step is None else np.unique(step[usable & np.isfinite(step)]).tolist()
-    best: tuple[float, float, np.ndarray] | None = None  # (T*, t_max, eff) of the best level so far
-    evaluated = 0
-    for level in levels:  # Per-step terms: the plans whose stages' terms are all <= level, plus level.
-        capped = eff if step is None else np.where(step[None] <= level, eff, np.inf)
-        found, runs = _best_t_max(capped, sizes, num_devices, placement, costs.boundary_saving, batches, epsilon,
-                                  prune)
-        evaluated += runs
-        if found is not None and (value := found[0] + (0.0 if step is None else level)) < (best or (math.inf,))[0]:
-            best = (value, found[1], capped)
-    if best is None:
+    found, evaluated = _best_t_max(eff, sizes, num_devices, placement, costs.boundary_saving, batches, epsilon,
+                                   prune)
+    if found is None:
         raise _infeasible_error(costs, (n_nodes, per_node), in_flight, device_memory, schedule, batches)
+    usable = np.isfinite(eff).any(axis=0) & np.isfinite(step) if step is not None else None
+    levels = [] if step is None else _t_max_groups(np.unique(step[usable]), epsilon)
+    top = levels[-1][1] if levels else 0.0
+    unconstrained = found[0]  # T* with every stage admitted: no level does better than this plus its own value
+    best = (unconstrained + top, found[1], eff)  # (total, t_max, eff) of the best level so far
+    for _, level in levels[:-1]:  # Per-step terms: plans whose stages' terms are all <= level, plus level.
+        if prune and level + unconstrained >= best[0]:  # and so does every larger level
+            break
+        capped = np.where(step[None] <= level, eff, np.inf)
+        found, runs = _best_t_max(capped, sizes, num_devices, placement, costs.boundary_saving, batches, epsilon,
+                                  prune, bound=best[0] - level if prune else math.inf)
+        evaluated += runs
+        if found is not None and found[0] + level < best[0]:
+            best = (found[0] + level, found[1], capped)
     stages = _reconstruct(costs, best[2], view, best[1], num_devices, in_flight, placement)
     return _solution(price_placed_stages(costs, stages, per_node), batches, num_t_max_evaluated=evaluated)
 
 
 def _best_t_max(eff: np.ndarray, sizes: np.ndarray, num_devices: int, placement: _Placement | None,
-                saving: np.ndarray | None, batches: int, epsilon: float,
-                prune: bool) -> tuple[tuple[float, float] | None, int]:
+                saving: np.ndarray | None, batches: int, epsilon: float, prune: bool,
+                bound: float = math.inf) -> tuple[tuple[float, float] | None, int]:
     """Eq. 3.4 over the t_max candidates of ``eff`` (Alg. 2 lines 27-30, searched by :func:`_search`):
-    ``((T*, t_max), runs)``, or ``(None, runs)`` when no plan exists; ``runs`` = DP runs spent."""
+    ``((T*, t_max), runs)``, or ``(None, runs)`` when no plan exists or none costs less than ``bound`` (a
+    plan whose slowest stage takes ``t`` costs at least ``B t``); ``runs`` = DP runs spent."""
     def total(t_max: float) -> float:
         return float(_best_finals(eff, t_max, sizes, num_devices, placement)[0].min()) + (batches - 1) * t_max
 
-    groups = _t_max_groups(_stage_time_candidates(eff, saving), epsilon)
+    groups = [g for g in _t_max_groups(_stage_time_candidates(eff, saving), epsilon) if batches * g[0] < bound]
     solved: dict[int, float] = {}
 
     def solve(g: int) -> float:
