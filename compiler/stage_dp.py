@@ -77,9 +77,13 @@ the largest of these terms over the plan's stages. They do not enter the ``t_max
 the micro-batches). A maximum does not decompose over the stages of Eq. 3.3, so the DP enumerates it like
 ``t_max``: for each distinct value ``c`` of the terms it solves Eq. 3.3-3.4 over the stages whose term is at
 most ``c`` and adds ``c``; the least total over ``c`` is the optimum (a plan is counted at ``c`` = its own
-largest term, and at larger ``c`` only costs more). GPT tables have a handful of distinct terms (one per
-submesh size of the tied stages), so this costs a handful of searches. Both pruning rules stay exact
-within each ``c``.
+largest term, and at larger ``c`` only costs more). Exact shortcuts: the optimum ``T_0`` with every stage
+admitted is solved first (it is the largest ``c``'s search); no ``c`` does better than ``c + T_0``, so the
+levels from the first ``c`` with ``c + T_0`` at or above the best total are skipped, and a level's t_max
+groups with ``B t`` at or above its remaining budget are not solved. Levels closer than ``epsilon`` are
+solved once, at the largest (error at most ``epsilon`` more). Both pruning rules of ``_search`` stay exact
+within each ``c``. GPT-39B's real table at 1024 micro-batches: 41 DP runs, 7.9 s (the sum version: 19 runs,
+4.3 s; every level solved in full: 370 runs, 92 s).
 
 **Cost.** One DP is :math:`O(K^3 \cdot NM \cdot P)` for ``P`` submesh shapes (Alpa: :math:`O(K^3 NM (N +
 \log M))`), vectorised with numpy over the last layer, submesh and devices; the number of stages and the
