@@ -132,16 +132,26 @@ def emit_programs(program: StageProgram, schedule: Schedule, stage_to_mesh: Sequ
                              "the schedule does not respect the pieces' data flow")
         holders.add(mesh)
 
+    # Per piece, the inputs still to check at each run: all of them the first time, then only the
+    # per-micro-batch ones (a per-step input, once made available on the mesh, stays there).
+    to_check: dict[tuple[int, str], tuple[ValueId, ...]] = {}
+
     def run(stage: int, phase: str, mb: int) -> None:
         mesh = stage_to_mesh[stage]
         piece = program.piece(stage, phase)
-        for v in piece.inputs:
-            make_available(v, mb, mesh)
+        checked = (stage, phase) in to_check
+        for v in to_check[(stage, phase)] if checked else piece.inputs:
+            holders = where.get(key_of(v, mb))
+            if holders is None or mesh not in holders:
+                make_available(v, mb, mesh)
+        if not checked:
+            to_check[(stage, phase)] = tuple(v for v in piece.inputs if v in per_micro_batch)
         out.append(Instruction(Op.RUN, mesh, stage=stage, phase=phase, micro_batch=mb))
         for v in piece.outputs:
-            where.setdefault(key_of(v, mb), set()).add(mesh)
+            key = key_of(v, mb)
+            where.setdefault(key, set()).add(mesh)
             if v in accumulator_of:
-                out.append(Instruction(Op.ACC, mesh, key=key_of(v, mb), target=accumulator_of[v]))
+                out.append(Instruction(Op.ACC, mesh, key=key, target=accumulator_of[v]))
 
     for row in schedule.ticks:
         for task in row:
@@ -170,47 +180,41 @@ def emit_programs(program: StageProgram, schedule: Schedule, stage_to_mesh: Sequ
                         output_copies=tuple(copies) if any(copies) else ())
 
 
-def _reads(ins: Instruction, program: StageProgram, key_of) -> list[Key]:
-    if ins.op is Op.RUN:
-        piece = program.piece(ins.stage, ins.phase)
-        return [key_of(v, ins.micro_batch) for v in piece.inputs]
-    if ins.op in (Op.ACC, Op.RECV):
-        return [ins.key]
-    return []
-
-
 def _insert_frees(instructions: list[Instruction], program: StageProgram, keep: set, key_of) -> list[Instruction]:
     """Adds ``FREE`` after the last use of each per-micro-batch buffer on each mesh (step inputs, outputs
-    and accumulators stay)."""
+    and accumulators stay): the last instruction that reads it on the mesh (a RUN's input, an ACC, a RECV
+    into the mesh), writes it there (a RUN's output) or copies it from the mesh (a RECV from it)."""
+    touched: dict[tuple[int, str], tuple[ValueId, ...]] = {}  # per piece: its per-micro-batch inputs and outputs
     last: dict[tuple[int, Key], int] = {}
-    written: dict[tuple[int, Key], int] = {}
-    per_step_reads = set()
+    run, acc, recv = Op.RUN, Op.ACC, Op.RECV
     for i, ins in enumerate(instructions):
-        for key in _reads(ins, program, key_of):
-            if key[1] == PER_STEP:
-                per_step_reads.add(key)
+        op = ins.op
+        if op is run:
+            mb = ins.micro_batch
+            if mb == PER_STEP:  # every key it reads or writes is per step
                 continue
-            last[(ins.mesh, key)] = i
-        if ins.op is Op.RECV:
-            last[(ins.mesh, ins.key)] = max(last.get((ins.mesh, ins.key), i), i)
-        if ins.op is Op.RUN and ins.micro_batch != PER_STEP:
-            for v in program.piece(ins.stage, ins.phase).outputs:
-                written[(ins.mesh, (v, ins.micro_batch))] = i
-    for place, i in written.items():
-        last.setdefault(place, i)
-    # RECV reads the source mesh's buffer: the source must keep it until then.
-    for i, ins in enumerate(instructions):
-        if ins.op is Op.RECV and ins.key[1] != PER_STEP:
-            place = (ins.src_mesh, ins.key)
-            last[place] = max(last.get(place, i), i)
-    frees: dict[int, list[Instruction]] = {}
+            piece_key = (ins.stage, ins.phase)
+            values = touched.get(piece_key)
+            if values is None:
+                piece = program.pieces[piece_key]
+                values = touched[piece_key] = (tuple(v for v in piece.inputs if key_of(v, 0)[1] != PER_STEP)
+                                               + piece.outputs)
+            mesh = ins.mesh
+            for v in values:
+                last[(mesh, (v, mb))] = i
+        elif (op is acc or op is recv) and ins.key[1] != PER_STEP:
+            last[(ins.mesh, ins.key)] = i
+            if op is recv:
+                last[(ins.src_mesh, ins.key)] = i
+    frees: dict[int, list[tuple[int, Key]]] = {}
     kept = {key for key, _ in keep}
-    for (mesh, key), i in last.items():
-        if key[1] == PER_STEP or key in kept:
-            continue
-        frees.setdefault(i, []).append(Instruction(Op.FREE, mesh, key=key))
-    result = []
-    for i, ins in enumerate(instructions):
-        result.append(ins)
-        result.extend(sorted(frees.get(i, []), key=lambda f: (f.mesh, f.key)))
+    for place, i in last.items():
+        if place[1] not in kept:
+            frees.setdefault(i, []).append(place)
+    result, done = [], 0
+    for i in sorted(frees):
+        result.extend(instructions[done:i + 1])
+        result.extend(Instruction(Op.FREE, mesh, key=key) for mesh, key in sorted(frees[i]))
+        done = i + 1
+    result.extend(instructions[done:])
     return result

@@ -118,6 +118,17 @@ def instruction_kind(text: str) -> str:
     return head[0]
 
 
+_RUN_KIND = {FORWARD: "RUN F", BACKWARD: "RUN B", APPLY: "RUN A"}
+
+
+_OP_KIND = {op: op.value for op in Op}
+
+
+def _kind(ins) -> str:
+    """:func:`instruction_kind` of ``str(ins)``, without formatting the text."""
+    return _RUN_KIND[ins.phase] if ins.op is Op.RUN else _OP_KIND[ins.op]
+
+
 def measured_seconds_by_kind(spans) -> dict[str, float]:
     """Summed measured seconds per :func:`instruction_kind` from a profiled step's spans."""
     totals: dict[str, float] = {}
@@ -175,64 +186,80 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
     spans, busy, transfers = [], [0.0] * programs.num_meshes, 0.0
     traced: list[tuple[int, str, float, float]] | None = [] if trace else None
     by_kind: dict[str, float] = {}
+    shared = cluster.shared_host_compute
+    moves: dict[tuple[int, int, int], float] = {}
+
+    def move_seconds(v: int, src: int, dst: int) -> float:
+        """:func:`transfer_seconds` of value ``v`` from mesh ``src`` to ``dst`` (the same for every
+        micro-batch: computed once per triple)."""
+        if (v, src, dst) not in moves:
+            moves[(v, src, dst)] = transfer_seconds(plan, program.values[v].aval, src, dst,
+                                                    value_specs.get((v, src)), value_specs.get((v, dst)))
+        return moves[(v, src, dst)]
+
     def hosts(ins) -> frozenset[int]:
         """The nodes whose shared cores ``ins`` occupies (none when devices compute independently)."""
-        if not cluster.shared_host_compute:
+        if not shared:
             return frozenset()
         return nodes_of[ins.mesh] | (nodes_of[ins.src_mesh] if ins.op is Op.RECV else frozenset())
 
     for ins in programs.instructions:
+        op = ins.op
+        if op is Op.FREE:  # takes no time: only its (zero) total per kind
+            by_kind.setdefault("FREE", 0.0)
+            continue
         mesh = ins.mesh
         start, duration = clock[mesh], 0.0
-        if ins.op is Op.RUN:
+        if op is Op.RUN:
             piece = program.piece(ins.stage, ins.phase)
+            mb = ins.micro_batch
             for v in piece.inputs:
-                key = (v, ins.micro_batch) if (mesh, (v, ins.micro_batch)) in ready else (v, PER_STEP)
+                key = (v, mb) if (mesh, (v, mb)) in ready else (v, PER_STEP)
                 start = max(start, ready.get((mesh, key), 0.0))
-            start = max([start, *(node_clock[n] for n in hosts(ins))])
+            if shared:
+                start = max([start, *(node_clock[n] for n in hosts(ins))])
             duration = stage_time[(ins.stage, ins.phase)]
             if measured is not None:
                 duration = measured.get(_strip_micro_batch(str(ins)), duration)
             for v in piece.outputs:
-                ready[(mesh, (v, ins.micro_batch))] = start + duration
+                ready[(mesh, (v, mb))] = start + duration
             busy[mesh] += duration
             if ins.phase != APPLY:
                 phase = Phase.F if ins.phase == FORWARD else Phase.B
-                spans.append(Span(Task(StageIdx(ins.stage), MicroBatchIdx(ins.micro_batch), phase), MeshIdx(mesh),
+                spans.append(Span(Task(StageIdx(ins.stage), MicroBatchIdx(mb), phase), MeshIdx(mesh),
                                   start, start + duration))
-        elif ins.op is Op.RECV:
+        elif op is Op.RECV:
             start = max([start, ready.get((ins.src_mesh, ins.key), 0.0), *(node_clock[n] for n in hosts(ins))])
-            duration = transfer_seconds(plan, program.values[ins.key[0]].aval, ins.src_mesh, mesh,
-                                        value_specs.get((ins.key[0], ins.src_mesh)), value_specs.get((ins.key[0], mesh)))
+            duration = move_seconds(ins.key[0], ins.src_mesh, mesh)
             if measured is not None:
                 duration = measured.get(_strip_micro_batch(str(ins)), duration)
             transfers += duration
             ready[(mesh, ins.key)] = start + duration
-        elif ins.op is Op.LOAD:
+        elif op is Op.LOAD:
             start = max([start, *(node_clock[n] for n in hosts(ins))])
             aval = program.values[ins.key[0]].aval
             nbytes = math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
             if ins.key[1] != PER_STEP:
                 nbytes //= m
             v = ins.key[0]
-            if cluster.shared_host_compute or ins.key[1] != PER_STEP or v in program.batch_inputs:
+            if shared or ins.key[1] != PER_STEP or v in program.batch_inputs:
                 duration = cluster.intra_node_latency + nbytes / cluster.intra_node_bandwidth
             elif not (owners := updated_on.get(v)) or mesh in owners:  # resident state
                 duration = 0.0
             else:  # the previous step's apply-grad left the value on another mesh
-                src = min(owners)
-                duration = transfer_seconds(plan, aval, src, mesh, value_specs.get((v, src)), value_specs.get((v, mesh)))
+                duration = move_seconds(v, min(owners), mesh)
             if measured is not None:
                 duration = measured.get(_strip_micro_batch(str(ins)), duration)
             ready[(mesh, ins.key)] = start + duration
-        elif ins.op in (Op.ACC, Op.MEAN):
+        elif op is Op.ACC or op is Op.MEAN:
             start = max(start, ready.get((mesh, ins.key), start))
             ready[(mesh, ins.key)] = start
         clock[mesh] = start + duration
-        kind = instruction_kind(str(ins))
+        kind = _kind(ins)
         by_kind[kind] = by_kind.get(kind, 0.0) + duration
-        if ins.op in (Op.RUN, Op.RECV, Op.LOAD):
-            node_clock.update(dict.fromkeys(hosts(ins), start + duration))
+        if op is Op.RUN or op is Op.RECV or op is Op.LOAD:
+            if shared:
+                node_clock.update(dict.fromkeys(hosts(ins), start + duration))
             if traced is not None:
                 traced.append((mesh, str(ins), start, start + duration))
     timeline = Timeline(name=plan.pipeline_schedule or "pipeline", num_meshes=programs.num_meshes,

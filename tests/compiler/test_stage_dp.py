@@ -470,8 +470,9 @@ def with_step_seconds(costs: StageCosts, seed: int) -> StageCosts:
 @given(seed=st.integers(0, 2**32 - 1), num_layers=st.integers(1, 5), cluster=st.sampled_from(SMALL_CLUSTERS),
        batches=st.integers(1, 16), saving=st.booleans())
 def test_dp_with_per_step_terms_equals_brute_force(seed, num_layers, cluster, batches, saving):
-    """With ``step_seconds`` the objective is Eq. 3.2 plus each stage's per-step term, which does not enter
-    the t_max test; the DP (pruned and full) still finds the brute-force optimum."""
+    """With ``step_seconds`` the objective is Eq. 3.2 plus the largest of the stages' per-step terms (they run
+    at the same time on their own meshes), which do not enter the t_max test; the DP (pruned and full), which
+    enumerates that largest term, still finds the brute-force optimum."""
     costs = with_step_seconds(random_costs(seed, num_layers, cluster), seed + 2)
     if saving:
         costs = with_boundary_saving(costs, seed + 1)
@@ -485,7 +486,7 @@ def test_dp_with_per_step_terms_equals_brute_force(seed, num_layers, cluster, ba
     steps = [float(costs.step_seconds[s.layers[0], s.layers[1], s.submesh_index]) for s in solution.stages]
     assert [s.step_seconds for s in solution.stages] == steps
     assert solution.t_max == max(times)
-    assert solution.iteration_time == pytest.approx(sum(times) + (batches - 1) * max(times) + sum(steps), rel=1e-12)
+    assert solution.iteration_time == pytest.approx(sum(times) + (batches - 1) * max(times) + max(steps), rel=1e-12)
 
 
 def test_a_per_step_term_can_change_the_plan():
@@ -505,6 +506,23 @@ def test_a_per_step_term_can_change_the_plan():
     step[1, 1, :] = 0.5
     assert solve_stages(dataclasses.replace(costs, step_seconds=step), (1, 2), 4, 1.0).iteration_time == \
         pytest.approx(5.5)
+
+
+def test_per_step_terms_of_two_stages_overlap():
+    """The tied stages' per-step receives run at the same time on their meshes: the slower counts, not the
+    sum. Two layers, B = 4: one stage on (1, 2) in 1.55 s per micro-batch (4 * 1.55 = 6.2 s), or one layer per
+    device in 1 s with a 1 s per-step term on each stage (5 s + 1 s = 6 s). Summing the terms (7 s) would
+    pick the one-stage plan."""
+    def cost(i, j, sub, view):
+        return (1.0 if sub == (1, 1) and i == j else 1.55 if sub == (1, 2) and (i, j) == (0, 1) else math.inf), 0, 0
+    costs = StageCosts.from_fn(2, [(1, 1), (1, 2)], cost, logical_shapes=[[(1, 1)], [(1, 2)]])
+    step = np.zeros((2, 2, 2))
+    step[0, 0, :] = step[1, 1, :] = 1.0
+    solution = solve_stages(dataclasses.replace(costs, step_seconds=step), (1, 2), 4, 1.0)
+    assert solution.layers_per_stage == (1, 1) and solution.iteration_time == pytest.approx(6.0)
+    step[1, 1, :] = 1.5  # the slower receive: 5 + 1.5 = 6.5 > 6.2
+    solution = solve_stages(dataclasses.replace(costs, step_seconds=step), (1, 2), 4, 1.0)
+    assert solution.layers_per_stage == (2,) and solution.iteration_time == pytest.approx(6.2)
 
 
 def test_step_seconds_are_checked():

@@ -205,3 +205,81 @@ def test_a_replicated_tied_update_loads_nothing_across_meshes_and_exchanges_grad
              if text.startswith("RECV") and "@" not in text and int(text[6:].split()[0]) in parts}
     assert {mesh for mesh, _ in recvs} == {0, 1} and len(recvs) == 2
     assert all(d == pytest.approx(latency + 16 * 32 * 4 / 4 / bandwidth) for d in recvs.values())
+
+
+def _frees_by_definition(instructions, program, keep, key_of):
+    """The FREEs :func:`~alpa_like.runtime.instructions.emit_programs` must insert, from their definition:
+    each per-micro-batch buffer ``(mesh, key)`` that is not a step output is freed right after the last
+    instruction that reads it on ``mesh`` (a RUN's input, an ACC, a RECV into ``mesh``), writes it there (a
+    RUN's output) or copies it from ``mesh`` (a RECV from it); FREEs after one instruction sorted by mesh, key."""
+    from alpa_like.runtime.instructions import PER_STEP, Instruction, Op
+
+    last = {}
+    for i, ins in enumerate(instructions):
+        touched = []
+        if ins.op is Op.RUN and ins.micro_batch != PER_STEP:
+            piece = program.piece(ins.stage, ins.phase)
+            touched += [(ins.mesh, key_of(v, ins.micro_batch)) for v in piece.inputs + piece.outputs]
+        if ins.op in (Op.ACC, Op.RECV):
+            touched.append((ins.mesh, ins.key))
+        if ins.op is Op.RECV:
+            touched.append((ins.src_mesh, ins.key))
+        for place in touched:
+            if place[1][1] != PER_STEP:
+                last[place] = i
+    kept = {key for key, _ in keep}
+    out = []
+    for i, ins in enumerate(instructions):
+        out.append(ins)
+        out += [Instruction(Op.FREE, mesh, key=key) for (mesh, key), j in sorted(last.items()) if j == i and key not in kept]
+    return out
+
+
+@pytest.mark.parametrize("case", ["gpt 1f1b", "gpt gpipe", "tied"])
+def test_frees_follow_each_buffers_last_use(case):
+    """The programs' FREEs are the ones their definition gives (``_frees_by_definition``), on a 2-stage GPT
+    under two schedules and on the 2-stage tied model whose update is replicated (RECVs of gradient parts)."""
+    from alpa_like.runtime.instructions import PER_STEP, Op
+
+    if case == "tied":
+        _, program, programs = tied_programs(True)
+    else:
+        exe = executable(case.split()[1])
+        program, programs = exe.program, exe.programs
+    per_micro_batch = set(program.batch_inputs)
+    for (_, phase), piece in program.pieces.items():
+        if phase != "apply":
+            per_micro_batch.update(piece.outputs)
+
+    def key_of(v, mb):
+        return (v, mb) if v in per_micro_batch else (v, PER_STEP)
+
+    bare = [ins for ins in programs.instructions if ins.op is not Op.FREE]
+    assert len(bare) < len(programs.instructions)
+    keep = {o for o in programs.outputs if o}
+    assert list(programs.instructions) == _frees_by_definition(bare, program, keep, key_of)
+
+
+@pytest.mark.parametrize("shared_host_compute", [False, True])
+def test_step_totals_and_transfers_agree_with_the_traced_spans(shared_host_compute):
+    """``seconds_by_kind`` is the sum of the traced spans' durations per :func:`instruction_kind` of their text
+    (FREE, ACC and MEAN take no time), and every RECV lasts :func:`transfer_seconds` of its value between
+    its two meshes: the simulator computes each (value, source, destination) once."""
+    from alpa_like.runtime.simulator import instruction_kind, transfer_seconds
+
+    plan, program, programs = tied_programs(True)
+    plan = dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, shared_host_compute=shared_host_compute))
+    sim = simulate(plan, program, programs, trace=True)
+    totals = {}
+    for _, text, start, end in sim.instruction_spans:
+        totals[instruction_kind(text)] = totals.get(instruction_kind(text), 0.0) + (end - start)
+    timed = {k: v for k, v in sim.seconds_by_kind.items() if k not in ("FREE", "ACC", "MEAN")}
+    assert timed.keys() == totals.keys() and sim.seconds_by_kind["FREE"] == 0.0
+    assert all(timed[k] == pytest.approx(totals[k]) for k in totals)
+    recvs = [(ins, span) for ins, span in zip([i for i in programs.instructions if i.op.value in ("RUN", "RECV", "LOAD")],
+                                              sim.instruction_spans) if ins.op.value == "RECV"]
+    assert recvs
+    for ins, (mesh, text, start, end) in recvs:
+        assert text == str(ins) and mesh == ins.mesh
+        expected = transfer_seconds(plan, program.values[ins.key[0]].aval, ins.src_mesh, ins.mesh)
+        assert end - start == pytest.approx(expected, rel=1e-9) and expected > 0
