@@ -9,9 +9,15 @@ Every mesh has a clock. An instruction starts when its mesh is free and its inpu
   jaxpr (:func:`~alpa_like.compiler.flops.jaxpr_seconds`: per equation the larger of FLOP time and memory
   time, work split over the mesh's devices), so element-wise work is priced and forward and backward get
   their own costs; every RUN also pays the cluster's ``launch_overhead`` (one executable launch);
-* ``RECV``: the resharding plan's alpha-beta time between the two meshes (inter-node link when the meshes
-  are on different nodes); with ``shared_host_compute`` its copies are summed, not overlapped
-  (:meth:`~alpa_like.runtime.resharding.ReshardingPlan.serial_seconds`: one host's cores do every copy);
+* ``RECV``: the resharding plan's alpha-beta time between the two meshes (:func:`transfer_cost`). Between
+  meshes on different nodes the bytes go through the source node's and the destination node's NICs, each
+  moving ``num_devices_per_node * inter_node_bandwidth`` bytes/s per direction whichever of the node's
+  devices use it; every node's NIC, inbound and outbound, is a resource: a RECV holds the NICs it uses,
+  and transfers through one NIC take turns (serialised: two meshes of one node receiving from other nodes
+  at the same time take twice as long together, the first finishing after one transfer's time, not both
+  after two). With ``shared_host_compute`` a RECV's copies are summed, not overlapped
+  (:meth:`~alpa_like.runtime.resharding.ReshardingPlan.serial_seconds`: one host's cores do every copy),
+  over the inter-node link's per-device share when the meshes' nodes differ, and no NIC is modelled;
 * ``LOAD``: host-to-device bytes at the intra-node bandwidth; ``ACC``, ``MEAN``, ``FREE``: free. On a
   cluster whose devices have their own compute (no ``shared_host_compute``: GPUs), a per-step LOAD of a
   non-batch input (parameters, optimizer state) onto a mesh whose own apply-grad updates it
@@ -38,6 +44,7 @@ simulated timelines export and plot the same way) and the predicted step time.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 
@@ -79,11 +86,37 @@ def _mesh_layout(stage_plan, shape, spec=None) -> MeshLayout:
     return MeshLayout(device_ids=grid, spec=spec or activation_spec(shape, (n0, n1)))
 
 
+Nic = tuple[int, str]
+"""A node's network interface in one direction: ``(node, "in")`` or ``(node, "out")``."""
+
+
 def transfer_seconds(plan, aval, src_mesh: int, dst_mesh: int, src_spec=None, dst_spec=None) -> float:
-    """Seconds to move a value of ``aval`` from mesh ``src_mesh`` to mesh ``dst_mesh`` of ``plan``: the
-    resharding plan's alpha-beta time between the two layouts (``src_spec`` / ``dst_spec``, or
-    :func:`activation_spec`'s), over the inter-node link when the meshes' nodes differ, else the intra-node
-    one; with ``shared_host_compute`` the copies are summed (one host's cores do them all)."""
+    """Seconds to move a value of ``aval`` from mesh ``src_mesh`` to mesh ``dst_mesh`` of ``plan`` when no
+    other transfer uses the links (:func:`transfer_cost`)."""
+    return transfer_cost(plan, aval, src_mesh, dst_mesh, src_spec, dst_spec)[0]
+
+
+def transfer_cost(plan, aval, src_mesh: int, dst_mesh: int, src_spec=None,
+                  dst_spec=None) -> tuple[float, frozenset[Nic]]:
+    r"""The seconds to move a value of ``aval`` from mesh ``src_mesh`` to mesh ``dst_mesh`` of ``plan``
+    (between the two layouts ``src_spec`` / ``dst_spec``, or :func:`activation_spec`'s) and the NICs the move
+    holds for that long.
+
+    * Meshes on the same nodes: the resharding plan's alpha-beta time over the intra-node links (the busiest
+      receiving device, then the local all-gathers); no NIC.
+    * Meshes on different nodes, devices with their own compute (GPUs): each piece that crosses nodes
+      leaves through its source node's NIC and enters through its destination node's, and a node's NIC moves
+      ``num_devices_per_node * inter_node_bandwidth`` bytes/s each way whichever of its devices send or
+      receive (:func:`~alpa_like.compiler.stage_profiling.inbound_bandwidth`):
+
+      .. math:: t = \max_d (\text{pieces into } d) \, \alpha_{inter}
+                    + \max_{n, dir} \frac{\text{bytes through } (n, dir)}{M \, B_{inter}} + t_{gather}
+
+      (pieces between devices of one node, if a layout has any, pay the intra-node link on their device);
+      the NICs used are returned so that :func:`simulate` can make other transfers wait for them.
+    * With ``shared_host_compute`` (XLA's CPU devices, one host's cores do every copy): the copies are
+      summed (:meth:`~alpa_like.runtime.resharding.ReshardingPlan.serial_seconds`), over the inter-node
+      link when the meshes' nodes differ; no NIC, as measured (``examples/benchmarks/pipeline.py``)."""
     cluster = plan.cluster
     per_node = cluster.num_devices_per_node
     src_plan, dst_plan = plan.stages[src_mesh], plan.stages[dst_mesh]
@@ -93,8 +126,56 @@ def transfer_seconds(plan, aval, src_mesh: int, dst_mesh: int, src_spec=None, ds
     bandwidth = cluster.inter_node_bandwidth if cross else cluster.intra_node_bandwidth
     latency = cluster.inter_node_latency if cross else cluster.intra_node_latency
     if cluster.shared_host_compute:
-        return reshard.serial_seconds(bandwidth, latency)
-    return reshard.estimated_seconds(bandwidth, latency, cluster.intra_node_bandwidth)
+        return reshard.serial_seconds(bandwidth, latency), frozenset()
+    if not cross:
+        return reshard.estimated_seconds(bandwidth, latency, cluster.intra_node_bandwidth), frozenset()
+    per_device: dict[int, float] = {}
+    through: dict[Nic, int] = {}
+    for t in reshard.transfers:
+        src_node, dst_node = t.src // per_node, t.dst // per_node
+        if src_node == dst_node:
+            seconds = cluster.intra_node_latency + t.num_bytes / cluster.intra_node_bandwidth
+        else:
+            seconds = cluster.inter_node_latency
+            through[(src_node, "out")] = through.get((src_node, "out"), 0) + t.num_bytes
+            through[(dst_node, "in")] = through.get((dst_node, "in"), 0) + t.num_bytes
+        per_device[t.dst] = per_device.get(t.dst, 0.0) + seconds
+    nic_seconds = max(through.values(), default=0) / (per_node * cluster.inter_node_bandwidth)
+    gather = dataclasses.replace(reshard, transfers=()).estimated_seconds(bandwidth, latency,
+                                                                          cluster.intra_node_bandwidth)
+    return max(per_device.values(), default=0.0) + nic_seconds + gather, frozenset(through)
+
+
+class _NicBook:
+    """When each NIC is busy: per NIC, sorted disjoint ``[start, end)`` intervals. A transfer holds every
+    NIC it uses for its whole duration, and transfers through one NIC take turns (serialised, not sharing
+    its bandwidth): each takes the earliest interval from its ready time in which all its NICs are free, so
+    one booked before it in the programs' order but ready later does not hold it back."""
+
+    def __init__(self):
+        self._starts: dict[Nic, list[float]] = {}
+        self._ends: dict[Nic, list[float]] = {}
+
+    def earliest(self, nics: frozenset[Nic], ready: float, duration: float) -> float:
+        """The earliest ``start >= ready`` with every NIC of ``nics`` free during ``[start, start + duration)``."""
+        start, moved = ready, bool(nics) and duration > 0
+        while moved:
+            moved = False
+            for nic in nics:
+                starts, ends = self._starts.get(nic, []), self._ends.get(nic, [])
+                k = bisect.bisect_right(ends, start)  # the first interval ending after ``start``
+                if k < len(starts) and starts[k] < start + duration:
+                    start, moved = ends[k], True
+        return start
+
+    def book(self, nics: frozenset[Nic], start: float, duration: float) -> None:
+        if duration <= 0:
+            return
+        for nic in nics:
+            starts, ends = self._starts.setdefault(nic, []), self._ends.setdefault(nic, [])
+            k = bisect.bisect_right(starts, start)
+            starts.insert(k, start)
+            ends.insert(k, start + duration)
 
 
 def measured_durations(programs: MeshPrograms, spans) -> dict[str, float]:
@@ -150,6 +231,7 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
     per_node = cluster.num_devices_per_node
     nodes_of = [frozenset(d // per_node for d in plan.stages[mesh].device_ids) for mesh in range(programs.num_meshes)]
     node_clock = dict.fromkeys(range(cluster.num_nodes), 0.0)
+    nic_book = _NicBook()
     stage_time = {}
     for q in range(program.num_stages):
         mesh = programs.stage_to_mesh[q]
@@ -202,14 +284,18 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
                                   start, start + duration))
         elif ins.op is Op.RECV:
             start = max([start, ready.get((ins.src_mesh, ins.key), 0.0), *(node_clock[n] for n in hosts(ins))])
-            duration = transfer_seconds(plan, program.values[ins.key[0]].aval, ins.src_mesh, mesh,
-                                        value_specs.get((ins.key[0], ins.src_mesh)), value_specs.get((ins.key[0], mesh)))
+            duration, nics = transfer_cost(plan, program.values[ins.key[0]].aval, ins.src_mesh, mesh,
+                                           value_specs.get((ins.key[0], ins.src_mesh)),
+                                           value_specs.get((ins.key[0], mesh)))
             if measured is not None:
                 duration = measured.get(_strip_micro_batch(str(ins)), duration)
+            start = nic_book.earliest(nics, start, duration)
+            nic_book.book(nics, start, duration)
             transfers += duration
             ready[(mesh, ins.key)] = start + duration
         elif ins.op is Op.LOAD:
             start = max([start, *(node_clock[n] for n in hosts(ins))])
+            nics: frozenset[Nic] = frozenset()
             aval = program.values[ins.key[0]].aval
             nbytes = math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
             if ins.key[1] != PER_STEP:
@@ -221,9 +307,12 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
                 duration = 0.0
             else:  # the previous step's apply-grad left the value on another mesh
                 src = min(owners)
-                duration = transfer_seconds(plan, aval, src, mesh, value_specs.get((v, src)), value_specs.get((v, mesh)))
+                duration, nics = transfer_cost(plan, aval, src, mesh, value_specs.get((v, src)),
+                                               value_specs.get((v, mesh)))
             if measured is not None:
                 duration = measured.get(_strip_micro_batch(str(ins)), duration)
+            start = nic_book.earliest(nics, start, duration)
+            nic_book.book(nics, start, duration)
             ready[(mesh, ins.key)] = start + duration
         elif ins.op in (Op.ACC, Op.MEAN):
             start = max(start, ready.get((mesh, ins.key), start))

@@ -1,12 +1,13 @@
 """The simulated backend runs the same instruction programs against the cost model's clock."""
 import dataclasses
+import functools
 
 import pytest
 
 import alpa_like as al
 from alpa_like.runtime.simulator import simulate
 from alpa_like.runtime.schedules import Phase
-from tests.runtime.test_pipeshard_runtime import TWO_STAGES, gpt_case, train_step_for
+from tests.runtime.test_pipeshard_runtime import TWO_STAGES, gpt_case, stages, train_step_for
 
 
 def executable(schedule, num_micro_batches=4):
@@ -205,3 +206,120 @@ def test_a_replicated_tied_update_loads_nothing_across_meshes_and_exchanges_grad
              if text.startswith("RECV") and "@" not in text and int(text[6:].split()[0]) in parts}
     assert {mesh for mesh, _ in recvs} == {0, 1} and len(recvs) == 2
     assert all(d == pytest.approx(latency + 16 * 32 * 4 / 4 / bandwidth) for d in recvs.values())
+
+
+@functools.cache
+def mlp_executable(stage_option, schedule="1f1b", num_micro_batches=2):
+    from tests.runtime.test_pipeshard_runtime import mlp_case
+
+    loss_fn, state, batches = mlp_case()
+    method = al.PipeshardParallel(num_micro_batches=num_micro_batches, layer_option=al.ManualLayerOption(),
+                                  stage_option=stage_option, pipeline_schedule=schedule)
+    return al.parallelize(train_step_for(loss_fn), method=method).get_executable(state, batches[0])
+
+
+def placed(plan, device_ids, num_nodes, per_node, bandwidth=1e9):
+    """``plan`` idealised (free compute, intra-node links and latencies) on ``num_nodes`` nodes of
+    ``per_node`` devices, each mesh on the given (cluster-wide) device ids, ``bandwidth`` per device's share
+    of a node's NIC."""
+    plan = idealised(plan, seconds_per_stage=0.0)
+    cluster = dataclasses.replace(plan.cluster, num_nodes=num_nodes, num_devices_per_node=per_node,
+                                  inter_node_bandwidth=bandwidth)
+    stages = tuple(dataclasses.replace(s, device_ids=tuple(ids)) for s, ids in zip(plan.stages, device_ids, strict=True))
+    return dataclasses.replace(plan, cluster=cluster, stages=stages)
+
+
+def recv_spans(sim, program):
+    """``(mesh, text, start, end, bytes)`` of every RECV of a traced simulation."""
+    out = []
+    for mesh, text, start, end in sim.instruction_spans:
+        if text.startswith("RECV"):
+            aval = program.values[int(text.split()[1][1:].split("@")[0])].aval
+            out.append((mesh, text, start, end, aval.size * aval.dtype.itemsize))
+    return out
+
+
+@pytest.mark.parametrize("device_ids, num_nodes, per_node, shares", [
+    (((0, 1, 2, 3), (8, 9, 10, 11)), 2, 8, 8),  # (1,4) meshes alone on their nodes: the whole NIC, 8 shares
+    (((0, 1, 2, 3), (4, 5, 6, 7)), 2, 4, 4),  # meshes filling their nodes: 4 shares
+    (((0, 1, 2, 3), (4, 5, 6, 7)), 4, 2, 4),  # meshes over two nodes each: two NICs of 2 shares
+])
+def test_a_receive_across_nodes_uses_the_whole_nics_of_its_nodes(device_ids, num_nodes, per_node, shares):
+    """Two meshes on different nodes, no other traffic: every RECV of an activation or gradient of ``n``
+    bytes (split over the receiving devices) lasts ``n / (shares x bandwidth)``, the NICs of the nodes
+    involved at the full rate (latencies are zero here). A scalar goes to every device of the mesh, ``n``
+    bytes each: ``4 n`` through the NICs."""
+    exe = mlp_executable(TWO_STAGES)
+    plan = placed(exe.plan, device_ids, num_nodes, per_node)
+    sim = simulate(plan, exe.program, exe.programs, trace=True)
+    spans = recv_spans(sim, exe.program)
+    assert {mesh for mesh, *_ in spans} == {0, 1}
+    for _, text, start, end, nbytes in spans:
+        copies = 4 if nbytes == 4 else 1
+        assert end - start == pytest.approx(copies * nbytes / (shares * 1e9)), text
+    assert any(nbytes > 4 for *_, nbytes in spans)
+
+
+def two_receives(device_ids, into):
+    """The 4-stage MLP's programs cut to two RECVs, both ready at time 0 (their senders' values are not
+    computed in this program): ``into = "node 1"``: the activation into mesh 1 from mesh 0 and the gradient
+    into mesh 2 from mesh 3; ``"from node 1"``: the gradient into mesh 0 from mesh 1 and the activation into
+    mesh 3 from mesh 2. Returns the simulation and the two RECVs' ``(start, end, bytes)``."""
+    from alpa_like.runtime.instructions import Op
+
+    exe = mlp_executable(stages(((0,), (1,), (2,), (3,)), ((1, 2),) * 4, ((1, 2),) * 4))
+    pairs = [(1, 0), (2, 3)] if into == "node 1" else [(0, 1), (3, 2)]
+    chosen = [next(i for i in exe.programs.instructions if i.op is Op.RECV and (i.mesh, i.src_mesh) == pair)
+              for pair in pairs]
+    programs = dataclasses.replace(exe.programs, instructions=tuple(chosen))
+    plan = placed(exe.plan, device_ids, num_nodes=3, per_node=4)
+    sim = simulate(plan, exe.program, programs, trace=True)
+    return sim, [(start, end, nbytes) for _, _, start, end, nbytes in recv_spans(sim, exe.program)]
+
+
+@pytest.mark.parametrize("into", ["node 1", "from node 1"])
+def test_two_meshes_of_one_node_take_turns_on_its_nic(into):
+    """Meshes 1 and 2 share node 1 (meshes 0 and 3 on nodes 0 and 2). Two transfers through node 1's NIC
+    in the same direction at once, each ``T = n / (4 x bandwidth)`` alone, are serialised: the first in the
+    programs' order takes ``[0, T]``, the second ``[T, 2T]`` (not both ``[0, 2T]`` at half the rate). With
+    meshes 2 and 3 swapped (mesh 2 on node 2, mesh 3 on node 1), no NIC carries both in one direction and
+    both take ``[0, T]``."""
+    shared = ((0, 1), (4, 5), (6, 7), (8, 9))
+    sim, ((s0, e0, n0), (s1, e1, n1)) = two_receives(shared, into)
+    t0, t1 = n0 / 4e9, n1 / 4e9
+    assert (s0, e0) == pytest.approx((0.0, t0))
+    assert (s1, e1) == pytest.approx((t0, t0 + t1))
+    assert sim.step_seconds == pytest.approx(t0 + t1)
+    apart = ((0, 1), (4, 5), (8, 9), (6, 7))  # meshes 2 and 3 swap nodes: no NIC used twice in one direction
+    sim, spans = two_receives(apart, into)
+    assert [s for s, _, _ in spans] == [0.0, 0.0]
+    assert [e for _, e, _ in spans] == pytest.approx([t0, t1])
+
+
+def test_transfers_through_one_nic_never_overlap_in_a_pipeline():
+    """1F1B over four meshes, two per node, every stage boundary across nodes: per NIC and direction the
+    RECVs that use it are disjoint in time, and the step is longer than with one mesh per node (transfers
+    wait for the other mesh's)."""
+    exe = mlp_executable(stages(((0,), (1,), (2,), (3,)), ((1, 2),) * 4, ((1, 2),) * 4), num_micro_batches=4)
+
+    def simulated(ids, num_nodes):
+        plan = placed(exe.plan, ids, num_nodes=num_nodes, per_node=4)
+        plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, compute_seconds=4 * 3e-7)
+                                                      for s in plan.stages))  # 0.1 us forward, 0.2 us backward
+        return simulate(plan, exe.program, exe.programs, trace=True)
+
+    ids = ((0, 1), (4, 5), (2, 3), (6, 7))  # meshes 0, 2 on node 0 and 1, 3 on node 1
+    sim = simulated(ids, 2)
+    node_of = {mesh: ids[mesh][0] // 4 for mesh in range(4)}
+    busy = {}
+    for mesh, text, start, end, _ in recv_spans(sim, exe.program):
+        src = int(text.split("mesh ")[1])
+        if node_of[src] != node_of[mesh] and end > start:
+            busy.setdefault((node_of[mesh], "in"), []).append((start, end))
+            busy.setdefault((node_of[src], "out"), []).append((start, end))
+    assert set(busy) == {(0, "in"), (1, "in"), (0, "out"), (1, "out")}
+    for spans in busy.values():
+        spans.sort()
+        assert all(a[1] <= b[0] + 1e-15 for a, b in zip(spans, spans[1:]))
+    alone = simulated(((0, 1), (4, 5), (8, 9), (12, 13)), 4)  # one mesh per node
+    assert sim.step_seconds > alone.step_seconds
