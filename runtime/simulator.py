@@ -12,10 +12,11 @@ Every mesh has a clock. An instruction starts when its mesh is free and its inpu
 * ``RECV``: the resharding plan's alpha-beta time between the two meshes (:func:`transfer_cost`). Between
   meshes on different nodes the bytes go through the source node's and the destination node's NICs, each
   moving ``num_devices_per_node * inter_node_bandwidth`` bytes/s per direction whichever of the node's
-  devices use it; every node's NIC, inbound and outbound, is a resource: a RECV holds the NICs it uses,
-  and transfers through one NIC take turns (serialised: two meshes of one node receiving from other nodes
-  at the same time take twice as long together, the first finishing after one transfer's time, not both
-  after two). With ``shared_host_compute`` a RECV's copies are summed, not overlapped
+  devices use it; every node's NIC, inbound and outbound, is a resource (:class:`NicBook`): a RECV holds
+  the NICs it uses, and transfers through one NIC take turns in the programs' order (serialised: two meshes
+  of one node receiving from other nodes at the same time take twice as long together, the first finishing
+  after one transfer's time, not both after two), a later one filling the gaps the earlier ones leave. A
+  RECV lasts from its first byte to its last, so a RECV interrupted by another's includes the wait. With ``shared_host_compute`` a RECV's copies are summed, not overlapped
   (:meth:`~alpa_like.runtime.resharding.ReshardingPlan.serial_seconds`: one host's cores do every copy),
   over the inter-node link's per-device share when the meshes' nodes differ, and no NIC is modelled;
 * ``LOAD``: host-to-device bytes at the intra-node bandwidth; ``ACC``, ``MEAN``, ``FREE``: free. On a
@@ -146,36 +147,59 @@ def transfer_cost(plan, aval, src_mesh: int, dst_mesh: int, src_spec=None,
     return max(per_device.values(), default=0.0) + nic_seconds + gather, frozenset(through)
 
 
-class _NicBook:
-    """When each NIC is busy: per NIC, sorted disjoint ``[start, end)`` intervals. A transfer holds every
-    NIC it uses for its whole duration, and transfers through one NIC take turns (serialised, not sharing
-    its bandwidth): each takes the earliest interval from its ready time in which all its NICs are free, so
-    one booked before it in the programs' order but ready later does not hold it back."""
+class NicBook:
+    """When each NIC is busy: per NIC, sorted disjoint ``[start, end)`` intervals. Transfers through one
+    NIC take turns, in the programs' order (serialised, not sharing its bandwidth): a transfer uses its NICs
+    whenever all of them are free of the transfers booked before it, from its ready time, in as many
+    pieces as that takes (work-conserving: a transfer booked earlier but ready later does not hold it back,
+    and a gap too short for the whole transfer still carries part of it).
+
+    >>> book = NicBook()
+    >>> book.take(frozenset({(0, "in")}), 1.0, 1.0)
+    (1.0, 2.0)
+    >>> book.take(frozenset({(0, "in"), (1, "out")}), 0.0, 1.5)  # [0, 1) and [2, 2.5)
+    (0.0, 2.5)
+    """
 
     def __init__(self):
         self._starts: dict[Nic, list[float]] = {}
         self._ends: dict[Nic, list[float]] = {}
 
-    def earliest(self, nics: frozenset[Nic], ready: float, duration: float) -> float:
-        """The earliest ``start >= ready`` with every NIC of ``nics`` free during ``[start, start + duration)``."""
-        start, moved = ready, bool(nics) and duration > 0
-        while moved:
-            moved = False
-            for nic in nics:
-                starts, ends = self._starts.get(nic, []), self._ends.get(nic, [])
-                k = bisect.bisect_right(ends, start)  # the first interval ending after ``start``
-                if k < len(starts) and starts[k] < start + duration:
-                    start, moved = ends[k], True
-        return start
+    def _busy_until(self, nic: Nic, t: float) -> tuple[float | None, float]:
+        """``(end of the interval holding t or None, start of the next interval after t or inf)``."""
+        starts, ends = self._starts.get(nic, []), self._ends.get(nic, [])
+        k = bisect.bisect_right(ends, t)  # the first interval ending after t
+        if k == len(starts):
+            return None, math.inf
+        return (ends[k], starts[k]) if starts[k] <= t else (None, starts[k])
 
-    def book(self, nics: frozenset[Nic], start: float, duration: float) -> None:
-        if duration <= 0:
-            return
+    def take(self, nics: frozenset[Nic], ready: float, duration: float) -> tuple[float, float]:
+        """Books ``duration`` seconds on every NIC of ``nics`` from ``ready`` on; returns the first piece's
+        start and the last piece's end."""
+        if not nics or duration <= 0:
+            return ready, ready + max(duration, 0.0)
+        t, remaining, pieces = ready, duration, []
+        while remaining > 1e-12 * duration:
+            nxt = math.inf
+            for nic in nics:
+                end, following = self._busy_until(nic, t)
+                if end is not None:
+                    break
+                nxt = min(nxt, following)
+            else:
+                stop = min(nxt, t + remaining)
+                pieces.append((t, stop))
+                remaining -= stop - t
+                t = stop
+                continue
+            t = end  # inside a booked interval of one NIC: skip past it and look again
         for nic in nics:
             starts, ends = self._starts.setdefault(nic, []), self._ends.setdefault(nic, [])
-            k = bisect.bisect_right(starts, start)
-            starts.insert(k, start)
-            ends.insert(k, start + duration)
+            for a, b in pieces:
+                k = bisect.bisect_right(starts, a)
+                starts.insert(k, a)
+                ends.insert(k, b)
+        return pieces[0][0], pieces[-1][1]
 
 
 def measured_durations(programs: MeshPrograms, spans) -> dict[str, float]:
@@ -231,7 +255,7 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
     per_node = cluster.num_devices_per_node
     nodes_of = [frozenset(d // per_node for d in plan.stages[mesh].device_ids) for mesh in range(programs.num_meshes)]
     node_clock = dict.fromkeys(range(cluster.num_nodes), 0.0)
-    nic_book = _NicBook()
+    nic_book = NicBook()
     stage_time = {}
     for q in range(program.num_stages):
         mesh = programs.stage_to_mesh[q]
@@ -289,8 +313,8 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
                                            value_specs.get((ins.key[0], mesh)))
             if measured is not None:
                 duration = measured.get(_strip_micro_batch(str(ins)), duration)
-            start = nic_book.earliest(nics, start, duration)
-            nic_book.book(nics, start, duration)
+            start, end = nic_book.take(nics, start, duration)
+            duration = end - start
             transfers += duration
             ready[(mesh, ins.key)] = start + duration
         elif ins.op is Op.LOAD:
@@ -311,8 +335,8 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
                                                value_specs.get((v, mesh)))
             if measured is not None:
                 duration = measured.get(_strip_micro_batch(str(ins)), duration)
-            start = nic_book.earliest(nics, start, duration)
-            nic_book.book(nics, start, duration)
+            start, end = nic_book.take(nics, start, duration)
+            duration = end - start
             ready[(mesh, ins.key)] = start + duration
         elif ins.op in (Op.ACC, Op.MEAN):
             start = max(start, ready.get((mesh, ins.key), start))
