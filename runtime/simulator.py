@@ -179,7 +179,7 @@ class NicBook:
         if not nics or duration <= 0:
             return ready, ready + max(duration, 0.0)
         t, remaining, pieces = ready, duration, []
-        while remaining > 1e-12 * duration:
+        while True:
             nxt = math.inf
             for nic in nics:
                 end, following = self._busy_until(nic, t)
@@ -187,10 +187,12 @@ class NicBook:
                     break
                 nxt = min(nxt, following)
             else:
-                stop = min(nxt, t + remaining)
-                pieces.append((t, stop))
-                remaining -= stop - t
-                t = stop
+                if t + remaining <= nxt:  # the rest fits before the next booked interval
+                    pieces.append((t, t + remaining))
+                    break
+                pieces.append((t, nxt))
+                remaining -= nxt - t
+                t = nxt
                 continue
             t = end  # inside a booked interval of one NIC: skip past it and look again
         for nic in nics:
