@@ -16,7 +16,8 @@ Every mesh has a clock. An instruction starts when its mesh is free and its inpu
   the NICs it uses, and transfers through one NIC take turns in the programs' order (serialised: two meshes
   of one node receiving from other nodes at the same time take twice as long together, the first finishing
   after one transfer's time, not both after two), a later one filling the gaps the earlier ones leave. A
-  RECV lasts from its first byte to its last, so a RECV interrupted by another's includes the wait. With ``shared_host_compute`` a RECV's copies are summed, not overlapped
+  RECV lasts from its first byte to its last, so a RECV interrupted by another's includes the wait. With
+  ``shared_host_compute`` a RECV's copies are summed, not overlapped
   (:meth:`~alpa_like.runtime.resharding.ReshardingPlan.serial_seconds`: one host's cores do every copy),
   over the inter-node link's per-device share when the meshes' nodes differ, and no NIC is modelled;
 * ``LOAD``: host-to-device bytes at the intra-node bandwidth; ``ACC``, ``MEAN``, ``FREE``: free. On a
