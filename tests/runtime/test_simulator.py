@@ -225,7 +225,8 @@ def placed(plan, device_ids, num_nodes, per_node, bandwidth=1e9):
     plan = idealised(plan, seconds_per_stage=0.0)
     cluster = dataclasses.replace(plan.cluster, num_nodes=num_nodes, num_devices_per_node=per_node,
                                   inter_node_bandwidth=bandwidth)
-    stages = tuple(dataclasses.replace(s, device_ids=tuple(ids)) for s, ids in zip(plan.stages, device_ids, strict=True))
+    stages = tuple(dataclasses.replace(s, device_ids=tuple(ids))
+                   for s, ids in zip(plan.stages, device_ids, strict=True))
     return dataclasses.replace(plan, cluster=cluster, stages=stages)
 
 
