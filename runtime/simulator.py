@@ -205,6 +205,14 @@ class NicBook:
         return pieces[0][0], pieces[-1][1]
 
 
+class _NoNics:
+    """A :class:`NicBook` whose NICs are never busy."""
+
+    @staticmethod
+    def take(nics, ready: float, duration: float) -> tuple[float, float]:
+        return ready, ready + max(duration, 0.0)
+
+
 def measured_durations(programs: MeshPrograms, spans) -> dict[str, float]:
     """Median measured seconds per instruction text without its micro-batch (``RUN 0F``, ``RECV v12``),
     from the spans of a profiled step (``PipeshardExecutable.run(..., profile=True)``)."""
@@ -244,21 +252,22 @@ def _strip_micro_batch(text: str) -> str:
 
 def simulate(plan, program: StageProgram, programs: MeshPrograms,
              measured: dict[str, float] | None = None, value_specs: dict | None = None,
-             trace: bool = False) -> Simulation:
+             trace: bool = False, nic_contention: bool = True) -> Simulation:
     """Runs ``programs`` on the clock described in the module docstring. With ``measured`` (from
     :func:`measured_durations`) RUN, RECV and LOAD take their measured median durations instead of the
     cost model's: the schedule and the dependencies are then the only model (a calibrated simulation).
     ``value_specs``: ``(value, mesh) -> spec`` of the values the meshes hold (an executable's
     ``value_specs``: the layouts its stages' ILP solutions give them); a RECV is planned between those
     layouts, :func:`activation_spec`'s where none is given. ``trace``: also return every RUN, RECV and LOAD
-    as a span (:attr:`Simulation.instruction_spans`)."""
+    as a span (:attr:`Simulation.instruction_spans`). ``nic_contention=False``: every transfer has its NICs
+    to itself (a what-if: how much of the step is transfers waiting for each other)."""
     value_specs = value_specs or {}
     cluster = plan.cluster
     m = plan.num_micro_batches
     per_node = cluster.num_devices_per_node
     nodes_of = [frozenset(d // per_node for d in plan.stages[mesh].device_ids) for mesh in range(programs.num_meshes)]
     node_clock = dict.fromkeys(range(cluster.num_nodes), 0.0)
-    nic_book = NicBook()
+    nic_book = NicBook() if nic_contention else _NoNics()
     stage_time = {}
     for q in range(program.num_stages):
         mesh = programs.stage_to_mesh[q]

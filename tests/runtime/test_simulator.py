@@ -261,7 +261,7 @@ def test_a_receive_across_nodes_uses_the_whole_nics_of_its_nodes(device_ids, num
     assert any(nbytes > 4 for *_, nbytes in spans)
 
 
-def two_receives(device_ids, into):
+def two_receives(device_ids, into, **options):
     """The 4-stage MLP's programs cut to two RECVs, both ready at time 0 (their senders' values are not
     computed in this program): ``into = "node 1"``: the activation into mesh 1 from mesh 0 and the gradient
     into mesh 2 from mesh 3; ``"from node 1"``: the gradient into mesh 0 from mesh 1 and the activation into
@@ -274,7 +274,7 @@ def two_receives(device_ids, into):
               for pair in pairs]
     programs = dataclasses.replace(exe.programs, instructions=tuple(chosen))
     plan = placed(exe.plan, device_ids, num_nodes=3, per_node=4)
-    sim = simulate(plan, exe.program, programs, trace=True)
+    sim = simulate(plan, exe.program, programs, trace=True, **options)
     return sim, [(start, end, nbytes) for _, _, start, end, nbytes in recv_spans(sim, exe.program)]
 
 
@@ -295,6 +295,8 @@ def test_two_meshes_of_one_node_take_turns_on_its_nic(into):
     sim, spans = two_receives(apart, into)
     assert [s for s, _, _ in spans] == [0.0, 0.0]
     assert [e for _, e, _ in spans] == pytest.approx([t0, t1])
+    sim, spans = two_receives(shared, into, nic_contention=False)  # the what-if: each has the NIC alone
+    assert [(s, e) for s, e, _ in spans] == [(0.0, pytest.approx(t0)), (0.0, pytest.approx(t1))]
 
 
 def test_a_nic_carries_one_transfer_at_a_time_in_a_pipeline():
