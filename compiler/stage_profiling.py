@@ -510,40 +510,60 @@ def _received_by_ranges(producer_layer: dict[Var, int], readers: dict[Var, set[i
                           neighbour_count=neighbour_count)
 
 
+def inbound_bandwidth(devices: Sequence[int], cluster: ClusterSpec) -> np.ndarray:
+    """Bytes/s at which a submesh of ``devices[p]`` devices receives from another node: its nodes' whole
+    NICs, ``max(devices, M) * cluster.inter_node_bandwidth`` with ``M`` devices per node (the preset's
+    bandwidth is one device's share of its node's NIC). A mesh inside one node gets the whole NIC of its
+    node; a mesh spanning ``n`` nodes gets ``n`` NICs, each serving that node's devices of the mesh.
+
+    This is the NIC of a receiving mesh alone. Two meshes of one node receiving across nodes at the same time
+    (in 1F1B a node's first stage receives activations while its last receives gradients) share it, and a
+    sender on fewer nodes than the receiver is limited by its own NICs; the simulated backend models both
+    (each node's NIC is a resource there, :mod:`~alpa_like.runtime.simulator`), the stage DP, which prices
+    one stage at a time, cannot."""
+    sizes = np.asarray(devices, dtype=np.float64)
+    return np.maximum(sizes, cluster.num_devices_per_node) * cluster.inter_node_bandwidth
+
+
 def receive_seconds(received: ReceivedValues, devices: Sequence[int], cluster: ClusterSpec) -> np.ndarray:
     """``[i, j, p]``: per micro-batch, the time a stage of layers ``i..j`` on a submesh of ``devices[p]``
-    devices spends receiving its inputs from the other stages: one alpha per value plus its bytes spread over
-    the stage's devices (the runtime splits a received activation's micro-batch dim over the mesh, and the
-    simulated backend charges the busiest receiving device) at the inter-node bandwidth when the cluster has
-    more than one node, else the intra-node one.
+    devices spends receiving its inputs from the other stages: one alpha per value plus its bytes. On a
+    one-node cluster the bytes are spread over the stage's devices (the runtime splits a received
+    activation's micro-batch dim over the mesh, and the simulated backend charges the busiest receiving
+    device) at the intra-node bandwidth; on a multi-node cluster they go through the receiving nodes' NICs,
+    :func:`inbound_bandwidth` (the node's whole NIC for a mesh inside one node, not its devices' share).
 
     A table entry does not know where :func:`~alpa_like.compiler.submesh.assign_devices` will put the
-    stage's neighbours, so on a multi-node cluster every stage boundary is priced as if it crossed nodes: an
-    upper bound of the simulated RECV time (which uses the real placement). The DP takes back
-    :func:`boundary_saving` for the boundaries of a plan that stay inside a node. Alpa's Eq. 3.3 has no such term (its
-    profiled ``t_intra`` covers the stage alone); the simulated backend charges these RECVs on the receiving
-    mesh, so without it the DP ranks plans by a time they do not have."""
-    multi_node = cluster.num_nodes > 1
-    bandwidth = cluster.inter_node_bandwidth if multi_node else cluster.intra_node_bandwidth
-    latency = cluster.inter_node_latency if multi_node else cluster.intra_node_latency
-    sizes = np.asarray(devices, dtype=np.float64)
-    return (received.count[..., None] * latency
-            + received.num_bytes[..., None] / (sizes[None, None, :] * bandwidth))
+    stage's neighbours, so on a multi-node cluster every stage boundary is priced as if it crossed nodes; the
+    DP takes back :func:`boundary_saving` for the boundaries of a plan that stay inside a node. Against the
+    simulated RECV time (which uses the real placement) this is an upper bound for one transfer at a time
+    from a sender on at least as many nodes; it is low when a sender on fewer nodes limits a multi-node
+    receiver, or when the receiving node's NIC is busy with another mesh's transfer (see
+    :func:`inbound_bandwidth`: the simulator charges both). Alpa's Eq. 3.3 has no such term (its profiled
+    ``t_intra`` covers the stage alone); the simulated backend charges these RECVs on the receiving mesh, so
+    without it the DP ranks plans by a time they do not have."""
+    if cluster.num_nodes > 1:
+        bandwidth, latency = inbound_bandwidth(devices, cluster), cluster.inter_node_latency
+    else:
+        bandwidth = np.asarray(devices, dtype=np.float64) * cluster.intra_node_bandwidth
+        latency = cluster.intra_node_latency
+    return received.count[..., None] * latency + received.num_bytes[..., None] / bandwidth[None, None, :]
 
 
 def boundary_saving(received: ReceivedValues, devices: Sequence[int], cluster: ClusterSpec) -> np.ndarray:
     """``[i, j, p, side]``: how much less of :func:`receive_seconds` a stage of layers ``i..j`` on a submesh
     of ``devices[p]`` devices spends when its boundary with the stage before (``side = 0``) or after
-    (``side = 1``) stays inside a node: what it receives from that neighbour's adjacent layer, priced at the
-    intra-node link instead of the inter-node one (:attr:`~alpa_like.compiler.stage_dp.StageCosts.boundary_saving`).
-    Values from farther layers keep the inter-node price. Zero on a one-node cluster."""
+    (``side = 1``) stays inside a node: what it receives from that neighbour's adjacent layer, priced over the
+    intra-node links of its devices (``devices * intra_node_bandwidth``) instead of the NICs
+    (:func:`inbound_bandwidth`) (:attr:`~alpa_like.compiler.stage_dp.StageCosts.boundary_saving`). Values
+    from farther layers keep the inter-node price. Zero on a one-node cluster, and never negative."""
     if cluster.num_nodes == 1:
         return np.zeros(received.neighbour_bytes.shape[:2] + (len(devices), 2))
-    sizes = np.asarray(devices, dtype=np.float64)[None, None, :, None]
+    sizes = np.asarray(devices, dtype=np.float64)
     latency = cluster.inter_node_latency - cluster.intra_node_latency
-    per_byte = 1.0 / cluster.inter_node_bandwidth - 1.0 / cluster.intra_node_bandwidth
+    per_byte = 1.0 / inbound_bandwidth(devices, cluster) - 1.0 / (sizes * cluster.intra_node_bandwidth)
     saving = (received.neighbour_count[:, :, None, :] * latency
-              + received.neighbour_bytes[:, :, None, :] * per_byte / sizes)
+              + received.neighbour_bytes[:, :, None, :] * per_byte[None, None, :, None])
     return np.maximum(saving, 0.0)
 
 

@@ -9,9 +9,17 @@ Every mesh has a clock. An instruction starts when its mesh is free and its inpu
   jaxpr (:func:`~alpa_like.compiler.flops.jaxpr_seconds`: per equation the larger of FLOP time and memory
   time, work split over the mesh's devices), so element-wise work is priced and forward and backward get
   their own costs; every RUN also pays the cluster's ``launch_overhead`` (one executable launch);
-* ``RECV``: the resharding plan's alpha-beta time between the two meshes (inter-node link when the meshes
-  are on different nodes); with ``shared_host_compute`` its copies are summed, not overlapped
-  (:meth:`~alpa_like.runtime.resharding.ReshardingPlan.serial_seconds`: one host's cores do every copy);
+* ``RECV``: the resharding plan's alpha-beta time between the two meshes (:func:`transfer_cost`). Between
+  meshes on different nodes the bytes go through the source node's and the destination node's NICs, each
+  moving ``num_devices_per_node * inter_node_bandwidth`` bytes/s per direction whichever of the node's
+  devices use it; every node's NIC, inbound and outbound, is a resource (:class:`NicBook`): a RECV holds
+  the NICs it uses, and transfers through one NIC take turns in the programs' order (serialised: two meshes
+  of one node receiving from other nodes at the same time take twice as long together, the first finishing
+  after one transfer's time, not both after two), a later one filling the gaps the earlier ones leave. A
+  RECV lasts from its first byte to its last, so a RECV interrupted by another's includes the wait. With
+  ``shared_host_compute`` a RECV's copies are summed, not overlapped
+  (:meth:`~alpa_like.runtime.resharding.ReshardingPlan.serial_seconds`: one host's cores do every copy),
+  over the inter-node link's per-device share when the meshes' nodes differ, and no NIC is modelled;
 * ``LOAD``: host-to-device bytes at the intra-node bandwidth; ``ACC``, ``MEAN``, ``FREE``: free. On a
   cluster whose devices have their own compute (no ``shared_host_compute``: GPUs), a per-step LOAD of a
   non-batch input (parameters, optimizer state) onto a mesh whose own apply-grad updates it
@@ -38,6 +46,7 @@ simulated timelines export and plot the same way) and the predicted step time.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 
@@ -79,11 +88,37 @@ def _mesh_layout(stage_plan, shape, spec=None) -> MeshLayout:
     return MeshLayout(device_ids=grid, spec=spec or activation_spec(shape, (n0, n1)))
 
 
+Nic = tuple[int, str]
+"""A node's network interface in one direction: ``(node, "in")`` or ``(node, "out")``."""
+
+
 def transfer_seconds(plan, aval, src_mesh: int, dst_mesh: int, src_spec=None, dst_spec=None) -> float:
-    """Seconds to move a value of ``aval`` from mesh ``src_mesh`` to mesh ``dst_mesh`` of ``plan``: the
-    resharding plan's alpha-beta time between the two layouts (``src_spec`` / ``dst_spec``, or
-    :func:`activation_spec`'s), over the inter-node link when the meshes' nodes differ, else the intra-node
-    one; with ``shared_host_compute`` the copies are summed (one host's cores do them all)."""
+    """Seconds to move a value of ``aval`` from mesh ``src_mesh`` to mesh ``dst_mesh`` of ``plan`` when no
+    other transfer uses the links (:func:`transfer_cost`)."""
+    return transfer_cost(plan, aval, src_mesh, dst_mesh, src_spec, dst_spec)[0]
+
+
+def transfer_cost(plan, aval, src_mesh: int, dst_mesh: int, src_spec=None,
+                  dst_spec=None) -> tuple[float, frozenset[Nic]]:
+    r"""The seconds to move a value of ``aval`` from mesh ``src_mesh`` to mesh ``dst_mesh`` of ``plan``
+    (between the two layouts ``src_spec`` / ``dst_spec``, or :func:`activation_spec`'s) and the NICs the move
+    holds for that long.
+
+    * Meshes on the same nodes: the resharding plan's alpha-beta time over the intra-node links (the busiest
+      receiving device, then the local all-gathers); no NIC.
+    * Meshes on different nodes, devices with their own compute (GPUs): each piece that crosses nodes
+      leaves through its source node's NIC and enters through its destination node's, and a node's NIC moves
+      ``num_devices_per_node * inter_node_bandwidth`` bytes/s each way whichever of its devices send or
+      receive (:func:`~alpa_like.compiler.stage_profiling.inbound_bandwidth`):
+
+      .. math:: t = \max_d (\text{pieces into } d) \, \alpha_{inter}
+                    + \max_{n, dir} \frac{\text{bytes through } (n, dir)}{M \, B_{inter}} + t_{gather}
+
+      (pieces between devices of one node, if a layout has any, pay the intra-node link on their device);
+      the NICs used are returned so that :func:`simulate` can make other transfers wait for them.
+    * With ``shared_host_compute`` (XLA's CPU devices, one host's cores do every copy): the copies are
+      summed (:meth:`~alpa_like.runtime.resharding.ReshardingPlan.serial_seconds`), over the inter-node
+      link when the meshes' nodes differ; no NIC, as measured (``examples/benchmarks/pipeline.py``)."""
     cluster = plan.cluster
     per_node = cluster.num_devices_per_node
     src_plan, dst_plan = plan.stages[src_mesh], plan.stages[dst_mesh]
@@ -93,8 +128,89 @@ def transfer_seconds(plan, aval, src_mesh: int, dst_mesh: int, src_spec=None, ds
     bandwidth = cluster.inter_node_bandwidth if cross else cluster.intra_node_bandwidth
     latency = cluster.inter_node_latency if cross else cluster.intra_node_latency
     if cluster.shared_host_compute:
-        return reshard.serial_seconds(bandwidth, latency)
-    return reshard.estimated_seconds(bandwidth, latency, cluster.intra_node_bandwidth)
+        return reshard.serial_seconds(bandwidth, latency), frozenset()
+    if not cross:
+        return reshard.estimated_seconds(bandwidth, latency, cluster.intra_node_bandwidth), frozenset()
+    per_device: dict[int, float] = {}
+    through: dict[Nic, int] = {}
+    for t in reshard.transfers:
+        src_node, dst_node = t.src // per_node, t.dst // per_node
+        if src_node == dst_node:
+            seconds = cluster.intra_node_latency + t.num_bytes / cluster.intra_node_bandwidth
+        else:
+            seconds = cluster.inter_node_latency
+            through[(src_node, "out")] = through.get((src_node, "out"), 0) + t.num_bytes
+            through[(dst_node, "in")] = through.get((dst_node, "in"), 0) + t.num_bytes
+        per_device[t.dst] = per_device.get(t.dst, 0.0) + seconds
+    nic_seconds = max(through.values(), default=0) / (per_node * cluster.inter_node_bandwidth)
+    gather = dataclasses.replace(reshard, transfers=()).estimated_seconds(bandwidth, latency,
+                                                                          cluster.intra_node_bandwidth)
+    return max(per_device.values(), default=0.0) + nic_seconds + gather, frozenset(through)
+
+
+class NicBook:
+    """When each NIC is busy: per NIC, sorted disjoint ``[start, end)`` intervals. Transfers through one
+    NIC take turns, in the programs' order (serialised, not sharing its bandwidth): a transfer uses its NICs
+    whenever all of them are free of the transfers booked before it, from its ready time, in as many
+    pieces as that takes (work-conserving: a transfer booked earlier but ready later does not hold it back,
+    and a gap too short for the whole transfer still carries part of it).
+
+    >>> book = NicBook()
+    >>> book.take(frozenset({(0, "in")}), 1.0, 1.0)
+    (1.0, 2.0)
+    >>> book.take(frozenset({(0, "in"), (1, "out")}), 0.0, 1.5)  # [0, 1) and [2, 2.5)
+    (0.0, 2.5)
+    """
+
+    def __init__(self):
+        self._starts: dict[Nic, list[float]] = {}
+        self._ends: dict[Nic, list[float]] = {}
+
+    def _busy_until(self, nic: Nic, t: float) -> tuple[float | None, float]:
+        """``(end of the interval holding t or None, start of the next interval after t or inf)``."""
+        starts, ends = self._starts.get(nic, []), self._ends.get(nic, [])
+        k = bisect.bisect_right(ends, t)  # the first interval ending after t
+        if k == len(starts):
+            return None, math.inf
+        return (ends[k], starts[k]) if starts[k] <= t else (None, starts[k])
+
+    def take(self, nics: frozenset[Nic], ready: float, duration: float) -> tuple[float, float]:
+        """Books ``duration`` seconds on every NIC of ``nics`` from ``ready`` on; returns the first piece's
+        start and the last piece's end."""
+        if not nics or duration <= 0:
+            return ready, ready + max(duration, 0.0)
+        t, remaining, pieces = ready, duration, []
+        while True:
+            nxt = math.inf
+            for nic in nics:
+                end, following = self._busy_until(nic, t)
+                if end is not None:
+                    break
+                nxt = min(nxt, following)
+            else:
+                if t + remaining <= nxt:  # the rest fits before the next booked interval
+                    pieces.append((t, t + remaining))
+                    break
+                pieces.append((t, nxt))
+                remaining -= nxt - t
+                t = nxt
+                continue
+            t = end  # inside a booked interval of one NIC: skip past it and look again
+        for nic in nics:
+            starts, ends = self._starts.setdefault(nic, []), self._ends.setdefault(nic, [])
+            for a, b in pieces:
+                k = bisect.bisect_right(starts, a)
+                starts.insert(k, a)
+                ends.insert(k, b)
+        return pieces[0][0], pieces[-1][1]
+
+
+class _NoNics:
+    """A :class:`NicBook` whose NICs are never busy."""
+
+    @staticmethod
+    def take(nics, ready: float, duration: float) -> tuple[float, float]:
+        return ready, ready + max(duration, 0.0)
 
 
 def measured_durations(programs: MeshPrograms, spans) -> dict[str, float]:
@@ -147,20 +263,22 @@ def _strip_micro_batch(text: str) -> str:
 
 def simulate(plan, program: StageProgram, programs: MeshPrograms,
              measured: dict[str, float] | None = None, value_specs: dict | None = None,
-             trace: bool = False) -> Simulation:
+             trace: bool = False, nic_contention: bool = True) -> Simulation:
     """Runs ``programs`` on the clock described in the module docstring. With ``measured`` (from
     :func:`measured_durations`) RUN, RECV and LOAD take their measured median durations instead of the
     cost model's: the schedule and the dependencies are then the only model (a calibrated simulation).
     ``value_specs``: ``(value, mesh) -> spec`` of the values the meshes hold (an executable's
     ``value_specs``: the layouts its stages' ILP solutions give them); a RECV is planned between those
     layouts, :func:`activation_spec`'s where none is given. ``trace``: also return every RUN, RECV and LOAD
-    as a span (:attr:`Simulation.instruction_spans`)."""
+    as a span (:attr:`Simulation.instruction_spans`). ``nic_contention=False``: every transfer has its NICs
+    to itself (a what-if: how much of the step is transfers waiting for each other)."""
     value_specs = value_specs or {}
     cluster = plan.cluster
     m = plan.num_micro_batches
     per_node = cluster.num_devices_per_node
     nodes_of = [frozenset(d // per_node for d in plan.stages[mesh].device_ids) for mesh in range(programs.num_meshes)]
     node_clock = dict.fromkeys(range(cluster.num_nodes), 0.0)
+    nic_book = NicBook() if nic_contention else _NoNics()
     stage_time = {}
     for q in range(program.num_stages):
         mesh = programs.stage_to_mesh[q]
@@ -187,14 +305,14 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
     traced: list[tuple[int, str, float, float]] | None = [] if trace else None
     by_kind: dict[str, float] = {}
     shared = cluster.shared_host_compute
-    moves: dict[tuple[int, int, int], float] = {}
+    moves: dict[tuple[int, int, int], tuple[float, frozenset[Nic]]] = {}
 
-    def move_seconds(v: int, src: int, dst: int) -> float:
-        """:func:`transfer_seconds` of value ``v`` from mesh ``src`` to ``dst`` (the same for every
-        micro-batch: computed once per triple)."""
+    def move_cost(v: int, src: int, dst: int) -> tuple[float, frozenset[Nic]]:
+        """:func:`transfer_cost` of value ``v`` from mesh ``src`` to ``dst`` (the same for every
+        micro-batch: computed once per triple; when it runs depends on the NICs' bookings)."""
         if (v, src, dst) not in moves:
-            moves[(v, src, dst)] = transfer_seconds(plan, program.values[v].aval, src, dst,
-                                                    value_specs.get((v, src)), value_specs.get((v, dst)))
+            moves[(v, src, dst)] = transfer_cost(plan, program.values[v].aval, src, dst,
+                                                 value_specs.get((v, src)), value_specs.get((v, dst)))
         return moves[(v, src, dst)]
 
     def hosts(ins) -> frozenset[int]:
@@ -230,13 +348,16 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
                                   start, start + duration))
         elif op is Op.RECV:
             start = max([start, ready.get((ins.src_mesh, ins.key), 0.0), *(node_clock[n] for n in hosts(ins))])
-            duration = move_seconds(ins.key[0], ins.src_mesh, mesh)
+            duration, nics = move_cost(ins.key[0], ins.src_mesh, mesh)
             if measured is not None:
                 duration = measured.get(_strip_micro_batch(str(ins)), duration)
+            start, end = nic_book.take(nics, start, duration)
+            duration = end - start
             transfers += duration
             ready[(mesh, ins.key)] = start + duration
         elif op is Op.LOAD:
             start = max([start, *(node_clock[n] for n in hosts(ins))])
+            nics: frozenset[Nic] = frozenset()
             aval = program.values[ins.key[0]].aval
             nbytes = math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
             if ins.key[1] != PER_STEP:
@@ -247,9 +368,11 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
             elif not (owners := updated_on.get(v)) or mesh in owners:  # resident state
                 duration = 0.0
             else:  # the previous step's apply-grad left the value on another mesh
-                duration = move_seconds(v, min(owners), mesh)
+                duration, nics = move_cost(v, min(owners), mesh)
             if measured is not None:
                 duration = measured.get(_strip_micro_batch(str(ins)), duration)
+            start, end = nic_book.take(nics, start, duration)
+            duration = end - start
             ready[(mesh, ins.key)] = start + duration
         elif op is Op.ACC or op is Op.MEAN:
             start = max(start, ready.get((mesh, ins.key), start))

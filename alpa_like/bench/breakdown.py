@@ -76,10 +76,11 @@ def manual_option(layers: tuple[int, ...], submeshes, logical):
 
 
 def plan_rows(model: str, gpus: int, restrictions, preset: str = "p3.16xlarge",
-              num_micro_batches: int | None = None, with_auto: bool = True, plans=()) -> list[dict]:
+              num_micro_batches: int | None = None, with_auto: bool = True, plans=(),
+              what_if: bool = False) -> list[dict]:
     """One summary per plan (``auto`` and ``equal layer`` unless ``with_auto`` is False, then each
     restriction, then each of ``plans``, :func:`parse_plan`'s tuples priced as given), as the suites write
-    them."""
+    them; with ``what_if``, also :func:`what_if_seconds` of each plan."""
     from alpa_like import models
     from alpa_like.bench import ours, suites
     from alpa_like.bench.workloads import cluster_for, make_workload
@@ -104,24 +105,46 @@ def plan_rows(model: str, gpus: int, restrictions, preset: str = "p3.16xlarge",
                  + " as " + ",".join(f"{x}x{y}" for x, y in logical))
         option = manual_option(layers, submeshes, logical)
         results.append(ours.plan_method(label, dataclasses.replace(method, stage_option=option), sliced, cluster))
-    return [dict(r.summary(), model=model, gpus=gpus, cluster=preset, micro_batches=m) for r in results]
+    rows = [dict(r.summary(), model=model, gpus=gpus, cluster=preset, micro_batches=m) for r in results]
+    if what_if:
+        for row, r in zip(rows, results):
+            if r.plan is not None:
+                row.update(what_if_seconds(r.plan, sliced, m))
+    return rows
+
+
+def what_if_seconds(plan, sliced, num_micro_batches: int) -> dict[str, float]:
+    """The plan's simulated step with every transfer given its NICs alone (``no_nic_contention_s``) and with
+    free transfers between stages (``free_transfers_s``: infinite link bandwidths, zero latencies; the
+    stages' own intra-op communication is the plan's, unchanged)."""
+    from alpa_like.bench import ours
+
+    free = dataclasses.replace(plan.cluster, inter_node_bandwidth=1e30, intra_node_bandwidth=1e30,
+                               inter_node_latency=0.0, intra_node_latency=0.0)
+    return {"no_nic_contention_s": ours.simulate_plan(plan, sliced, num_micro_batches,
+                                                      nic_contention=False).step_seconds,
+            "free_transfers_s": ours.simulate_plan(dataclasses.replace(plan, cluster=free), sliced,
+                                                   num_micro_batches).step_seconds}
 
 
 def format_rows(rows: list[dict]) -> str:
     from alpa_like.bench.report import format_terminal, plan_text
 
+    what_if = any("no_nic_contention_s" in r for r in rows)
     lines = [["plan", "stages", "simulated s", "DP s", "RUN s (all meshes)", "RECV s (all meshes)",
-              "per stage: compute + intra-op = busy s"]]
+              "per stage: compute + intra-op = busy s"]
+             + (["NICs unshared s", "free transfers s"] if what_if else [])]
     for r in rows:
         if r.get("error"):
-            lines.append([r["variant"], plan_text(r), "-", "-", "-", "-", "-"])
+            lines.append([r["variant"], plan_text(r), "-", "-", "-", "-", "-"] + (["-", "-"] if what_if else []))
             continue
         kinds = r["seconds_by_kind"]
         run = sum(v for k, v in kinds.items() if k.startswith("RUN"))
         stages = "; ".join(f"{c:.2f}+{i:.2f}={b:.2f}"
                            for c, i, b in zip(r["stage_compute_s"], r["stage_intra_op_s"], r["busy_s"]))
         lines.append([r["variant"], plan_text(r), f"{r['simulated_s']:.2f}", f"{r['dp_predicted_s']:.2f}",
-                      f"{run:.2f}", f"{kinds.get('RECV', 0.0):.2f}", stages])
+                      f"{run:.2f}", f"{kinds.get('RECV', 0.0):.2f}", stages]
+                     + ([f"{r['no_nic_contention_s']:.2f}", f"{r['free_transfers_s']:.2f}"] if what_if else []))
     return format_terminal(lines)
 
 
@@ -138,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batches", type=int)
     parser.add_argument("--only-restricted", action="store_true",
                         help="skip the auto and equal-layer plans (only --restrict and --plan)")
+    parser.add_argument("--what-if", action="store_true",
+                        help="also simulate each plan with unshared NICs and with free transfers between stages")
     parser.add_argument("--out", help="JSON path (default results/breakdown_<model>_<gpus>.json)")
     args = parser.parse_args(argv)
     try:
@@ -149,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     rows = plan_rows(args.model, args.gpus, restrictions, args.cluster, args.micro_batches,
-                     with_auto=not args.only_restricted, plans=plans)
+                     with_auto=not args.only_restricted, plans=plans, what_if=args.what_if)
     print(f"\n{args.model} on {args.gpus} GPUs, simulated {args.cluster} ({time.perf_counter() - start:.0f} s)")
     print(format_rows(rows))
     out = args.out or os.path.join("results", f"breakdown_{args.model}_{args.gpus}.json")

@@ -14,7 +14,9 @@ The cost model is the one our own planner uses, so the comparison is like for li
 * communication: the alpha-beta model of :class:`~alpa_like.compiler.logical_mesh.LogicalMesh` on the
   same :class:`~alpa_like.cluster.ClusterSpec` (tensor all-reduces on the ``t`` axis, the gradient all-reduce
   on the ``d`` axis, point-to-point sends between stages, across nodes with Megatron's scatter/gather
-  optimisation: ``1/t`` of the bytes per NIC);
+  optimisation: ``1/t`` of the bytes per rank, a node's whole NIC shared by the stage's ranks on it, as our
+  own plans are priced; the replay does not make two stages of one node wait for each other's transfers,
+  which the simulator of our plans does);
 * tied parameters: a parameter read by layers of several pipeline stages (GPT's word embedding, read by
   the first layer and by the logits) has its gradient all-reduced between those stages after the pipeline
   drains, before the optimizer step (Megatron-LM's "embedding group" of first and last stage,
@@ -196,11 +198,21 @@ def _nodes(stage: int, size: int, per_node: int) -> set[int]:
     return {dev // per_node for dev in range(stage * size, (stage + 1) * size)}
 
 
+def _rank_nic_bandwidth(cluster: ClusterSpec, config: MegatronConfig) -> float:
+    """Bytes/s across nodes for each of a stage's ``t * d`` ranks when they alone use their nodes' NICs (a
+    point-to-point transfer between stages): a node's NIC moves ``M * inter_node_bandwidth``, shared by the
+    stage's ranks on it, ``min(t d, M)`` (the pricing of our own plans,
+    :func:`~alpa_like.compiler.stage_profiling.inbound_bandwidth`)."""
+    size, per_node = config.t * config.d, cluster.num_devices_per_node
+    return cluster.inter_node_bandwidth * per_node / min(size, per_node)
+
+
 def _send_seconds(cluster: ClusterSpec, config: MegatronConfig, src: int, dst: int, nbytes: float) -> float:
-    """One micro-batch's activation from stage ``src`` to ``dst`` (scatter/gather across nodes)."""
+    """One micro-batch's activation from stage ``src`` to ``dst``: across nodes each of the ``d`` replicas'
+    ``t`` ranks sends ``1/t`` of it (Megatron-LM's scatter/gather) at :func:`_rank_nic_bandwidth`."""
     size, per_node = config.t * config.d, cluster.num_devices_per_node
     if _nodes(src, size, per_node) != _nodes(dst, size, per_node):
-        return cluster.inter_node_latency + nbytes / config.t / cluster.inter_node_bandwidth
+        return cluster.inter_node_latency + nbytes / config.t / _rank_nic_bandwidth(cluster, config)
     return cluster.intra_node_latency + nbytes / cluster.intra_node_bandwidth
 
 
@@ -208,7 +220,8 @@ def tied_sync_seconds(cluster: ClusterSpec, config: MegatronConfig, costs: Trans
     """Per pipeline stage, the seconds it spends all-reducing the gradients of :attr:`TransformerCosts.shared_params`
     with the other stages that read them (module docstring): a ring over the ``n`` stages involved, each of the
     ``t * d`` ranks of a stage paired with the same rank of the others, ``2 (n - 1) / n`` of its ``1/t`` share
-    of the bytes over the inter-node link when the stages span several nodes, plus ``2 (n - 1)`` latencies."""
+    of the bytes over the inter-node link when the stages span several nodes (at :func:`_rank_nic_bandwidth`:
+    the stages' ranks alone use their nodes' NICs after the drain), plus ``2 (n - 1)`` latencies."""
     p, size, per_node = config.p, config.t * config.d, cluster.num_devices_per_node
     chunk = costs.num_layers // (p * config.v)
     seconds = [0.0] * p
@@ -218,7 +231,7 @@ def tied_sync_seconds(cluster: ClusterSpec, config: MegatronConfig, costs: Trans
         if n < 2:
             continue
         cross = len({frozenset(_nodes(q, size, per_node)) for q in stages}) > 1
-        bandwidth = cluster.inter_node_bandwidth if cross else cluster.intra_node_bandwidth
+        bandwidth = _rank_nic_bandwidth(cluster, config) if cross else cluster.intra_node_bandwidth
         latency = cluster.inter_node_latency if cross else cluster.intra_node_latency
         time = 2 * (n - 1) * latency + 2 * (n - 1) / n * nbytes / config.t / bandwidth
         for q in stages:

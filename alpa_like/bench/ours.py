@@ -106,14 +106,16 @@ def slice_workload(workload: Workload, method: PipeshardParallel) -> SlicedStep:
     return slice_step(method, workload.train_step, workload.args, static_argnums=(), batch_argnums=(1,))
 
 
-def simulate_plan(plan: ParallelPlan, sliced: SlicedStep, num_micro_batches: int, schedule: str = "1f1b") -> Simulation:
-    """The plan's per-mesh instruction programs on the simulated backend (``runtime.simulator``)."""
+def simulate_plan(plan: ParallelPlan, sliced: SlicedStep, num_micro_batches: int, schedule: str = "1f1b",
+                  **options) -> Simulation:
+    """The plan's per-mesh instruction programs on the simulated backend (``runtime.simulator``);
+    ``options`` go to :func:`~alpa_like.runtime.simulator.simulate`."""
     stage_to_mesh = list(range(len(plan.stages)))
     program = build_stage_program(sliced.closed_jaxpr, sliced.pieces, [s.layer_ids for s in plan.stages],
                                   [r == "batch" for r in sliced.roles], stage_to_mesh=stage_to_mesh)
     sched = make_schedule(schedule, num_meshes=len(plan.stages), num_micro_batches=num_micro_batches)
     programs = emit_programs(program, sched, stage_to_mesh=stage_to_mesh)
-    return simulate(plan, program, programs)
+    return simulate(plan, program, programs, **options)
 
 
 def plan_method(variant: str, method: PipeshardParallel, sliced: SlicedStep, cluster: ClusterSpec) -> PlanResult:

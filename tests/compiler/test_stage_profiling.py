@@ -108,25 +108,32 @@ def two_layer_receives() -> ReceivedValues:
 
 
 def test_a_boundary_inside_a_node_saves_the_difference_of_the_links():
+    """A neighbour inside the node sends over the stage's NVLink links (4 devices: 4 x 150 GB/s) instead of
+    the node's whole NIC (8 x 25 Gb/s / 8), and one intra-node latency instead of an inter-node one."""
     two = al.ClusterSpec.preset("p3.16xlarge", num_nodes=2)
     saving = boundary_saving(two_layer_receives(), [1, 4], two)
     assert saving.shape == (2, 2, 2, 2)
     per_side = (two.inter_node_latency - two.intra_node_latency
-                + 4e6 / 4 * (1 / two.inter_node_bandwidth - 1 / two.intra_node_bandwidth))
+                + 4e6 * (1 / (8 * two.inter_node_bandwidth) - 1 / (4 * two.intra_node_bandwidth)))
     assert saving[0, 1, 1] == pytest.approx([per_side, per_side])
     assert (saving[0, 0] == 0).all()
     one = al.ClusterSpec.preset("p3.16xlarge")
     assert (boundary_saving(two_layer_receives(), [1, 4], one) == 0).all()
 
 
-def test_receive_time_uses_inter_node_links_on_a_multi_node_cluster():
+def test_receive_time_uses_the_receiving_nodes_whole_nics_on_a_multi_node_cluster():
+    """One node: the bytes spread over the stage's devices' NVLink links. Several nodes: a stage inside one
+    node receives through the node's whole NIC (8 devices' share of it), whatever its size; a stage over
+    two nodes through both NICs (16 shares)."""
     received = two_layer_receives()
     one = al.ClusterSpec.preset("p3.16xlarge")
-    two = al.ClusterSpec.preset("p3.16xlarge", num_nodes=2)
+    four = al.ClusterSpec.preset("p3.16xlarge", num_nodes=4)
     local = receive_seconds(received, [1, 4], one)
-    cross = receive_seconds(received, [1, 4], two)
+    cross = receive_seconds(received, [1, 4, 8, 16], four)
     assert local[0, 1, 1] == pytest.approx(2 * one.intra_node_latency + 8e6 / (4 * one.intra_node_bandwidth))
-    assert cross[0, 1, 1] == pytest.approx(2 * two.inter_node_latency + 8e6 / (4 * two.inter_node_bandwidth))
+    node = 2 * four.inter_node_latency + 8e6 / (8 * four.inter_node_bandwidth)
+    assert cross[0, 1] == pytest.approx([node, node, node, 2 * four.inter_node_latency
+                                         + 8e6 / (16 * four.inter_node_bandwidth)])
     assert local[0, 0, 0] == 0.0
 
 

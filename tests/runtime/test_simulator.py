@@ -1,12 +1,13 @@
 """The simulated backend runs the same instruction programs against the cost model's clock."""
 import dataclasses
+import functools
 
 import pytest
 
 import alpa_like as al
 from alpa_like.runtime.simulator import simulate
 from alpa_like.runtime.schedules import Phase
-from tests.runtime.test_pipeshard_runtime import TWO_STAGES, gpt_case, train_step_for
+from tests.runtime.test_pipeshard_runtime import TWO_STAGES, gpt_case, stages, train_step_for
 
 
 def executable(schedule, num_micro_batches=4):
@@ -283,3 +284,154 @@ def test_step_totals_and_transfers_agree_with_the_traced_spans(shared_host_compu
         assert text == str(ins) and mesh == ins.mesh
         expected = transfer_seconds(plan, program.values[ins.key[0]].aval, ins.src_mesh, ins.mesh)
         assert end - start == pytest.approx(expected, rel=1e-9) and expected > 0
+@functools.cache
+def mlp_executable(stage_option, schedule="1f1b", num_micro_batches=2):
+    from tests.runtime.test_pipeshard_runtime import mlp_case
+
+    loss_fn, state, batches = mlp_case()
+    method = al.PipeshardParallel(num_micro_batches=num_micro_batches, layer_option=al.ManualLayerOption(),
+                                  stage_option=stage_option, pipeline_schedule=schedule)
+    return al.parallelize(train_step_for(loss_fn), method=method).get_executable(state, batches[0])
+
+
+def placed(plan, device_ids, num_nodes, per_node, bandwidth=1e9):
+    """``plan`` idealised (free compute, intra-node links and latencies) on ``num_nodes`` nodes of
+    ``per_node`` devices, each mesh on the given (cluster-wide) device ids, ``bandwidth`` per device's share
+    of a node's NIC."""
+    plan = idealised(plan, seconds_per_stage=0.0)
+    cluster = dataclasses.replace(plan.cluster, num_nodes=num_nodes, num_devices_per_node=per_node,
+                                  inter_node_bandwidth=bandwidth)
+    stages = tuple(dataclasses.replace(s, device_ids=tuple(ids))
+                   for s, ids in zip(plan.stages, device_ids, strict=True))
+    return dataclasses.replace(plan, cluster=cluster, stages=stages)
+
+
+def recv_spans(sim, program):
+    """``(mesh, text, start, end, bytes)`` of every RECV of a traced simulation."""
+    out = []
+    for mesh, text, start, end in sim.instruction_spans:
+        if text.startswith("RECV"):
+            aval = program.values[int(text.split()[1][1:].split("@")[0])].aval
+            out.append((mesh, text, start, end, aval.size * aval.dtype.itemsize))
+    return out
+
+
+@pytest.mark.parametrize("device_ids, num_nodes, per_node, shares", [
+    (((0, 1, 2, 3), (8, 9, 10, 11)), 2, 8, 8),  # (1,4) meshes alone on their nodes: the whole NIC, 8 shares
+    (((0, 1, 2, 3), (4, 5, 6, 7)), 2, 4, 4),  # meshes filling their nodes: 4 shares
+    (((0, 1, 2, 3), (4, 5, 6, 7)), 4, 2, 4),  # meshes over two nodes each: two NICs of 2 shares
+])
+def test_a_receive_across_nodes_uses_the_whole_nics_of_its_nodes(device_ids, num_nodes, per_node, shares):
+    """Two meshes on different nodes, no other traffic: every RECV of an activation or gradient of ``n``
+    bytes (split over the receiving devices) lasts ``n / (shares x bandwidth)``, the NICs of the nodes
+    involved at the full rate (latencies are zero here). A scalar goes to every device of the mesh, ``n``
+    bytes each: ``4 n`` through the NICs."""
+    exe = mlp_executable(TWO_STAGES)
+    plan = placed(exe.plan, device_ids, num_nodes, per_node)
+    sim = simulate(plan, exe.program, exe.programs, trace=True)
+    spans = recv_spans(sim, exe.program)
+    assert {mesh for mesh, *_ in spans} == {0, 1}
+    for _, text, start, end, nbytes in spans:
+        copies = 4 if nbytes == 4 else 1
+        assert end - start == pytest.approx(copies * nbytes / (shares * 1e9)), text
+    assert any(nbytes > 4 for *_, nbytes in spans)
+
+
+def two_receives(device_ids, into, **options):
+    """The 4-stage MLP's programs cut to two RECVs, both ready at time 0 (their senders' values are not
+    computed in this program): ``into = "node 1"``: the activation into mesh 1 from mesh 0 and the gradient
+    into mesh 2 from mesh 3; ``"from node 1"``: the gradient into mesh 0 from mesh 1 and the activation into
+    mesh 3 from mesh 2. Returns the simulation and the two RECVs' ``(start, end, bytes)``."""
+    from alpa_like.runtime.instructions import Op
+
+    exe = mlp_executable(stages(((0,), (1,), (2,), (3,)), ((1, 2),) * 4, ((1, 2),) * 4))
+    pairs = [(1, 0), (2, 3)] if into == "node 1" else [(0, 1), (3, 2)]
+    chosen = [next(i for i in exe.programs.instructions if i.op is Op.RECV and (i.mesh, i.src_mesh) == pair)
+              for pair in pairs]
+    programs = dataclasses.replace(exe.programs, instructions=tuple(chosen))
+    plan = placed(exe.plan, device_ids, num_nodes=3, per_node=4)
+    sim = simulate(plan, exe.program, programs, trace=True, **options)
+    return sim, [(start, end, nbytes) for _, _, start, end, nbytes in recv_spans(sim, exe.program)]
+
+
+@pytest.mark.parametrize("into", ["node 1", "from node 1"])
+def test_two_meshes_of_one_node_take_turns_on_its_nic(into):
+    """Meshes 1 and 2 share node 1 (meshes 0 and 3 on nodes 0 and 2). Two transfers through node 1's NIC
+    in the same direction at once, each ``T = n / (4 x bandwidth)`` alone, are serialised: the first in the
+    programs' order takes ``[0, T]``, the second ``[T, 2T]`` (not both ``[0, 2T]`` at half the rate). With
+    meshes 2 and 3 swapped (mesh 2 on node 2, mesh 3 on node 1), no NIC carries both in one direction and
+    both take ``[0, T]``."""
+    shared = ((0, 1), (4, 5), (6, 7), (8, 9))
+    sim, ((s0, e0, n0), (s1, e1, n1)) = two_receives(shared, into)
+    t0, t1 = n0 / 4e9, n1 / 4e9
+    assert (s0, e0) == pytest.approx((0.0, t0))
+    assert (s1, e1) == pytest.approx((t0, t0 + t1))
+    assert sim.step_seconds == pytest.approx(t0 + t1)
+    apart = ((0, 1), (4, 5), (8, 9), (6, 7))  # meshes 2 and 3 swap nodes: no NIC used twice in one direction
+    sim, spans = two_receives(apart, into)
+    assert [s for s, _, _ in spans] == [0.0, 0.0]
+    assert [e for _, e, _ in spans] == pytest.approx([t0, t1])
+    sim, spans = two_receives(shared, into, nic_contention=False)  # the what-if: each has the NIC alone
+    assert [(s, e) for s, e, _ in spans] == [(0.0, pytest.approx(t0)), (0.0, pytest.approx(t1))]
+
+
+def test_a_nic_carries_one_transfer_at_a_time_in_a_pipeline():
+    """1F1B over four meshes, two per node, every stage boundary across nodes. Per NIC and direction, the
+    RECVs through it never run at once: their transfer times alone (:func:`transfer_seconds`) add up to no
+    more than the time their spans cover (a RECV interrupted by another's spans the wait too); and the step
+    is longer than with one mesh per node."""
+    from alpa_like.runtime.simulator import transfer_seconds
+
+    exe = mlp_executable(stages(((0,), (1,), (2,), (3,)), ((1, 2),) * 4, ((1, 2),) * 4), num_micro_batches=4)
+
+    def simulated(ids, num_nodes):
+        plan = placed(exe.plan, ids, num_nodes=num_nodes, per_node=4)
+        plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, compute_seconds=4 * 3e-7)
+                                                      for s in plan.stages))  # 0.1 us forward, 0.2 us backward
+        return plan, simulate(plan, exe.program, exe.programs, trace=True)
+
+    ids = ((0, 1), (4, 5), (2, 3), (6, 7))  # meshes 0, 2 on node 0 and 1, 3 on node 1
+    plan, sim = simulated(ids, 2)
+    node_of = {mesh: ids[mesh][0] // 4 for mesh in range(4)}
+    spans, work = {}, {}
+    for mesh, text, start, end, _ in recv_spans(sim, exe.program):
+        src = int(text.split("mesh ")[1])
+        if node_of[src] == node_of[mesh]:
+            continue
+        alone = transfer_seconds(plan, exe.program.values[int(text.split()[1][1:].split("@")[0])].aval, src, mesh)
+        assert end - start >= alone - 1e-15
+        for nic in ((node_of[mesh], "in"), (node_of[src], "out")):
+            spans.setdefault(nic, []).append((start, end))
+            work[nic] = work.get(nic, 0.0) + alone
+    assert set(spans) == {(0, "in"), (1, "in"), (0, "out"), (1, "out")}
+    for nic, intervals in spans.items():
+        covered, reach = 0.0, -1.0
+        for a, b in sorted(intervals):
+            covered += max(0.0, b - max(a, reach))
+            reach = max(reach, b)
+        assert work[nic] <= covered + 1e-15, nic
+    _, alone = simulated(((0, 1), (4, 5), (8, 9), (12, 13)), 4)  # one mesh per node
+    assert sim.step_seconds > alone.step_seconds
+
+
+def test_nic_book_serialises_and_conserves_work_on_random_transfers():
+    """Random transfers over 3 nodes' NICs, ready up to 400 s (where a float's step exceeds 1e-14): each
+    booking ends, lasts at least its duration, and per NIC the booked pieces are disjoint and add up to the
+    durations of the transfers through it."""
+    import random
+
+    from alpa_like.runtime.simulator import NicBook
+
+    rng = random.Random(0)
+    book, through = NicBook(), {}
+    for _ in range(2000):
+        nics = frozenset({(rng.randrange(3), "in"), (rng.randrange(3), "out")})
+        ready, duration = rng.uniform(0, 400), rng.uniform(1e-3, 0.5)
+        start, end = book.take(nics, ready, duration)
+        assert start >= ready and end - start >= duration * (1 - 1e-9)
+        for nic in nics:
+            through[nic] = through.get(nic, 0.0) + duration
+    for nic, total in through.items():
+        starts, ends = book._starts[nic], book._ends[nic]
+        assert all(e <= s for e, s in zip(ends, starts[1:]))
+        assert sum(e - s for s, e in zip(starts, ends)) == pytest.approx(total, rel=1e-9)

@@ -144,8 +144,30 @@ def test_tied_parameters_are_all_reduced_between_first_and_last_stage():
     one_node = cluster(nodes=1, per_node=8)
     assert tied_sync_seconds(one_node, config, tied)[0] == pytest.approx(
         2 * one_node.intra_node_latency + 8e8 / 2 / one_node.intra_node_bandwidth)
+    # Stages of t * d = 2 ranks, two per node: the stage's 2 ranks have the node's NIC, 4 shares, to themselves.
+    small = MegatronConfig(t=1, p=4, d=2, b=1)
+    across = 2 * c.inter_node_latency + 8e8 / (4 / 2 * c.inter_node_bandwidth)
+    assert tied_sync_seconds(c, small, tied) == pytest.approx((across, 0.0, 0.0, across))
     with pytest.raises(ValueError, match="shared_params"):
         dataclasses.replace(plain, shared_params=((1.0, (0,)),))
+
+
+def test_a_send_across_nodes_has_the_nic_of_the_stages_ranks():
+    """p = 4 stages of t * d = 2 ranks on two 4-device nodes: stage 0 sends to stage 1 over NVLink, stage 1
+    to stage 2 across nodes, each of the d = 2 replicas' 1/t of the activation through the node's NIC, which
+    moves 4 shares and serves only the stage's 2 ranks: 2 shares each (our plans are priced the same)."""
+    c = cluster(nodes=2, per_node=4)
+    est = estimate(MegatronConfig(t=1, p=4, d=2, b=1), uniform_costs(), c, 8)
+    hidden = 1e6
+    inside = c.intra_node_latency + hidden / c.intra_node_bandwidth
+    across = c.inter_node_latency + hidden / (4 / 2 * c.inter_node_bandwidth)
+    assert est.stage_forward_seconds[1] - est.stage_forward_seconds[0] == pytest.approx(across - inside)
+    # Stages filling their node (t * d = 4): each rank has its own share, the whole NIC over the 4 ranks.
+    full = estimate(MegatronConfig(t=2, p=2, d=2, b=1), uniform_costs(), c, 8)
+    free = estimate(MegatronConfig(t=2, p=2, d=2, b=1), uniform_costs(), dataclasses.replace(
+        c, inter_node_bandwidth=1e30, inter_node_latency=0.0), 8)
+    assert full.stage_forward_seconds[0] - free.stage_forward_seconds[0] == pytest.approx(
+        c.inter_node_latency + hidden / 2 / c.inter_node_bandwidth)
 
 
 def test_gpt_tied_embedding_is_found_in_the_first_and_last_layer():

@@ -94,12 +94,16 @@ def test_breakdown_plans_auto_equal_layer_and_each_restriction(tmp_path, capsys)
     assert breakdown.parse_shapes("2x8,1x4") == ((2, 8), (1, 4))
     with pytest.raises(ValueError, match="--restrict takes submesh shapes like 2x8"):
         breakdown.parse_shapes("2by8")
-    rows = breakdown.plan_rows("gpt-tiny", 4, [((1, 4),)], num_micro_batches=2)
+    rows = breakdown.plan_rows("gpt-tiny", 4, [((1, 4),)], num_micro_batches=2, what_if=True)
     assert [r["variant"] for r in rows] == ["auto", "equal layer", "only 1x4"]
     assert rows[2]["submeshes"] == [[1, 4]]  # the only shape allowed: one stage on all four devices
     for r in rows:
         assert r["busy_s"][0] == pytest.approx(r["stage_compute_s"][0] + r["stage_intra_op_s"][0], rel=0.02)
-    assert "only 1x4" in breakdown.format_rows(rows)
+        # one node: no NIC, so unshared NICs change nothing; free transfers can only shorten the step
+        assert r["no_nic_contention_s"] == pytest.approx(r["simulated_s"])
+        assert r["free_transfers_s"] <= r["simulated_s"] * (1 + 1e-12)
+    text = breakdown.format_rows(rows)
+    assert "only 1x4" in text and "free transfers s" in text
 
 
 def test_breakdown_parses_a_given_plan_and_rejects_bad_ones():
