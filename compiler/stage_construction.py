@@ -185,15 +185,22 @@ def replicated_updates(jaxpr, groups: dict[tuple[int, str], list], stage_to_mesh
                     targets.append(q)
             if not targets:
                 continue
-            depends = {v}
-            for e in apply_eqns:
-                if depends.intersection(jax_compat.eqn_inputs(e)):
-                    depends.update(e.outvars)
-            outputs = [o for e in apply_eqns for o in e.outvars if o in depends and o in step_outputs]
-            needed = jax_compat.ancestors(apply_eqns, outputs)
+            needed = update_of(v, apply_eqns, step_outputs)
             for q in targets:
                 extra.setdefault(q, {}).update((id(apply_eqns[i]), apply_eqns[i]) for i in needed)
     return {q: list(eqns.values()) for q, eqns in extra.items()}
+
+
+def update_of(v: Var, apply_eqns: Sequence, step_outputs: set) -> list[int]:
+    """The update of step input ``v`` within ``apply_eqns`` (an apply-grad's equations, in jaxpr order):
+    indices, in order, of the equations that the step outputs depending on ``v`` (its next value and its
+    optimizer state's) depend on, including the gradient sums they read."""
+    depends = {v}
+    for e in apply_eqns:
+        if depends.intersection(jax_compat.eqn_inputs(e)):
+            depends.update(e.outvars)
+    outputs = [o for e in apply_eqns for o in e.outvars if o in depends and o in step_outputs]
+    return sorted(jax_compat.ancestors(apply_eqns, outputs))
 
 
 def apply_order(program: StageProgram) -> list[int]:

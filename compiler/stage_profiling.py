@@ -63,6 +63,7 @@ from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.compiler.markers import is_marker
 from alpa_like.compiler.op_graph import build_op_graph
 from alpa_like.compiler.sharding_spec import ShardingSpec, enumerate_specs
+from alpa_like.compiler.stage_construction import update_of
 from alpa_like.compiler.stage_dp import StageCosts
 
 Shape = tuple[int, int]
@@ -441,8 +442,8 @@ def replica_received_per_step(jaxpr: Jaxpr, pieces: Sequence[Piece | None], num_
     load the updated value from the other stage's mesh at the next step: for a parameter read by two
     stages, the same bytes (one gradient part of the parameter's shape), later in the step.
 
-    The update of ``v`` is the apply-grad equations of ``v``'s updating layers that the step outputs
-    depending on ``v`` depend on; a value it reads is made by the layer of its equation, or for an
+    The update of ``v`` is :func:`~alpa_like.compiler.stage_construction.update_of` within the apply-grad
+    equations of ``v``'s updating layers; a value it reads is made by the layer of its equation, or for an
     accumulated gradient (a grad marker output) by the layer that made the marker's input."""
     invars = set(jaxpr.invars)
     made_in = _made_in(jaxpr, pieces)
@@ -456,29 +457,17 @@ def replica_received_per_step(jaxpr: Jaxpr, pieces: Sequence[Piece | None], num_
                 (updated_in if p.phase == APPLY else readers).setdefault(v, set()).add(p.layer)
     step_outputs = {v for v in jaxpr.outvars if isinstance(v, Var)}
     first, last = np.meshgrid(np.arange(num_layers), np.arange(num_layers), indexing="ij")
-
-    def holds(layers) -> np.ndarray:
-        mask = np.zeros((num_layers, num_layers), dtype=bool)
-        for layer in layers:
-            mask |= (first <= layer) & (layer <= last)
-        return mask
-
     received: dict[Var, np.ndarray] = {}
     for v, layers in updated_in.items():
-        replica = holds(readers.get(v, ())) & ~holds(layers)
+        replica = _ranges_holding(readers.get(v, ()), first, last) & ~_ranges_holding(layers, first, last)
         if not replica.any():
             continue
         update = [e for e, p in zip(jaxpr.eqns, pieces, strict=True)
                   if p is not None and p.phase == APPLY and p.layer in layers and not is_marker(e, "grad")]
-        depends = {v}
-        for e in update:
-            if depends.intersection(jax_compat.eqn_inputs(e)):
-                depends.update(e.outvars)
-        needed = [update[i] for i in sorted(jax_compat.ancestors(
-            update, [o for e in update for o in e.outvars if o in depends and o in step_outputs]))]
+        needed = [update[i] for i in update_of(v, update, step_outputs)]
         for g in jax_compat.free_vars(needed):
             if g in made_in:
-                received[g] = received.get(g, False) | (replica & ~holds((made_in[g],)))
+                received[g] = received.get(g, False) | (replica & ~_ranges_holding((made_in[g],), first, last))
     num_bytes, count = np.zeros((num_layers, num_layers)), np.zeros((num_layers, num_layers))
     for g, mask in received.items():
         num_bytes += mask * (math.prod(g.aval.shape) * np.dtype(g.aval.dtype).itemsize)
@@ -495,11 +484,8 @@ def _received_by_ranges(producer_layer: dict[Var, int], readers: dict[Var, set[i
     num_bytes, count = np.zeros((num_layers, num_layers)), np.zeros((num_layers, num_layers))
     neighbour_bytes, neighbour_count = np.zeros((num_layers, num_layers, 2)), np.zeros((num_layers, num_layers, 2))
     for v, layers in readers.items():
-        inside = np.zeros((num_layers, num_layers), dtype=bool)
-        for c in layers:
-            inside |= (first <= c) & (c <= last)
         a = producer_layer[v]
-        received = inside & ~((first <= a) & (a <= last))
+        received = _ranges_holding(layers, first, last) & ~_ranges_holding((a,), first, last)
         size = math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize
         num_bytes += received * size
         count += received
@@ -508,6 +494,15 @@ def _received_by_ranges(producer_layer: dict[Var, int], readers: dict[Var, set[i
             neighbour_count[..., side] += received & adjacent
     return ReceivedValues(num_bytes=num_bytes, count=count, neighbour_bytes=neighbour_bytes,
                           neighbour_count=neighbour_count)
+
+
+def _ranges_holding(layers, first: np.ndarray, last: np.ndarray) -> np.ndarray:
+    """``[i, j]``: whether the layer range ``i..j`` holds one of ``layers`` (``first`` / ``last``: every
+    range's first and last layer, as grids)."""
+    mask = np.zeros(first.shape, dtype=bool)
+    for layer in layers:
+        mask |= (first <= layer) & (layer <= last)
+    return mask
 
 
 def inbound_bandwidth(devices: Sequence[int], cluster: ClusterSpec) -> np.ndarray:
