@@ -53,6 +53,7 @@ from alpa_like.compiler import jax_compat
 from alpa_like.compiler.layer_slicing import FORWARD
 from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.compiler.markers import is_marker
+from alpa_like.compiler.stage_profiling import inbound_bandwidth
 from alpa_like.runtime.schedules import make_schedule
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
@@ -203,8 +204,8 @@ def _rank_nic_bandwidth(cluster: ClusterSpec, config: MegatronConfig) -> float:
     point-to-point transfer between stages): a node's NIC moves ``M * inter_node_bandwidth``, shared by the
     stage's ranks on it, ``min(t d, M)`` (the pricing of our own plans,
     :func:`~alpa_like.compiler.stage_profiling.inbound_bandwidth`)."""
-    size, per_node = config.t * config.d, cluster.num_devices_per_node
-    return cluster.inter_node_bandwidth * per_node / min(size, per_node)
+    size = config.t * config.d
+    return float(inbound_bandwidth([size], cluster)[0]) / size
 
 
 def _send_seconds(cluster: ClusterSpec, config: MegatronConfig, src: int, dst: int, nbytes: float) -> float:
