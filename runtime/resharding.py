@@ -255,14 +255,12 @@ def _assemble(box: Box, parts: list[tuple[Box, jax.Array]], dtype) -> jax.Array:
 
 
 def _all_gather(group: LocalAllGather, devices: Sequence[jax.Device], slices: Sequence[jax.Array]) -> list[jax.Array]:
-    """The replicas' slices (equal cuts of the tile along one dim, in device order) all-gathered: one
-    collective on a 1-D mesh of the group's devices. Returns the whole tile on each device, in order."""
-    dims = [d for d, (a, b) in enumerate(zip(group.slices[0], group.slices[-1])) if a != b]
-    if not dims:  # the tile could not be cut: every replica received it whole
-        return list(slices)
+    """The replicas' slices (distinct equal cuts of the tile along one dim, in device order, as
+    :func:`plan_resharding` makes them) all-gathered: one collective on a 1-D mesh of the group's devices. Returns the whole tile on each device, in order."""
+    cut_dim = next(d for d, (a, b) in enumerate(zip(group.slices[0], group.slices[-1])) if a != b)
     mesh = jax.sharding.Mesh(np.array(devices), ("replicas",))
     spec = [None] * len(group.tile)
-    spec[dims[0]] = "replicas"
+    spec[cut_dim] = "replicas"
     shape = tuple(hi - lo for lo, hi in group.tile)
     cut = jax.make_array_from_single_device_arrays(
         shape, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)), list(slices))
