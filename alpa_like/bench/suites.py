@@ -106,13 +106,13 @@ def run_case(case: Case, preset: str, ablations: bool = False) -> dict:
     row["baselines"] = {}
     if workload.family == "gpt":
         search = megatron.grid_search(transformer_costs(sliced, workload, m), cluster, case.global_batch)
-        best = search.best
-        entry = {"baseline": "megatron", "configs_evaluated": len(search.evaluated), "configs_fitting": search.num_fitting}
-        if best is not None:
-            replayed = megatron.replay(best)
-            seconds = best.step_seconds if replayed is None else replayed
+        found = megatron.best_replayed(search)
+        entry = {"baseline": "megatron", "configs_evaluated": len(search.evaluated), "configs_fitting": search.num_fitting,
+                 "configs_replayed": min(search.num_fitting, megatron.REPLAYED_CANDIDATES)}
+        if found is not None:
+            best, seconds, replayed = found
             entry.update(config=str(best.config), micro_batches=best.num_micro_batches, closed_form_s=best.step_seconds,
-                         step_s=seconds, simulated="schedule replay" if replayed is not None else "closed form",
+                         step_s=seconds, simulated="schedule replay" if replayed else "closed form",
                          memory_gib=best.memory_per_device / 2**30)
         else:
             entry.update(step_s=None, detail="no configuration fits in memory")

@@ -4,6 +4,7 @@ import dataclasses
 import pytest
 
 import alpa_like as al
+from alpa_like.bench import megatron
 from alpa_like.bench.megatron import (MegatronConfig, TransformerCosts, enumerate_configs, estimate, grid_search,
                                       replay, shared_parameters, tied_sync_seconds)
 
@@ -161,12 +162,15 @@ def test_a_send_across_nodes_has_the_nic_of_the_stages_ranks():
     hidden = 1e6
     inside = c.intra_node_latency + hidden / c.intra_node_bandwidth
     across = c.inter_node_latency + hidden / (4 / 2 * c.inter_node_bandwidth)
-    assert est.stage_forward_seconds[1] - est.stage_forward_seconds[0] == pytest.approx(across - inside)
+    assert est.forward_sends[0].seconds == pytest.approx(inside) and not est.forward_sends[0].nics
+    assert est.forward_sends[1].seconds == pytest.approx(across)
+    assert est.forward_sends[1].nics == {(0, "out"), (1, "in")}
+    assert est.backward_sends[2].nics == {(1, "out"), (0, "in")} and est.forward_sends[3] is None
     # Stages filling their node (t * d = 4): each rank has its own share, the whole NIC over the 4 ranks.
     full = estimate(MegatronConfig(t=2, p=2, d=2, b=1), uniform_costs(), c, 8)
     free = estimate(MegatronConfig(t=2, p=2, d=2, b=1), uniform_costs(), dataclasses.replace(
         c, inter_node_bandwidth=1e30, inter_node_latency=0.0), 8)
-    assert full.stage_forward_seconds[0] - free.stage_forward_seconds[0] == pytest.approx(
+    assert full.forward_sends[0].seconds - free.forward_sends[0].seconds == pytest.approx(
         c.inter_node_latency + hidden / 2 / c.inter_node_bandwidth)
 
 
@@ -183,3 +187,47 @@ def test_gpt_tied_embedding_is_found_in_the_first_and_last_layer():
     assert embedding in [b for b, _ in shared_parameters(sliced.jaxpr, sliced.pieces,
                                                          [r == "param" for r in sliced.roles])]
     assert transformer_costs(sliced, workload, 2).shared_params == ((float(embedding), (0, 1)),)
+
+
+def test_replay_receives_before_a_chunk_and_sends_through_one_nic_take_turns():
+    """1F1B on p = 2 stages, m = 2, every chunk 1 s, every send 0.5 s through one shared NIC. Mesh 1
+    receives F0.0 in [1, 1.5], runs F1.0 and B1.0 until 3.5; at 3.5 both B0.0's gradient (to mesh 0) and
+    F0.1's activation (to mesh 1, ready since 2) are to be received: alone each takes [3.5, 4]; through one
+    NIC the second (F1.1's, later in the schedule's tick order) waits until 4. So mesh 1 ends at 6.5 instead
+    of 6, and mesh 0 receives B1.1's gradient after it: 8 s instead of 7.5 s."""
+    base = estimate(MegatronConfig(t=1, p=2, d=1, b=1), uniform_costs(num_layers=2), cluster(per_node=2),
+                    global_batch=2)
+    nic = frozenset({(0, "in")})
+    send = megatron.Send(0.5, nic)
+    est = dataclasses.replace(base, stage_forward_seconds=(1.0, 1.0), stage_backward_seconds=(1.0, 1.0),
+                              forward_sends=(send, None), backward_sends=(None, send), sync_seconds=0.0)
+    assert est.num_micro_batches == 2
+    assert replay(est) == pytest.approx(8.0)
+    assert replay(est, nic_contention=False) == pytest.approx(7.5)
+    # Sends on disjoint NICs do not wait for each other.
+    other = megatron.Send(0.5, frozenset({(1, "in")}))
+    assert replay(dataclasses.replace(est, backward_sends=(None, other))) == pytest.approx(7.5)
+
+
+def test_interleaved_wraparound_sends_share_nics_in_the_replay():
+    """p = 3 stages of one 4-device node each, v = 2: besides the sends between neighbouring nodes, chunk
+    2 -> 3 goes from node 2 back to node 0, through NICs that other chunks' sends use at the same time; the
+    replay with contention is slower. Plain 1F1B on the same stages is unaffected (each NIC serves one
+    stage, whose receives are sequential anyway)."""
+    c = cluster(nodes=3, per_node=4)
+    costs = dataclasses.replace(uniform_costs(num_layers=6), hidden_bytes=1e8)  # sends of ~2.5 ms, chunks of 10
+    looped = estimate(MegatronConfig(t=1, p=3, d=4, b=1, v=2), costs, c, 48)
+    assert looped.forward_sends[2].nics == {(2, "out"), (0, "in")}
+    assert replay(looped) > 1.005 * replay(looped, nic_contention=False)
+    plain = estimate(MegatronConfig(t=1, p=3, d=4, b=1), costs, c, 48)
+    assert replay(plain) == pytest.approx(replay(plain, nic_contention=False), rel=1e-12)
+
+
+def test_best_replayed_keeps_the_fastest_replayed_of_the_closed_forms_best():
+    spec = cluster(nodes=2, per_node=4)
+    search = grid_search(uniform_costs(num_layers=8, param_bytes=2 * GIB), spec, global_batch=32)
+    est, seconds, replayed = megatron.best_replayed(search, candidates=4)
+    fitting = sorted((e for e in search.evaluated if e.fits), key=lambda e: e.step_seconds)[:4]
+    assert replayed and est in fitting
+    assert seconds == pytest.approx(min(replay(e) for e in fitting))
+    assert megatron.best_replayed(grid_search(uniform_costs(param_bytes=64 * GIB), cluster(), 8)) is None
