@@ -16,13 +16,16 @@ same (layer, submesh, logical shape) is never solved twice. Independent solves r
 processes (forked, so they inherit the layers' jaxprs; they only build and solve ILPs and never touch the
 XLA runtime), one per core; where ``fork`` is not available they run on a thread pool.
 
-Two variants per (layer, logical mesh), Alpa's per-stage memory budget made cheap: the fastest solve
-(``variant ""``), and, when that one leaves some parameter less than fully sharded, a memory-lean solve
+Three variants per (layer, logical mesh), Alpa's per-stage memory budget made cheap: the fastest solve
+(``variant ""``); when that one leaves some parameter less than fully sharded, a memory-lean solve
 (``"params-sharded"``) in which every parameter must be split over as many of the mesh's devices as its
-shape allows (the ILP then chooses between tensor parallelism and gathering the weights, ZeRO-3 style). The
-stage DP keeps both as entries of the logical-view axis and takes, per stage, the fastest that fits
-(Eq. 3.5); so a large model is not declared out of memory because every layer's fastest layout replicates
-its weights.
+shape allows (the ILP then chooses between tensor parallelism and gathering the weights, ZeRO-3 style);
+and, on meshes where that is four devices or more, one in between (``"params-half-sharded"``): every
+parameter split over at least half that many (Megatron-LM's layout on a ``(d, t)`` view, weights split
+over the tensor axis and replicated over the data axis, is one such solution). The stage DP keeps them as
+entries of the logical-view axis and takes, per stage, the fastest that fits (Eq. 3.5); so a large model
+is not declared out of memory because every layer's fastest layout replicates its weights, nor pays for
+sharding every weight over every device when half would fit.
 
 Memory per device (Eq. 3.5 inputs): ``mem_stage`` = parameters and gradients under the ILP's specs plus the
 optimizer state sharded over all the mesh's devices (weight-update sharding, on by default as in Alpa);
@@ -69,6 +72,10 @@ from alpa_like.compiler.stage_dp import StageCosts
 Shape = tuple[int, int]
 PARAMS_SHARDED = "params-sharded"
 """The variant label of the memory-lean solves (see the module docstring)."""
+PARAMS_HALF_SHARDED = "params-half-sharded"
+"""The variant label of the solves in between (see the module docstring)."""
+VARIANTS = ("", PARAMS_HALF_SHARDED, PARAMS_SHARDED)
+"""Every variant, fastest first: :func:`_solve_job` returns one solve per entry, in this order."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -140,16 +147,17 @@ def structure_key(closed: ClosedJaxpr) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def sharded_param_candidates(closed: ClosedJaxpr, param_inputs: Sequence[bool],
-                             mesh: LogicalMesh) -> dict[int, tuple[ShardingSpec, ...]]:
-    """Per parameter input of ``closed``, the specs that split it over the most devices its shape allows on
-    ``mesh`` (for the ``"params-sharded"`` variant)."""
+def sharded_param_candidates(closed: ClosedJaxpr, param_inputs: Sequence[bool], mesh: LogicalMesh,
+                             fraction: int = 1) -> dict[int, tuple[ShardingSpec, ...]]:
+    """Per parameter input of ``closed``, the specs that split it over at least ``1 / fraction`` of the most
+    devices its shape allows on ``mesh`` (``fraction=1``: the ``"params-sharded"`` variant; ``2``: the
+    ``"params-half-sharded"`` one)."""
     candidates = {}
     for k, (var, is_param) in enumerate(zip(closed.jaxpr.invars, param_inputs, strict=True)):
         if is_param:
             specs = enumerate_specs(var.aval.shape, mesh.shape)
             most = max(spec.num_shards(mesh.shape) for spec in specs)
-            candidates[k] = tuple(spec for spec in specs if spec.num_shards(mesh.shape) == most)
+            candidates[k] = tuple(spec for spec in specs if spec.num_shards(mesh.shape) * fraction >= most)
     return candidates
 
 
@@ -199,8 +207,8 @@ class StageProfile:
     num_pairs: int
     """(layer, submesh, logical shape) pairs in the table."""
     num_solves: int
-    """ILP solves run: one per distinct (layer structure, mesh) after de-duplication, two where the
-    ``"params-sharded"`` variant differs from the fastest solve."""
+    """ILP solves run: one per distinct (layer structure, mesh) after de-duplication, and one more for each
+    memory variant that differs from the solve before it (:func:`_solve_job`)."""
     seconds: float
 
     def input_spec(self, layer: int, submesh: int, entry: int, step_input: int) -> ShardingSpec | None:
@@ -223,8 +231,9 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
       optimizer_bytes: per layer, bytes of optimizer state of its parameters (all devices together).
       max_workers: worker processes (default: one per core).
       progress: called as ``progress(done, total)`` after each distinct (layer, mesh) job.
-      memory_variants: also profile the ``"params-sharded"`` variant on submeshes of more than one device.
-        The table then lists each such submesh's views twice (``costs.variants`` says which is which).
+      memory_variants: also profile the ``"params-sharded"`` variant on submeshes of more than one device,
+        and the ``"params-half-sharded"`` one on submeshes of four or more. The table then lists each such
+        submesh's views two or three times (``costs.variants`` says which is which).
     """
     start = time.perf_counter()
     num_layers = len(summaries)
@@ -234,9 +243,8 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
     gradients = set() if marker is None else {v for v in marker.invars if isinstance(v, Var)}
     gradient_outputs = [frozenset(k for k, v in enumerate(closed.jaxpr.outvars) if v in gradients)
                         for closed, _ in layers]
-    entries = [[(tuple(view), "") for view in views]
-               + [(tuple(view), PARAMS_SHARDED) for view in views if memory_variants and sub[0] * sub[1] > 1]
-               for sub, views in zip(submeshes, logical_shapes, strict=True)]
+    entries = [[(tuple(view), variant) for variant in _variants(sub[0] * sub[1], memory_variants)
+                for view in views] for sub, views in zip(submeshes, logical_shapes, strict=True)]
     jobs: dict[tuple, tuple[int, LogicalMesh]] = {}
     pair_job = {}
     for l in range(num_layers):
@@ -253,7 +261,7 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
                             jobs=[jobs[k] for k in job_keys], param_mask=tuple(param_mask),
                             peak_flops=cluster.peak_flops, memory_bandwidth=cluster.memory_bandwidth,
                             options=options, memory_variants=memory_variants)
-    results: dict[tuple, tuple[LayerCost, LayerCost]] = {}
+    results: dict[tuple, tuple[LayerCost, ...]] = {}
     num_solves = 0
     for index, variants, solves in _run_solves(context, max_workers, progress):
         results[job_keys[index]] = variants
@@ -261,7 +269,7 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
 
     def cost_of(pair) -> LayerCost:
         key, variant = pair_job[pair]
-        return results[key][variant == PARAMS_SHARDED]
+        return results[key][VARIANTS.index(variant)]
 
     width = max(len(e) for e in entries)
     shape = (num_layers, len(submeshes), width)
@@ -307,29 +315,40 @@ class _SolveContext:
 _FORKED: _SolveContext | None = None
 
 
-def _solve_job(context: _SolveContext, index: int) -> tuple[int, tuple[LayerCost, LayerCost], int]:
-    """The fastest solve of job ``index`` and its ``"params-sharded"`` twin (the fastest again when the
-    twin would be the same problem), with the number of ILPs solved. The twin is the fastest solve's ILP
-    restricted to the sharded parameter specs (:func:`~alpa_like.compiler.auto_sharding.solve_prepared`), so
-    strategies and costs are built once per job."""
+def _variants(num_devices: int, memory_variants: bool) -> tuple[str, ...]:
+    """The variants profiled on a submesh of ``num_devices`` devices (see the module docstring)."""
+    if not memory_variants or num_devices == 1:
+        return ("",)
+    return VARIANTS if num_devices >= 4 else ("", PARAMS_SHARDED)
+
+
+def _solve_job(context: _SolveContext, index: int) -> tuple[int, tuple[LayerCost, ...], int]:
+    """Per entry of :data:`VARIANTS`, the solve of job ``index``: the fastest, and its twins with the
+    parameters limited to :func:`sharded_param_candidates` (half, then fully sharded); a twin whose limit
+    the previous solve already meets, or that its mesh does not profile (:func:`_variants`), is that solve
+    again. Also the number of ILPs solved. The twins are the fastest solve's ILP restricted
+    (:func:`~alpa_like.compiler.auto_sharding.solve_prepared`), so strategies and costs are built once per
+    job."""
     l, mesh = context.jobs[index]
     closed, inputs = context.layers[l]
     params = [i >= 0 and context.param_mask[i] for i in inputs]
     options = dataclasses.replace(context.options, gradient_outputs=context.gradient_outputs[l])
     prepared = prepare(build_op_graph(closed), mesh, options)
-    fastest = layer_cost(closed, params, mesh, context.peak_flops, solve_prepared(prepared),
-                         context.memory_bandwidth)
-    if not context.memory_variants or mesh.num_devices == 1:
-        return index, (fastest, fastest), 1
-    candidates = sharded_param_candidates(closed, params, mesh)
-    if is_params_sharded(fastest, candidates):
-        return index, (fastest, fastest), 1
-    if restricted_inputs(prepared, candidates) is not None:
-        lean = solve_prepared(prepared, candidates)
-    else:  # the options limit some parameter to specs without the sharded ones: the twin is its own problem
-        options = dataclasses.replace(options, input_candidates={**options.input_candidates, **candidates})
-        lean = auto_shard(prepared.graph, mesh, options)
-    return index, (fastest, layer_cost(closed, params, mesh, context.peak_flops, lean, context.memory_bandwidth)), 2
+    solved = [layer_cost(closed, params, mesh, context.peak_flops, solve_prepared(prepared),
+                         context.memory_bandwidth)]
+    profiled = _variants(mesh.num_devices, context.memory_variants)
+    for variant, fraction in ((PARAMS_HALF_SHARDED, 2), (PARAMS_SHARDED, 1)):
+        candidates = sharded_param_candidates(closed, params, mesh, fraction)
+        if variant not in profiled or is_params_sharded(solved[-1], candidates):
+            solved.append(solved[-1])
+            continue
+        if restricted_inputs(prepared, candidates) is not None:
+            twin = solve_prepared(prepared, candidates)
+        else:  # the options limit some parameter to specs without these: the twin is its own problem
+            limited = dataclasses.replace(options, input_candidates={**options.input_candidates, **candidates})
+            twin = auto_shard(prepared.graph, mesh, limited)
+        solved.append(layer_cost(closed, params, mesh, context.peak_flops, twin, context.memory_bandwidth))
+    return index, tuple(solved), len({id(cost) for cost in solved})
 
 
 def _solve_forked(index: int):
