@@ -149,12 +149,14 @@ def structure_key(closed: ClosedJaxpr) -> str:
 
 def sharded_param_candidates(closed: ClosedJaxpr, param_inputs: Sequence[bool], mesh: LogicalMesh,
                              fraction: int = 1) -> dict[int, tuple[ShardingSpec, ...]]:
-    """Per parameter input of ``closed``, the specs that split it over at least ``1 / fraction`` of the most
-    devices its shape allows on ``mesh`` (``fraction=1``: the ``"params-sharded"`` variant; ``2``: the
-    ``"params-half-sharded"`` one)."""
+    """Per parameter input of ``closed`` with two or more dims, the specs that split it over at least
+    ``1 / fraction`` of the most devices its shape allows on ``mesh`` (``fraction=1``: the
+    ``"params-sharded"`` variant; ``2``: the ``"params-half-sharded"`` one). Vectors (biases, norm scales)
+    stay free: their memory is a row of a matrix's, and splitting one that every device reads whole only
+    adds a gather per use."""
     candidates = {}
     for k, (var, is_param) in enumerate(zip(closed.jaxpr.invars, param_inputs, strict=True)):
-        if is_param:
+        if is_param and len(var.aval.shape) >= 2:
             specs = enumerate_specs(var.aval.shape, mesh.shape)
             most = max(spec.num_shards(mesh.shape) for spec in specs)
             candidates[k] = tuple(spec for spec in specs if spec.num_shards(mesh.shape) * fraction >= most)
