@@ -28,7 +28,9 @@ is not declared out of memory because every layer's fastest layout replicates it
 sharding every weight over every device when half would fit.
 
 Memory per device (Eq. 3.5 inputs): ``mem_stage`` = parameters and gradients under the ILP's specs plus the
-optimizer state sharded over all the mesh's devices (weight-update sharding, on by default as in Alpa);
+optimizer state sharded over all the mesh's devices (weight-update sharding, on by default as in Alpa), and
+the state of the updates replicated onto the stage (:func:`replica_state_bytes`: a tied embedding's moments
+on the first stage);
 ``mem_act`` = the activations a micro-batch keeps from forward to backward, divided over the mesh's
 devices (an estimate: each layer's activations are split by its batch or tensor parallelism).
 """
@@ -68,6 +70,7 @@ from alpa_like.compiler.op_graph import build_op_graph
 from alpa_like.compiler.sharding_spec import ShardingSpec, enumerate_specs
 from alpa_like.compiler.stage_construction import update_of
 from alpa_like.compiler.stage_dp import StageCosts
+from alpa_like.compiler.strategies import nbytes
 
 Shape = tuple[int, int]
 PARAMS_SHARDED = "params-sharded"
@@ -186,8 +189,7 @@ def layer_cost(closed: ClosedJaxpr, param_inputs: Sequence[bool], mesh: LogicalM
     param_bytes = 0.0
     for spec, var, is_param in zip(solution.input_specs(), closed.jaxpr.invars, param_inputs, strict=True):
         if is_param:
-            nbytes = math.prod(var.aval.shape) * jax_compat.numpy_dtype(var.aval.dtype).itemsize
-            param_bytes += nbytes / spec.num_shards(mesh.shape)
+            param_bytes += nbytes(var.aval) / spec.num_shards(mesh.shape)
     comm_bytes = sum(c.num_bytes for strategy in solution.strategies for c in strategy.collectives)
     return LayerCost(compute_seconds=jaxpr_seconds(closed, peak_flops, memory_bandwidth, mesh.num_devices),
                      comm_seconds=float(solution.objective), comm_bytes=float(comm_bytes),
@@ -288,11 +290,13 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
     saving = boundary_saving(received, devices, cluster)
     step_seconds = (receive_seconds(received_per_step(jaxpr, pieces, num_layers), devices, cluster)
                     + receive_seconds(replica_received_per_step(jaxpr, pieces, num_layers), devices, cluster))
+    replica_state = replica_state_bytes(jaxpr, pieces, num_layers)[:, :, None, None] / np.asarray(
+        devices, dtype=np.float64)[None, None, :, None]
     costs = StageCosts(num_layers=num_layers, submeshes=tuple(map(tuple, submeshes)),
                        boundary_saving=saving, step_seconds=step_seconds,
                        logical_shapes=tuple(tuple(view for view, _ in e) for e in entries),
                        variants=tuple(tuple(variant for _, variant in e) for e in entries),
-                       t_intra=t_intra, mem_stage=_range_sums(mem_layer),
+                       t_intra=t_intra, mem_stage=_range_sums(mem_layer) + replica_state,
                        mem_act=_range_sums(act_layer))
     return StageProfile(costs=costs, layer_costs={pair: cost_of(pair) for pair in pair_job},
                         layer_inputs=tuple(tuple(inputs) for _, inputs in layers), num_pairs=len(pair_job),
@@ -453,21 +457,13 @@ def _made_in(jaxpr: Jaxpr, pieces: Sequence[Piece | None]) -> dict[Var, int]:
     return made_in
 
 
-def replica_received_per_step(jaxpr: Jaxpr, pieces: Sequence[Piece | None], num_layers: int) -> ReceivedValues:
-    """What each layer range ``i..j`` receives once per step for the updates replicated onto it
-    (:func:`~alpa_like.compiler.stage_construction.replicated_updates`): for every step input that the
-    forward or backward of a layer inside reads and that the apply-grad of layers outside only updates (the
-    tied word embedding of a GPT: read by the first layer's lookup, updated with the logits), the stage runs
-    that update too, after receiving the values the update reads that layers outside the range made (the
-    gradient part accumulated with the logits), counted once. Without the replica the stage would instead
-    load the updated value from the other stage's mesh at the next step: for a parameter read by two
-    stages, the same bytes (one gradient part of the parameter's shape), later in the step.
-
-    The update of ``v`` is :func:`~alpa_like.compiler.stage_construction.update_of` within the apply-grad
-    equations of ``v``'s updating layers; a value it reads is made by the layer of its equation, or for an
-    accumulated gradient (a grad marker output) by the layer that made the marker's input."""
+def _replicated_updates(jaxpr: Jaxpr, pieces: Sequence[Piece | None], num_layers: int):
+    """Yields ``(v, replica, needed)`` for every step input ``v`` that the forward or backward of some layer
+    range reads while only the apply-grad of layers outside it updates it
+    (:func:`~alpa_like.compiler.stage_construction.replicated_updates`): ``replica[i, j]`` says which ranges
+    run a copy of its update, ``needed`` are the equations of that update
+    (:func:`~alpa_like.compiler.stage_construction.update_of` within the updating layers' apply-grads)."""
     invars = set(jaxpr.invars)
-    made_in = _made_in(jaxpr, pieces)
     updated_in: dict[Var, set[int]] = {}
     readers: dict[Var, set[int]] = {}
     for e, p in zip(jaxpr.eqns, pieces, strict=True):
@@ -478,23 +474,58 @@ def replica_received_per_step(jaxpr: Jaxpr, pieces: Sequence[Piece | None], num_
                 (updated_in if p.phase == APPLY else readers).setdefault(v, set()).add(p.layer)
     step_outputs = {v for v in jaxpr.outvars if isinstance(v, Var)}
     first, last = np.meshgrid(np.arange(num_layers), np.arange(num_layers), indexing="ij")
-    received: dict[Var, np.ndarray] = {}
     for v, layers in updated_in.items():
         replica = _ranges_holding(readers.get(v, ()), first, last) & ~_ranges_holding(layers, first, last)
         if not replica.any():
             continue
         update = [e for e, p in zip(jaxpr.eqns, pieces, strict=True)
                   if p is not None and p.phase == APPLY and p.layer in layers and not is_marker(e, "grad")]
-        needed = [update[i] for i in update_of(v, update, step_outputs)]
+        yield v, replica, [update[i] for i in update_of(v, update, step_outputs)]
+
+
+def replica_received_per_step(jaxpr: Jaxpr, pieces: Sequence[Piece | None], num_layers: int) -> ReceivedValues:
+    """What each layer range ``i..j`` receives once per step for the updates replicated onto it
+    (:func:`~alpa_like.compiler.stage_construction.replicated_updates`): for every step input that the
+    forward or backward of a layer inside reads and that the apply-grad of layers outside only updates (the
+    tied word embedding of a GPT: read by the first layer's lookup, updated with the logits), the stage runs
+    that update too, after receiving the values the update reads that layers outside the range made (the
+    gradient part accumulated with the logits), counted once. Without the replica the stage would instead
+    load the updated value from the other stage's mesh at the next step: for a parameter read by two
+    stages, the same bytes (one gradient part of the parameter's shape), later in the step.
+
+    A value the update reads is made by the layer of its equation, or for an accumulated gradient (a grad
+    marker output) by the layer that made the marker's input (:func:`_replicated_updates`)."""
+    made_in = _made_in(jaxpr, pieces)
+    first, last = np.meshgrid(np.arange(num_layers), np.arange(num_layers), indexing="ij")
+    received: dict[Var, np.ndarray] = {}
+    for _, replica, needed in _replicated_updates(jaxpr, pieces, num_layers):
         for g in jax_compat.free_vars(needed):
             if g in made_in:
                 received[g] = received.get(g, False) | (replica & ~_ranges_holding((made_in[g],), first, last))
     num_bytes, count = np.zeros((num_layers, num_layers)), np.zeros((num_layers, num_layers))
     for g, mask in received.items():
-        num_bytes += mask * (math.prod(g.aval.shape) * np.dtype(g.aval.dtype).itemsize)
+        num_bytes += mask * nbytes(g.aval)
         count += mask
     zeros = np.zeros((num_layers, num_layers, 2))
     return ReceivedValues(num_bytes=num_bytes, count=count, neighbour_bytes=zeros, neighbour_count=zeros.copy())
+
+
+def replica_state_bytes(jaxpr: Jaxpr, pieces: Sequence[Piece | None], num_layers: int) -> np.ndarray:
+    """``[i, j]``: bytes of step state that layer range ``i..j`` holds only for the updates replicated onto
+    it (:func:`_replicated_updates`): the other step inputs its copy of each update reads (a tied embedding's
+    Adam moments), counted once. ``optimizer_bytes`` of :func:`profile_stage_costs` gives
+    them to the layer whose apply-grad owns them, so without this a stage holding a replica would be planned
+    without its moments (Eq. 3.5's ``mem_stage``)."""
+    invars = set(jaxpr.invars)
+    held: dict[Var, np.ndarray] = {}
+    for v, replica, needed in _replicated_updates(jaxpr, pieces, num_layers):
+        for s in jax_compat.free_vars(needed):
+            if s in invars and s is not v:
+                held[s] = held.get(s, False) | replica
+    total = np.zeros((num_layers, num_layers))
+    for s, mask in held.items():
+        total += mask * nbytes(s.aval)
+    return total
 
 
 def _received_by_ranges(producer_layer: dict[Var, int], readers: dict[Var, set[int]],

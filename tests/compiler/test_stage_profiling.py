@@ -259,3 +259,17 @@ def test_a_stage_holding_the_lookup_but_not_the_logits_receives_their_embedding_
     expected = (first == 0) & (last < k - 1)
     np.testing.assert_array_equal(received.num_bytes, np.where(expected, embedding, 0))
     np.testing.assert_array_equal(received.count, expected.astype(float))
+
+
+def test_a_stage_holding_a_replicated_update_holds_its_optimizer_state(tied_gpt):
+    """The stage holding GPT's lookup but not the logits runs its own copy of the embedding's Adam update, so
+    it holds the embedding's two moments besides the parameter its layers read: Eq. 3.5's ``mem_stage`` must
+    count them. (Adam's step count is not among them: the update reads the incremented count that another
+    layer's apply-grad makes, a received value.) No other range holds replica state."""
+    from alpa_like.compiler.stage_profiling import replica_state_bytes
+
+    sliced, embedding = tied_gpt
+    k = len(sliced.summaries)
+    held = replica_state_bytes(sliced.jaxpr, sliced.pieces, k)
+    first, last = np.meshgrid(np.arange(k), np.arange(k), indexing="ij")
+    np.testing.assert_array_equal(held, np.where((first == 0) & (last < k - 1), 2 * embedding, 0))
