@@ -109,12 +109,13 @@ def slice_workload(workload: Workload, method: PipeshardParallel) -> SlicedStep:
 def simulate_plan(plan: ParallelPlan, sliced: SlicedStep, num_micro_batches: int, schedule: str = "1f1b",
                   **options) -> Simulation:
     """The plan's per-mesh instruction programs on the simulated backend (``runtime.simulator``);
-    ``options`` go to :func:`~alpa_like.runtime.simulator.simulate`."""
+    ``options`` go to :func:`~alpa_like.runtime.simulator.simulate`. The programs are emitted without FREEs,
+    which take no time on the simulated clock (same step; ``seconds_by_kind`` has no ``FREE`` entry)."""
     stage_to_mesh = list(range(len(plan.stages)))
     program = build_stage_program(sliced.closed_jaxpr, sliced.pieces, [s.layer_ids for s in plan.stages],
                                   [r == "batch" for r in sliced.roles], stage_to_mesh=stage_to_mesh)
     sched = make_schedule(schedule, num_meshes=len(plan.stages), num_micro_batches=num_micro_batches)
-    programs = emit_programs(program, sched, stage_to_mesh=stage_to_mesh)
+    programs = emit_programs(program, sched, stage_to_mesh=stage_to_mesh, free_buffers=False)
     return simulate(plan, program, programs, **options)
 
 
