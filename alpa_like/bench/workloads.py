@@ -58,6 +58,29 @@ def cluster_for(num_gpus: int, preset: str = "p3.16xlarge") -> al.ClusterSpec:
     return al.ClusterSpec.preset(preset, num_nodes=num_gpus // per_node)
 
 
+def micro_batch_count_error(workload: Workload, num_micro_batches: int) -> str | None:
+    """Why the step of ``workload`` cannot be split into ``num_micro_batches`` micro-batches without changing
+    the model, or None: the count must divide the global batch, and an MoE micro-batch must hold whole
+    routing groups of ``expert_group_size`` tokens (a micro-batch of fewer tokens is routed as one smaller
+    group, whose expert capacity ``2 S / E`` is smaller: another model, with other FLOPs).
+
+    >>> moe_10b = make_workload("moe-10b", 1024)
+    >>> micro_batch_count_error(moe_10b, 512) is None
+    True
+    >>> micro_batch_count_error(moe_10b, 1024)
+    'a micro-batch of 1024 tokens is less than one routing group (expert_group_size=2048)'
+    """
+    if workload.global_batch % num_micro_batches:
+        return f"{num_micro_batches} micro-batches do not divide the global batch {workload.global_batch}"
+    if workload.family == "moe":
+        c = workload.config
+        tokens = workload.global_batch // num_micro_batches * c.seq_len
+        if tokens < c.expert_group_size:
+            return (f"a micro-batch of {tokens} tokens is less than one routing group "
+                    f"(expert_group_size={c.expert_group_size})")
+    return None
+
+
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "gpt": lambda: optax.adam(1e-4),
     "wresnet": lambda: optax.adam(1e-4),

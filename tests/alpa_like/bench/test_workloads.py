@@ -3,7 +3,7 @@ still sees one layer per block."""
 import pytest
 
 from alpa_like.bench import ours
-from alpa_like.bench.workloads import logits_to_block_flops, make_workload, transformer_costs
+from alpa_like.bench.workloads import logits_to_block_flops, make_workload, micro_batch_count_error, transformer_costs
 from alpa_like.pipeshard import AutoLayerOption
 
 
@@ -64,3 +64,16 @@ def test_gpt_and_wide_resnet_keep_adam():
     assert _tree_bytes(gpt_state.opt_state) == pytest.approx(2 * _tree_bytes(gpt_state.params), abs=64)
     wresnet_state = make_workload("wresnet-tiny", 8).args[0]["train"]
     assert _tree_bytes(wresnet_state.opt_state) == pytest.approx(2 * _tree_bytes(wresnet_state.params), abs=64)
+
+
+def test_micro_batch_counts_must_divide_the_batch_and_keep_whole_moe_routing_groups():
+    import dataclasses
+
+    gpt = make_workload("gpt-tiny", 8)
+    assert micro_batch_count_error(gpt, 8) is None
+    assert micro_batch_count_error(gpt, 3) == "3 micro-batches do not divide the global batch 8"
+    moe = make_workload("moe-tiny", 8)  # 16 tokens per sequence
+    moe = dataclasses.replace(moe, config=dataclasses.replace(moe.config, expert_group_size=32))
+    assert micro_batch_count_error(moe, 4) is None  # 2 sequences: one whole group of 32 tokens
+    assert micro_batch_count_error(moe, 8) == ("a micro-batch of 16 tokens is less than one routing group "
+                                               "(expert_group_size=32)")
