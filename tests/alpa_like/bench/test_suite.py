@@ -69,7 +69,8 @@ def test_our_automatic_plan_keeps_the_fastest_micro_batch_count():
 def test_cases_try_several_micro_batch_counts_unless_given():
     assert suites.suite_cases("gpt", ["gpt-1.3b"])[0].auto_micro_batches == suites.AUTO_MICRO_BATCHES["gpt"]
     assert suites.suite_cases("gpt", ["gpt-1.3b"], micro_batches=32)[0].auto_micro_batches == (32,)
-    assert suites.suite_cases("moe", ["moe-380m"])[0].auto_micro_batches == (64,)
+    assert suites.suite_cases("moe", ["moe-380m"])[0].auto_micro_batches == suites.AUTO_MICRO_BATCHES["moe"]
+    assert suites.suite_cases("wresnet", ["wresnet-250m"])[0].auto_micro_batches == (64,)
 
 
 def test_plan_text_counts_repeats():
