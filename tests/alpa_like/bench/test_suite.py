@@ -137,3 +137,23 @@ def test_breakdown_prices_a_given_plan_no_better_than_the_dp():
     wrong = breakdown.plan_rows("gpt-tiny", 4, [], num_micro_batches=2, with_auto=False,
                                 plans=[((1, 1), ((1, 2), (1, 2)), ((1, 2), (1, 2)))])
     assert "layers 0.." in wrong[0]["error"]  # the layers must cover the model: a row with the planner's message
+
+
+def test_cyclic_gc_is_paused_inside_and_restored_after():
+    import gc
+
+    from alpa_like.bench import ours
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="inside"):
+        with ours.cyclic_gc_paused():
+            assert not gc.isenabled()
+            raise RuntimeError("inside")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with ours.cyclic_gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # a caller's own pause is kept
+    finally:
+        gc.enable()
