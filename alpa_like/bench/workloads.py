@@ -39,9 +39,11 @@ class Workload:
     """``(state, batch)`` as ``ShapeDtypeStruct`` pytrees (or arrays, for the local backend)."""
     num_layers: int
     """Layers handed to ``AutoLayerOption``: transformer blocks, or bottleneck blocks for Wide-ResNet.
-    GPT/OPT get one more for the tied logits (:func:`logits_to_block_flops`: GPT-6.7B 1.0, GPT-39B 0.51),
-    so that Eq. 3.6 can cut between blocks, where one hidden state crosses, rather than shift cuts into a
-    block to balance the logits' FLOPs; the stage DP may still put them with the last block."""
+    GPT/OPT and MoE get one more for the tied logits (:func:`logits_to_block_flops`: GPT-6.7B 1.0, GPT-39B
+    0.51), so that Eq. 3.6 can cut between blocks, where one hidden state crosses, rather than shift cuts into
+    a block to balance the logits' FLOPs; the stage DP may still put them with the last block. (MoE-10B with
+    one layer per block had cuts inside blocks: a layer boundary carrying 4.7 hidden states, and a residual
+    gradient skipping the MoE feed-forward's layer into the one before it.)"""
     remat: bool
 
 
@@ -118,7 +120,7 @@ def make_workload(name: str, global_batch: int) -> Workload:
         state = train_state_shapes("moe", moe.moe_param_shapes(config))
         return Workload(name=name, family="moe", config=config, global_batch=global_batch,
                         train_step=loss_train_step(moe.moe_loss(moe.MoEModel(config))),
-                        args=(state, moe.moe_batch_shapes(config, global_batch)), num_layers=config.num_layers,
+                        args=(state, moe.moe_batch_shapes(config, global_batch)), num_layers=config.num_layers + 1,
                         remat=True)
     if isinstance(config, models.GPTConfig):
         config = dataclasses.replace(config, dtype=jnp.float16)

@@ -41,6 +41,26 @@ def test_gpt_39b_layers_are_its_blocks_and_the_logits():
     assert flops[48] / flops[1] == pytest.approx(logits_to_block_flops(workload.config), rel=0.05)
 
 
+def test_moe_10b_layers_are_its_blocks_and_the_logits():
+    """MoE also gets a layer for the logits: each of MoE-10B's 17 layers receives exactly one hidden state
+    (``tokens x hidden`` FP16) from each neighbour per micro-batch (its input, and its output's gradient)
+    (the first and the last have one neighbour) and beside them only FP32 scalars (the MoE layers'
+    auxiliary load-balancing losses, which the last layer adds up, and their cotangents)."""
+    from alpa_like.compiler.stage_profiling import received_per_micro_batch
+
+    workload = make_workload("moe-10b", 1024)
+    assert workload.num_layers == 17
+    sliced = ours.slice_workload(workload, ours.pipeshard_method(workload, 256))
+    received = received_per_micro_batch(sliced.jaxpr, sliced.pieces, len(sliced.summaries))
+    c = workload.config
+    hidden = 1024 // 256 * c.seq_len * c.hidden_size * 2
+    assert len(sliced.summaries) == 17
+    for l in range(17):
+        expected = [0 if l == 0 else hidden, 0 if l == 16 else hidden]
+        assert all(0 <= b - e <= 4 for b, e in zip(received.neighbour_bytes[l, l], expected))
+        assert 0 <= received.num_bytes[l, l] - sum(expected) <= 4 * 8  # the 8 MoE layers' scalars at most
+
+
 def _tree_bytes(tree) -> int:
     import math
 
