@@ -276,10 +276,11 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
     devices = [a * b for a, b in submeshes]
     t_intra = _range_sums(t_layer) + receive_seconds(received, devices, cluster)[..., None]
     saving = boundary_saving(received, devices, cluster)
+    nic = crossing_nic_seconds(received, devices, cluster)
     step_seconds = (receive_seconds(received_per_step(jaxpr, pieces, num_layers), devices, cluster)
                     + receive_seconds(replica_received_per_step(jaxpr, pieces, num_layers), devices, cluster))
     costs = StageCosts(num_layers=num_layers, submeshes=tuple(map(tuple, submeshes)),
-                       boundary_saving=saving, step_seconds=step_seconds,
+                       boundary_saving=saving, nic_seconds=nic, step_seconds=step_seconds,
                        logical_shapes=tuple(tuple(view for view, _ in e) for e in entries),
                        variants=tuple(tuple(variant for _, variant in e) for e in entries),
                        t_intra=t_intra, mem_stage=_range_sums(mem_layer),
@@ -560,6 +561,20 @@ def boundary_saving(received: ReceivedValues, devices: Sequence[int], cluster: C
     saving = (received.neighbour_count[:, :, None, :] * latency
               + received.neighbour_bytes[:, :, None, :] * per_byte[None, None, :, None])
     return np.maximum(saving, 0.0)
+
+
+def crossing_nic_seconds(received: ReceivedValues, devices: Sequence[int], cluster: ClusterSpec) -> np.ndarray:
+    """``[i, j, p, side]``: the bandwidth part of what a stage of layers ``i..j`` on a submesh of
+    ``devices[p]`` devices receives from the stage before (``side = 0``: the adjacent layer ``i - 1``'s
+    values) or after (``side = 1``: layer ``j + 1``'s) when that boundary crosses nodes: those bytes over the
+    receiving nodes' NICs (:func:`inbound_bandwidth`), the time the transfer holds a NIC. It is part of
+    :func:`receive_seconds` (latencies excluded); the stage DP charges it again for each NIC on the way that
+    another mesh's transfer shares (:attr:`~alpa_like.compiler.stage_dp.StageCosts.nic_seconds`). Zero on a
+    one-node cluster (no NIC)."""
+    if cluster.num_nodes == 1:
+        return np.zeros(received.neighbour_bytes.shape[:2] + (len(devices), 2))
+    per_byte = 1.0 / inbound_bandwidth(devices, cluster)
+    return received.neighbour_bytes[:, :, None, :] * per_byte[None, None, :, None]
 
 
 def _range_sums(per_layer: np.ndarray) -> np.ndarray:
