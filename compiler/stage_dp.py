@@ -66,6 +66,34 @@ stages on exactly the nodes of that layout, and the stage chosen with ``d`` devi
 ``t_intra`` minus the saving of each inside boundary; the answer is the better of that DP and the plain one
 (:func:`price_placed_stages` prices a finished plan the same way; :func:`brute_force_stages` agrees).
 
+**Shared NICs (ours).** In an aligned layout a node other than the first and the last that holds two or
+more meshes (:func:`shared_nodes`) has two transfers through each of its NICs every micro-batch in 1F1B:
+into it, its first mesh's activations from the node before and its last mesh's gradients from the node
+after; out of it, its first mesh's gradients back and its last mesh's activations on. The simulated backend
+books every node's NIC per direction and makes transfers through one NIC take turns
+(:class:`~alpa_like.runtime.simulator.NicBook`). In steady 1F1B each of the two becomes ready once per
+micro-batch period; when they are ready together one receive lasts its own transfer plus the other's (the
+receiving mesh waits), and in the pipelined steady state that repeats every micro-batch. Wide-ResNet-6.8B
+on 4 p3.16xlarge nodes with two (1, 4) meshes on node 1 shows it: the first stage (node 0, the slowest)
+waits for node 1's outbound NIC once per micro-batch, 1.93 s over 63 micro-batches = 0.031 s each, the
+other transfer's time (node 1's last mesh's activations), and the step goes from 8.84 s (NICs unshared) to
+10.77 s. The other transfer belongs to a stage that is not in this one's DP state, so a receive takes its
+own NIC time (:attr:`StageCosts.nic_seconds`) as the estimate of the other's: the NIC part of a crossing
+receive is paid twice for one shared NIC on its way and three times for two (the sending node's outbound
+and the receiving node's inbound NIC). The receiving stage pays (the simulator charges the wait to the mesh
+that receives), so besides the node's first and last mesh the last mesh of the node before and the first
+mesh of the node after pay. Their own position tells the node's first and last mesh that they are on a
+shared node; a neighbour's does not, so the DP (``_placed_dp``) splits its table by two flags of the stages
+that remain: whether the node before their first stage is shared, and whether that first stage is the
+first mesh of a shared node. The same rule prices a finished plan (:func:`price_placed_stages`) and the
+brute force, so the DP stays exact for its objective. Misaligned plans would be placed by the covering
+construction (:func:`~alpa_like.compiler.submesh.assign_devices`), which may put meshes that are not
+pipeline neighbours on one node, every one of them crossing nodes: the DP does not know their NICs, so when
+NICs can be shared (``nic_seconds`` given, 3 nodes or more, a submesh smaller than a node) it considers
+aligned plans only (:func:`brute_force_stages` likewise). This is an estimate, exact only when the two
+transfers through a NIC are of one size and always ready together: it is high when they do not collide,
+and when the other transfer is smaller (the first stage above pays 0.062 s for a 0.031 s wait).
+
 **Per-step terms (ours).** A stage may also spend time once per step, outside the pipelined
 micro-batches (:attr:`StageCosts.step_seconds`): the apply-grad of a parameter that layers of several
 stages read (GPT's tied embedding, read by the first layer and the logits) runs where its last gradient is
@@ -95,6 +123,8 @@ t_max candidates): about 15 ms per DP and 0.2-0.5 s per solve with 13-30 DP runs
 (about 14 s); solving all 16,800 (``prune=False``) takes about 4 minutes. All three give the same plan.
 With boundary savings every DP run solves the second (aligned) table too, over up to four times as many
 t_max candidates: GPT-39B's real table took 2.2 s instead of 0.2 s (``examples/benchmarks/stage_dp.py``).
+With shared NICs the aligned DP is the only one, with four tables (the two flags) and up to sixteen times as
+many t_max candidates (each side inside a node, or across through 0, 1 or 2 shared NICs).
 """
 from __future__ import annotations
 

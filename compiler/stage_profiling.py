@@ -515,8 +515,9 @@ def inbound_bandwidth(devices: Sequence[int], cluster: ClusterSpec) -> np.ndarra
     This is the NIC of a receiving mesh alone. Two meshes of one node receiving across nodes at the same time
     (in 1F1B a node's first stage receives activations while its last receives gradients) share it, and a
     sender on fewer nodes than the receiver is limited by its own NICs; the simulated backend models both
-    (each node's NIC is a resource there, :mod:`~alpa_like.runtime.simulator`), the stage DP, which prices
-    one stage at a time, cannot."""
+    (each node's NIC is a resource there, :mod:`~alpa_like.runtime.simulator`). The stage DP estimates the
+    first for aligned layouts from :func:`crossing_nic_seconds` (see "Shared NICs" in
+    :mod:`~alpa_like.compiler.stage_dp`)."""
     sizes = np.asarray(devices, dtype=np.float64)
     return np.maximum(sizes, cluster.num_devices_per_node) * cluster.inter_node_bandwidth
 
