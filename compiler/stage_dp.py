@@ -71,28 +71,26 @@ more meshes (:func:`shared_nodes`) has two transfers through each of its NICs ev
 into it, its first mesh's activations from the node before and its last mesh's gradients from the node
 after; out of it, its first mesh's gradients back and its last mesh's activations on. The simulated backend
 books every node's NIC per direction and makes transfers through one NIC take turns
-(:class:`~alpa_like.runtime.simulator.NicBook`). In steady 1F1B each of the two becomes ready once per
-micro-batch period; when they are ready together one receive lasts its own transfer plus the other's (the
-receiving mesh waits), and in the pipelined steady state that repeats every micro-batch. Wide-ResNet-6.8B
-on 4 p3.16xlarge nodes with two (1, 4) meshes on node 1 shows it: the first stage (node 0, the slowest)
-waits for node 1's outbound NIC once per micro-batch, 1.93 s over 63 micro-batches = 0.031 s each, the
-other transfer's time (node 1's last mesh's activations), and the step goes from 8.84 s (NICs unshared) to
-10.77 s. The other transfer belongs to a stage that is not in this one's DP state, so a receive takes its
-own NIC time (:attr:`StageCosts.nic_seconds`) as the estimate of the other's: the NIC part of a crossing
-receive is paid twice for one shared NIC on its way and three times for two (the sending node's outbound
-and the receiving node's inbound NIC). The receiving stage pays (the simulator charges the wait to the mesh
-that receives), so besides the node's first and last mesh the last mesh of the node before and the first
-mesh of the node after pay. Their own position tells the node's first and last mesh that they are on a
-shared node; a neighbour's does not, so the DP (``_placed_dp``) splits its table by two flags of the stages
-that remain: whether the node before their first stage is shared, and whether that first stage is the
-first mesh of a shared node. The same rule prices a finished plan (:func:`price_placed_stages`) and the
-brute force, so the DP stays exact for its objective. Misaligned plans would be placed by the covering
-construction (:func:`~alpa_like.compiler.submesh.assign_devices`), which may put meshes that are not
-pipeline neighbours on one node, every one of them crossing nodes: the DP does not know their NICs, so when
-NICs can be shared (``nic_seconds`` given, 3 nodes or more, a submesh smaller than a node) it considers
-aligned plans only (:func:`brute_force_stages` likewise). This is an estimate, exact only when the two
-transfers through a NIC are of one size and always ready together: it is high when they do not collide,
-and when the other transfer is smaller (the first stage above pays 0.062 s for a 0.031 s wait).
+(:class:`~alpa_like.runtime.simulator.NicBook`): when both are ready together one receive lasts its own
+transfer plus the other's (the receiving mesh waits), and in the pipelined steady state that repeats every
+micro-batch. Wide-ResNet-6.8B on 4 p3.16xlarge nodes with two (1, 4) meshes on node 1 shows it: the first
+stage (node 0, the slowest) waits for node 1's outbound NIC once per micro-batch, 1.93 s over 63
+micro-batches = 0.031 s each, and the step goes from 8.84 s (NICs unshared) to 10.77 s. A crossing receive
+pays :attr:`StageCosts.nic_wait` for its side once for each shared NIC on its way (the sending node's
+outbound and the receiving node's inbound NIC), an expected wait that
+:func:`~alpa_like.compiler.stage_profiling.shared_nic_wait` derives from the take-turns rule (half the
+receive's own NIC time). The receiving stage pays (the simulator charges the wait to the mesh that
+receives), so besides the node's first and last mesh the last mesh of the node before and the first mesh of
+the node after pay. Their own position tells the node's first and last mesh that they are on a shared node;
+a neighbour's does not, so the DP (``_placed_dp``) splits its table by two flags of the stages that remain:
+whether the node before their first stage is shared, and whether that first stage is the first mesh of a
+shared node. The same rule prices a finished plan (:func:`price_placed_stages`) and the brute force, so the
+DP stays exact for its objective. Misaligned plans would be placed by the covering construction
+(:func:`~alpa_like.compiler.submesh.assign_devices`), which may put meshes that are not pipeline neighbours
+on one node, every one of them crossing nodes: the DP does not know their NICs, so when NICs can be shared
+(``nic_wait`` given, 3 nodes or more, a submesh smaller than a node) it considers aligned plans only
+(:func:`brute_force_stages` likewise). The wait is an estimate: transfers that are never ready together
+do not wait at all, and the other transfer's size stands in for this one's.
 
 **Per-step terms (ours).** A stage may also spend time once per step, outside the pipelined
 micro-batches (:attr:`StageCosts.step_seconds`): the apply-grad of a parameter that layers of several
@@ -193,12 +191,12 @@ class StageCosts:
     its successor. ``t_intra`` prices what a stage receives from its neighbours as if every boundary crossed
     nodes, since where the neighbours go is only known once all stages are chosen; the DP prices the
     boundaries of plans whose placement it knows (see :func:`price_placed_stages`). None: no savings."""
-    nic_seconds: np.ndarray | None = None
+    nic_wait: np.ndarray | None = None
     """Seconds per micro-batch that the stage's receive from its predecessor (``[..., 0]``) or successor
-    (``[..., 1]``) holds a NIC when that boundary crosses nodes (the bandwidth part of that receive in
-    ``t_intra``), shape ``(K, K, P, 2)``. In aligned layouts the DP charges it once more for each NIC on the
-    transfer's way that another mesh's transfer in the same direction shares (see "Shared NICs" in the module
-    docstring and :func:`price_placed_stages`). None: NICs are never shared."""
+    (``[..., 1]``), when that boundary crosses nodes, waits for each NIC on its way that another mesh's
+    transfer in the same direction shares, shape ``(K, K, P, 2)``; added to ``t_intra`` in aligned layouts
+    (see "Shared NICs" in the module docstring and :func:`price_placed_stages`). None: NICs are never
+    shared."""
     step_seconds: np.ndarray | None = None
     """Seconds a stage spends once per step outside the pipelined micro-batches, shape ``(K, K, P)``: e.g.
     receiving, after the pipeline drains, the accumulated gradients of parameters that layers of other
@@ -239,7 +237,7 @@ class StageCosts:
                                  f" NaN and {int((array < 0).sum())} negative entries")
             array.setflags(write=False)
             arrays[name] = array
-        for name in ("boundary_saving", "nic_seconds"):
+        for name in ("boundary_saving", "nic_wait"):
             if getattr(self, name) is None:
                 continue
             per_side = np.array(getattr(self, name), dtype=np.float64)
@@ -419,7 +417,7 @@ def solve_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_micro_ba
             raise ValueError(
                 f"no aligned contiguous plan (each (1, m) mesh at a device offset that is a multiple of m, "
                 f"whole-node meshes at node boundaries) fits the {n_nodes} x {per_node} cluster; with "
-                f"nic_seconds (shared NICs) the stage DP considers only those, and only misaligned plans fit")
+                f"nic_wait (shared NICs) the stage DP considers only those, and only misaligned plans fit")
         raise _infeasible_error(costs, (n_nodes, per_node), in_flight, device_memory, schedule, batches)
     usable = np.isfinite(eff).any(axis=0) & np.isfinite(step) if step is not None else None
     levels = [] if step is None else _t_max_groups(np.unique(step[usable]), epsilon)
@@ -540,18 +538,18 @@ def price_placed_stages(costs: StageCosts, stages: Sequence[StageChoice],
     plan's contiguous layout is aligned (:func:`contiguous_offsets`), a boundary that stays inside a node is
     priced at the intra-node link instead: the stage's ``t_intra`` drops by ``costs.boundary_saving`` for it.
     A boundary that crosses nodes goes out of one node's NIC and into the next one's; for each of these two
-    NICs that belongs to a shared node (:func:`shared_nodes`) the receiving stage pays its
-    ``costs.nic_seconds`` for that side once more (see "Shared NICs" in the module docstring):
+    NICs that belongs to a shared node (:func:`shared_nodes`) the receiving stage waits ``costs.nic_wait``
+    for that side (see "Shared NICs" in the module docstring):
 
     .. math:: t = \max(0,\ t_{intra} - \textstyle\sum_{inside} saving)
-                  + \sum_{crossing} (\text{shared NICs on the way}) \cdot nic.
+                  + \sum_{crossing} (\text{shared NICs on the way}) \cdot wait.
 
     Otherwise the plan is placed by the covering construction, whose neighbours may sit anywhere, and keeps
     the table's price.
     """
     sizes = [s.submesh[0] * s.submesh[1] for s in stages]
     offsets = contiguous_offsets(sizes, devices_per_node)
-    if offsets is None or (costs.boundary_saving is None and costs.nic_seconds is None):
+    if offsets is None or (costs.boundary_saving is None and costs.nic_wait is None):
         return tuple(stages)
     shared = shared_nodes(sizes, devices_per_node)
     m, total = devices_per_node, sum(sizes)
@@ -561,10 +559,10 @@ def price_placed_stages(costs: StageCosts, stages: Sequence[StageChoice],
         index = (stage.layers[0], stage.layers[1], stage.submesh_index)
         saving = costs.boundary_saving[index] if costs.boundary_saving is not None else np.zeros(2)
         seconds = max(float(stage.t_intra - saving[0] * bool(start % m) - saving[1] * bool(end % m)), 0.0)
-        if costs.nic_seconds is not None:
+        if costs.nic_wait is not None:
             before = (start // m - 1 in shared) + (start // m in shared) if start % m == 0 and start > 0 else 0
             after = (end // m in shared) + ((end - 1) // m in shared) if end % m == 0 and end < total else 0
-            seconds += before * float(costs.nic_seconds[index][0]) + after * float(costs.nic_seconds[index][1])
+            seconds += before * float(costs.nic_wait[index][0]) + after * float(costs.nic_wait[index][1])
         priced.append(dataclasses.replace(stage, t_intra=seconds))
     return tuple(priced)
 
@@ -597,7 +595,7 @@ class _Placement:
     first or last mesh of a shared node (:func:`shared_nodes`) depend on ``(p, d)`` only: ``aligned[p, d]``,
     ``inside_before[p, d]``, ``inside_after[p, d]``, ``first_shared[p, d]``, ``last_shared[p, d]``.
     ``nic`` is None when no plan can share a NIC (fewer than 3 nodes, no partial-node submesh, or no
-    ``nic_seconds``).
+    ``nic_wait``).
     """
 
     saving: np.ndarray
@@ -615,7 +613,7 @@ class _Placement:
         end = start + sizes
         middle = (sizes < per_node) & (start // per_node >= 1) & (start // per_node <= num_devices // per_node - 2)
         first_shared, last_shared = middle & (start % per_node == 0), middle & (end % per_node == 0)
-        nic = costs.nic_seconds
+        nic = costs.nic_wait
         if nic is None or not nic.any() or not first_shared.any():
             nic = None
         saving = costs.boundary_saving
@@ -640,8 +638,8 @@ class _Placement:
         return np.where(self.aligned[mesh], placed, np.inf)
 
     def extra(self, k: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``[row, 1]`` each: what stage ``(k..i, p)`` pays once more when the node before it (side 0) or
-        after it (side 1) is shared: its :attr:`StageCosts.nic_seconds`."""
+        """``[row, 1]`` each: what stage ``(k..i, p)`` waits when the node before it (side 0) or after it
+        (side 1) is shared: its :attr:`StageCosts.nic_wait`."""
         last, mesh = np.divmod(rows, self.saving.shape[2])
         nic = self.nic[k, last, mesh]
         return nic[:, :1], nic[:, 1:]
@@ -650,7 +648,7 @@ class _Placement:
 def _stage_time_candidates(eff: np.ndarray, placement: _Placement | None) -> np.ndarray:
     """The distinct finite stage times a plan can have: the t_max candidates of Alg. 2 line 27. Placed, a
     side of a stage is inside a node (its saving off), or crosses nodes through 0, 1 or 2 shared NICs (its
-    ``nic_seconds`` on, 0-2 times)."""
+    ``nic_wait`` on, 0-2 times)."""
     if placement is None:
         values = eff.ravel()
     else:
@@ -778,9 +776,9 @@ def _placed_dp(cost: np.ndarray, sizes: np.ndarray, num_devices: int, placement:
     A stage's own savings and its own node's shared NIC depend on ``(p, d)`` (:meth:`_Placement.stage_seconds`).
     What it pays for a neighbour's shared node depends on the neighbours, so with shared NICs the table is
     split by two flags of the stages that remain: ``q`` = the node before their first stage is shared (the
-    stage before was the last mesh of a shared node: the first stage pays its ``nic[0]`` again), ``c`` = their
+    stage before was the last mesh of a shared node: the first stage waits its ``nic_wait[0]``), ``c`` = their
     first stage is the first mesh of a shared node (then the stage before, which ends at that node's
-    boundary, pays its ``nic[1]`` again). ``F_{q,c}(s, k, d)`` is the least total with the first stage of
+    boundary, waits its ``nic_wait[1]``). ``F_{q,c}(s, k, d)`` is the least total with the first stage of
     class ``c``; a stage takes the rest's ``q`` = whether it is itself the last mesh of a shared node, and
     the better of the rest's two classes. Without shared NICs there is one table (``q = c = 0``). Choices:
     per ``s`` an array ``[q, c, k, d]`` of ``(i * P + p) * 2 + (class of the rest)``.

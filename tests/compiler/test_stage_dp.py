@@ -103,31 +103,31 @@ def with_boundary_saving(costs: StageCosts, seed: int) -> StageCosts:
     return dataclasses.replace(costs, boundary_saving=saving)
 
 
-def with_nic_seconds(costs: StageCosts, seed: int, high: float = 0.6) -> StageCosts:
-    """``costs`` with a random ``nic_seconds`` of 0-``high`` times each entry's fastest time per side, on a
+def with_nic_wait(costs: StageCosts, seed: int, high: float = 0.6) -> StageCosts:
+    """``costs`` with a random ``nic_wait`` of 0-``high`` times each entry's fastest time per side, on a
     0.01 s grid (0 where the entry is infeasible)."""
     rng = np.random.default_rng(seed)
     fastest = np.nan_to_num(np.min(costs.t_intra, axis=-1), posinf=0.0)
     nic = np.round(fastest[..., None] * rng.uniform(0.0, high, fastest.shape + (2,)), 2)
-    return dataclasses.replace(costs, nic_seconds=nic)
+    return dataclasses.replace(costs, nic_wait=nic)
 
 
 def placed_t_intra(costs: StageCosts, stages, cluster) -> list[float]:
     """Stage times for the placement ``assign_devices`` gives, when the plan's contiguous layout is aligned:
     the table's time minus the saving of each boundary whose two meshes share their node(s), plus, for each
-    boundary across nodes, the ``nic_seconds`` of that side once for each of the sending and receiving nodes
+    boundary across nodes, the ``nic_wait`` of that side once for each of the sending and receiving nodes
     that is a middle node (neither the first nor the last) holding two meshes or more; otherwise the table's
     time (every boundary priced across nodes, each transfer with NICs to itself)."""
     table = [float(costs.t_intra[s.layers[0], s.layers[1], s.submesh_index, s.view_index]) for s in stages]
     sizes = [n * m for n, m in (s.submesh for s in stages)]
-    if ((costs.boundary_saving is None and costs.nic_seconds is None)
+    if ((costs.boundary_saving is None and costs.nic_wait is None)
             or contiguous_offsets(sizes, cluster[1]) is None):
         return table
     nodes = [{d // cluster[1] for d in ids} for ids in assign_devices([s.submesh for s in stages], *cluster)]
     shared = {n for n in range(1, cluster[0] - 1) if sum(nodes_ == {n} for nodes_ in nodes) >= 2}
     zeros = np.zeros(costs.t_intra.shape[:3] + (2,))
     savings = zeros if costs.boundary_saving is None else costs.boundary_saving
-    nics = zeros if costs.nic_seconds is None else costs.nic_seconds
+    nics = zeros if costs.nic_wait is None else costs.nic_wait
     times = []
     for q, stage in enumerate(stages):
         index = (stage.layers[0], stage.layers[1], stage.submesh_index)
@@ -251,13 +251,13 @@ def small_mesh_costs(seed: int, num_layers: int, cluster: tuple[int, int]) -> St
        small_meshes=st.booleans(), nic_high=st.sampled_from([0.05, 0.6]))
 def test_dp_with_shared_nics_equals_brute_force(seed, num_layers, cluster, batches, device_memory, saving,
                                                 small_meshes, nic_high):
-    """With ``nic_seconds`` an aligned plan pays for the shared NICs of its middle nodes (misaligned plans are
+    """With ``nic_wait`` an aligned plan pays for the shared NICs of its middle nodes (misaligned plans are
     not considered, see "Shared NICs"); the DP still finds the brute-force optimum, and
     every stage's time is the one its real placement (``assign_devices``) gives."""
     if small_meshes:  # a pipeline long enough to put two meshes on a middle node
         num_layers, cluster = 5, (4, 2) if cluster[0] == 4 else (3, 2)
     costs = (small_mesh_costs if small_meshes else random_costs)(seed, num_layers, cluster)
-    costs = with_nic_seconds(costs, seed + 3, nic_high)
+    costs = with_nic_wait(costs, seed + 3, nic_high)
     if saving:
         costs = with_boundary_saving(costs, seed + 1)
     expected = brute_force_stages(costs, cluster, batches, device_memory)
@@ -275,27 +275,28 @@ def test_dp_with_shared_nics_equals_brute_force(seed, num_layers, cluster, batch
 def shared_middle_node_costs() -> StageCosts:
     """4 one-layer stages on 3 nodes of 2 devices: layers 0 and 3 on (1, 2), layers 1 and 2 on (1, 1) (the
     only finite entries), so the only plan puts two meshes on the middle node. Each layer computes 1 s and
-    receives 0.6 s from each neighbour across nodes, 0.5 s of it holding the NICs; inside a node 0.1 s."""
+    receives 0.6 s from each neighbour across nodes (0.1 s inside a node) and waits 0.5 s for each shared NIC
+    on the way (``nic_wait``)."""
     def cost(i, j, sub, view):
         fits = i == j and sub == ((1, 2) if i in (0, 3) else (1, 1))
         return (1.0 + 0.6 * ((i > 0) + (j < 3)) if fits else math.inf), 0.0, 0.0
     costs = StageCosts.from_fn(4, [(1, 1), (1, 2)], cost, logical_shapes=[[(1, 1)], [(1, 2)]])
     return dataclasses.replace(costs, boundary_saving=np.full((4, 4, 2, 2), 0.5),
-                               nic_seconds=np.full((4, 4, 2, 2), 0.5))
+                               nic_wait=np.full((4, 4, 2, 2), 0.5))
 
 
 def test_two_meshes_on_a_middle_node_pay_for_its_shared_nic():
     """Closed form (see :func:`shared_middle_node_costs`), B = 4. Node 1's inbound NIC carries stage 1's
     activations and stage 2's gradients, its outbound NIC stage 1's gradients to stage 0 and stage 2's
-    activations to stage 3: each of these four receives pays its 0.5 s once more. Stage 0: 1 + 0.6 + 0.5;
+    activations to stage 3: each of these four receives waits 0.5 s. Stage 0: 1 + 0.6 + 0.5;
     stage 1: 1 + 0.6 + 0.1 + 0.5; stage 2 likewise; stage 3 like stage 0: 2.1 + 2.2 + 2.2 + 2.1 + 3 * 2.2 =
-    15.2 s. Contention-free (no ``nic_seconds``): 1.6 + 1.7 + 1.7 + 1.6 + 3 * 1.7 = 11.7 s."""
+    15.2 s. Contention-free (no ``nic_wait``): 1.6 + 1.7 + 1.7 + 1.6 + 3 * 1.7 = 11.7 s."""
     costs = shared_middle_node_costs()
     solution = solve_stages(costs, (3, 2), num_micro_batches=4, device_memory=1.0)
     assert solution.submeshes == ((1, 2), (1, 1), (1, 1), (1, 2))
     assert [s.t_intra for s in solution.stages] == pytest.approx([2.1, 2.2, 2.2, 2.1])
     assert solution.iteration_time == pytest.approx(15.2)
-    free = solve_stages(dataclasses.replace(costs, nic_seconds=None), (3, 2), 4, 1.0)
+    free = solve_stages(dataclasses.replace(costs, nic_wait=None), (3, 2), 4, 1.0)
     assert [s.t_intra for s in free.stages] == pytest.approx([1.6, 1.7, 1.7, 1.6])
     assert free.iteration_time == pytest.approx(11.7)
     table = [dataclasses.replace(s, t_intra=float(costs.t_intra[s.layers[0], s.layers[1], s.submesh_index, 0]))
@@ -312,7 +313,7 @@ def test_a_shared_nic_can_change_the_plan():
     t = costs.t_intra.copy()
     t[1, 2, 1, 0] = 2.2
     costs = dataclasses.replace(costs, t_intra=t)
-    blind = solve_stages(dataclasses.replace(costs, nic_seconds=None), (3, 2), 4, 1.0)
+    blind = solve_stages(dataclasses.replace(costs, nic_wait=None), (3, 2), 4, 1.0)
     assert blind.submeshes == ((1, 2), (1, 1), (1, 1), (1, 2)) and blind.iteration_time == pytest.approx(11.7)
     aware = solve_stages(costs, (3, 2), 4, 1.0)
     assert aware.submeshes == ((1, 2), (1, 2), (1, 2)) and aware.iteration_time == pytest.approx(12.0)
