@@ -649,18 +649,23 @@ def _stage_time_candidates(eff: np.ndarray, placement: _Placement | None) -> np.
     """The distinct finite stage times a plan can have: the t_max candidates of Alg. 2 line 27. Placed, a
     side of a stage is inside a node (its saving off), or crosses nodes through 0, 1 or 2 shared NICs (its
     ``nic_wait`` on, 0-2 times)."""
+    finite = np.isfinite(eff)
+    times = eff[finite]
     if placement is None:
-        values = eff.ravel()
-    else:
-        per_side = []
-        for side in (0, 1):
-            options = [(0.0, 0.0), (placement.saving[..., side], 0.0)]  # (cut, added)
-            if placement.nic is not None:
-                options += [(0.0, n * placement.nic[..., side]) for n in (1, 2)]
-            per_side.append(options)
-        values = np.concatenate([(np.maximum(eff - cut0 - cut1, 0.0) + add0 + add1).ravel()
-                                 for (cut0, add0), (cut1, add1) in itertools.product(*per_side)])
-    return np.unique(values[np.isfinite(values)])
+        return np.unique(times)
+
+    def at_finite(table: np.ndarray) -> np.ndarray:  # [k, i, p] -> the finite entries of eff[s, k, i, p]
+        return np.broadcast_to(table, eff.shape)[finite]
+
+    per_side = []
+    for side in (0, 1):
+        options = [(0.0, 0.0), (at_finite(placement.saving[..., side]), 0.0)]  # (cut, added)
+        if placement.nic is not None:
+            wait = at_finite(placement.nic[..., side])
+            options += [(0.0, wait), (0.0, 2 * wait)]
+        per_side.append(options)
+    return np.unique(np.concatenate([np.maximum(times - cut0 - cut1, 0.0) + add0 + add1
+                                     for (cut0, add0), (cut1, add1) in itertools.product(*per_side)]))
 
 
 def _step_costs(costs: StageCosts) -> np.ndarray | None:
