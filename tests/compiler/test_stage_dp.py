@@ -319,6 +319,21 @@ def test_a_shared_nic_can_change_the_plan():
     assert aware.submeshes == ((1, 2), (1, 2), (1, 2)) and aware.iteration_time == pytest.approx(12.0)
 
 
+def test_with_shared_nics_a_plan_that_only_fits_misaligned_is_reported():
+    """On 3 nodes of 4 the only finite plan is (1, 1), (1, 2), (1, 1), (2, 4): its (1, 2) mesh starts at
+    device 1 (misaligned). Without ``nic_wait`` the DP takes it at the table's price; with it the DP
+    considers aligned plans only and says so."""
+    layout = {(0, 1): 1.0, (1, 2): 1.0, (2, 1): 1.0, (3, 8): 1.0}
+    def cost(i, j, sub, view):
+        return (layout.get((i, sub[0] * sub[1]), math.inf) if i == j else math.inf), 0.0, 0.0
+    costs = StageCosts.from_fn(4, [(1, 1), (1, 2), (2, 4)], cost, logical_shapes=[[(1, 1)], [(1, 2)], [(2, 4)]])
+    assert solve_stages(costs, (3, 4), 1, 1.0).submeshes == ((1, 1), (1, 2), (1, 1), (2, 4))
+    with pytest.raises(ValueError, match="no aligned contiguous plan .* only misaligned plans fit"):
+        solve_stages(dataclasses.replace(costs, nic_wait=np.full((4, 4, 3, 2), 0.1)), (3, 4), 1, 1.0)
+    assert brute_force_stages(dataclasses.replace(costs, nic_wait=np.full((4, 4, 3, 2), 0.1)), (3, 4), 1,
+                              1.0) is None
+
+
 def test_shared_nodes_are_the_middle_nodes_with_two_meshes():
     assert shared_nodes([8, 4, 4, 8, 8], 8) == {1}
     assert shared_nodes([4, 4, 8, 4, 4], 8) == set()  # first and last node: one crossing boundary each
