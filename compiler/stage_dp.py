@@ -66,6 +66,32 @@ stages on exactly the nodes of that layout, and the stage chosen with ``d`` devi
 ``t_intra`` minus the saving of each inside boundary; the answer is the better of that DP and the plain one
 (:func:`price_placed_stages` prices a finished plan the same way; :func:`brute_force_stages` agrees).
 
+**Shared NICs (ours).** In an aligned layout a node other than the first and the last that holds two or
+more meshes (:func:`shared_nodes`) has two transfers through each of its NICs every micro-batch in 1F1B:
+into it, its first mesh's activations from the node before and its last mesh's gradients from the node
+after; out of it, its first mesh's gradients back and its last mesh's activations on. The simulated backend
+books every node's NIC per direction and makes transfers through one NIC take turns
+(:class:`~alpa_like.runtime.simulator.NicBook`): when both are ready together one receive lasts its own
+transfer plus the other's (the receiving mesh waits), and in the pipelined steady state that repeats every
+micro-batch. Wide-ResNet-6.8B on 4 p3.16xlarge nodes with two (1, 4) meshes on node 1 shows it: the first
+stage (node 0, the slowest) waits for node 1's outbound NIC once per micro-batch, 1.93 s over 63
+micro-batches = 0.031 s each, and the step goes from 8.84 s (NICs unshared) to 10.77 s. A crossing receive
+pays :attr:`StageCosts.nic_wait` for its side once for each shared NIC on its way (the sending node's
+outbound and the receiving node's inbound NIC), an expected wait that
+:func:`~alpa_like.compiler.stage_profiling.shared_nic_wait` derives from the take-turns rule (half the
+receive's own NIC time). The receiving stage pays (the simulator charges the wait to the mesh that
+receives), so besides the node's first and last mesh the last mesh of the node before and the first mesh of
+the node after pay. Their own position tells the node's first and last mesh that they are on a shared node;
+a neighbour's does not, so the DP (``_placed_dp``) splits its table by two flags of the stages that remain:
+whether the node before their first stage is shared, and whether that first stage is the first mesh of a
+shared node. The same rule prices a finished plan (:func:`price_placed_stages`) and the brute force, so the
+DP stays exact for its objective. Misaligned plans would be placed by the covering construction
+(:func:`~alpa_like.compiler.submesh.assign_devices`), which may put meshes that are not pipeline neighbours
+on one node, every one of them crossing nodes: the DP does not know their NICs, so when NICs can be shared
+(``nic_wait`` given, 3 nodes or more, a submesh smaller than a node) it considers aligned plans only
+(:func:`brute_force_stages` likewise). The wait is an estimate: transfers that are never ready together
+do not wait at all, and the other transfer's size stands in for this one's.
+
 **Per-step terms (ours).** A stage may also spend time once per step, outside the pipelined
 micro-batches (:attr:`StageCosts.step_seconds`): the apply-grad of a parameter that layers of several
 stages read (GPT's tied embedding, read by the first layer and the logits) runs where its last gradient is
@@ -95,6 +121,8 @@ t_max candidates): about 15 ms per DP and 0.2-0.5 s per solve with 13-30 DP runs
 (about 14 s); solving all 16,800 (``prune=False``) takes about 4 minutes. All three give the same plan.
 With boundary savings every DP run solves the second (aligned) table too, over up to four times as many
 t_max candidates: GPT-39B's real table took 2.2 s instead of 0.2 s (``examples/benchmarks/stage_dp.py``).
+With shared NICs the aligned DP is the only one, with four tables (the two flags) and up to sixteen times as
+many t_max candidates (each side inside a node, or across through 0, 1 or 2 shared NICs).
 """
 from __future__ import annotations
 
@@ -163,6 +191,12 @@ class StageCosts:
     its successor. ``t_intra`` prices what a stage receives from its neighbours as if every boundary crossed
     nodes, since where the neighbours go is only known once all stages are chosen; the DP prices the
     boundaries of plans whose placement it knows (see :func:`price_placed_stages`). None: no savings."""
+    nic_wait: np.ndarray | None = None
+    """Seconds per micro-batch that the stage's receive from its predecessor (``[..., 0]``) or successor
+    (``[..., 1]``), when that boundary crosses nodes, waits for each NIC on its way that another mesh's
+    transfer in the same direction shares, shape ``(K, K, P, 2)``; added to ``t_intra`` in aligned layouts
+    (see "Shared NICs" in the module docstring and :func:`price_placed_stages`). None: NICs are never
+    shared."""
     step_seconds: np.ndarray | None = None
     """Seconds a stage spends once per step outside the pipelined micro-batches, shape ``(K, K, P)``: e.g.
     receiving, after the pipeline drains, the accumulated gradients of parameters that layers of other
@@ -203,15 +237,17 @@ class StageCosts:
                                  f" NaN and {int((array < 0).sum())} negative entries")
             array.setflags(write=False)
             arrays[name] = array
-        if self.boundary_saving is not None:
-            saving = np.array(self.boundary_saving, dtype=np.float64)
-            if saving.shape != shape[:3] + (2,):
-                raise ValueError(f"boundary_saving must have shape (K, K, P, 2) = {shape[:3] + (2,)}, "
-                                 f"got {saving.shape}")
-            if not np.isfinite(saving).all() or (saving < 0).any():
-                raise ValueError("boundary_saving must hold finite numbers >= 0")
-            saving.setflags(write=False)
-            object.__setattr__(self, "boundary_saving", saving)
+        for name in ("boundary_saving", "nic_wait"):
+            if getattr(self, name) is None:
+                continue
+            per_side = np.array(getattr(self, name), dtype=np.float64)
+            if per_side.shape != shape[:3] + (2,):
+                raise ValueError(f"{name} must have shape (K, K, P, 2) = {shape[:3] + (2,)}, "
+                                 f"got {per_side.shape}")
+            if not np.isfinite(per_side).all() or (per_side < 0).any():
+                raise ValueError(f"{name} must hold finite numbers >= 0")
+            per_side.setflags(write=False)
+            object.__setattr__(self, name, per_side)
         if self.step_seconds is not None:
             step = np.array(self.step_seconds, dtype=np.float64)
             if step.shape != shape[:3]:
@@ -374,9 +410,14 @@ def solve_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_micro_ba
     placement = _Placement.of(costs, num_devices, per_node)
 
     step = _step_costs(costs)
-    found, evaluated = _best_t_max(eff, sizes, num_devices, placement, costs.boundary_saving, batches, epsilon,
-                                   prune)
+    found, evaluated = _best_t_max(eff, sizes, num_devices, placement, batches, epsilon, prune)
     if found is None:
+        if placement is not None and placement.nic is not None and _best_t_max(eff, sizes, num_devices, None,
+                                                                                batches, epsilon, prune)[0]:
+            raise ValueError(
+                f"no aligned contiguous plan (each (1, m) mesh at a device offset that is a multiple of m, "
+                f"whole-node meshes at node boundaries) fits the {n_nodes} x {per_node} cluster; with "
+                f"nic_wait (shared NICs) the stage DP considers only those, and only misaligned plans fit")
         raise _infeasible_error(costs, (n_nodes, per_node), in_flight, device_memory, schedule, batches)
     usable = np.isfinite(eff).any(axis=0) & np.isfinite(step) if step is not None else None
     levels = [] if step is None else _t_max_groups(np.unique(step[usable]), epsilon)
@@ -387,8 +428,8 @@ def solve_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_micro_ba
         if prune and level + unconstrained >= best[0]:  # and so does every larger level
             break
         capped = np.where(step[None] <= level, eff, np.inf)
-        found, runs = _best_t_max(capped, sizes, num_devices, placement, costs.boundary_saving, batches, epsilon,
-                                  prune, bound=best[0] - level if prune else math.inf)
+        found, runs = _best_t_max(capped, sizes, num_devices, placement, batches, epsilon, prune,
+                                  bound=best[0] - level if prune else math.inf)
         evaluated += runs
         if found is not None and found[0] + level < best[0]:
             best = (found[0] + level, found[1], capped)
@@ -397,7 +438,7 @@ def solve_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_micro_ba
 
 
 def _best_t_max(eff: np.ndarray, sizes: np.ndarray, num_devices: int, placement: _Placement | None,
-                saving: np.ndarray | None, batches: int, epsilon: float, prune: bool,
+                batches: int, epsilon: float, prune: bool,
                 bound: float = math.inf) -> tuple[tuple[float, float] | None, int]:
     """Eq. 3.4 over the t_max candidates of ``eff`` (Alg. 2 lines 27-30, searched by :func:`_search`):
     ``((T*, t_max), runs)``, or ``(None, runs)`` when no plan exists or none costs less than ``bound`` (a
@@ -405,7 +446,7 @@ def _best_t_max(eff: np.ndarray, sizes: np.ndarray, num_devices: int, placement:
     def total(t_max: float) -> float:
         return float(_best_finals(eff, t_max, sizes, num_devices, placement)[0].min()) + (batches - 1) * t_max
 
-    groups = [g for g in _t_max_groups(_stage_time_candidates(eff, saving), epsilon) if batches * g[0] < bound]
+    groups = [g for g in _t_max_groups(_stage_time_candidates(eff, placement), epsilon) if batches * g[0] < bound]
     solved: dict[int, float] = {}
 
     def solve(g: int) -> float:
@@ -431,6 +472,8 @@ def brute_force_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_mi
     schedule = _schedule(schedule)
     _check_inputs(costs, (n_nodes, per_node), device_memory, epsilon=0.0)
     k, num_devices = costs.num_layers, n_nodes * per_node
+    placement = _Placement.of(costs, num_devices, per_node)
+    aligned_only = placement is not None and placement.nic is not None
     best: tuple[float, tuple[StageChoice, ...]] | None = None
     for num_stages in range(1, min(k, num_devices) + 1):
         for cuts in itertools.combinations(range(1, k), num_stages - 1):
@@ -451,6 +494,8 @@ def brute_force_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_mi
                     and costs.mem_stage[first, last, p, l] + held * costs.mem_act[first, last, p, l]
                     <= device_memory])
             for plan in _plans_with_devices(options, num_devices):
+                if aligned_only and contiguous_offsets([a * b for a, b in (o.submesh for o in plan)], per_node) is None:
+                    continue
                 plan = price_placed_stages(costs, plan, per_node)
                 value = pipeline_latency(plan, batches)
                 if best is None or value < best[0]:
@@ -487,69 +532,140 @@ def contiguous_offsets(sizes: Sequence[int], devices_per_node: int) -> list[int]
 
 def price_placed_stages(costs: StageCosts, stages: Sequence[StageChoice],
                         devices_per_node: int) -> tuple[StageChoice, ...]:
-    """The stages with ``t_intra`` priced for where they will run.
+    r"""The stages with ``t_intra`` priced for where they will run.
 
-    ``costs.t_intra`` prices every stage boundary as crossing nodes. When the plan's contiguous layout is
-    aligned (:func:`contiguous_offsets`), a boundary that stays inside a node is priced at the intra-node
-    link instead: the stage's ``t_intra`` drops by ``costs.boundary_saving`` for it. Otherwise the plan is
-    placed by the covering construction, whose neighbours may sit anywhere, and keeps the upper bound.
+    ``costs.t_intra`` prices every stage boundary as crossing nodes, each at a NIC of its own. When the
+    plan's contiguous layout is aligned (:func:`contiguous_offsets`), a boundary that stays inside a node is
+    priced at the intra-node link instead: the stage's ``t_intra`` drops by ``costs.boundary_saving`` for it.
+    A boundary that crosses nodes goes out of one node's NIC and into the next one's; for each of these two
+    NICs that belongs to a shared node (:func:`shared_nodes`) the receiving stage waits ``costs.nic_wait``
+    for that side (see "Shared NICs" in the module docstring):
+
+    .. math:: t = \max(0,\ t_{intra} - \textstyle\sum_{inside} saving)
+                  + \sum_{crossing} (\text{shared NICs on the way}) \cdot wait.
+
+    Otherwise the plan is placed by the covering construction, whose neighbours may sit anywhere, and keeps
+    the table's price.
     """
-    offsets = contiguous_offsets([s.submesh[0] * s.submesh[1] for s in stages], devices_per_node)
-    if costs.boundary_saving is None or offsets is None:
+    sizes = [s.submesh[0] * s.submesh[1] for s in stages]
+    offsets = contiguous_offsets(sizes, devices_per_node)
+    if offsets is None or (costs.boundary_saving is None and costs.nic_wait is None):
         return tuple(stages)
+    shared = shared_nodes(sizes, devices_per_node)
+    m, total = devices_per_node, sum(sizes)
     priced = []
     for q, stage in enumerate(stages):
-        start, end = offsets[q], offsets[q] + stage.submesh[0] * stage.submesh[1]
-        saving = costs.boundary_saving[stage.layers[0], stage.layers[1], stage.submesh_index]
-        seconds = (stage.t_intra - saving[0] * bool(start % devices_per_node)
-                   - saving[1] * bool(end % devices_per_node))
-        priced.append(dataclasses.replace(stage, t_intra=max(float(seconds), 0.0)))
+        start, end = offsets[q], offsets[q] + sizes[q]
+        index = (stage.layers[0], stage.layers[1], stage.submesh_index)
+        saving = costs.boundary_saving[index] if costs.boundary_saving is not None else np.zeros(2)
+        seconds = max(float(stage.t_intra - saving[0] * bool(start % m) - saving[1] * bool(end % m)), 0.0)
+        if costs.nic_wait is not None:
+            before = (start // m - 1 in shared) + (start // m in shared) if start % m == 0 and start > 0 else 0
+            after = (end // m in shared) + ((end - 1) // m in shared) if end % m == 0 and end < total else 0
+            seconds += before * float(costs.nic_wait[index][0]) + after * float(costs.nic_wait[index][1])
+        priced.append(dataclasses.replace(stage, t_intra=seconds))
     return tuple(priced)
+
+
+def shared_nodes(sizes: Sequence[int], devices_per_node: int) -> set[int]:
+    """The nodes whose NICs two meshes of an aligned contiguous layout of ``sizes`` use at once in 1F1B:
+    the nodes other than the first and the last that hold two or more meshes (their first mesh then
+    receives activations from the node before while their last receives gradients from the node after,
+    and they send gradients back and activations on through the node's outbound NIC likewise).
+
+    >>> sorted(shared_nodes([8, 4, 4, 8, 8], 8)), sorted(shared_nodes([4, 4, 8, 8], 8))
+    ([1], [])
+    """
+    offsets = contiguous_offsets(sizes, devices_per_node)
+    if offsets is None:
+        raise ValueError(f"sizes {list(sizes)} are not an aligned contiguous layout on nodes of "
+                         f"{devices_per_node} devices")
+    last_node = sum(sizes) // devices_per_node - 1
+    return {start // devices_per_node for start, size in zip(offsets, sizes)
+            if start % devices_per_node == 0 and size < devices_per_node
+            and 0 < start // devices_per_node < last_node}
 
 
 @dataclasses.dataclass(frozen=True)
 class _Placement:
-    """Eq. 3.3 over aligned contiguous layouts (see :func:`price_placed_stages`), for ``_dp``.
+    """Eq. 3.3 over aligned contiguous layouts (see :func:`price_placed_stages`), for ``_placed_dp``.
 
     In the DP a stage chosen with ``d`` devices left for itself and the stages after it starts at device
-    ``N * M - d``, so whether it is aligned and which of its boundaries stay inside a node depend on
-    ``(p, d)`` only: ``aligned[p, d]``, ``inside_before[p, d]``, ``inside_after[p, d]``.
+    ``N * M - d``, so whether it is aligned, which of its boundaries stay inside a node and whether it is the
+    first or last mesh of a shared node (:func:`shared_nodes`) depend on ``(p, d)`` only: ``aligned[p, d]``,
+    ``inside_before[p, d]``, ``inside_after[p, d]``, ``first_shared[p, d]``, ``last_shared[p, d]``.
+    ``nic`` is None when no plan can share a NIC (fewer than 3 nodes, no partial-node submesh, or no
+    ``nic_wait``).
     """
 
     saving: np.ndarray
+    nic: np.ndarray | None
     aligned: np.ndarray
     inside_before: np.ndarray
     inside_after: np.ndarray
+    first_shared: np.ndarray
+    last_shared: np.ndarray
 
     @classmethod
     def of(cls, costs: StageCosts, num_devices: int, per_node: int) -> _Placement | None:
-        if costs.boundary_saving is None or not costs.boundary_saving.any():
-            return None
         sizes = costs.sizes[:, None]
         start = np.broadcast_to(num_devices - np.arange(num_devices + 1)[None, :], (len(sizes), num_devices + 1))
         end = start + sizes
-        return cls(saving=costs.boundary_saving,
+        middle = (sizes < per_node) & (start // per_node >= 1) & (start // per_node <= num_devices // per_node - 2)
+        first_shared, last_shared = middle & (start % per_node == 0), middle & (end % per_node == 0)
+        nic = costs.nic_wait
+        if nic is None or not nic.any() or not first_shared.any():
+            nic = None
+        saving = costs.boundary_saving
+        if (saving is None or not saving.any()) and nic is None:
+            return None
+        return cls(saving=np.zeros(costs.t_intra.shape[:3] + (2,)) if saving is None else saving, nic=nic,
                    aligned=(end <= num_devices) & (start % np.minimum(sizes, per_node) == 0),
-                   inside_before=(start % per_node != 0), inside_after=(end % per_node != 0))
+                   inside_before=(start % per_node != 0), inside_after=(end % per_node != 0),
+                   first_shared=first_shared, last_shared=last_shared)
 
-    def stage_seconds(self, k: int, rows: np.ndarray, seconds: np.ndarray, t_max: float) -> np.ndarray:
+    def stage_seconds(self, k: int, rows: np.ndarray, seconds: np.ndarray) -> np.ndarray:
         """``[row, d]``: the time of stage ``(k..i, p)`` for each flat ``row = i * P + p`` starting with ``d``
-        devices left; inf where it is misaligned or slower than ``t_max``."""
+        devices left, with its inside-node savings and the shared NIC of its own node (not yet those of its
+        neighbours' nodes: :meth:`extra`); inf where it is misaligned."""
         last, mesh = np.divmod(rows, self.saving.shape[2])
         saving = self.saving[k, last, mesh]
-        placed = (seconds[:, None] - saving[:, :1] * self.inside_before[mesh]
-                  - saving[:, 1:] * self.inside_after[mesh])
-        return np.where(self.aligned[mesh] & (placed <= t_max), np.maximum(placed, 0.0), np.inf)
+        placed = np.maximum(seconds[:, None] - saving[:, :1] * self.inside_before[mesh]
+                            - saving[:, 1:] * self.inside_after[mesh], 0.0)
+        if self.nic is not None:
+            nic = self.nic[k, last, mesh]
+            placed = placed + nic[:, :1] * self.first_shared[mesh] + nic[:, 1:] * self.last_shared[mesh]
+        return np.where(self.aligned[mesh], placed, np.inf)
+
+    def extra(self, k: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``[row, 1]`` each: what stage ``(k..i, p)`` waits when the node before it (side 0) or after it
+        (side 1) is shared: its :attr:`StageCosts.nic_wait`."""
+        last, mesh = np.divmod(rows, self.saving.shape[2])
+        nic = self.nic[k, last, mesh]
+        return nic[:, :1], nic[:, 1:]
 
 
-def _stage_time_candidates(eff: np.ndarray, saving: np.ndarray | None) -> np.ndarray:
-    """The distinct finite stage times a plan can have: the t_max candidates of Alg. 2 line 27."""
-    times = [eff]
-    if saving is not None and saving.any():
-        times += [np.maximum(eff - saving[..., 0], 0.0), np.maximum(eff - saving[..., 1], 0.0),
-                  np.maximum(eff - saving[..., 0] - saving[..., 1], 0.0)]
-    values = np.concatenate([t.ravel() for t in times])
-    return np.unique(values[np.isfinite(values)])
+def _stage_time_candidates(eff: np.ndarray, placement: _Placement | None) -> np.ndarray:
+    """The distinct finite stage times a plan can have: the t_max candidates of Alg. 2 line 27. Placed, a
+    side of a stage is inside a node (its saving off), or crosses nodes through 0, 1 or 2 shared NICs (its
+    ``nic_wait`` on, 0-2 times)."""
+    finite = np.isfinite(eff)
+    times = eff[finite]
+    if placement is None:
+        return np.unique(times)
+
+    def at_finite(table: np.ndarray) -> np.ndarray:  # [k, i, p] -> the finite entries of eff[s, k, i, p]
+        return np.broadcast_to(table, eff.shape)[finite]
+
+    per_side = []
+    for side in (0, 1):
+        options = [(0.0, 0.0), (at_finite(placement.saving[..., side]), 0.0)]  # (cut, added)
+        if placement.nic is not None:
+            wait = at_finite(placement.nic[..., side])
+            options += [(0.0, wait), (0.0, 2 * wait)]
+        per_side.append(options)
+    return np.unique(np.concatenate([np.maximum(times - cut0 - cut1, 0.0) + add0 + add1
+                                     for (cut0, add0), (cut1, add1) in itertools.product(*per_side)]))
 
 
 def _step_costs(costs: StageCosts) -> np.ndarray | None:
@@ -562,13 +678,16 @@ def _step_costs(costs: StageCosts) -> np.ndarray | None:
 
 
 def _best_finals(eff: np.ndarray, t_max: float, sizes: np.ndarray, num_devices: int,
-                 placement: _Placement | None, track: bool = False) -> tuple[np.ndarray, list[np.ndarray]]:
-    """``_dp``'s ``(finals, choices)`` at ``t_max`` (Eq. 3.3) of the better table: every plan priced with
-    boundaries across nodes, or the aligned plans priced for their layout (preferred on ties)."""
-    plain = _dp(np.where(eff <= t_max, eff, np.inf), sizes, num_devices, np.add, track)
+                 placement: _Placement | None, track: bool = False) -> tuple[np.ndarray, list, bool]:
+    """``(finals, choices, placed)`` at ``t_max`` (Eq. 3.3) of the better table: every plan priced with
+    boundaries across nodes (``placed = False``), or the aligned plans priced for their layout (preferred on
+    ties). When NICs can be shared (``placement.nic``), only the aligned plans."""
     if placement is None:
-        return plain
-    placed = _dp(eff, sizes, num_devices, np.add, track, (placement, t_max))
+        return (*_dp(np.where(eff <= t_max, eff, np.inf), sizes, num_devices, np.add, track), False)
+    placed = (*_placed_dp(eff, sizes, num_devices, placement, t_max, track), True)
+    if placement.nic is not None:
+        return placed
+    plain = (*_dp(np.where(eff <= t_max, eff, np.inf), sizes, num_devices, np.add, track), False)
     return placed if placed[0].min() <= plain[0].min() else plain
 
 
@@ -607,15 +726,13 @@ def _effective_costs(costs: StageCosts, in_flight: np.ndarray,
     return eff, view
 
 
-def _dp(cost: np.ndarray, sizes: np.ndarray, num_devices: int, combine: np.ufunc, track: bool = False,
-        placed: tuple[_Placement, float] | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
+def _dp(cost: np.ndarray, sizes: np.ndarray, num_devices: int, combine: np.ufunc,
+        track: bool = False) -> tuple[np.ndarray, list[np.ndarray]]:
     """Eq. 3.3 over all numbers of stages, with ``combine = np.add`` (sum) or ``np.maximum`` (bottleneck).
 
     ``cost[s - 1, k, i, p]`` is the cost of layers ``k..i`` on submesh ``p`` as the ``s``-th stage from the
     end. Returns ``finals[s] = F(s, 0, num_devices)`` for ``s = 0..S`` and, if ``track``, per ``s`` the
-    minimising ``(i, p)`` as ``i * P + p`` for every ``(k, d)`` (-1 where ``F`` is infinite). With
-    ``placed = (placement, t_max)``, ``cost`` is not yet cut at ``t_max``: only aligned contiguous
-    layouts are admitted, each stage priced for its layout (:meth:`_Placement.stage_seconds`).
+    minimising ``(i, p)`` as ``i * P + p`` for every ``(k, d)`` (-1 where ``F`` is infinite).
 
     NOTE: the ``s`` stages that remain need at least ``s`` layers, so level ``s`` only has first and last
     layers ``k, i <= K - s``. For each ``k`` the minimum over ``(i, p)`` is one ``(candidates, devices)``
@@ -641,11 +758,7 @@ def _dp(cost: np.ndarray, sizes: np.ndarray, num_devices: int, combine: np.ufunc
             rows = np.flatnonzero(np.isfinite(level[k, k * num_meshes:])) + k * num_meshes
             if rows.size == 0:
                 continue
-            if placed is None:
-                seconds = level[k, rows][:, None]
-            else:
-                seconds = placed[0].stage_seconds(k, rows, level[k, rows], placed[1])
-            candidates = combine(seconds, shifted[rows])
+            candidates = combine(level[k, rows][:, None], shifted[rows])
             if track:
                 arg = candidates.argmin(axis=0)
                 current[k] = candidates[arg, np.arange(width)]
@@ -654,6 +767,75 @@ def _dp(cost: np.ndarray, sizes: np.ndarray, num_devices: int, combine: np.ufunc
                 current[k] = candidates.min(axis=0)
         choices.append(best)
         finals[s] = current[0, num_devices]
+        prev = current
+        if not np.isfinite(prev).any():
+            break
+    return finals, choices
+
+
+def _placed_dp(cost: np.ndarray, sizes: np.ndarray, num_devices: int, placement: _Placement, t_max: float,
+               track: bool = False) -> tuple[np.ndarray, list]:
+    """Eq. 3.3 over the aligned contiguous layouts only, each stage priced for its layout
+    (:func:`price_placed_stages`) and cut at ``t_max`` after pricing; ``cost`` is ``eff`` (not yet cut).
+
+    A stage's own savings and its own node's shared NIC depend on ``(p, d)`` (:meth:`_Placement.stage_seconds`).
+    What it pays for a neighbour's shared node depends on the neighbours, so with shared NICs the table is
+    split by two flags of the stages that remain: ``q`` = the node before their first stage is shared (the
+    stage before was the last mesh of a shared node: the first stage waits its ``nic_wait[0]``), ``c`` = their
+    first stage is the first mesh of a shared node (then the stage before, which ends at that node's
+    boundary, waits its ``nic_wait[1]``). ``F_{q,c}(s, k, d)`` is the least total with the first stage of
+    class ``c``; a stage takes the rest's ``q`` = whether it is itself the last mesh of a shared node, and
+    the better of the rest's two classes. Without shared NICs there is one table (``q = c = 0``). Choices:
+    per ``s`` an array ``[q, c, k, d]`` of ``(i * P + p) * 2 + (class of the rest)``.
+    """
+    num_stages, k_layers, _, num_meshes = cost.shape
+    width = num_devices + 1
+    flags = 2 if placement.nic is not None else 1
+    prev = np.full((flags, flags, k_layers + 1, width), np.inf)
+    prev[:, 0, k_layers, 0] = 0.0  # nothing left: of class 0
+    finals = np.full(num_stages + 1, np.inf)
+    choices = []
+    columns = np.arange(width)
+    for s in range(1, num_stages + 1):
+        top = k_layers - s + 1
+        shifted = np.full((flags, flags, top, num_meshes, width), np.inf)
+        for p, size in enumerate(sizes.tolist()):
+            shifted[..., p, size:] = prev[:, :, 1:top + 1, :width - size]
+        shifted = shifted.reshape(flags, flags, top * num_meshes, width)
+        level = cost[s - 1, :top, :top, :].reshape(top, top * num_meshes)
+        current = np.full_like(prev, np.inf)
+        best = np.full((flags, flags, top, width), -1, dtype=np.int64) if track else None
+        for k in range(top):
+            rows = np.flatnonzero(np.isfinite(level[k, k * num_meshes:])) + k * num_meshes
+            if rows.size == 0:
+                continue
+            mesh = rows % num_meshes
+            own = placement.stage_seconds(k, rows, level[k, rows])
+            if flags == 1:
+                values = np.where(own <= t_max, own, np.inf) + shifted[0, 0, rows]
+                arg = values.argmin(axis=0)
+                current[0, 0, k] = values[arg, columns]
+                if track:
+                    best[0, 0, k] = np.where(np.isfinite(current[0, 0, k]), rows[arg] * 2, -1)
+                continue
+            before, after = placement.extra(k, rows)
+            last_shared = placement.last_shared[mesh]
+            rest = [np.where(last_shared, shifted[1, c, rows], shifted[0, c, rows]) for c in (0, 1)]
+            first_shared = placement.first_shared[mesh]
+            for q in (0, 1):
+                seconds = own + q * before
+                alone = np.where(seconds <= t_max, seconds, np.inf) + rest[0]
+                paying = np.where(seconds + after <= t_max, seconds + after, np.inf) + rest[1]
+                values = np.minimum(alone, paying)
+                code = rows[:, None] * 2 + (paying < alone)
+                for c in (0, 1):
+                    of_class = np.where(first_shared == c, values, np.inf)
+                    arg = of_class.argmin(axis=0)
+                    current[q, c, k] = of_class[arg, columns]
+                    if track:
+                        best[q, c, k] = np.where(np.isfinite(current[q, c, k]), code[arg, columns], -1)
+        choices.append(best)
+        finals[s] = current[0, :, 0, num_devices].min()
         prev = current
         if not np.isfinite(prev).any():
             break
@@ -712,14 +894,19 @@ def _search(groups: list[tuple[float, float]], solve: Callable[[int], float], ba
 
 def _reconstruct(costs: StageCosts, eff: np.ndarray, view: np.ndarray, t_max: float, num_devices: int,
                  in_flight: np.ndarray, placement: _Placement | None) -> tuple[StageChoice, ...]:
-    """Re-runs the DP at ``t_max`` with argmins and walks them from ``(S, 0, N * M)`` to ``(0, K, 0)``.
-    ``t_intra`` of the stages is the table's (not yet priced for placement)."""
+    """Re-runs the DP at ``t_max`` with argmins and walks them from ``(S, 0, N * M)`` to ``(0, K, 0)``
+    (with the flags of the table that won, :func:`_best_finals`). ``t_intra`` of the stages is the table's
+    (not yet priced for placement)."""
     sizes = costs.sizes
-    finals, choices = _best_finals(eff, t_max, sizes, num_devices, placement, track=True)
+    finals, choices, placed = _best_finals(eff, t_max, sizes, num_devices, placement, track=True)
     s = int(np.argmin(finals))  # Ties: fewer stages.
     first, devices, stages = 0, num_devices, []
+    state = (0, 0)  # (q, c) of _placed_dp: the first stage starts on node 0, never a shared node.
     while s > 0:
-        flat = int(choices[s - 1][first, devices])
+        if placed:
+            flat, rest_class = divmod(int(choices[s - 1][state + (first, devices)]), 2)
+        else:
+            flat = int(choices[s - 1][first, devices])
         last, p = divmod(flat, len(sizes))
         l = int(view[s - 1, first, last, p])
         stages.append(StageChoice(
@@ -729,6 +916,8 @@ def _reconstruct(costs: StageCosts, eff: np.ndarray, view: np.ndarray, t_max: fl
             memory_per_device=float(costs.mem_stage[first, last, p, l]
                                     + in_flight[s - 1] * costs.mem_act[first, last, p, l]),
             step_seconds=costs.step_seconds_of(first, last, p)))
+        if placed:
+            state = (int(placement.nic is not None and placement.last_shared[p, devices]), rest_class)
         first, devices, s = last + 1, devices - int(sizes[p]), s - 1
     return tuple(stages)
 

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from alpa_like.compiler import stage_dp as stage_dp_module
 from alpa_like.compiler.logical_mesh import logical_shapes
-from alpa_like.compiler.stage_dp import StageCosts, brute_force_stages, contiguous_offsets, solve_stages
+from alpa_like.compiler.stage_dp import (StageCosts, brute_force_stages, contiguous_offsets, price_placed_stages,
+                                        shared_nodes, solve_stages)
 from alpa_like.compiler.submesh import assign_devices, submesh_shapes
 
 GIB = 2**30
@@ -102,21 +103,42 @@ def with_boundary_saving(costs: StageCosts, seed: int) -> StageCosts:
     return dataclasses.replace(costs, boundary_saving=saving)
 
 
+def with_nic_wait(costs: StageCosts, seed: int, high: float = 0.6) -> StageCosts:
+    """``costs`` with a random ``nic_wait`` of 0-``high`` times each entry's fastest time per side, on a
+    0.01 s grid (0 where the entry is infeasible)."""
+    rng = np.random.default_rng(seed)
+    fastest = np.nan_to_num(np.min(costs.t_intra, axis=-1), posinf=0.0)
+    nic = np.round(fastest[..., None] * rng.uniform(0.0, high, fastest.shape + (2,)), 2)
+    return dataclasses.replace(costs, nic_wait=nic)
+
+
 def placed_t_intra(costs: StageCosts, stages, cluster) -> list[float]:
     """Stage times for the placement ``assign_devices`` gives, when the plan's contiguous layout is aligned:
-    the table's time minus the saving of each boundary whose two meshes share their node(s); otherwise the
-    table's time (every boundary priced across nodes)."""
+    the table's time minus the saving of each boundary whose two meshes share their node(s), plus, for each
+    boundary across nodes, the ``nic_wait`` of that side once for each of the sending and receiving nodes
+    that is a middle node (neither the first nor the last) holding two meshes or more; otherwise the table's
+    time (every boundary priced across nodes, each transfer with NICs to itself)."""
     table = [float(costs.t_intra[s.layers[0], s.layers[1], s.submesh_index, s.view_index]) for s in stages]
     sizes = [n * m for n, m in (s.submesh for s in stages)]
-    if costs.boundary_saving is None or contiguous_offsets(sizes, cluster[1]) is None:
+    if ((costs.boundary_saving is None and costs.nic_wait is None)
+            or contiguous_offsets(sizes, cluster[1]) is None):
         return table
     nodes = [{d // cluster[1] for d in ids} for ids in assign_devices([s.submesh for s in stages], *cluster)]
+    shared = {n for n in range(1, cluster[0] - 1) if sum(nodes_ == {n} for nodes_ in nodes) >= 2}
+    zeros = np.zeros(costs.t_intra.shape[:3] + (2,))
+    savings = zeros if costs.boundary_saving is None else costs.boundary_saving
+    nics = zeros if costs.nic_wait is None else costs.nic_wait
     times = []
     for q, stage in enumerate(stages):
-        saving = costs.boundary_saving[stage.layers[0], stage.layers[1], stage.submesh_index]
+        index = (stage.layers[0], stage.layers[1], stage.submesh_index)
         before = q > 0 and nodes[q - 1] == nodes[q]
         after = q + 1 < len(stages) and nodes[q + 1] == nodes[q]
-        times.append(max(table[q] - before * saving[0] - after * saving[1], 0.0))
+        seconds = max(table[q] - before * savings[index][0] - after * savings[index][1], 0.0)
+        if q > 0 and not before:
+            seconds += ((max(nodes[q - 1]) in shared) + (min(nodes[q]) in shared)) * nics[index][0]
+        if q + 1 < len(stages) and not after:
+            seconds += ((max(nodes[q]) in shared) + (min(nodes[q + 1]) in shared)) * nics[index][1]
+        times.append(seconds)
     return times
 
 
@@ -200,6 +222,125 @@ def test_dp_with_boundaries_inside_nodes_equals_brute_force(seed, num_layers, cl
     check_solution(expected, costs, cluster, batches, device_memory)
     pruned = solve_stages(costs, cluster, batches, device_memory)
     assert pruned.iteration_time == pytest.approx(expected.iteration_time, rel=1e-12)
+
+
+SHARING_CLUSTERS = [(3, 2), (4, 2), (3, 4), (2, 4), (4, 1)]
+
+
+def small_mesh_costs(seed: int, num_layers: int, cluster: tuple[int, int]) -> StageCosts:
+    """Random costs that favour many stages on small meshes (so that plans with two meshes on a middle node
+    are often the best): ``layers / devices^0.3`` times the submesh's nodes times a random factor in
+    [0.5, 1.5], on the 0.1 s grid; two logical views per submesh; memory never binds."""
+    rng = np.random.default_rng(seed)
+    submeshes = submesh_shapes(*cluster)
+    views = [logical_shapes(n * m)[:2] for n, m in submeshes]
+    shape = (num_layers, num_layers, len(submeshes), max(map(len, views)))
+    layers = (np.arange(num_layers)[None, :] - np.arange(num_layers)[:, None] + 1)[:, :, None, None]
+    devices = np.array([n * m for n, m in submeshes])[None, None, :, None]
+    nodes = np.array([n for n, _ in submeshes])[None, None, :, None]
+    t = np.maximum(np.round(layers * rng.uniform(0.5, 1.5, shape) / devices**0.3 * nodes, 1), 0.1)
+    for p, v in enumerate(views):
+        t[:, :, p, len(v):] = np.inf
+    return StageCosts(num_layers=num_layers, submeshes=submeshes, logical_shapes=views, t_intra=t,
+                      mem_stage=np.zeros(shape), mem_act=np.zeros(shape))
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_layers=st.integers(2, 5), cluster=st.sampled_from(SHARING_CLUSTERS),
+       batches=st.integers(1, 32), device_memory=st.sampled_from([10.0, 100.0]), saving=st.booleans(),
+       small_meshes=st.booleans(), nic_high=st.sampled_from([0.05, 0.6]))
+def test_dp_with_shared_nics_equals_brute_force(seed, num_layers, cluster, batches, device_memory, saving,
+                                                small_meshes, nic_high):
+    """With ``nic_wait`` an aligned plan pays for the shared NICs of its middle nodes (misaligned plans are
+    not considered, see "Shared NICs"); the DP still finds the brute-force optimum, and
+    every stage's time is the one its real placement (``assign_devices``) gives."""
+    if small_meshes:  # a pipeline long enough to put two meshes on a middle node
+        num_layers, cluster = 5, (4, 2) if cluster[0] == 4 else (3, 2)
+    costs = (small_mesh_costs if small_meshes else random_costs)(seed, num_layers, cluster)
+    costs = with_nic_wait(costs, seed + 3, nic_high)
+    if saving:
+        costs = with_boundary_saving(costs, seed + 1)
+    expected = brute_force_stages(costs, cluster, batches, device_memory)
+    if expected is None:
+        return
+    sizes = [n * m for n, m in expected.submeshes]
+    event("best plan shares a node's NICs" if contiguous_offsets(sizes, cluster[1]) is not None
+          and shared_nodes(sizes, cluster[1]) else "best plan shares no NIC")
+    solution = solve_stages(costs, cluster, batches, device_memory, epsilon=0.0)
+    assert solution.iteration_time == pytest.approx(expected.iteration_time, rel=1e-12)
+    check_solution(solution, costs, cluster, batches, device_memory)
+    check_solution(expected, costs, cluster, batches, device_memory)
+
+
+def shared_middle_node_costs() -> StageCosts:
+    """4 one-layer stages on 3 nodes of 2 devices: layers 0 and 3 on (1, 2), layers 1 and 2 on (1, 1) (the
+    only finite entries), so the only plan puts two meshes on the middle node. Each layer computes 1 s and
+    receives 0.6 s from each neighbour across nodes (0.1 s inside a node) and waits 0.5 s for each shared NIC
+    on the way (``nic_wait``)."""
+    def cost(i, j, sub, view):
+        fits = i == j and sub == ((1, 2) if i in (0, 3) else (1, 1))
+        return (1.0 + 0.6 * ((i > 0) + (j < 3)) if fits else math.inf), 0.0, 0.0
+    costs = StageCosts.from_fn(4, [(1, 1), (1, 2)], cost, logical_shapes=[[(1, 1)], [(1, 2)]])
+    return dataclasses.replace(costs, boundary_saving=np.full((4, 4, 2, 2), 0.5),
+                               nic_wait=np.full((4, 4, 2, 2), 0.5))
+
+
+def test_two_meshes_on_a_middle_node_pay_for_its_shared_nic():
+    """Closed form (see :func:`shared_middle_node_costs`), B = 4. Node 1's inbound NIC carries stage 1's
+    activations and stage 2's gradients, its outbound NIC stage 1's gradients to stage 0 and stage 2's
+    activations to stage 3: each of these four receives waits 0.5 s. Stage 0: 1 + 0.6 + 0.5;
+    stage 1: 1 + 0.6 + 0.1 + 0.5; stage 2 likewise; stage 3 like stage 0: 2.1 + 2.2 + 2.2 + 2.1 + 3 * 2.2 =
+    15.2 s. Contention-free (no ``nic_wait``): 1.6 + 1.7 + 1.7 + 1.6 + 3 * 1.7 = 11.7 s."""
+    costs = shared_middle_node_costs()
+    solution = solve_stages(costs, (3, 2), num_micro_batches=4, device_memory=1.0)
+    assert solution.submeshes == ((1, 2), (1, 1), (1, 1), (1, 2))
+    assert [s.t_intra for s in solution.stages] == pytest.approx([2.1, 2.2, 2.2, 2.1])
+    assert solution.iteration_time == pytest.approx(15.2)
+    free = solve_stages(dataclasses.replace(costs, nic_wait=None), (3, 2), 4, 1.0)
+    assert [s.t_intra for s in free.stages] == pytest.approx([1.6, 1.7, 1.7, 1.6])
+    assert free.iteration_time == pytest.approx(11.7)
+    table = [dataclasses.replace(s, t_intra=float(costs.t_intra[s.layers[0], s.layers[1], s.submesh_index, 0]))
+             for s in solution.stages]
+    assert price_placed_stages(costs, table, 2) == solution.stages
+
+
+def test_a_shared_nic_can_change_the_plan():
+    """The shared-node plan of :func:`shared_middle_node_costs` (2.2 s slowest stage) against one more
+    choice: layers 1-2 on the whole middle node, (1, 2), in 2.2 s. Blind to contention the split middle node
+    wins (1.7 s slowest: 11.7 s against 1.6 + 2.2 + 1.6 + 3 * 2.2 = 12.0 s); with shared NICs the whole-node
+    stage does (12.0 s against 15.2 s)."""
+    costs = shared_middle_node_costs()
+    t = costs.t_intra.copy()
+    t[1, 2, 1, 0] = 2.2
+    costs = dataclasses.replace(costs, t_intra=t)
+    blind = solve_stages(dataclasses.replace(costs, nic_wait=None), (3, 2), 4, 1.0)
+    assert blind.submeshes == ((1, 2), (1, 1), (1, 1), (1, 2)) and blind.iteration_time == pytest.approx(11.7)
+    aware = solve_stages(costs, (3, 2), 4, 1.0)
+    assert aware.submeshes == ((1, 2), (1, 2), (1, 2)) and aware.iteration_time == pytest.approx(12.0)
+
+
+def test_with_shared_nics_a_plan_that_only_fits_misaligned_is_reported():
+    """On 3 nodes of 4 the only finite plan is (1, 1), (1, 2), (1, 1), (2, 4): its (1, 2) mesh starts at
+    device 1 (misaligned). Without ``nic_wait`` the DP takes it at the table's price; with it the DP
+    considers aligned plans only and says so."""
+    layout = {(0, 1): 1.0, (1, 2): 1.0, (2, 1): 1.0, (3, 8): 1.0}
+    def cost(i, j, sub, view):
+        return (layout.get((i, sub[0] * sub[1]), math.inf) if i == j else math.inf), 0.0, 0.0
+    costs = StageCosts.from_fn(4, [(1, 1), (1, 2), (2, 4)], cost, logical_shapes=[[(1, 1)], [(1, 2)], [(2, 4)]])
+    assert solve_stages(costs, (3, 4), 1, 1.0).submeshes == ((1, 1), (1, 2), (1, 1), (2, 4))
+    with pytest.raises(ValueError, match="no aligned contiguous plan .* only misaligned plans fit"):
+        solve_stages(dataclasses.replace(costs, nic_wait=np.full((4, 4, 3, 2), 0.1)), (3, 4), 1, 1.0)
+    assert brute_force_stages(dataclasses.replace(costs, nic_wait=np.full((4, 4, 3, 2), 0.1)), (3, 4), 1,
+                              1.0) is None
+
+
+def test_shared_nodes_are_the_middle_nodes_with_two_meshes():
+    assert shared_nodes([8, 4, 4, 8, 8], 8) == {1}
+    assert shared_nodes([4, 4, 8, 4, 4], 8) == set()  # first and last node: one crossing boundary each
+    assert shared_nodes([8, 2, 2, 4, 4, 4, 8], 8) == {1, 2}
+    assert shared_nodes([16, 8, 8], 8) == set()
+    with pytest.raises(ValueError, match="not an aligned contiguous layout"):
+        shared_nodes([2, 4, 2], 8)
 
 
 def test_boundaries_inside_a_node_are_priced_at_the_intra_node_link():

@@ -13,6 +13,7 @@ import alpa_like as al
 from alpa_like.compiler.auto_sharding import PassOptions
 from alpa_like.compiler.stage_dp import StageCosts, brute_force_stages, solve_stages
 from alpa_like.compiler.stage_profiling import (PARAMS_HALF_SHARDED, PARAMS_SHARDED, ReceivedValues, boundary_saving,
+                                               shared_nic_wait,
                                                profile_stage_costs, receive_seconds, received_per_micro_batch)
 from alpa_like.pipeshard import slice_step
 
@@ -140,6 +141,22 @@ def test_a_boundary_inside_a_node_saves_the_difference_of_the_links():
     assert (saving[0, 0] == 0).all()
     one = al.ClusterSpec.preset("p3.16xlarge")
     assert (boundary_saving(two_layer_receives(), [1, 4], one) == 0).all()
+
+
+def test_shared_nic_wait_is_half_the_neighbours_bytes_over_the_receiving_nics():
+    """Per side, half the time the 4 MB from the adjacent layer hold the receiving node's whole NIC (8
+    shares of 25 Gb/s for a mesh inside one node, 16 for one over two nodes), no latency: the mean wait of
+    two equal transfers taking turns. Zero on one node and for a range that receives nothing."""
+    received = two_layer_receives()
+    four = al.ClusterSpec.preset("p3.16xlarge", num_nodes=4)
+    wait = shared_nic_wait(received, [1, 4, 16], four)
+    assert wait.shape == (2, 2, 3, 2)
+    node, two_nodes = 4e6 / (8 * four.inter_node_bandwidth), 4e6 / (16 * four.inter_node_bandwidth)
+    assert wait[0, 1] == pytest.approx(0.5 * np.array([[node, node], [node, node], [two_nodes, two_nodes]]))
+    assert (wait[0, 0] == 0).all()
+    bandwidth_part = receive_seconds(received, [1, 4, 16], four)[0, 1] - 2 * four.inter_node_latency
+    assert 2 * wait[0, 1].sum(axis=-1) == pytest.approx(bandwidth_part)
+    assert (shared_nic_wait(received, [1, 4], al.ClusterSpec.preset("p3.16xlarge")) == 0).all()
 
 
 def test_receive_time_uses_the_receiving_nodes_whole_nics_on_a_multi_node_cluster():
