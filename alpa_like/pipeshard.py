@@ -48,6 +48,7 @@ from alpa_like.plan import CommEstimate, ParallelPlan, StagePlan, TensorPlan
 from alpa_like.runtime.instructions import emit_programs
 from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable
 from alpa_like.runtime.schedules import make_schedule
+from alpa_like.runtime.simulator import simulate
 from alpa_like.runtime.terapipe_runtime import TerapipeExecutable, check_batch_slices
 from alpa_like.shard_parallel import AutoShardingOption
 
@@ -334,21 +335,64 @@ def _plan_and_profile(method: PipeshardParallel, sliced: SlicedStep, cluster: Cl
     solution = _solve(method, profile.costs, cluster)
     times["stage DP"] = time.perf_counter() - t2
 
+    def build(chosen: StageSolution) -> ParallelPlan:
+        devices = assign_devices(chosen.submeshes, cluster.num_nodes, cluster.num_devices_per_node)
+        stages = tuple(_stage_plan(q, choice, devices[q], traced, summaries, profile, method.num_micro_batches)
+                       for q, choice in enumerate(chosen.stages))
+        return ParallelPlan(method=repr(method), num_micro_batches=method.num_micro_batches, cluster=cluster,
+                            stages=stages, pipeline_schedule=method.pipeline_schedule,
+                            estimated_iteration_time=float(chosen.iteration_time), warnings=tuple(sliced.warnings))
+
     t3 = time.perf_counter()
-    devices = assign_devices(solution.submeshes, cluster.num_nodes, cluster.num_devices_per_node)
-    stages = tuple(_stage_plan(q, choice, devices[q], traced, summaries, profile, method.num_micro_batches)
-                   for q, choice in enumerate(solution.stages))
+    plan = build(solution)
     times["other"] = time.perf_counter() - t3
-    progress.step(f"step 4/4: done: {len(stages)} stages, layers per stage {solution.layers_per_stage}")
-    plan = ParallelPlan(method=repr(method), num_micro_batches=method.num_micro_batches, cluster=cluster,
-                        stages=stages, pipeline_schedule=method.pipeline_schedule,
-                        estimated_iteration_time=float(solution.iteration_time), warnings=tuple(sliced.warnings),
-                        compile_times=tuple(times.items()))
+    if _contention_estimated(method, profile.costs):
+        t4 = time.perf_counter()
+        blind = _solve(method, dataclasses.replace(profile.costs, nic_wait=None), cluster)
+        if _layout(blind) != _layout(solution):
+            progress.step("step 3b/4: the DP's plan with and without its shared-NIC wait differ: simulating both")
+            other = build(blind)
+            if simulate_plan(other, sliced).step_seconds < simulate_plan(plan, sliced).step_seconds:
+                plan, solution = other, blind
+        times["simulated choice"] = time.perf_counter() - t4
+    progress.step(f"step 4/4: done: {len(plan.stages)} stages, layers per stage {solution.layers_per_stage}")
+    plan = dataclasses.replace(plan, compile_times=tuple(times.items()))
     if method.pipeline_schedule == "terapipe":
         t4 = time.perf_counter()
         plan = _plan_token_slicing(method, sliced, solution, plan)
         plan = dataclasses.replace(plan, compile_times=plan.compile_times + (("token DP", time.perf_counter() - t4),))
     return plan, profile, solution
+
+
+def _contention_estimated(method: PipeshardParallel, costs: StageCosts) -> bool:
+    """Whether the stage DP priced an expected wait for shared NICs (``StageCosts.nic_wait``) on a schedule
+    the simulated backend runs here (one stage per mesh; not TeraPipe)."""
+    return (costs.nic_wait is not None and bool(costs.nic_wait.any()) and method.virtual_stages == 1
+            and method.pipeline_schedule != "terapipe" and isinstance(method.stage_option, AutoStageOption))
+
+
+def _layout(solution: StageSolution) -> tuple:
+    return tuple((s.layers, s.submesh, s.view_index) for s in solution.stages)
+
+
+def simulate_plan(plan: ParallelPlan, sliced: SlicedStep, **options):
+    """``plan``'s per-mesh instruction programs (one stage per mesh) on the simulated backend
+    (:func:`~alpa_like.runtime.simulator.simulate`, which ``options`` go to): a
+    :class:`~alpa_like.runtime.simulator.Simulation`. The programs are emitted without FREEs, which take no
+    time on the simulated clock.
+
+    The planner uses it where the stage DP's cost is an estimate the simulator resolves: the DP prices two
+    meshes of one node sharing its NICs with an expected wait (``StageCosts.nic_wait``), high where their
+    transfers never collide (the equal stages of a GPT under 1F1B take turns without waiting) and right where
+    they do (Wide-ResNet's uneven stages). When the DP's plans with and without that wait differ, both are
+    simulated and the faster is kept."""
+    stage_to_mesh = list(range(len(plan.stages)))
+    program = build_stage_program(sliced.closed_jaxpr, sliced.pieces, [s.layer_ids for s in plan.stages],
+                                  [r == "batch" for r in sliced.roles], stage_to_mesh=stage_to_mesh)
+    sched = make_schedule(plan.pipeline_schedule or "1f1b", num_meshes=len(plan.stages),
+                          num_micro_batches=plan.num_micro_batches)
+    programs = emit_programs(program, sched, stage_to_mesh=stage_to_mesh, free_buffers=False)
+    return simulate(plan, program, programs, **options)
 
 
 def _plan_token_slicing(method: PipeshardParallel, sliced: SlicedStep, solution: StageSolution,

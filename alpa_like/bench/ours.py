@@ -25,12 +25,9 @@ from collections.abc import Callable, Iterator
 
 from alpa_like.cluster import ClusterSpec
 from alpa_like.compiler.layer_construction import Layering, operator_segments
-from alpa_like.compiler.stage_construction import build_stage_program
-from alpa_like.pipeshard import AutoLayerOption, AutoStageOption, PipeshardParallel, SlicedStep, plan_sliced, slice_step
+from alpa_like.pipeshard import (AutoLayerOption, AutoStageOption, PipeshardParallel, SlicedStep, plan_sliced,
+                                 simulate_plan, slice_step)
 from alpa_like.plan import ParallelPlan
-from alpa_like.runtime.instructions import emit_programs
-from alpa_like.runtime.schedules import make_schedule
-from alpa_like.runtime.simulator import Simulation, simulate
 
 from alpa_like.bench.workloads import Workload
 
@@ -123,19 +120,6 @@ def slice_workload(workload: Workload, method: PipeshardParallel) -> SlicedStep:
         return slice_step(method, workload.train_step, workload.args, static_argnums=(), batch_argnums=(1,))
 
 
-def simulate_plan(plan: ParallelPlan, sliced: SlicedStep, num_micro_batches: int, schedule: str = "1f1b",
-                  **options) -> Simulation:
-    """The plan's per-mesh instruction programs on the simulated backend (``runtime.simulator``);
-    ``options`` go to :func:`~alpa_like.runtime.simulator.simulate`. The programs are emitted without FREEs,
-    which take no time on the simulated clock (same step; ``seconds_by_kind`` has no ``FREE`` entry)."""
-    stage_to_mesh = list(range(len(plan.stages)))
-    program = build_stage_program(sliced.closed_jaxpr, sliced.pieces, [s.layer_ids for s in plan.stages],
-                                  [r == "batch" for r in sliced.roles], stage_to_mesh=stage_to_mesh)
-    sched = make_schedule(schedule, num_meshes=len(plan.stages), num_micro_batches=num_micro_batches)
-    programs = emit_programs(program, sched, stage_to_mesh=stage_to_mesh, free_buffers=False)
-    return simulate(plan, program, programs, **options)
-
-
 def plan_method(variant: str, method: PipeshardParallel, sliced: SlicedStep, cluster: ClusterSpec) -> PlanResult:
     """Plans ``sliced`` with ``method`` on ``cluster`` and simulates the plan; ``variant`` labels the result."""
     start = time.perf_counter()
@@ -146,7 +130,7 @@ def plan_method(variant: str, method: PipeshardParallel, sliced: SlicedStep, clu
         return PlanResult(variant=variant, plan=None, simulated_seconds=None,
                           planning_seconds=time.perf_counter() - start, error=str(e))
     with cyclic_gc_paused():
-        simulation = simulate_plan(plan, sliced, method.num_micro_batches, method.pipeline_schedule)
+        simulation = simulate_plan(plan, sliced)
     return PlanResult(variant=variant, plan=plan, simulated_seconds=simulation.step_seconds,
                       planning_seconds=time.perf_counter() - start + sliced.seconds,
                       seconds_by_kind=dict(simulation.seconds_by_kind), busy_seconds=simulation.busy_seconds)

@@ -8,7 +8,7 @@ import pytest
 from flax.training import train_state
 
 import alpa_like as al
-from alpa_like import models
+from alpa_like import models, pipeshard
 from alpa_like.models import gpt
 
 QUIET = al.AutoStageOption(show_progress=False)
@@ -175,3 +175,34 @@ def test_remat_layers_keep_only_their_non_parameter_inputs_for_the_backward():
         inputs = sum(v.aval.size * v.aval.dtype.itemsize for v in start.invars
                      if not hasattr(v, 'val') and v not in param_vars)
         assert 0 < summary.activation_bytes <= inputs, (summary, inputs)
+
+
+def _layout(plan):
+    return tuple((s.layer_ids, s.submesh_shape, s.logical_mesh_shape) for s in plan.stages)
+
+
+@pytest.mark.parametrize("num_layers,devices_per_node,num_nodes", [(8, 4, 3), (8, 2, 4)])
+def test_the_shared_nic_estimate_is_settled_by_simulating_both_plans(monkeypatch, num_layers, devices_per_node,
+                                                                     num_nodes):
+    """With three nodes or more the stage DP prices an expected wait for NICs that two meshes of a node share
+    (``StageCosts.nic_wait``), an estimate. The planner also solves without it and, when the two plans
+    differ, keeps the one the simulated backend runs faster: the chosen plan is one of the two and
+    simulates no slower than the other."""
+    step, state, batch = gpt_case(num_layers=num_layers)
+    cluster = dataclasses.replace(al.ClusterSpec.preset("p3.16xlarge", num_nodes=num_nodes),
+                                  num_devices_per_node=devices_per_node)
+    method = al.PipeshardParallel(num_micro_batches=16, layer_option=al.AutoLayerOption(layer_num=num_layers),
+                                  stage_option=QUIET)
+    sliced = pipeshard.slice_step(method, step, (state, batch), static_argnums=(), batch_argnums=(1,))
+    chosen = pipeshard.plan_sliced(method, sliced, cluster)
+    assert "simulated choice" in dict(chosen.compile_times)
+    monkeypatch.setattr(pipeshard, "_contention_estimated", lambda method, costs: False)
+    aware = pipeshard.plan_sliced(method, sliced, cluster)
+    solve = pipeshard._solve
+    monkeypatch.setattr(pipeshard, "_solve", lambda method, costs, cluster: solve(
+        method, dataclasses.replace(costs, nic_wait=None), cluster))
+    blind = pipeshard.plan_sliced(method, sliced, cluster)
+    assert _layout(aware) != _layout(blind)  # the case exercises the choice
+    seconds = {_layout(p): pipeshard.simulate_plan(p, sliced).step_seconds for p in (aware, blind)}
+    assert _layout(chosen) in seconds
+    assert seconds[_layout(chosen)] == min(seconds.values())
