@@ -11,7 +11,10 @@ keep the graph the ILP sees small and exact:
   see :mod:`alpa_like.compiler.propagation`) are *merged* into their deepest operand: "We do a
   breadth-first-search and compute the depth of each node. The node is merged to the deepest operand."
   Depth is the longest path from the inputs; ties go to the operand with the output's shape, then the
-  larger one, then the first. A merged node shares its operand's decision variable in the ILP.
+  larger one, then the first. One exception: an operand widened by a merged ``broadcast_in_dim`` (whose new
+  dims are replicated in every strategy of its group) is taken only when no other operand can be, so the
+  broadcast is sliced to its consumer's layout instead of forcing it (:meth:`_Builder.choose_operand`). A
+  merged node shares its operand's decision variable in the ILP.
 
 ``scan`` bodies are analysed in place too, once, as one iteration: their nodes carry ``repeat = length``
 (the ILP scales their costs by it), each scanned input reaches the body through a ``slice`` + ``squeeze``
@@ -137,6 +140,7 @@ class _Builder:
         self.nodes: list[OpNode] = []
         self.tensors: list[Tensor] = []
         self.depth: list[int] = []  # per tensor
+        self.widened: list[bool] = []  # per tensor: a broadcast's new dims, replicated by its merged group
         self.pins: dict[int, tuple[int, int]] = {}
         self.markers: dict[int, list[tuple[int, int, str]]] = {}
         self.unsupported: list[str] = []
@@ -155,6 +159,7 @@ class _Builder:
         self.nodes.append(OpNode(id=nid, kind=kind, primitive=kind, outputs=(tid,), input_index=input_index,
                                  name=name))
         self.depth.append(0)
+        self.widened.append(False)
         return tid
 
     def read(self, env: dict, v) -> int | None:
@@ -230,20 +235,24 @@ class _Builder:
         nid = len(self.nodes)
         name = eqn.primitive.name
         depth = 1 + max((self.depth[t] for t in operands if t is not None), default=-1)
-        outputs = []
-        for k, v in enumerate(eqn.outvars):
-            tid = self.tensor(v.aval, nid, k)
-            outputs.append(tid)
-            self.depth.append(depth)
-            env[v] = tid
-            if not inlined:
-                self.pins[tid] = (eqn_index, k)
         follow = None
         rule = FOLLOW_RULES.get(name)
         if rule is not None:
             follow = self.choose_operand(eqn, operands, rule.candidates(eqn))
         elif name not in ROOT_RULES and name not in CONTROL_FLOW and name not in SOURCE_PRIMITIVES:
             self.unsupported.append(name)
+        followed = None if follow is None else operands[follow]
+        outputs = []
+        for k, v in enumerate(eqn.outvars):
+            tid = self.tensor(v.aval, nid, k)
+            outputs.append(tid)
+            self.depth.append(depth)
+            self.widened.append(followed is not None and (
+                name == "broadcast_in_dim" and math.prod(v.aval.shape) > math.prod(self.tensors[followed].shape)
+                or self.widened[followed] and self.tensors[followed].shape == tuple(v.aval.shape)))
+            env[v] = tid
+            if not inlined:
+                self.pins[tid] = (eqn_index, k)
         stack = jax_compat.name_stack(eqn)
         self.nodes.append(OpNode(id=nid, kind="op", primitive=name, eqn=eqn, operands=tuple(operands),
                                  outputs=tuple(outputs), eqn_index=eqn_index, inlined=inlined, depth=depth,
@@ -251,7 +260,11 @@ class _Builder:
                                  name=f"{stack}/{name}" if stack else name))
 
     def choose_operand(self, eqn: JaxprEqn, operands: list[int | None], candidates: Sequence[int]) -> int | None:
-        """The deepest candidate operand (ties: the output's shape, then the larger, then the first)."""
+        """The deepest candidate operand (ties: the output's shape, then the larger, then the first), among
+        those not widened by a merged broadcast when there are any: a broadcast follows its operand, so its
+        new dims are replicated in every strategy of its group, and an operator merged into that group could
+        never split them (``mul(broadcast(scale), exp(logits))`` merged into the broadcast would all-gather
+        the vocabulary-sharded logits; merged into ``exp`` the broadcast output is sliced locally)."""
         out_shape = tuple(eqn.outvars[0].aval.shape) if eqn.outvars else ()
         best, best_key = None, None
         for pos in candidates:
@@ -259,7 +272,7 @@ class _Builder:
             if t is None:
                 continue
             tensor = self.tensors[t]
-            key = (self.depth[t], tensor.shape == out_shape, math.prod(tensor.shape), -pos)
+            key = (not self.widened[t], self.depth[t], tensor.shape == out_shape, math.prod(tensor.shape), -pos)
             if best_key is None or key > best_key:
                 best, best_key = pos, key
         return best

@@ -16,16 +16,21 @@ same (layer, submesh, logical shape) is never solved twice. Independent solves r
 processes (forked, so they inherit the layers' jaxprs; they only build and solve ILPs and never touch the
 XLA runtime), one per core; where ``fork`` is not available they run on a thread pool.
 
-Two variants per (layer, logical mesh), Alpa's per-stage memory budget made cheap: the fastest solve
-(``variant ""``), and, when that one leaves some parameter less than fully sharded, a memory-lean solve
+Three variants per (layer, logical mesh), Alpa's per-stage memory budget made cheap: the fastest solve
+(``variant ""``); when that one leaves some parameter less than fully sharded, a memory-lean solve
 (``"params-sharded"``) in which every parameter must be split over as many of the mesh's devices as its
-shape allows (the ILP then chooses between tensor parallelism and gathering the weights, ZeRO-3 style). The
-stage DP keeps both as entries of the logical-view axis and takes, per stage, the fastest that fits
-(Eq. 3.5); so a large model is not declared out of memory because every layer's fastest layout replicates
-its weights.
+shape allows (the ILP then chooses between tensor parallelism and gathering the weights, ZeRO-3 style);
+and, on meshes where that is four devices or more, one in between (``"params-half-sharded"``): every
+parameter split over at least half that many (Megatron-LM's layout on a ``(d, t)`` view, weights split
+over the tensor axis and replicated over the data axis, is one such solution). The stage DP keeps them as
+entries of the logical-view axis and takes, per stage, the fastest that fits (Eq. 3.5); so a large model
+is not declared out of memory because every layer's fastest layout replicates its weights, nor pays for
+sharding every weight over every device when half would fit.
 
 Memory per device (Eq. 3.5 inputs): ``mem_stage`` = parameters and gradients under the ILP's specs plus the
-optimizer state sharded over all the mesh's devices (weight-update sharding, on by default as in Alpa);
+optimizer state sharded over all the mesh's devices (weight-update sharding, on by default as in Alpa), and
+the state of the updates replicated onto the stage (:func:`replica_state_bytes`: a tied embedding's moments
+on the first stage);
 ``mem_act`` = the activations a micro-batch keeps from forward to backward, divided over the mesh's
 devices (an estimate: each layer's activations are split by its batch or tensor parallelism).
 """
@@ -65,10 +70,15 @@ from alpa_like.compiler.op_graph import build_op_graph
 from alpa_like.compiler.sharding_spec import ShardingSpec, enumerate_specs
 from alpa_like.compiler.stage_construction import update_of
 from alpa_like.compiler.stage_dp import StageCosts
+from alpa_like.compiler.strategies import nbytes
 
 Shape = tuple[int, int]
 PARAMS_SHARDED = "params-sharded"
 """The variant label of the memory-lean solves (see the module docstring)."""
+PARAMS_HALF_SHARDED = "params-half-sharded"
+"""The variant label of the solves in between (see the module docstring)."""
+VARIANTS = ("", PARAMS_HALF_SHARDED, PARAMS_SHARDED)
+"""Every variant, fastest first: :func:`_solve_job` returns one solve per entry, in this order."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -140,16 +150,19 @@ def structure_key(closed: ClosedJaxpr) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def sharded_param_candidates(closed: ClosedJaxpr, param_inputs: Sequence[bool],
-                             mesh: LogicalMesh) -> dict[int, tuple[ShardingSpec, ...]]:
-    """Per parameter input of ``closed``, the specs that split it over the most devices its shape allows on
-    ``mesh`` (for the ``"params-sharded"`` variant)."""
+def sharded_param_candidates(closed: ClosedJaxpr, param_inputs: Sequence[bool], mesh: LogicalMesh,
+                             fraction: int = 1) -> dict[int, tuple[ShardingSpec, ...]]:
+    """Per parameter input of ``closed`` with two or more dims, the specs that split it over at least
+    ``1 / fraction`` of the most devices its shape allows on ``mesh`` (``fraction=1``: the
+    ``"params-sharded"`` variant; ``2``: the ``"params-half-sharded"`` one). Vectors (biases, norm scales)
+    stay free: their memory is a row of a matrix's, and splitting one that every device reads whole only
+    adds a gather per use."""
     candidates = {}
     for k, (var, is_param) in enumerate(zip(closed.jaxpr.invars, param_inputs, strict=True)):
-        if is_param:
+        if is_param and len(var.aval.shape) >= 2:
             specs = enumerate_specs(var.aval.shape, mesh.shape)
             most = max(spec.num_shards(mesh.shape) for spec in specs)
-            candidates[k] = tuple(spec for spec in specs if spec.num_shards(mesh.shape) == most)
+            candidates[k] = tuple(spec for spec in specs if spec.num_shards(mesh.shape) * fraction >= most)
     return candidates
 
 
@@ -176,8 +189,7 @@ def layer_cost(closed: ClosedJaxpr, param_inputs: Sequence[bool], mesh: LogicalM
     param_bytes = 0.0
     for spec, var, is_param in zip(solution.input_specs(), closed.jaxpr.invars, param_inputs, strict=True):
         if is_param:
-            nbytes = math.prod(var.aval.shape) * jax_compat.numpy_dtype(var.aval.dtype).itemsize
-            param_bytes += nbytes / spec.num_shards(mesh.shape)
+            param_bytes += nbytes(var.aval) / spec.num_shards(mesh.shape)
     comm_bytes = sum(c.num_bytes for strategy in solution.strategies for c in strategy.collectives)
     return LayerCost(compute_seconds=jaxpr_seconds(closed, peak_flops, memory_bandwidth, mesh.num_devices),
                      comm_seconds=float(solution.objective), comm_bytes=float(comm_bytes),
@@ -199,8 +211,8 @@ class StageProfile:
     num_pairs: int
     """(layer, submesh, logical shape) pairs in the table."""
     num_solves: int
-    """ILP solves run: one per distinct (layer structure, mesh) after de-duplication, two where the
-    ``"params-sharded"`` variant differs from the fastest solve."""
+    """ILP solves run: one per distinct (layer structure, mesh) after de-duplication, and one more for each
+    memory variant that differs from the solve before it (:func:`_solve_job`)."""
     seconds: float
 
     def input_spec(self, layer: int, submesh: int, entry: int, step_input: int) -> ShardingSpec | None:
@@ -223,8 +235,9 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
       optimizer_bytes: per layer, bytes of optimizer state of its parameters (all devices together).
       max_workers: worker processes (default: one per core).
       progress: called as ``progress(done, total)`` after each distinct (layer, mesh) job.
-      memory_variants: also profile the ``"params-sharded"`` variant on submeshes of more than one device.
-        The table then lists each such submesh's views twice (``costs.variants`` says which is which).
+      memory_variants: also profile the ``"params-sharded"`` variant on submeshes of more than one device,
+        and the ``"params-half-sharded"`` one on submeshes of four or more. The table then lists each such
+        submesh's views two or three times (``costs.variants`` says which is which).
     """
     start = time.perf_counter()
     num_layers = len(summaries)
@@ -234,9 +247,8 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
     gradients = set() if marker is None else {v for v in marker.invars if isinstance(v, Var)}
     gradient_outputs = [frozenset(k for k, v in enumerate(closed.jaxpr.outvars) if v in gradients)
                         for closed, _ in layers]
-    entries = [[(tuple(view), "") for view in views]
-               + [(tuple(view), PARAMS_SHARDED) for view in views if memory_variants and sub[0] * sub[1] > 1]
-               for sub, views in zip(submeshes, logical_shapes, strict=True)]
+    entries = [[(tuple(view), variant) for variant in _variants(sub[0] * sub[1], memory_variants)
+                for view in views] for sub, views in zip(submeshes, logical_shapes, strict=True)]
     jobs: dict[tuple, tuple[int, LogicalMesh]] = {}
     pair_job = {}
     for l in range(num_layers):
@@ -253,7 +265,7 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
                             jobs=[jobs[k] for k in job_keys], param_mask=tuple(param_mask),
                             peak_flops=cluster.peak_flops, memory_bandwidth=cluster.memory_bandwidth,
                             options=options, memory_variants=memory_variants)
-    results: dict[tuple, tuple[LayerCost, LayerCost]] = {}
+    results: dict[tuple, tuple[LayerCost, ...]] = {}
     num_solves = 0
     for index, variants, solves in _run_solves(context, max_workers, progress):
         results[job_keys[index]] = variants
@@ -261,7 +273,7 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
 
     def cost_of(pair) -> LayerCost:
         key, variant = pair_job[pair]
-        return results[key][variant == PARAMS_SHARDED]
+        return results[key][VARIANTS.index(variant)]
 
     width = max(len(e) for e in entries)
     shape = (num_layers, len(submeshes), width)
@@ -279,11 +291,13 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
     nic = shared_nic_wait(received, devices, cluster)
     step_seconds = (receive_seconds(received_per_step(jaxpr, pieces, num_layers), devices, cluster)
                     + receive_seconds(replica_received_per_step(jaxpr, pieces, num_layers), devices, cluster))
+    replica_state = replica_state_bytes(jaxpr, pieces, num_layers)[:, :, None, None] / np.asarray(
+        devices, dtype=np.float64)[None, None, :, None]
     costs = StageCosts(num_layers=num_layers, submeshes=tuple(map(tuple, submeshes)),
                        boundary_saving=saving, nic_wait=nic, step_seconds=step_seconds,
                        logical_shapes=tuple(tuple(view for view, _ in e) for e in entries),
                        variants=tuple(tuple(variant for _, variant in e) for e in entries),
-                       t_intra=t_intra, mem_stage=_range_sums(mem_layer),
+                       t_intra=t_intra, mem_stage=_range_sums(mem_layer) + replica_state,
                        mem_act=_range_sums(act_layer))
     return StageProfile(costs=costs, layer_costs={pair: cost_of(pair) for pair in pair_job},
                         layer_inputs=tuple(tuple(inputs) for _, inputs in layers), num_pairs=len(pair_job),
@@ -308,29 +322,40 @@ class _SolveContext:
 _FORKED: _SolveContext | None = None
 
 
-def _solve_job(context: _SolveContext, index: int) -> tuple[int, tuple[LayerCost, LayerCost], int]:
-    """The fastest solve of job ``index`` and its ``"params-sharded"`` twin (the fastest again when the
-    twin would be the same problem), with the number of ILPs solved. The twin is the fastest solve's ILP
-    restricted to the sharded parameter specs (:func:`~alpa_like.compiler.auto_sharding.solve_prepared`), so
-    strategies and costs are built once per job."""
+def _variants(num_devices: int, memory_variants: bool) -> tuple[str, ...]:
+    """The variants profiled on a submesh of ``num_devices`` devices (see the module docstring)."""
+    if not memory_variants or num_devices == 1:
+        return ("",)
+    return VARIANTS if num_devices >= 4 else ("", PARAMS_SHARDED)
+
+
+def _solve_job(context: _SolveContext, index: int) -> tuple[int, tuple[LayerCost, ...], int]:
+    """Per entry of :data:`VARIANTS`, the solve of job ``index``: the fastest, and its twins with the
+    parameters limited to :func:`sharded_param_candidates` (half, then fully sharded); a twin whose limit
+    the previous solve already meets, or that its mesh does not profile (:func:`_variants`), is that solve
+    again. Also the number of ILPs solved. The twins are the fastest solve's ILP restricted
+    (:func:`~alpa_like.compiler.auto_sharding.solve_prepared`), so strategies and costs are built once per
+    job."""
     l, mesh = context.jobs[index]
     closed, inputs = context.layers[l]
     params = [i >= 0 and context.param_mask[i] for i in inputs]
     options = dataclasses.replace(context.options, gradient_outputs=context.gradient_outputs[l])
     prepared = prepare(build_op_graph(closed), mesh, options)
-    fastest = layer_cost(closed, params, mesh, context.peak_flops, solve_prepared(prepared),
-                         context.memory_bandwidth)
-    if not context.memory_variants or mesh.num_devices == 1:
-        return index, (fastest, fastest), 1
-    candidates = sharded_param_candidates(closed, params, mesh)
-    if is_params_sharded(fastest, candidates):
-        return index, (fastest, fastest), 1
-    if restricted_inputs(prepared, candidates) is not None:
-        lean = solve_prepared(prepared, candidates)
-    else:  # the options limit some parameter to specs without the sharded ones: the twin is its own problem
-        options = dataclasses.replace(options, input_candidates={**options.input_candidates, **candidates})
-        lean = auto_shard(prepared.graph, mesh, options)
-    return index, (fastest, layer_cost(closed, params, mesh, context.peak_flops, lean, context.memory_bandwidth)), 2
+    solved = [layer_cost(closed, params, mesh, context.peak_flops, solve_prepared(prepared),
+                         context.memory_bandwidth)]
+    profiled = _variants(mesh.num_devices, context.memory_variants)
+    for variant, fraction in ((PARAMS_HALF_SHARDED, 2), (PARAMS_SHARDED, 1)):
+        candidates = sharded_param_candidates(closed, params, mesh, fraction)
+        if variant not in profiled or is_params_sharded(solved[-1], candidates):
+            solved.append(solved[-1])
+            continue
+        if restricted_inputs(prepared, candidates) is not None:
+            twin = solve_prepared(prepared, candidates)
+        else:  # the options limit some parameter to specs without these: the twin is its own problem
+            limited = dataclasses.replace(options, input_candidates={**options.input_candidates, **candidates})
+            twin = auto_shard(prepared.graph, mesh, limited)
+        solved.append(layer_cost(closed, params, mesh, context.peak_flops, twin, context.memory_bandwidth))
+    return index, tuple(solved), len({id(cost) for cost in solved})
 
 
 def _solve_forked(index: int):
@@ -433,21 +458,13 @@ def _made_in(jaxpr: Jaxpr, pieces: Sequence[Piece | None]) -> dict[Var, int]:
     return made_in
 
 
-def replica_received_per_step(jaxpr: Jaxpr, pieces: Sequence[Piece | None], num_layers: int) -> ReceivedValues:
-    """What each layer range ``i..j`` receives once per step for the updates replicated onto it
-    (:func:`~alpa_like.compiler.stage_construction.replicated_updates`): for every step input that the
-    forward or backward of a layer inside reads and that the apply-grad of layers outside only updates (the
-    tied word embedding of a GPT: read by the first layer's lookup, updated with the logits), the stage runs
-    that update too, after receiving the values the update reads that layers outside the range made (the
-    gradient part accumulated with the logits), counted once. Without the replica the stage would instead
-    load the updated value from the other stage's mesh at the next step: for a parameter read by two
-    stages, the same bytes (one gradient part of the parameter's shape), later in the step.
-
-    The update of ``v`` is :func:`~alpa_like.compiler.stage_construction.update_of` within the apply-grad
-    equations of ``v``'s updating layers; a value it reads is made by the layer of its equation, or for an
-    accumulated gradient (a grad marker output) by the layer that made the marker's input."""
+def _replicated_updates(jaxpr: Jaxpr, pieces: Sequence[Piece | None], num_layers: int):
+    """Yields ``(v, replica, needed)`` for every step input ``v`` that the forward or backward of some layer
+    range reads while only the apply-grad of layers outside it updates it
+    (:func:`~alpa_like.compiler.stage_construction.replicated_updates`): ``replica[i, j]`` says which ranges
+    run a copy of its update, ``needed`` are the equations of that update
+    (:func:`~alpa_like.compiler.stage_construction.update_of` within the updating layers' apply-grads)."""
     invars = set(jaxpr.invars)
-    made_in = _made_in(jaxpr, pieces)
     updated_in: dict[Var, set[int]] = {}
     readers: dict[Var, set[int]] = {}
     for e, p in zip(jaxpr.eqns, pieces, strict=True):
@@ -458,23 +475,58 @@ def replica_received_per_step(jaxpr: Jaxpr, pieces: Sequence[Piece | None], num_
                 (updated_in if p.phase == APPLY else readers).setdefault(v, set()).add(p.layer)
     step_outputs = {v for v in jaxpr.outvars if isinstance(v, Var)}
     first, last = np.meshgrid(np.arange(num_layers), np.arange(num_layers), indexing="ij")
-    received: dict[Var, np.ndarray] = {}
     for v, layers in updated_in.items():
         replica = _ranges_holding(readers.get(v, ()), first, last) & ~_ranges_holding(layers, first, last)
         if not replica.any():
             continue
         update = [e for e, p in zip(jaxpr.eqns, pieces, strict=True)
                   if p is not None and p.phase == APPLY and p.layer in layers and not is_marker(e, "grad")]
-        needed = [update[i] for i in update_of(v, update, step_outputs)]
+        yield v, replica, [update[i] for i in update_of(v, update, step_outputs)]
+
+
+def replica_received_per_step(jaxpr: Jaxpr, pieces: Sequence[Piece | None], num_layers: int) -> ReceivedValues:
+    """What each layer range ``i..j`` receives once per step for the updates replicated onto it
+    (:func:`~alpa_like.compiler.stage_construction.replicated_updates`): for every step input that the
+    forward or backward of a layer inside reads and that the apply-grad of layers outside only updates (the
+    tied word embedding of a GPT: read by the first layer's lookup, updated with the logits), the stage runs
+    that update too, after receiving the values the update reads that layers outside the range made (the
+    gradient part accumulated with the logits), counted once. Without the replica the stage would instead
+    load the updated value from the other stage's mesh at the next step: for a parameter read by two
+    stages, the same bytes (one gradient part of the parameter's shape), later in the step.
+
+    A value the update reads is made by the layer of its equation, or for an accumulated gradient (a grad
+    marker output) by the layer that made the marker's input (:func:`_replicated_updates`)."""
+    made_in = _made_in(jaxpr, pieces)
+    first, last = np.meshgrid(np.arange(num_layers), np.arange(num_layers), indexing="ij")
+    received: dict[Var, np.ndarray] = {}
+    for _, replica, needed in _replicated_updates(jaxpr, pieces, num_layers):
         for g in jax_compat.free_vars(needed):
             if g in made_in:
                 received[g] = received.get(g, False) | (replica & ~_ranges_holding((made_in[g],), first, last))
     num_bytes, count = np.zeros((num_layers, num_layers)), np.zeros((num_layers, num_layers))
     for g, mask in received.items():
-        num_bytes += mask * (math.prod(g.aval.shape) * np.dtype(g.aval.dtype).itemsize)
+        num_bytes += mask * nbytes(g.aval)
         count += mask
     zeros = np.zeros((num_layers, num_layers, 2))
     return ReceivedValues(num_bytes=num_bytes, count=count, neighbour_bytes=zeros, neighbour_count=zeros.copy())
+
+
+def replica_state_bytes(jaxpr: Jaxpr, pieces: Sequence[Piece | None], num_layers: int) -> np.ndarray:
+    """``[i, j]``: bytes of step state that layer range ``i..j`` holds only for the updates replicated onto
+    it (:func:`_replicated_updates`): the other step inputs its copy of each update reads (a tied embedding's
+    Adam moments), counted once. ``optimizer_bytes`` of :func:`profile_stage_costs` gives
+    them to the layer whose apply-grad owns them, so without this a stage holding a replica would be planned
+    without its moments (Eq. 3.5's ``mem_stage``)."""
+    invars = set(jaxpr.invars)
+    held: dict[Var, np.ndarray] = {}
+    for v, replica, needed in _replicated_updates(jaxpr, pieces, num_layers):
+        for s in jax_compat.free_vars(needed):
+            if s in invars and s is not v:
+                held[s] = held.get(s, False) | replica
+    total = np.zeros((num_layers, num_layers))
+    for s, mask in held.items():
+        total += mask * nbytes(s.aval)
+    return total
 
 
 def _received_by_ranges(producer_layer: dict[Var, int], readers: dict[Var, set[int]],

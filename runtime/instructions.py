@@ -95,13 +95,17 @@ class MeshPrograms:
 _PHASE_OF = {Phase.F: FORWARD, Phase.B: BACKWARD}
 
 
-def emit_programs(program: StageProgram, schedule: Schedule, stage_to_mesh: Sequence[int]) -> MeshPrograms:
+def emit_programs(program: StageProgram, schedule: Schedule, stage_to_mesh: Sequence[int], *,
+                  free_buffers: bool = True) -> MeshPrograms:
     """The instruction programs that run ``program`` under ``schedule`` (see the module docstring).
 
     Args:
       program: the stages' pieces.
       schedule: a validated schedule whose stages are the program's stages.
       stage_to_mesh: the mesh of each stage.
+      free_buffers: emit the ``FREE`` instructions (a runtime needs them; the simulated backend's clock, on
+        which a FREE takes no time, gives the same step without them, and they are most of a long program's
+        instructions).
     """
     if schedule.num_stages != program.num_stages:
         raise ValueError(f"schedule has {schedule.num_stages} stages, the program {program.num_stages}")
@@ -175,7 +179,8 @@ def emit_programs(program: StageProgram, schedule: Schedule, stage_to_mesh: Sequ
             raise ValueError(f"step output v{v} is never computed")
         outputs.append((key, min(holders)))
         copies.append(tuple(sorted(holders - {min(holders)})))
-    return MeshPrograms(instructions=tuple(_insert_frees(out, program, {o for o in outputs if o}, key_of)),
+    instructions = _insert_frees(out, program, {o for o in outputs if o}, key_of) if free_buffers else out
+    return MeshPrograms(instructions=tuple(instructions),
                         num_meshes=schedule.num_meshes, stage_to_mesh=tuple(stage_to_mesh), outputs=tuple(outputs),
                         output_copies=tuple(copies) if any(copies) else ())
 

@@ -16,7 +16,7 @@ All are priced with the cost model our own plans use, on the same cluster:
   them), everything else is ZeRO-2 data parallel over all ``N``, and expert gradients are ZeRO-2 reduced
   over the ``N / EP`` replicas of each expert; each MoE layer moves its dispatched tokens with an all-to-all
   over the ``EP`` group twice in the forward (dispatch, combine), twice in the backward and twice in the
-  recomputed forward. ``EP`` and the micro-batch count are grid-searched (every ``EP`` dividing ``E`` and
+  recomputed forward (priced knowing which pieces stay inside a node, :func:`collective_seconds`). ``EP`` and the micro-batch count are grid-searched (every ``EP`` dividing ``E`` and
   ``N``), as Alpa grid-searched DeepSpeed's parallelism degrees. Gradients are reduced once per step (real
   ZeRO-2 reduces every micro-batch's: this favours the baseline). DeepSpeed's tensor model parallelism of
   the dense layers is not modelled; it would split the dense part, which is small next to the experts
@@ -86,20 +86,29 @@ def _micro_batch_counts(global_batch: int, num_devices: int) -> list[int]:
 
 
 def collective_seconds(kind: str, num_bytes: float, cluster: ClusterSpec, group_size: int, per_node: int) -> float:
-    """One all-reduce, reduce-scatter or all-gather (``num_bytes`` as :class:`LogicalMesh` counts them) over a
-    group of ``group_size`` devices with ``per_node`` of them on each of its nodes: the cheaper of one ring over
-    the whole group and the hierarchical form NCCL also uses, priced with the same alpha-beta links:
+    r"""One all-reduce, reduce-scatter, all-gather or all-to-all (``num_bytes`` as :class:`LogicalMesh` counts
+    them) over a group of ``group_size`` devices with ``per_node`` of them on each of its nodes: the cheaper of
+    one ring over the whole group and the form that knows the nodes (NCCL's hierarchical collectives), priced
+    with the same alpha-beta links:
 
     * all-reduce: reduce-scatter inside each node on the whole buffer, all-reduce of its ``1 / per_node``
       share across the nodes (the node's devices each run one across-node ring at the same time, sharing the
       node's NICs), all-gather inside the node;
-    * reduce-scatter: inside the node, then across the nodes on ``1 / per_node``; all-gather: the reverse.
+    * reduce-scatter: inside the node, then across the nodes on ``1 / per_node``; all-gather: the reverse;
+    * all-to-all: each device sends its buffer ``x = num_bytes / group_size`` in ``group_size`` pieces, one
+      per device, directly (no forwarding). The ``group_size - per_node`` pieces for other nodes cross the
+      network, every device of a node at once, so each at one device's share of the NIC; the ``per_node - 1``
+      pieces for its own node go over the intra-node links at the same time:
+
+      .. math:: \alpha_{inter} + \max\Big(\frac{n - n_{node}}{n} x \beta_{inter},
+                \frac{n_{node} - 1}{n} x \beta_{intra}\Big)
 
     A ring over devices of several nodes pays every byte at one device's share of the inter-node link; the
     hierarchical form sends only ``1 / per_node`` of them across, at that share, so it moves the across-node
-    bytes at the whole node's rate."""
-    if kind not in ("all-reduce", "reduce-scatter", "all-gather"):
-        raise ValueError(f"kind must be all-reduce, reduce-scatter or all-gather, got {kind!r}")
+    bytes at the whole node's rate; an all-to-all priced as one ring over the group
+    (:meth:`LogicalMesh.all_to_all_cost`) would also send the pieces that stay in the node across it."""
+    if kind not in ("all-reduce", "reduce-scatter", "all-gather", "all-to-all"):
+        raise ValueError(f"kind must be all-reduce, reduce-scatter, all-gather or all-to-all, got {kind!r}")
     if group_size % per_node:
         raise ValueError(f"group_size {group_size} must be a multiple of per_node {per_node}")
     nodes = group_size // per_node
@@ -115,6 +124,11 @@ def collective_seconds(kind: str, num_bytes: float, cluster: ClusterSpec, group_
         flat = ring.all_reduce_cost(num_bytes, 0)
         staged = (two_level.reduce_scatter_cost(num_bytes, 1) + two_level.all_reduce_cost(share, 0)
                   + two_level.all_gather_cost(num_bytes, 1))
+    elif kind == "all-to-all":
+        flat = ring.all_to_all_cost(num_bytes, 0)
+        piece = num_bytes / group_size**2  # one device's piece for one other device
+        staged = flat if nodes == 1 else cluster.inter_node_latency + max(
+            (group_size - per_node) * piece * inter, (per_node - 1) * piece * intra)
     elif kind == "reduce-scatter":
         flat = ring.reduce_scatter_cost(num_bytes, 0)
         staged = two_level.reduce_scatter_cost(num_bytes, 1) + two_level.reduce_scatter_cost(share, 0)
@@ -202,8 +216,6 @@ def expert_parallel_estimate(workload: Workload, totals: StepTotals, cluster: Cl
     dense_bytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves if not _is_expert(x, e))
     optimizer_bytes = _tree_bytes(state.opt_state)
     per_node = cluster.num_devices_per_node
-    submesh = (1, n) if n <= per_node else (n // per_node, per_node)
-    mesh = LogicalMesh.from_cluster(cluster, submesh, (n // ep, ep))
     compute = (totals.step_flops + totals.apply_flops) / (n * cluster.peak_flops)
     # ZeRO-2: dense gradients reduce-scattered over all N, updated parameters all-gathered; expert gradients
     # the same over the N / EP replicas of each expert (an all-reduce's volume), whose group holds
@@ -217,7 +229,10 @@ def expert_parallel_estimate(workload: Workload, totals: StepTotals, cluster: Cl
     m = num_micro_batches
     tokens = workload.global_batch * config.seq_len / (n * m)
     dispatched = tokens * 2 * config.capacity_factor * config.hidden_size * np.dtype(config.dtype).itemsize
-    all_to_all = 6 * moe_layers * m * mesh.all_to_all_cost(dispatched * ep, 1)  # top-2 slots per token
+    # top-2 slots per token; an EP group is a run of consecutive devices: whole nodes when it has more than one
+    # node's devices (gcd: counted as the fewest devices it can have on one node when the run straddles nodes)
+    all_to_all = 6 * moe_layers * m * collective_seconds("all-to-all", dispatched * ep, cluster, ep,
+                                                         math.gcd(ep, min(n, per_node)))
     memory = dense_bytes + expert_bytes / ep + (dense_bytes + expert_bytes) / n + optimizer_bytes / n \
         + totals.activation_bytes_per_sequence * workload.global_batch / (n * m)
     fits = memory <= cluster.device_memory

@@ -14,6 +14,12 @@ cost model, so comparing it with the automatic plan shows whether the DP missed 
 logical meshes), e.g. Alpa's 16-GPU Wide-ResNet case study (stages of 4, 4 and 8 GPUs):
 
     python -m alpa_like.bench.breakdown wresnet-4b --gpus 16 --plan 4,4,8@1x4,1x4,1x8@1x4,1x4,2x4
+
+``--near SLACK --top N`` asks whether the DP misses a plan that simulates faster: it lists every aligned
+contiguous plan (:func:`near_optimal_stages`) whose stages each take at most ``SLACK`` times the DP's slowest
+stage, prices them with the DP's own table (Eq. 3.2) and simulates the ``N`` cheapest:
+
+    python -m alpa_like.bench.breakdown moe-10b --gpus 16 --micro-batches 256 --near 1.1 --top 30
 """
 from __future__ import annotations
 
@@ -22,6 +28,8 @@ import dataclasses
 import os
 import sys
 import time
+
+import numpy as np
 
 
 
@@ -75,12 +83,103 @@ def manual_option(layers: tuple[int, ...], submeshes, logical):
                              submesh_logical_shapes=tuple(logical), show_progress=False)
 
 
+def near_optimal_stages(costs, cluster_shape: tuple[int, int], num_micro_batches: int, device_memory: float,
+                        t_max_bound: float) -> list[tuple[float, tuple]]:
+    """Every plan of the stage DP's space laid out aligned in pipeline order
+    (:func:`~alpa_like.compiler.stage_dp.contiguous_offsets`) whose stages each take at most ``t_max_bound``
+    seconds per micro-batch once placed, as ``(Eq. 3.2 latency, stages)`` sorted by latency: each stage on
+    the fastest logical view that fits in memory as the ``s``-th stage from the end (Eq. 3.5, 1F1B), priced for
+    its layout (:func:`~alpa_like.compiler.stage_dp.price_placed_stages`) and by
+    :func:`~alpa_like.compiler.stage_dp.pipeline_latency`, exactly as the DP prices its answer.
+
+    >>> from alpa_like.compiler.stage_dp import StageCosts
+    >>> costs = StageCosts.from_fn(2, [(1, 1), (1, 2)], lambda i, j, sub, view: ((j - i + 1.0) / sub[1], 0, 0),
+    ...                            logical_shapes=[[(1, 1)], [(1, 2)]])
+    >>> [(t, [s.layers for s in stages]) for t, stages in near_optimal_stages(costs, (1, 2), 4, 1.0, 1.0)]
+    [(4.0, [(0, 1)]), (5.0, [(0, 0), (1, 1)])]
+    """
+    from alpa_like.compiler.stage_dp import MeshIdx, StageChoice, pipeline_latency, price_placed_stages
+
+    nodes, per_node = cluster_shape
+    total, layers = nodes * per_node, costs.num_layers
+    saving = costs.boundary_saving if costs.boundary_saving is not None else np.zeros(
+        (layers, layers, len(costs.submeshes), 2))
+    fastest = np.where(np.isfinite(costs.t_intra), costs.t_intra, np.inf).min(axis=-1)
+    layouts = []
+
+    def extend(first: int, offset: int, chosen: tuple) -> None:
+        if first == layers or offset == total:
+            if first == layers and offset == total:
+                layouts.append(chosen)
+            return
+        for p, (a, b) in enumerate(costs.submeshes):
+            size = a * b
+            if offset + size > total or offset % min(size, per_node) or (a == 1 and offset % per_node + b > per_node):
+                continue
+            for last in range(first, layers):
+                if fastest[first, last, p] - saving[first, last, p].sum() <= t_max_bound:
+                    extend(last + 1, offset + size, chosen + ((first, last, p),))
+
+    extend(0, 0, ())
+    plans = []
+    for layout in layouts:
+        stages = []
+        for q, (first, last, p) in enumerate(layout):
+            held = min(len(layout) - q, num_micro_batches)
+            memory = costs.mem_stage[first, last, p] + held * costs.mem_act[first, last, p]
+            t = np.where(memory <= device_memory, costs.t_intra[first, last, p], np.inf)
+            view = int(np.argmin(t))
+            if not np.isfinite(t[view]):
+                break
+            stages.append(StageChoice(layers=(first, last), submesh_index=MeshIdx(p), submesh=costs.submeshes[p],
+                                      logical_shape=costs.logical_shapes[p][view], view_index=view,
+                                      variant=costs.variants[p][view] if costs.variants else "",
+                                      t_intra=float(t[view]), memory_per_device=float(memory[view]),
+                                      step_seconds=costs.step_seconds_of(first, last, p)))
+        else:
+            placed = price_placed_stages(costs, stages, per_node)
+            if max(s.t_intra for s in placed) <= t_max_bound:
+                plans.append((pipeline_latency(placed, num_micro_batches), placed))
+    return sorted(plans, key=lambda item: item[0])
+
+
+def near_optimal_results(sliced, method, cluster, slack: float, top: int) -> list:
+    """The ``top`` cheapest plans of :func:`near_optimal_stages` (stages within ``slack`` times the DP's
+    slowest stage), each simulated like the suites' plans: ``ours.PlanResult`` labelled ``near k``."""
+    from alpa_like import pipeshard
+    from alpa_like.bench import ours
+    from alpa_like.compiler.submesh import assign_devices
+
+    if not slack >= 1.0 or not isinstance(top, int) or top < 1:
+        raise ValueError(f"--near takes a slack >= 1 and --top an int >= 1, got {slack!r} and {top!r}")
+    start = time.perf_counter()
+    with ours.cyclic_gc_paused():
+        plan, profile, solution = pipeshard._plan_and_profile(method, sliced, cluster)
+    near = near_optimal_stages(profile.costs, (cluster.num_nodes, cluster.num_devices_per_node),
+                               method.num_micro_batches, cluster.device_memory, solution.t_max * slack)
+    results = []
+    for k, (latency, stages) in enumerate(near[:top], 1):
+        devices = assign_devices([s.submesh for s in stages], cluster.num_nodes, cluster.num_devices_per_node)
+        given = dataclasses.replace(plan, estimated_iteration_time=latency, stages=tuple(
+            pipeshard._stage_plan(q, c, devices[q], sliced.traced, sliced.summaries, profile, method.num_micro_batches)
+            for q, c in enumerate(stages)))
+        with ours.cyclic_gc_paused():
+            simulation = ours.simulate_plan(given, sliced, method.num_micro_batches)
+        results.append(ours.PlanResult(variant=f"near {k} of {len(near)}", plan=given,
+                                       simulated_seconds=simulation.step_seconds,
+                                       planning_seconds=time.perf_counter() - start,
+                                       seconds_by_kind=dict(simulation.seconds_by_kind),
+                                       busy_seconds=simulation.busy_seconds))
+    return results
+
+
 def plan_rows(model: str, gpus: int, restrictions, preset: str = "p3.16xlarge",
               num_micro_batches: int | None = None, with_auto: bool = True, plans=(),
-              what_if: bool = False) -> list[dict]:
+              what_if: bool = False, near: tuple[float, int] | None = None) -> list[dict]:
     """One summary per plan (``auto`` and ``equal layer`` unless ``with_auto`` is False, then each
-    restriction, then each of ``plans``, :func:`parse_plan`'s tuples priced as given), as the suites write
-    them; with ``what_if``, also :func:`what_if_seconds` of each plan."""
+    restriction, then each of ``plans``, :func:`parse_plan`'s tuples priced as given, then with ``near =
+    (slack, top)`` :func:`near_optimal_results`), as the suites write them; with ``what_if``, also
+    :func:`what_if_seconds` of each plan."""
     from alpa_like import models
     from alpa_like.bench import ours, suites
     from alpa_like.bench.workloads import cluster_for, make_workload
@@ -105,6 +204,8 @@ def plan_rows(model: str, gpus: int, restrictions, preset: str = "p3.16xlarge",
                  + " as " + ",".join(f"{x}x{y}" for x, y in logical))
         option = manual_option(layers, submeshes, logical)
         results.append(ours.plan_method(label, dataclasses.replace(method, stage_option=option), sliced, cluster))
+    if near is not None:
+        results += near_optimal_results(sliced, method, cluster, *near)
     rows = [dict(r.summary(), model=model, gpus=gpus, cluster=preset, micro_batches=m) for r in results]
     if what_if:
         for row, r in zip(rows, results):
@@ -163,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the auto and equal-layer plans (only --restrict and --plan)")
     parser.add_argument("--what-if", action="store_true",
                         help="also simulate each plan with unshared NICs and with free transfers between stages")
+    parser.add_argument("--near", type=float, metavar="SLACK",
+                        help="also simulate the aligned plans whose stages are within SLACK x the DP's slowest stage")
+    parser.add_argument("--top", type=int, default=20, help="with --near: how many of them (cheapest by Eq. 3.2)")
     parser.add_argument("--out", help="JSON path (default results/breakdown_<model>_<gpus>.json)")
     args = parser.parse_args(argv)
     try:
@@ -174,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     rows = plan_rows(args.model, args.gpus, restrictions, args.cluster, args.micro_batches,
-                     with_auto=not args.only_restricted, plans=plans, what_if=args.what_if)
+                     with_auto=not args.only_restricted, plans=plans, what_if=args.what_if,
+                     near=None if args.near is None else (args.near, args.top))
     print(f"\n{args.model} on {args.gpus} GPUs, simulated {args.cluster} ({time.perf_counter() - start:.0f} s)")
     print(format_rows(rows))
     out = args.out or os.path.join("results", f"breakdown_{args.model}_{args.gpus}.json")

@@ -35,7 +35,9 @@ The cost model is the one our own planner uses, so the comparison is like for li
   receiving across nodes at the same time take turns, as our plans' stages do;
 * memory (Alpa Eq. 3.5, 1F1B): parameters and gradients and optimizer state divided over ``t`` (no ZeRO:
   Megatron-LM of the seeds replicates them over ``d``), plus ``min(p - q, m)`` micro-batches of activations
-  on stage ``q``, divided over ``t``.
+  on stage ``q``, divided over ``t``. A tied parameter is held, with its gradient and optimizer state, by
+  every stage whose layers read it (the embedding group's first and last stage keep a copy each:
+  :func:`replica_state_bytes`), as our own plans count it.
 
 :func:`grid_search` evaluates every configuration of :func:`enumerate_configs` (``t`` dividing the GPUs
 per node and the number of heads, ``p`` dividing the layers, micro-batch sizes ``b``, and ``v > 1`` when the
@@ -265,6 +267,22 @@ def tied_sync_seconds(cluster: ClusterSpec, config: MegatronConfig, costs: Trans
     return tuple(seconds)
 
 
+def replica_state_bytes(config: MegatronConfig, costs: TransformerCosts) -> tuple[float, ...]:
+    """Per pipeline stage, the bytes (all ``t`` ranks together) of its copies of
+    :attr:`TransformerCosts.shared_params`: a parameter read by layers of several stages is counted in
+    ``param_bytes`` and ``optimizer_bytes`` of its first layer only, yet every other stage reading it holds
+    it too, with its gradient and optimizer state (``2 + optimizer_bytes / param_bytes`` bytes per byte, the
+    model's ratio)."""
+    p, chunk = config.p, costs.num_layers // (config.p * config.v)
+    per_byte = 2 + sum(costs.optimizer_bytes) / max(sum(costs.param_bytes), 1.0)
+    held = [0.0] * p
+    for nbytes, layers in costs.shared_params:
+        home = (min(layers) // chunk) % p
+        for q in {(l // chunk) % p for l in layers} - {home}:
+            held[q] += nbytes * per_byte
+    return tuple(held)
+
+
 def shared_parameters(jaxpr, pieces, param_mask) -> tuple[tuple[float, tuple[int, ...]], ...]:
     """``(bytes, layers)`` of every parameter leaf (``param_mask``) that forward equations of more than one
     layer read, directly or through a marker (the :attr:`TransformerCosts.shared_params` of a sliced step)."""
@@ -317,12 +335,13 @@ def estimate(config: MegatronConfig, costs: TransformerCosts, cluster: ClusterSp
     pipeline = m * max(work) + (sum(work) - max(work)) / v
     sync, memory = [], []
     tied = tied_sync_seconds(cluster, config, costs)
+    replicas = replica_state_bytes(config, costs)
     for q in range(p):
         layers = [l for k in range(q, chunks, p) for l in range(k * per, (k + 1) * per)]
         params = sum(costs.param_bytes[l] for l in layers) / t
         sync.append(mesh.all_reduce_cost(params, 0) + tied[q]
                     + sum(costs.apply_flops[l] for l in layers) / (t * cluster.peak_flops))
-        state = (2 * params + sum(costs.optimizer_bytes[l] for l in layers) / t)
+        state = (2 * params + sum(costs.optimizer_bytes[l] for l in layers) / t) + replicas[q] / t
         activations = min(p - q, m) * b * sum(costs.activation_bytes[l] for l in layers) / t
         memory.append(state + activations)
     return MegatronEstimate(config=config, num_micro_batches=m, step_seconds=pipeline + max(sync),

@@ -17,9 +17,11 @@ returned :class:`PlanResult` holds the planner's message.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from alpa_like.cluster import ClusterSpec
 from alpa_like.compiler.layer_construction import Layering, operator_segments
@@ -102,19 +104,35 @@ def pipeshard_method(workload: Workload, num_micro_batches: int, stage_option=No
         stage_option=stage_option or AutoStageOption(show_progress=False))
 
 
+@contextlib.contextmanager
+def cyclic_gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside (restored after): tracing a large step and emitting and
+    simulating long instruction programs create millions of objects that live to the end, and each
+    generation-2 collection would walk all of them again. Reference counting still frees everything else."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def slice_workload(workload: Workload, method: PipeshardParallel) -> SlicedStep:
-    return slice_step(method, workload.train_step, workload.args, static_argnums=(), batch_argnums=(1,))
+    with cyclic_gc_paused():
+        return slice_step(method, workload.train_step, workload.args, static_argnums=(), batch_argnums=(1,))
 
 
 def simulate_plan(plan: ParallelPlan, sliced: SlicedStep, num_micro_batches: int, schedule: str = "1f1b",
                   **options) -> Simulation:
     """The plan's per-mesh instruction programs on the simulated backend (``runtime.simulator``);
-    ``options`` go to :func:`~alpa_like.runtime.simulator.simulate`."""
+    ``options`` go to :func:`~alpa_like.runtime.simulator.simulate`. The programs are emitted without FREEs,
+    which take no time on the simulated clock (same step; ``seconds_by_kind`` has no ``FREE`` entry)."""
     stage_to_mesh = list(range(len(plan.stages)))
     program = build_stage_program(sliced.closed_jaxpr, sliced.pieces, [s.layer_ids for s in plan.stages],
                                   [r == "batch" for r in sliced.roles], stage_to_mesh=stage_to_mesh)
     sched = make_schedule(schedule, num_meshes=len(plan.stages), num_micro_batches=num_micro_batches)
-    programs = emit_programs(program, sched, stage_to_mesh=stage_to_mesh)
+    programs = emit_programs(program, sched, stage_to_mesh=stage_to_mesh, free_buffers=False)
     return simulate(plan, program, programs, **options)
 
 
@@ -122,11 +140,13 @@ def plan_method(variant: str, method: PipeshardParallel, sliced: SlicedStep, clu
     """Plans ``sliced`` with ``method`` on ``cluster`` and simulates the plan; ``variant`` labels the result."""
     start = time.perf_counter()
     try:
-        plan = plan_sliced(method, sliced, cluster)
+        with cyclic_gc_paused():
+            plan = plan_sliced(method, sliced, cluster)
     except ValueError as e:  # no plan fits, or the variant cannot split this cluster
         return PlanResult(variant=variant, plan=None, simulated_seconds=None,
                           planning_seconds=time.perf_counter() - start, error=str(e))
-    simulation = simulate_plan(plan, sliced, method.num_micro_batches, method.pipeline_schedule)
+    with cyclic_gc_paused():
+        simulation = simulate_plan(plan, sliced, method.num_micro_batches, method.pipeline_schedule)
     return PlanResult(variant=variant, plan=plan, simulated_seconds=simulation.step_seconds,
                       planning_seconds=time.perf_counter() - start + sliced.seconds,
                       seconds_by_kind=dict(simulation.seconds_by_kind), busy_seconds=simulation.busy_seconds)

@@ -39,9 +39,11 @@ class Workload:
     """``(state, batch)`` as ``ShapeDtypeStruct`` pytrees (or arrays, for the local backend)."""
     num_layers: int
     """Layers handed to ``AutoLayerOption``: transformer blocks, or bottleneck blocks for Wide-ResNet.
-    GPT/OPT get one more for the tied logits (:func:`logits_to_block_flops`: GPT-6.7B 1.0, GPT-39B 0.51),
-    so that Eq. 3.6 can cut between blocks, where one hidden state crosses, rather than shift cuts into a
-    block to balance the logits' FLOPs; the stage DP may still put them with the last block."""
+    GPT/OPT and MoE get one more for the tied logits (:func:`logits_to_block_flops`: GPT-6.7B 1.0, GPT-39B
+    0.51), so that Eq. 3.6 can cut between blocks, where one hidden state crosses, rather than shift cuts into
+    a block to balance the logits' FLOPs; the stage DP may still put them with the last block. (MoE-10B with
+    one layer per block had cuts inside blocks: a layer boundary carrying 4.7 hidden states, and a residual
+    gradient skipping the MoE feed-forward's layer into the one before it.)"""
     remat: bool
 
 
@@ -56,6 +58,29 @@ def cluster_for(num_gpus: int, preset: str = "p3.16xlarge") -> al.ClusterSpec:
     if num_gpus % per_node:
         raise ValueError(f"{num_gpus} GPUs is not a whole number of {preset} nodes ({per_node} GPUs each)")
     return al.ClusterSpec.preset(preset, num_nodes=num_gpus // per_node)
+
+
+def micro_batch_count_error(workload: Workload, num_micro_batches: int) -> str | None:
+    """Why the step of ``workload`` cannot be split into ``num_micro_batches`` micro-batches without changing
+    the model, or None: the count must divide the global batch, and an MoE micro-batch must hold whole
+    routing groups of ``expert_group_size`` tokens (a micro-batch of fewer tokens is routed as one smaller
+    group, whose expert capacity ``2 S / E`` is smaller: another model, with other FLOPs).
+
+    >>> moe_10b = make_workload("moe-10b", 1024)
+    >>> micro_batch_count_error(moe_10b, 512) is None
+    True
+    >>> micro_batch_count_error(moe_10b, 1024)
+    'a micro-batch of 1024 tokens is less than one routing group (expert_group_size=2048)'
+    """
+    if workload.global_batch % num_micro_batches:
+        return f"{num_micro_batches} micro-batches do not divide the global batch {workload.global_batch}"
+    if workload.family == "moe":
+        c = workload.config
+        tokens = workload.global_batch // num_micro_batches * c.seq_len
+        if tokens < c.expert_group_size:
+            return (f"a micro-batch of {tokens} tokens is less than one routing group "
+                    f"(expert_group_size={c.expert_group_size})")
+    return None
 
 
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
@@ -95,7 +120,7 @@ def make_workload(name: str, global_batch: int) -> Workload:
         state = train_state_shapes("moe", moe.moe_param_shapes(config))
         return Workload(name=name, family="moe", config=config, global_batch=global_batch,
                         train_step=loss_train_step(moe.moe_loss(moe.MoEModel(config))),
-                        args=(state, moe.moe_batch_shapes(config, global_batch)), num_layers=config.num_layers,
+                        args=(state, moe.moe_batch_shapes(config, global_batch)), num_layers=config.num_layers + 1,
                         remat=True)
     if isinstance(config, models.GPTConfig):
         config = dataclasses.replace(config, dtype=jnp.float16)

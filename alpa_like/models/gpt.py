@@ -169,7 +169,11 @@ def _dense(features: int, dtype: Any, name: str) -> nn.Dense:
 
 
 class SelfAttention(nn.Module):
-    """Multi-head causal self-attention: fused QKV projection, :func:`causal_self_attention`, output."""
+    """Multi-head causal self-attention: fused QKV projection, :func:`causal_self_attention`, output.
+
+    The fused projection's features are head-major, ``(heads, 3, head_dim)`` (Megatron-LM's layout): a split
+    of them into contiguous blocks (tensor parallelism) gives each device whole heads with their q, k and v,
+    so the split passes through the reshape to the heads dim instead of needing the features whole."""
 
     config: GPTConfig
 
@@ -178,8 +182,8 @@ class SelfAttention(nn.Module):
         cfg = self.config
         batch, seq, _ = x.shape
         qkv = _dense(3 * cfg.hidden_size, cfg.dtype, "qkv")(x)
-        qkv = qkv.reshape(batch, seq, 3, cfg.num_heads, cfg.head_dim)
-        out = causal_self_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
+        qkv = qkv.reshape(batch, seq, cfg.num_heads, 3, cfg.head_dim)
+        out = causal_self_attention(qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2])
         return _dense(cfg.hidden_size, cfg.dtype, "out")(out.reshape(batch, seq, cfg.hidden_size))
 
 

@@ -8,6 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import alpa_like as al
@@ -283,3 +284,29 @@ def test_strategies_memoised_across_equations_equal_the_rules_run_on_every_node(
     assert len(auto_sharding._RULE_CACHE) < sum(len(row) for row in cached) / 2  # the layers did share entries
     monkeypatch.setattr(auto_sharding, "eqn_signature", lambda eqn: None)
     assert auto_sharding.strategy_table(graph, ctx) == cached
+
+
+def test_vocabulary_parallel_cross_entropy_needs_only_per_token_all_reduces():
+    """Megatron-LM's vocabulary-parallel logits: the tied embedding ``w`` split over the vocabulary, the
+    hidden states replicated. Logits, softmax and their gradients stay split over the vocabulary; what
+    crosses devices is one float per token for each reduction over it: the label's logit (a gather), the
+    max and the sum of the log-softmax, and the max's tie count of its derivative: 4 all-reduces of
+    ``B * S`` floats. The softmax's ``broadcast_in_dim`` of a per-token scale to the logits' shape must be
+    sliced to the split logits, not make them whole (it once all-gathered the ``B * S * V`` gradient)."""
+    vocab, hidden, batch, seq = 256, 32, 2, 16
+
+    def step(params, data):
+        def loss(p):
+            logits = jnp.einsum("bsh,vh->bsv", data["x"], p["w"])
+            return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, data["y"]))
+        value, grads = al.value_and_grad(loss)(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), value
+
+    args = ({"w": jax.ShapeDtypeStruct((vocab, hidden), jnp.float32)},
+            {"x": jax.ShapeDtypeStruct((batch, seq, hidden), jnp.float32),
+             "y": jax.ShapeDtypeStruct((batch, seq), jnp.int32)})
+    vocab_split = PassOptions(input_candidates={0: (S("S1R"),), 1: (S("RRR"),), 2: (S("RR"),)})
+    solution, specs, _ = solve_step(step, args, mesh((1, 2)), vocab_split)
+    assert specs["params.w"] == S("S1R")
+    assert solution.objective == pytest.approx(4 * all_reduce(batch * seq * 4, 2))
+    assert not solution.reshards or max(r.seconds for r in solution.reshards) < batch * seq * vocab

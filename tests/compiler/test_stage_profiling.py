@@ -12,8 +12,9 @@ from flax.training import train_state
 import alpa_like as al
 from alpa_like.compiler.auto_sharding import PassOptions
 from alpa_like.compiler.stage_dp import StageCosts, brute_force_stages, solve_stages
-from alpa_like.compiler.stage_profiling import (PARAMS_SHARDED, ReceivedValues, boundary_saving, shared_nic_wait,
-                                               profile_stage_costs, receive_seconds, received_per_micro_batch)
+from alpa_like.compiler.stage_profiling import (PARAMS_HALF_SHARDED, PARAMS_SHARDED, ReceivedValues, boundary_saving,
+                                               profile_stage_costs, receive_seconds, received_per_micro_batch,
+                                               shared_nic_wait)
 from alpa_like.pipeshard import slice_step
 
 HIDDEN, ROWS, LAYERS = 1024, 8192, 4
@@ -75,6 +76,27 @@ def test_the_lean_variant_shards_every_weight_and_costs_time_not_memory(profile)
         assert lean.seconds >= fastest.seconds
     assert (profile.costs.mem_stage[:, :, 1, 1] < profile.costs.mem_stage[:, :, 1, 0]).all(where=np.triu(
         np.ones((LAYERS, LAYERS), bool)))
+
+
+def test_meshes_of_four_devices_add_a_half_sharded_variant_between_the_two(sliced_profile_inputs):
+    """On a (2, 2) view the fastest solve replicates the weights (data parallel), the lean one splits each
+    over all 4 devices, and the one in between over at least 2 (here exactly 2: the cheapest such layout):
+    its memory lies between theirs and its time is at most the lean one's (the lean layout meets its limit
+    too, so the ILP could have chosen it)."""
+    sliced = sliced_profile_inputs
+    cluster = al.ClusterSpec.preset("p3.16xlarge")
+    param_mask = [r == "param" for r in sliced.roles]
+    optimizer_bytes = [sum(sliced.traced.in_leaves[i].nbytes for i in inputs) for inputs in sliced.optimizer_inputs]
+    profile = profile_stage_costs(sliced.jaxpr, sliced.pieces, sliced.summaries, param_mask, optimizer_bytes,
+                                  cluster, [(1, 2), (1, 4)], [[(1, 2)], [(2, 2)]],
+                                  PassOptions(peak_flops=cluster.peak_flops))
+    assert profile.costs.variants == (("", PARAMS_SHARDED), ("", PARAMS_HALF_SHARDED, PARAMS_SHARDED))
+    weight = HIDDEN * HIDDEN * 4
+    for layer in range(LAYERS):
+        fastest, half, lean = (profile.layer_costs[(layer, 1, e)] for e in range(3))
+        assert (fastest.param_bytes_per_device, half.param_bytes_per_device, lean.param_bytes_per_device) == (
+            weight, weight / 2, weight / 4)
+        assert fastest.seconds <= half.seconds <= lean.seconds
 
 
 def boundary_receive_seconds(i, j, devices, cluster, num_micro_batches=4):
@@ -254,3 +276,17 @@ def test_a_stage_holding_the_lookup_but_not_the_logits_receives_their_embedding_
     expected = (first == 0) & (last < k - 1)
     np.testing.assert_array_equal(received.num_bytes, np.where(expected, embedding, 0))
     np.testing.assert_array_equal(received.count, expected.astype(float))
+
+
+def test_a_stage_holding_a_replicated_update_holds_its_optimizer_state(tied_gpt):
+    """The stage holding GPT's lookup but not the logits runs its own copy of the embedding's Adam update, so
+    it holds the embedding's two moments besides the parameter its layers read: Eq. 3.5's ``mem_stage`` must
+    count them. (Adam's step count is not among them: the update reads the incremented count that another
+    layer's apply-grad makes, a received value.) No other range holds replica state."""
+    from alpa_like.compiler.stage_profiling import replica_state_bytes
+
+    sliced, embedding = tied_gpt
+    k = len(sliced.summaries)
+    held = replica_state_bytes(sliced.jaxpr, sliced.pieces, k)
+    first, last = np.meshgrid(np.arange(k), np.arange(k), indexing="ij")
+    np.testing.assert_array_equal(held, np.where((first == 0) & (last < k - 1), 2 * embedding, 0))

@@ -261,6 +261,29 @@ def test_frees_follow_each_buffers_last_use(case):
     assert list(programs.instructions) == _frees_by_definition(bare, program, keep, key_of)
 
 
+@pytest.mark.parametrize("case", ["gpt 1f1b", "tied"])
+def test_programs_without_frees_simulate_the_same_step(case):
+    """``emit_programs(..., free_buffers=False)`` is the same program without its FREEs, and the simulated
+    backend gives it the same step, spans and per-kind seconds (less the zero FREE total)."""
+    from alpa_like.runtime.instructions import Op, emit_programs
+    from alpa_like.runtime.schedules import make_schedule
+
+    if case == "tied":
+        plan, program, programs = tied_programs(True)
+        schedule = make_schedule("1f1b", num_meshes=2, num_micro_batches=2)
+    else:
+        exe = executable("1f1b")
+        plan, program, programs = exe.plan, exe.program, exe.programs
+        schedule = make_schedule("1f1b", num_meshes=2, num_micro_batches=4)
+    bare = emit_programs(program, schedule, list(programs.stage_to_mesh), free_buffers=False)
+    assert list(bare.instructions) == [ins for ins in programs.instructions if ins.op is not Op.FREE]
+    assert len(bare.instructions) < len(programs.instructions)
+    assert (bare.outputs, bare.output_copies) == (programs.outputs, programs.output_copies)
+    full, lean = simulate(plan, program, programs, trace=True), simulate(plan, program, bare, trace=True)
+    assert lean.step_seconds == full.step_seconds and lean.instruction_spans == full.instruction_spans
+    assert lean.seconds_by_kind == {k: v for k, v in full.seconds_by_kind.items() if k != "FREE"}
+
+
 @pytest.mark.parametrize("shared_host_compute", [False, True])
 def test_step_totals_and_transfers_agree_with_the_traced_spans(shared_host_compute):
     """``seconds_by_kind`` is the sum of the traced spans' durations per :func:`instruction_kind` of their text

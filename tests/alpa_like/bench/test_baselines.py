@@ -90,5 +90,48 @@ def test_collectives_across_nodes_send_one_share_per_device_across():
     assert expected < a_out + 2 * 15 / 16 * b * inter
     assert baselines.collective_seconds("reduce-scatter", b, cluster, 16, 8) == pytest.approx(
         a_in + 7 / 8 * b * intra + a_out + 1 / 2 * (b / 8) * inter)
-    with pytest.raises(ValueError, match="kind must be all-reduce, reduce-scatter or all-gather, got 'all-to-all'"):
-        baselines.collective_seconds("all-to-all", b, cluster, 16, 8)
+    with pytest.raises(ValueError, match="kind must be all-reduce, reduce-scatter, all-gather or all-to-all, "
+                                         "got 'broadcast'"):
+        baselines.collective_seconds("broadcast", b, cluster, 16, 8)
+
+
+def test_all_to_all_inside_a_node_is_the_logical_mesh_price():
+    cluster = cluster_for(16)
+    mesh = LogicalMesh.from_cluster(cluster, (1, 8), (8,))
+    assert baselines.collective_seconds("all-to-all", 1e9, cluster, 8, 8) == pytest.approx(mesh.all_to_all_cost(1e9, 0))
+
+
+def test_all_to_all_across_nodes_sends_only_the_other_nodes_pieces_across():
+    """16 devices on 2 nodes, each holding B/16: it sends 8 of its 16 pieces (B/256 each) to the other node at
+    one device's share of the NIC and 7 inside its node over NVLink at the same time; a ring over the 16
+    would send all 15 at the network share."""
+    cluster = cluster_for(16)
+    b, inter, intra = 8e9, 1 / cluster.inter_node_bandwidth, 1 / cluster.intra_node_bandwidth
+    expected = cluster.inter_node_latency + max(8 * b / 256 * inter, 7 * b / 256 * intra)
+    assert baselines.collective_seconds("all-to-all", b, cluster, 16, 8) == pytest.approx(expected)
+    assert expected < cluster.inter_node_latency + 15 * b / 256 * inter
+    # four nodes: 24 of the 32 pieces cross
+    big = cluster_for(32)
+    assert baselines.collective_seconds("all-to-all", b, big, 32, 8) == pytest.approx(
+        big.inter_node_latency + 24 * b / 32**2 * inter)
+
+
+def test_expert_parallel_all_to_all_is_priced_per_node(tiny_moe):
+    """Two nodes of 2 devices: EP=4 spans both nodes and holds each expert once (no expert gradient to
+    reduce), so its communication is the dense ZeRO-2 reduce-scatter and all-gather over the 4 devices plus
+    six all-to-alls per MoE layer and micro-batch at collective_seconds' node-aware price of the dispatched
+    slots (2 per token, capacity factor 1, FP16)."""
+    workload, totals = tiny_moe
+    cluster = dataclasses.replace(cluster_for(4), num_nodes=2, num_devices_per_node=2)
+    config, m = workload.config, 2
+    leaves = jax.tree.leaves(workload.args[0].params)
+    dense = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves
+                if not (len(x.shape) == 3 and x.shape[0] == config.num_experts))
+    tokens = workload.global_batch * config.seq_len / (4 * m)
+    dispatched = tokens * 2 * config.capacity_factor * config.hidden_size * 2
+    moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
+    expected = (baselines.collective_seconds("reduce-scatter", dense, cluster, 4, 2)
+                + baselines.collective_seconds("all-gather", dense, cluster, 4, 2)
+                + 6 * moe_layers * m * baselines.collective_seconds("all-to-all", dispatched * 4, cluster, 4, 2))
+    result = baselines.expert_parallel_estimate(workload, totals, cluster, 4, m)
+    assert moe_layers > 0 and result.communication_seconds == pytest.approx(expected)

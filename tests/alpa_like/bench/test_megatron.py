@@ -231,3 +231,17 @@ def test_best_replayed_keeps_the_fastest_replayed_of_the_closed_forms_best():
     assert replayed and est in fitting
     assert seconds == pytest.approx(min(replay(e) for e in fitting))
     assert megatron.best_replayed(grid_search(uniform_costs(param_bytes=64 * GIB), cluster(), 8)) is None
+
+
+def test_every_stage_reading_a_tied_parameter_holds_a_copy_with_its_state():
+    """A 4-layer model whose first and last layer share 8e8 bytes; optimizer state is 2 bytes per parameter
+    byte (uniform_costs). On p = 2 stages the last stage holds a second copy: parameter, gradient and state,
+    4 bytes per byte, 3.2e9 bytes over its t ranks; one stage holding both layers holds one copy."""
+    plain = uniform_costs(activation_bytes=0.0)  # every stage then holds as much as the other
+    tied = dataclasses.replace(plain, shared_params=((8e8, (0, 3)),))
+    assert megatron.replica_state_bytes(MegatronConfig(t=2, p=2, d=2, b=1), tied) == (0.0, 3.2e9)
+    assert megatron.replica_state_bytes(MegatronConfig(t=4, p=1, d=2, b=1), tied) == (0.0,)
+    c = cluster(nodes=2, per_node=4, memory=10**6 * GIB)
+    config = MegatronConfig(t=2, p=2, d=2, b=1)
+    gap = estimate(config, tied, c, 8).memory_per_device - estimate(config, plain, c, 8).memory_per_device
+    assert gap == pytest.approx(3.2e9 / 2)

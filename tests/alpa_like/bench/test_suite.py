@@ -69,7 +69,8 @@ def test_our_automatic_plan_keeps_the_fastest_micro_batch_count():
 def test_cases_try_several_micro_batch_counts_unless_given():
     assert suites.suite_cases("gpt", ["gpt-1.3b"])[0].auto_micro_batches == suites.AUTO_MICRO_BATCHES["gpt"]
     assert suites.suite_cases("gpt", ["gpt-1.3b"], micro_batches=32)[0].auto_micro_batches == (32,)
-    assert suites.suite_cases("moe", ["moe-380m"])[0].auto_micro_batches == (64,)
+    assert suites.suite_cases("moe", ["moe-380m"])[0].auto_micro_batches == suites.AUTO_MICRO_BATCHES["moe"]
+    assert suites.suite_cases("wresnet", ["wresnet-250m"])[0].auto_micro_batches == (64,)
 
 
 def test_plan_text_counts_repeats():
@@ -136,3 +137,69 @@ def test_breakdown_prices_a_given_plan_no_better_than_the_dp():
     wrong = breakdown.plan_rows("gpt-tiny", 4, [], num_micro_batches=2, with_auto=False,
                                 plans=[((1, 1), ((1, 2), (1, 2)), ((1, 2), (1, 2)))])
     assert "layers 0.." in wrong[0]["error"]  # the layers must cover the model: a row with the planner's message
+
+
+def test_cyclic_gc_is_paused_inside_and_restored_after():
+    import gc
+
+    from alpa_like.bench import ours
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="inside"):
+        with ours.cyclic_gc_paused():
+            assert not gc.isenabled()
+            raise RuntimeError("inside")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with ours.cyclic_gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # a caller's own pause is kept
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_near_optimal_plans_start_with_the_brute_force_optimum(seed):
+    """On two devices every layout is aligned, so the cheapest plan :func:`near_optimal_stages` lists with an
+    unbounded slowest stage is the brute-force optimum of Eq. 3.2 (random times and memory, some views not
+    fitting); the list is sorted, and a bound keeps only plans whose every stage is within it."""
+    import numpy as np
+
+    from alpa_like.bench import breakdown
+    from alpa_like.compiler.stage_dp import StageCosts, brute_force_stages, pipeline_latency
+
+    rng = np.random.default_rng(seed)
+    table = {}
+
+    def cost(i, j, sub, view):
+        key = (i, j, sub, view)
+        if key not in table:
+            table[key] = (float(rng.uniform(0.5, 2.0)) * (j - i + 1) / sub[1], float(rng.uniform(0, 0.8)),
+                          float(rng.uniform(0, 0.2)))
+        return table[key]
+
+    costs = StageCosts.from_fn(4, [(1, 1), (1, 2)], cost)
+    best = brute_force_stages(costs, (1, 2), 3, 1.0)
+    plans = breakdown.near_optimal_stages(costs, (1, 2), 3, 1.0, np.inf)
+    assert best is not None and plans
+    assert plans[0][0] == pytest.approx(best.iteration_time)
+    assert [t for t, _ in plans] == sorted(t for t, _ in plans)
+    assert all(t == pytest.approx(pipeline_latency(stages, 3)) for t, stages in plans)
+    bound = best.t_max
+    kept = breakdown.near_optimal_stages(costs, (1, 2), 3, 1.0, bound)
+    assert kept and all(max(s.t_intra for s in stages) <= bound for _, stages in kept)
+    assert [t for t, _ in kept] == [t for t, stages in plans if max(s.t_intra for s in stages) <= bound]
+
+
+def test_breakdown_near_optimal_plans_are_simulated_and_the_first_is_the_dps():
+    from alpa_like.bench import breakdown
+
+    rows = breakdown.plan_rows("gpt-tiny", 4, [], num_micro_batches=2, near=(1.5, 3))
+    auto, near = rows[0], [r for r in rows if r["variant"].startswith("near ")]
+    assert 1 <= len(near) <= 3 and near[0]["variant"].startswith("near 1 of ")
+    assert near[0]["dp_predicted_s"] >= auto["dp_predicted_s"] * (1 - 1e-9)  # the DP's optimum is a lower bound
+    assert all(r["simulated_s"] > 0 for r in near)
+    assert [r["dp_predicted_s"] for r in near] == sorted(r["dp_predicted_s"] for r in near)
+    with pytest.raises(ValueError, match="--near takes a slack >= 1"):
+        breakdown.plan_rows("gpt-tiny", 4, [], num_micro_batches=2, with_auto=False, near=(0.5, 3))

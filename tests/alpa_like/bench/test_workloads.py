@@ -3,7 +3,7 @@ still sees one layer per block."""
 import pytest
 
 from alpa_like.bench import ours
-from alpa_like.bench.workloads import logits_to_block_flops, make_workload, transformer_costs
+from alpa_like.bench.workloads import logits_to_block_flops, make_workload, micro_batch_count_error, transformer_costs
 from alpa_like.pipeshard import AutoLayerOption
 
 
@@ -41,6 +41,26 @@ def test_gpt_39b_layers_are_its_blocks_and_the_logits():
     assert flops[48] / flops[1] == pytest.approx(logits_to_block_flops(workload.config), rel=0.05)
 
 
+def test_moe_10b_layers_are_its_blocks_and_the_logits():
+    """MoE also gets a layer for the logits: each of MoE-10B's 17 layers receives exactly one hidden state
+    (``tokens x hidden`` FP16) from each neighbour per micro-batch (its input, and its output's gradient)
+    (the first and the last have one neighbour) and beside them only FP32 scalars (the MoE layers'
+    auxiliary load-balancing losses, which the last layer adds up, and their cotangents)."""
+    from alpa_like.compiler.stage_profiling import received_per_micro_batch
+
+    workload = make_workload("moe-10b", 1024)
+    assert workload.num_layers == 17
+    sliced = ours.slice_workload(workload, ours.pipeshard_method(workload, 256))
+    received = received_per_micro_batch(sliced.jaxpr, sliced.pieces, len(sliced.summaries))
+    c = workload.config
+    hidden = 1024 // 256 * c.seq_len * c.hidden_size * 2
+    assert len(sliced.summaries) == 17
+    for l in range(17):
+        expected = [0 if l == 0 else hidden, 0 if l == 16 else hidden]
+        assert all(0 <= b - e <= 4 for b, e in zip(received.neighbour_bytes[l, l], expected))
+        assert 0 <= received.num_bytes[l, l] - sum(expected) <= 4 * 8  # the 8 MoE layers' scalars at most
+
+
 def _tree_bytes(tree) -> int:
     import math
 
@@ -64,3 +84,16 @@ def test_gpt_and_wide_resnet_keep_adam():
     assert _tree_bytes(gpt_state.opt_state) == pytest.approx(2 * _tree_bytes(gpt_state.params), abs=64)
     wresnet_state = make_workload("wresnet-tiny", 8).args[0]["train"]
     assert _tree_bytes(wresnet_state.opt_state) == pytest.approx(2 * _tree_bytes(wresnet_state.params), abs=64)
+
+
+def test_micro_batch_counts_must_divide_the_batch_and_keep_whole_moe_routing_groups():
+    import dataclasses
+
+    gpt = make_workload("gpt-tiny", 8)
+    assert micro_batch_count_error(gpt, 8) is None
+    assert micro_batch_count_error(gpt, 3) == "3 micro-batches do not divide the global batch 8"
+    moe = make_workload("moe-tiny", 8)  # 16 tokens per sequence
+    moe = dataclasses.replace(moe, config=dataclasses.replace(moe.config, expert_group_size=32))
+    assert micro_batch_count_error(moe, 4) is None  # 2 sequences: one whole group of 32 tokens
+    assert micro_batch_count_error(moe, 8) == ("a micro-batch of 16 tokens is less than one routing group "
+                                               "(expert_group_size=32)")
