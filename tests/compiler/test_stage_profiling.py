@@ -13,8 +13,8 @@ import alpa_like as al
 from alpa_like.compiler.auto_sharding import PassOptions
 from alpa_like.compiler.stage_dp import StageCosts, brute_force_stages, solve_stages
 from alpa_like.compiler.stage_profiling import (PARAMS_HALF_SHARDED, PARAMS_SHARDED, ReceivedValues, boundary_saving,
-                                               shared_nic_wait,
-                                               profile_stage_costs, receive_seconds, received_per_micro_batch)
+                                               profile_stage_costs, receive_seconds, received_per_micro_batch,
+                                               shared_nic_wait)
 from alpa_like.pipeshard import slice_step
 
 HIDDEN, ROWS, LAYERS = 1024, 8192, 4
