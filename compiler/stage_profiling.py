@@ -40,7 +40,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import hashlib
-import math
 import multiprocessing
 import os
 import time
@@ -539,7 +538,7 @@ def _received_by_ranges(producer_layer: dict[Var, int], readers: dict[Var, set[i
     for v, layers in readers.items():
         a = producer_layer[v]
         received = _ranges_holding(layers, first, last) & ~_ranges_holding((a,), first, last)
-        size = math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize
+        size = nbytes(v.aval)
         num_bytes += received * size
         count += received
         for side, adjacent in enumerate((first == a + 1, last == a - 1)):

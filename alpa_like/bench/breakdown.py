@@ -164,7 +164,7 @@ def near_optimal_results(sliced, method, cluster, slack: float, top: int) -> lis
             pipeshard._stage_plan(q, c, devices[q], sliced.traced, sliced.summaries, profile, method.num_micro_batches)
             for q, c in enumerate(stages)))
         with ours.cyclic_gc_paused():
-            simulation = ours.simulate_plan(given, sliced)
+            simulation = pipeshard.simulate_plan(given, sliced)
         results.append(ours.PlanResult(variant=f"near {k} of {len(near)}", plan=given,
                                        simulated_seconds=simulation.step_seconds,
                                        planning_seconds=time.perf_counter() - start,
@@ -218,12 +218,12 @@ def what_if_seconds(plan, sliced) -> dict[str, float]:
     """The plan's simulated step with every transfer given its NICs alone (``no_nic_contention_s``) and with
     free transfers between stages (``free_transfers_s``: infinite link bandwidths, zero latencies; the
     stages' own intra-op communication is the plan's, unchanged)."""
-    from alpa_like.bench import ours
+    from alpa_like.pipeshard import simulate_plan
 
     free = dataclasses.replace(plan.cluster, inter_node_bandwidth=1e30, intra_node_bandwidth=1e30,
                                inter_node_latency=0.0, intra_node_latency=0.0)
-    return {"no_nic_contention_s": ours.simulate_plan(plan, sliced, nic_contention=False).step_seconds,
-            "free_transfers_s": ours.simulate_plan(dataclasses.replace(plan, cluster=free), sliced).step_seconds}
+    return {"no_nic_contention_s": simulate_plan(plan, sliced, nic_contention=False).step_seconds,
+            "free_transfers_s": simulate_plan(dataclasses.replace(plan, cluster=free), sliced).step_seconds}
 
 
 def format_rows(rows: list[dict]) -> str:
