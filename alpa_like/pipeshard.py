@@ -346,14 +346,21 @@ def _plan_and_profile(method: PipeshardParallel, sliced: SlicedStep, cluster: Cl
     t3 = time.perf_counter()
     plan = build(solution)
     times["other"] = time.perf_counter() - t3
-    if _contention_estimated(method, profile.costs):
+    alternatives = _alternative_tables(method, profile)
+    if alternatives:
         t4 = time.perf_counter()
-        blind = _solve(method, dataclasses.replace(profile.costs, nic_wait=None), cluster)
-        if _layout(blind) != _layout(solution):
-            progress.step("step 3b/4: the DP's plan with and without its shared-NIC wait differ: simulating both")
-            other = build(blind)
-            if simulate_plan(other, sliced).step_seconds < simulate_plan(plan, sliced).step_seconds:
-                plan, solution = other, blind
+        plans = {_layout(solution): (plan, solution)}
+        for table in alternatives:
+            try:
+                other = _solve(method, table, cluster)
+            except ValueError:  # nothing fits under the pessimistic pricing
+                continue
+            if _layout(other) not in plans:
+                plans[_layout(other)] = (build(other), other)
+        if len(plans) > 1:
+            progress.step(f"step 3b/4: the DP's tables for what it estimates give {len(plans)} plans: "
+                          "simulating them")
+            plan, solution = min(plans.values(), key=lambda chosen: simulate_plan(chosen[0], sliced).step_seconds)
         times["simulated choice"] = time.perf_counter() - t4
     progress.step(f"step 4/4: done: {len(plan.stages)} stages, layers per stage {solution.layers_per_stage}")
     plan = dataclasses.replace(plan, compile_times=tuple(times.items()))
@@ -364,11 +371,29 @@ def _plan_and_profile(method: PipeshardParallel, sliced: SlicedStep, cluster: Cl
     return plan, profile, solution
 
 
-def _contention_estimated(method: PipeshardParallel, costs: StageCosts) -> bool:
-    """Whether the stage DP priced an expected wait for shared NICs (``StageCosts.nic_wait``) on a schedule
-    the simulated backend runs here (one stage per mesh; not TeraPipe)."""
-    return (costs.nic_wait is not None and bool(costs.nic_wait.any()) and method.virtual_stages == 1
-            and method.pipeline_schedule != "terapipe" and isinstance(method.stage_option, AutoStageOption))
+def _alternative_tables(method: PipeshardParallel, profile: StageProfile) -> list[StageCosts]:
+    """The stage DP's table under the other pricings of what it can only estimate, for the planner to solve
+    and simulate beside the main one (the fastest simulated plan is kept); [] when there is nothing to
+    settle or the simulated backend does not run the schedule (virtual stages, TeraPipe) or the stages are
+    given by hand.
+
+    * Shared NICs: ``nic_wait`` is an expected wait, high where transfers never collide (a GPT's equal
+      stages under 1F1B take turns without waiting) and right where they do (Wide-ResNet's uneven stages):
+      the table without it.
+    * Senders on fewer nodes: a stage of several nodes receives at its own NICs in the table, but a
+      neighbour inside one node sends through one
+      (:func:`~alpa_like.compiler.stage_profiling.sender_limited_extra`): the table with that extra, with and
+      without ``nic_wait``."""
+    if not (method.virtual_stages == 1 and method.pipeline_schedule != "terapipe"
+            and isinstance(method.stage_option, AutoStageOption)):
+        return []
+    costs = profile.costs
+    contention = costs.nic_wait is not None and bool(costs.nic_wait.any())
+    tables = [dataclasses.replace(costs, nic_wait=None)] if contention else []
+    if profile.sender_limited is not None and profile.sender_limited.any():
+        limited = dataclasses.replace(costs, t_intra=costs.t_intra + profile.sender_limited[..., None])
+        tables += [limited] + ([dataclasses.replace(limited, nic_wait=None)] if contention else [])
+    return tables
 
 
 def _layout(solution: StageSolution) -> tuple:
@@ -381,11 +406,8 @@ def simulate_plan(plan: ParallelPlan, sliced: SlicedStep, **options):
     :class:`~alpa_like.runtime.simulator.Simulation`. The programs are emitted without FREEs, which take no
     time on the simulated clock.
 
-    The planner uses it where the stage DP's cost is an estimate the simulator resolves: the DP prices two
-    meshes of one node sharing its NICs with an expected wait (``StageCosts.nic_wait``), high where their
-    transfers never collide (the equal stages of a GPT under 1F1B take turns without waiting) and right where
-    they do (Wide-ResNet's uneven stages). When the DP's plans with and without that wait differ, both are
-    simulated and the faster is kept."""
+    The planner uses it where the stage DP's cost is an estimate the simulator resolves: when the DP's plans
+    under the pricings of :func:`_alternative_tables` differ, each is simulated and the fastest is kept."""
     stage_to_mesh = list(range(len(plan.stages)))
     program = build_stage_program(sliced.closed_jaxpr, sliced.pieces, [s.layer_ids for s in plan.stages],
                                   [r == "batch" for r in sliced.roles], stage_to_mesh=stage_to_mesh)

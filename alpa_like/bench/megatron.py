@@ -16,6 +16,8 @@ The cost model is the one our own planner uses, so the comparison is like for li
   on the ``d`` axis, point-to-point sends between stages, across nodes with Megatron's scatter/gather
   optimisation: ``1/t`` of the bytes per rank, a node's whole NIC shared by the stage's ranks on it, as our
   own plans are priced);
+* batch inputs: each chunk whose layers read a batch input (the first, the tokens; the last, the labels)
+  loads its micro-batch slice from the host before the forward (:func:`load_seconds`), as our plans do;
 * tied parameters: a parameter read by layers of several pipeline stages (GPT's word embedding, read by
   the first layer and by the logits) has its gradient all-reduced between those stages after the pipeline
   drains, before the optimizer step (Megatron-LM's "embedding group" of first and last stage,
@@ -94,6 +96,10 @@ class TransformerCosts:
     shared_params: tuple[tuple[float, tuple[int, ...]], ...] = ()
     """``(bytes, layers)`` of every parameter that the forwards of several layers read (a tied embedding:
     the first and the last layer); its gradient is all-reduced between the stages holding those layers."""
+    batch_inputs: tuple[tuple[float, tuple[int, ...]], ...] = ()
+    """``(bytes per sequence, layers)`` of every batch input (tokens, labels) and the layers whose forwards
+    read it: each chunk holding one of those layers loads its micro-batch slice from the host, as our own
+    plans' meshes do (the simulated backend's per-micro-batch ``LOAD``)."""
 
     def __post_init__(self):
         n = len(self.forward_flops)
@@ -106,6 +112,10 @@ class TransformerCosts:
         for nbytes, layers in self.shared_params:
             if nbytes < 0 or len(layers) < 2 or any(not 0 <= l < n for l in layers):
                 raise ValueError(f"TransformerCosts.shared_params entries must be (bytes >= 0, two or more layer "
+                                 f"indices in 0..{n - 1}), got {(nbytes, layers)!r}")
+        for nbytes, layers in self.batch_inputs:
+            if nbytes < 0 or not layers or any(not 0 <= l < n for l in layers):
+                raise ValueError(f"TransformerCosts.batch_inputs entries must be (bytes >= 0, one or more layer "
                                  f"indices in 0..{n - 1}), got {(nbytes, layers)!r}")
 
     @property
@@ -158,7 +168,8 @@ class MegatronEstimate:
     """Gradient all-reduce over ``d``, that of tied parameters between stages (:func:`tied_sync_seconds`) and
     the optimizer update (after the pipeline drains)."""
     stage_forward_seconds: tuple[float, ...]
-    """Per chunk (``p * v`` of them), one micro-batch's forward with its tensor all-reduces (not its send)."""
+    """Per chunk (``p * v`` of them), one micro-batch's forward with its tensor all-reduces and the loads of the
+    batch inputs it reads (:func:`load_seconds`), not its send."""
     stage_backward_seconds: tuple[float, ...]
     forward_sends: tuple[Send | None, ...]
     """Per chunk, its forward's output to the next chunk (None for the last)."""
@@ -283,11 +294,11 @@ def replica_state_bytes(config: MegatronConfig, costs: TransformerCosts) -> tupl
     return tuple(held)
 
 
-def shared_parameters(jaxpr, pieces, param_mask) -> tuple[tuple[float, tuple[int, ...]], ...]:
-    """``(bytes, layers)`` of every parameter leaf (``param_mask``) that forward equations of more than one
-    layer read, directly or through a marker (the :attr:`TransformerCosts.shared_params` of a sliced step)."""
-    leaf = {v: i for i, v in enumerate(jaxpr.invars) if param_mask[i]}
-    for eqn in jaxpr.eqns:  # a parameter seen through markers is still that leaf
+def leaf_readers(jaxpr, pieces, mask) -> dict[int, set[int]]:
+    """Per input leaf selected by ``mask`` (its index in ``jaxpr.invars``): the layers whose forward
+    equations read it, directly or through a marker. Leaves no forward reads are left out."""
+    leaf = {v: i for i, v in enumerate(jaxpr.invars) if mask[i]}
+    for eqn in jaxpr.eqns:  # a leaf seen through markers is still that leaf
         if is_marker(eqn):
             for inp, out in zip(eqn.invars, eqn.outvars, strict=True):
                 if not isinstance(inp, Literal) and inp in leaf:
@@ -299,12 +310,34 @@ def shared_parameters(jaxpr, pieces, param_mask) -> tuple[tuple[float, tuple[int
         for v in jax_compat.eqn_inputs(eqn):
             if v in leaf:
                 readers.setdefault(leaf[v], set()).add(piece.layer)
-    out = []
-    for k, layers in sorted(readers.items()):
-        if len(layers) > 1:
-            aval = jaxpr.invars[k].aval
-            out.append((float(math.prod(aval.shape) * np.dtype(aval.dtype).itemsize), tuple(sorted(layers))))
-    return tuple(out)
+    return readers
+
+
+def _leaf_bytes(jaxpr, k: int) -> float:
+    aval = jaxpr.invars[k].aval
+    return float(math.prod(aval.shape) * np.dtype(aval.dtype).itemsize)
+
+
+def shared_parameters(jaxpr, pieces, param_mask) -> tuple[tuple[float, tuple[int, ...]], ...]:
+    """``(bytes, layers)`` of every parameter leaf (``param_mask``) that forward equations of more than one
+    layer read, directly or through a marker (the :attr:`TransformerCosts.shared_params` of a sliced step)."""
+    return tuple((_leaf_bytes(jaxpr, k), tuple(sorted(layers)))
+                 for k, layers in sorted(leaf_readers(jaxpr, pieces, param_mask).items()) if len(layers) > 1)
+
+
+def batch_inputs(jaxpr, pieces, batch_mask) -> tuple[tuple[float, tuple[int, ...]], ...]:
+    """``(bytes, layers)`` of every batch leaf (``batch_mask``) and the layers whose forwards read it (the
+    :attr:`TransformerCosts.batch_inputs` of a sliced step, before division by the sequences it holds)."""
+    return tuple((_leaf_bytes(jaxpr, k), tuple(sorted(layers)))
+                 for k, layers in sorted(leaf_readers(jaxpr, pieces, batch_mask).items()))
+
+
+def load_seconds(cluster: ClusterSpec, costs: TransformerCosts, layers: range, sequences: int) -> float:
+    """Host-to-device time of one micro-batch of ``sequences`` sequences of the batch inputs the chunk of
+    ``layers`` reads: one latency plus the bytes at the intra-node bandwidth per input, as the simulated
+    backend prices our plans' ``LOAD``s."""
+    return sum(cluster.intra_node_latency + sequences * nbytes / cluster.intra_node_bandwidth
+               for nbytes, readers in costs.batch_inputs if any(l in layers for l in readers))
 
 
 def estimate(config: MegatronConfig, costs: TransformerCosts, cluster: ClusterSpec,
@@ -325,7 +358,7 @@ def estimate(config: MegatronConfig, costs: TransformerCosts, cluster: ClusterSp
     for k in range(chunks):
         layers = range(k * per, (k + 1) * per)
         forward.append(sum(costs.forward_flops[l] for l in layers) * b / (t * cluster.peak_flops)
-                       + per * fwd_reduces * all_reduce)
+                       + per * fwd_reduces * all_reduce + load_seconds(cluster, costs, layers, b))
         backward.append(sum(costs.backward_flops[l] for l in layers) * b / (t * cluster.peak_flops)
                         + per * bwd_reduces * all_reduce)
         forward_sends.append(_send(cluster, config, k % p, (k + 1) % p, hidden) if k + 1 < chunks else None)

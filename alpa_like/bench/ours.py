@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterator
 
 from alpa_like.cluster import ClusterSpec
 from alpa_like.compiler.layer_construction import Layering, operator_segments
-from alpa_like.pipeshard import (AutoLayerOption, AutoStageOption, PipeshardParallel, SlicedStep, plan_sliced,
-                                 simulate_plan, slice_step)
+from alpa_like.pipeshard import (AutoLayerOption, AutoStageOption, ManualLayerOption, PipeshardParallel, SlicedStep,
+                                 plan_sliced, simulate_plan, slice_step)
 from alpa_like.plan import ParallelPlan
 
 from alpa_like.bench.workloads import Workload
@@ -93,11 +93,13 @@ def equal_operator_layers(layer_num: int) -> Callable:
 
 
 def pipeshard_method(workload: Workload, num_micro_batches: int, stage_option=None,
-                     layer_option: AutoLayerOption | None = None) -> PipeshardParallel:
+                     layer_option: AutoLayerOption | ManualLayerOption | None = None) -> PipeshardParallel:
+    if layer_option is None:
+        layer_option = (ManualLayerOption(remat_layer=workload.remat) if workload.manual_layers else
+                        AutoLayerOption(layer_num=workload.num_layers, eps=None, remat_layer=workload.remat))
     return PipeshardParallel(
         num_micro_batches=num_micro_batches,
-        layer_option=layer_option or AutoLayerOption(layer_num=workload.num_layers, eps=None,
-                                                     remat_layer=workload.remat),
+        layer_option=layer_option,
         stage_option=stage_option or AutoStageOption(show_progress=False))
 
 

@@ -23,17 +23,25 @@ OPT_GPUS = {"opt-125m": 1, "opt-350m": 1, "opt-1.3b": 4, "opt-2.7b": 8, "opt-6.7
             "opt-30b": 64, "opt-66b": 128, "opt-175b": 256}
 """GPUs per OPT model: weak scaling like Table 3.6 (175B needs at least 168 V100-16GB for its state alone)."""
 GLOBAL_BATCH = {"gpt": 1024, "opt": 1024, "moe": 1024, "wresnet": 1536}
-MICRO_BATCHES = {"gpt": 64, "opt": 64, "moe": 64, "wresnet": 64}
+MICRO_BATCHES = {"gpt": 64, "opt": 64, "moe": 64, "wresnet": 32}
 """Micro-batches of every plan of a row (ablations, equal-layer) unless :data:`AUTO_MICRO_BATCHES` says
-otherwise for our automatic plan."""
-AUTO_MICRO_BATCHES = {"gpt": (64, 256, 512, 1024), "opt": (64, 256, 512, 1024), "moe": (64, 128, 256)}
-"""The micro-batch counts our automatic plan tries on the transformer suites, keeping the fastest simulated
-plan: the Megatron-LM baseline picks its micro-batch size from a grid too (down to one sequence, i.e. 1024
-micro-batches per pipeline), and a deep pipeline's bubble shrinks with more micro-batches (GPT-6.7B on 16
+otherwise."""
+AUTO_MICRO_BATCHES = {"gpt": (64, 256, 512, 1024), "opt": (64, 256, 512, 1024), "moe": (64, 128, 256),
+                      "wresnet": (24, 32)}
+"""The micro-batch counts a row's plans try, keeping the fastest simulated plan: our automatic plan on every
+suite, and on ``wresnet`` the equal-layer and equal-operator ablations too (Fig. 3.9 compares stage
+partitionings, so each gets its best count from the same grid).
+
+Transformers: the Megatron-LM baseline picks its micro-batch size from a grid too (down to one sequence, i.e.
+1024 micro-batches per pipeline), and a deep pipeline's bubble shrinks with more micro-batches (GPT-6.7B on 16
 GPUs: 31.17 s at 256, 30.74 s at 512, the count Megatron-LM's best configuration uses); the expert-parallel
 baseline grid-searches its micro-batches as well. MoE stops at 256: MoE-10B on 16 GPUs (17 layers, the tied
 logits their own) simulated 6.64, 6.69, 6.22 and 6.44 s at 64, 128, 256 and 512 micro-batches, and above 512 a
-micro-batch holds less than one routing group (:func:`~alpa_like.bench.workloads.micro_batch_count_error`)."""
+micro-batch holds less than one routing group (:func:`~alpa_like.bench.workloads.micro_batch_count_error`).
+
+Wide-ResNet: 24 and 32, the grid of Alpa's own Wide-ResNet search suite (micro-batches of 64 and 48 images).
+At 64 micro-batches a micro-batch of 24 images splits evenly over no mesh of 16 or more devices, so a stage
+spanning two nodes cannot be purely data parallel."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,7 +52,8 @@ class Case:
     global_batch: int
     num_micro_batches: int
     auto_micro_batches: tuple[int, ...] = ()
-    """Micro-batch counts our automatic plan tries (the fastest is kept); () means ``num_micro_batches``."""
+    """Micro-batch counts the plans of :data:`AUTO_MICRO_BATCHES` try (the fastest is kept); () means
+    ``num_micro_batches``."""
 
     def __str__(self) -> str:
         return f"{self.model} on {self.gpus} GPUs"
@@ -101,8 +110,9 @@ def run_case(case: Case, preset: str, ablations: bool = False) -> dict:
         variants += ["intra-op only", "inter-op only"]
     row["ours"] = {}
     for variant in variants:
-        if variant == "auto":
-            summary = _best_auto_plan(workload, cluster, case.auto_micro_batches or (m,), m, sliced)
+        counts = case.auto_micro_batches or (m,)
+        if variant == "auto" or case.suite == "wresnet":
+            summary = _best_plan(variant, workload, cluster, counts, m, sliced)
         else:
             summary = ours.plan_variant(variant, workload, cluster, m, sliced).summary()
         summary["tflops"] = tflops(summary.get("simulated_s"))
@@ -131,8 +141,8 @@ def run_case(case: Case, preset: str, ablations: bool = False) -> dict:
     return row
 
 
-def _best_auto_plan(workload: Workload, cluster, counts: tuple[int, ...], m: int, sliced) -> dict:
-    """Our automatic plan for each micro-batch count in ``counts`` that keeps the model
+def _best_plan(variant: str, workload: Workload, cluster, counts: tuple[int, ...], m: int, sliced) -> dict:
+    """Our plan ``variant`` (:data:`~alpa_like.bench.ours.VARIANTS`) for each micro-batch count in ``counts`` that keeps the model
     (:func:`~alpa_like.bench.workloads.micro_batch_count_error`; the step re-traced for each count other than
     ``m``); the summary of the fastest simulated one, with what every count gave."""
     results, skipped = {}, []
@@ -142,7 +152,7 @@ def _best_auto_plan(workload: Workload, cluster, counts: tuple[int, ...], m: int
             skipped.append(error)
             continue
         traced = sliced if count == m else ours.slice_workload(workload, ours.pipeshard_method(workload, count))
-        results[count] = ours.plan_variant("auto", workload, cluster, count, traced)
+        results[count] = ours.plan_variant(variant, workload, cluster, count, traced)
     if not results:
         raise ValueError(f"no micro-batch count of {counts} splits the step of {workload.name}: " + "; ".join(skipped))
     planned = {count: r for count, r in results.items() if r.ok}

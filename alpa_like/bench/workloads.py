@@ -38,13 +38,20 @@ class Workload:
     args: tuple
     """``(state, batch)`` as ``ShapeDtypeStruct`` pytrees (or arrays, for the local backend)."""
     num_layers: int
-    """Layers handed to ``AutoLayerOption``: transformer blocks, or bottleneck blocks for Wide-ResNet.
-    GPT/OPT and MoE get one more for the tied logits (:func:`logits_to_block_flops`: GPT-6.7B 1.0, GPT-39B
+    """Layers of the step: handed to ``AutoLayerOption`` (transformer blocks, or bottleneck blocks for
+    Wide-ResNet), or made by the model's own boundaries under ``manual_layers``. GPT/OPT and MoE get one more
+    for the tied logits (:func:`logits_to_block_flops`: GPT-6.7B 1.0, GPT-39B
     0.51), so that Eq. 3.6 can cut between blocks, where one hidden state crosses, rather than shift cuts into
     a block to balance the logits' FLOPs; the stage DP may still put them with the last block. (MoE-10B with
     one layer per block had cuts inside blocks: a layer boundary carrying 4.7 hidden states, and a residual
     gradient skipping the MoE feed-forward's layer into the one before it.)"""
     remat: bool
+    manual_layers: bool = False
+    """Layers end at the model's ``al.mark_pipeline_boundary()`` calls (``ManualLayerOption``) instead of
+    Eq. 3.6's clustering. MoE marks every block's attention and MLP apart (``pipeline_boundaries=
+    "sublayer"``): an expert MLP is several times its attention (MoE-10B: 0.72 against 0.10 TFLOP per
+    micro-batch of 4 sequences, a dense MLP 0.31), so whole blocks are too coarse to balance stages. MoE-10B
+    on 16 GPUs: 6.22 s with a layer per block (and Eq. 3.6), 5.81 s with sublayers."""
 
 
 def cluster_for(num_gpus: int, preset: str = "p3.16xlarge") -> al.ClusterSpec:
@@ -116,12 +123,12 @@ def make_workload(name: str, global_batch: int) -> Workload:
     """The workload of a named config (any of ``models.ALL_CONFIG_TABLES``) at ``global_batch``."""
     config = models.get_config(name)
     if isinstance(config, models.MoEConfig):
-        config = dataclasses.replace(config, dtype=jnp.float16)
+        config = dataclasses.replace(config, dtype=jnp.float16, pipeline_boundaries="sublayer")
         state = train_state_shapes("moe", moe.moe_param_shapes(config))
         return Workload(name=name, family="moe", config=config, global_batch=global_batch,
                         train_step=loss_train_step(moe.moe_loss(moe.MoEModel(config))),
-                        args=(state, moe.moe_batch_shapes(config, global_batch)), num_layers=config.num_layers + 1,
-                        remat=True)
+                        args=(state, moe.moe_batch_shapes(config, global_batch)),
+                        num_layers=2 * config.num_layers + 1, remat=True, manual_layers=True)
     if isinstance(config, models.GPTConfig):
         config = dataclasses.replace(config, dtype=jnp.float16)
         state = train_state_shapes("gpt", gpt.gpt_param_shapes(config))
@@ -144,7 +151,7 @@ def _wresnet_workload(name: str, config: models.WResNetConfig, global_batch: int
 
     return Workload(name=name, family="wresnet", config=config, global_batch=global_batch, train_step=train_step,
                     args=(state, wide_resnet.wresnet_batch_shapes(config, global_batch)),
-                    num_layers=sum(config.stage_sizes), remat=False)
+                    num_layers=sum(config.stage_sizes), remat=True)  # as Alpa's Wide-ResNet search suite
 
 
 def transformer_costs(sliced: Any, workload: Workload, num_micro_batches: int) -> TransformerCosts:
@@ -167,14 +174,27 @@ def transformer_costs(sliced: Any, workload: Workload, num_micro_batches: int) -
         activation_bytes=tuple(s.activation_bytes / per for s in summaries),
         hidden_bytes=float(config.seq_len * config.hidden_size * np.dtype(config.dtype).itemsize),
         num_heads=config.num_heads, recompute=workload.remat,
-        shared_params=_folded_shared_params(sliced, config.num_layers))
+        shared_params=_folded_shared_params(sliced, config.num_layers),
+        batch_inputs=_folded_batch_inputs(sliced, config.num_layers, per))
+
+
+def _folded_batch_inputs(sliced: Any, num_blocks: int, sequences: float) -> tuple:
+    """:func:`megatron.batch_inputs` of the sliced step (one micro-batch of ``sequences`` sequences) per
+    sequence, on the folded layers (:func:`_fold_surplus_layers`)."""
+    inputs = megatron.batch_inputs(sliced.jaxpr, sliced.pieces, [r == "batch" for r in sliced.roles])
+    return tuple((nbytes / sequences, _fold_layers(layers, num_blocks)) for nbytes, layers in inputs)
 
 
 def _folded_shared_params(sliced: Any, num_blocks: int) -> tuple:
     """:func:`megatron.shared_parameters` of the sliced step on the folded layers (:func:`_fold_surplus_layers`)."""
     shared = megatron.shared_parameters(sliced.jaxpr, sliced.pieces, [r == "param" for r in sliced.roles])
-    folded = ((nbytes, tuple(sorted({min(l, num_blocks - 1) for l in layers}))) for nbytes, layers in shared)
+    folded = ((nbytes, _fold_layers(layers, num_blocks)) for nbytes, layers in shared)
     return tuple((nbytes, layers) for nbytes, layers in folded if len(layers) > 1)
+
+
+def _fold_layers(layers, num_blocks: int) -> tuple[int, ...]:
+    """Sliced layer indices on the folded layers: those past the last block are the last block's."""
+    return tuple(sorted({min(l, num_blocks - 1) for l in layers}))
 
 
 def logits_to_block_flops(config) -> float:

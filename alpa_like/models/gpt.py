@@ -31,6 +31,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from alpa_like.compiler.markers import mark_pipeline_boundary
 from alpa_like.models.common import (
     check_float_dtype,
     check_positive_int,
@@ -63,6 +64,9 @@ _INIT_STD = 0.02
 """Standard deviation of the normal initialiser of every weight matrix and embedding (GPT-2's)."""
 
 
+PIPELINE_BOUNDARIES = ("none", "block", "sublayer")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GPTConfig:
     """Shape of a GPT/OPT decoder. Validated on construction (ValueError names the bad field)."""
@@ -81,6 +85,12 @@ class GPTConfig:
     """MLP inner width as a multiple of hidden_size (4 for GPT/OPT)."""
     dtype: Any = jnp.float32
     """Compute dtype of activations; parameters are always float32, softmax and loss float32."""
+    pipeline_boundaries: str = "none"
+    """Where the forward calls ``al.mark_pipeline_boundary()`` (layers for ``ManualLayerOption``; no effect
+    otherwise): ``"none"``; ``"block"``: after every block, so the blocks and the final LayerNorm with the
+    logits are ``num_layers + 1`` layers; ``"sublayer"``: also between a block's attention and its MLP,
+    ``2 num_layers + 1`` layers (an MoE model's expert MLP is several times its attention: finer layers let
+    the stage DP balance stages)."""
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -99,6 +109,9 @@ class GPTConfig:
                 f"got hidden_size={self.hidden_size}"
             )
         check_float_dtype(owner, self.dtype)
+        if self.pipeline_boundaries not in PIPELINE_BOUNDARIES:
+            raise ValueError(f"{owner}.pipeline_boundaries must be one of {PIPELINE_BOUNDARIES}, "
+                             f"got {self.pipeline_boundaries!r}")
 
     @property
     def head_dim(self) -> int:
@@ -214,8 +227,13 @@ class GPTBlock(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
         x = x + SelfAttention(cfg, name="attn")(nn.LayerNorm(dtype=cfg.dtype, name="ln_1")(x))
+        if cfg.pipeline_boundaries == "sublayer":
+            mark_pipeline_boundary()
         make_mlp = self.mlp if self.mlp is not None else functools.partial(MLP, cfg)
-        return x + make_mlp(name="mlp")(nn.LayerNorm(dtype=cfg.dtype, name="ln_2")(x))
+        x = x + make_mlp(name="mlp")(nn.LayerNorm(dtype=cfg.dtype, name="ln_2")(x))
+        if cfg.pipeline_boundaries != "none":
+            mark_pipeline_boundary()
+        return x
 
 
 def default_position_ids(input_shape: tuple[int, int]) -> jax.Array:

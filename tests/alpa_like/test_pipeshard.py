@@ -182,27 +182,28 @@ def _layout(plan):
 
 
 @pytest.mark.parametrize("num_layers,devices_per_node,num_nodes", [(8, 4, 3), (8, 2, 4)])
-def test_the_shared_nic_estimate_is_settled_by_simulating_both_plans(monkeypatch, num_layers, devices_per_node,
-                                                                     num_nodes):
-    """With three nodes or more the stage DP prices an expected wait for NICs that two meshes of a node share
-    (``StageCosts.nic_wait``), an estimate. The planner also solves without it and, when the two plans
-    differ, keeps the one the simulated backend runs faster: the chosen plan is one of the two and
-    simulates no slower than the other."""
+def test_estimated_costs_are_settled_by_simulating_the_plans(monkeypatch, num_layers, devices_per_node, num_nodes):
+    """Where the stage DP's table can only estimate (``StageCosts.nic_wait`` for NICs that two meshes of a node
+    share; a multi-node stage's receive from a neighbour inside one node, ``StageProfile.sender_limited``),
+    the planner also solves the tables of ``_alternative_tables`` and keeps the plan the simulated backend
+    runs fastest: the chosen plan is one of the tables' plans and simulates no slower than any of them."""
     step, state, batch = gpt_case(num_layers=num_layers)
     cluster = dataclasses.replace(al.ClusterSpec.preset("p3.16xlarge", num_nodes=num_nodes),
                                   num_devices_per_node=devices_per_node)
     method = al.PipeshardParallel(num_micro_batches=16, layer_option=al.AutoLayerOption(layer_num=num_layers),
                                   stage_option=QUIET)
     sliced = pipeshard.slice_step(method, step, (state, batch), static_argnums=(), batch_argnums=(1,))
-    chosen = pipeshard.plan_sliced(method, sliced, cluster)
+    chosen, profile, _ = pipeshard._plan_and_profile(method, sliced, cluster)
     assert "simulated choice" in dict(chosen.compile_times)
-    monkeypatch.setattr(pipeshard, "_contention_estimated", lambda method, costs: False)
-    aware = pipeshard.plan_sliced(method, sliced, cluster)
+    tables = [profile.costs] + pipeshard._alternative_tables(method, profile)
+    assert len(tables) == 4  # both estimates are in play: with and without each
+    monkeypatch.setattr(pipeshard, "_alternative_tables", lambda method, profile: [])
     solve = pipeshard._solve
-    monkeypatch.setattr(pipeshard, "_solve", lambda method, costs, cluster: solve(
-        method, dataclasses.replace(costs, nic_wait=None), cluster))
-    blind = pipeshard.plan_sliced(method, sliced, cluster)
-    assert _layout(aware) != _layout(blind)  # the case exercises the choice
-    seconds = {_layout(p): pipeshard.simulate_plan(p, sliced).step_seconds for p in (aware, blind)}
+    seconds = {}
+    for table in tables:
+        monkeypatch.setattr(pipeshard, "_solve", lambda method, costs, cluster, table=table: solve(method, table, cluster))
+        plan = pipeshard.plan_sliced(method, sliced, cluster)
+        seconds[_layout(plan)] = pipeshard.simulate_plan(plan, sliced).step_seconds
+    assert len(seconds) > 1  # the case exercises the choice
     assert _layout(chosen) in seconds
     assert seconds[_layout(chosen)] == min(seconds.values())

@@ -14,7 +14,7 @@ from alpa_like.compiler.auto_sharding import PassOptions
 from alpa_like.compiler.stage_dp import StageCosts, brute_force_stages, solve_stages
 from alpa_like.compiler.stage_profiling import (PARAMS_HALF_SHARDED, PARAMS_SHARDED, ReceivedValues, boundary_saving,
                                                profile_stage_costs, receive_seconds, received_per_micro_batch,
-                                               shared_nic_wait)
+                                               sender_limited_extra, shared_nic_wait)
 from alpa_like.pipeshard import slice_step
 
 HIDDEN, ROWS, LAYERS = 1024, 8192, 4
@@ -173,6 +173,20 @@ def test_receive_time_uses_the_receiving_nodes_whole_nics_on_a_multi_node_cluste
     assert cross[0, 1] == pytest.approx([node, node, node, 2 * four.inter_node_latency
                                          + 8e6 / (16 * four.inter_node_bandwidth)])
     assert local[0, 0, 0] == 0.0
+
+
+def test_a_sender_inside_one_node_limits_a_multi_node_receiver_to_one_nic():
+    """The 8 MB from both neighbouring layers, received by a stage over two (four) nodes from neighbours
+    inside one node each: one NIC's time (8 shares of 25 Gb/s) instead of two (four) NICs'; nothing more for
+    stages inside one node, nor on a one-node cluster."""
+    four = al.ClusterSpec.preset("p3.16xlarge", num_nodes=4)
+    extra = sender_limited_extra(two_layer_receives(), [1, 8, 16, 32], four)
+    assert extra.shape == (2, 2, 4)
+    nic = 8 * four.inter_node_bandwidth
+    assert extra[0, 1] == pytest.approx([0.0, 0.0, 8e6 / nic - 8e6 / (2 * nic), 8e6 / nic - 8e6 / (4 * nic)])
+    limited = receive_seconds(two_layer_receives(), [8, 16], four)[0, 1] + extra[0, 1, 1:3]
+    assert limited[0] == pytest.approx(limited[1])  # as slow as a receiver inside one node
+    assert (sender_limited_extra(two_layer_receives(), [1, 8], al.ClusterSpec.preset("p3.16xlarge")) == 0).all()
 
 
 def test_a_range_costs_the_sum_of_its_layers_plus_what_it_receives(profile):

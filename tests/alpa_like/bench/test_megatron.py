@@ -6,7 +6,8 @@ import pytest
 import alpa_like as al
 from alpa_like.bench import megatron
 from alpa_like.bench.megatron import (MegatronConfig, TransformerCosts, enumerate_configs, estimate, grid_search,
-                                      replay, shared_parameters, tied_sync_seconds)
+                                      load_seconds, replay, shared_parameters,
+                                      tied_sync_seconds)
 
 GIB = 2**30
 
@@ -187,6 +188,33 @@ def test_gpt_tied_embedding_is_found_in_the_first_and_last_layer():
     assert embedding in [b for b, _ in shared_parameters(sliced.jaxpr, sliced.pieces,
                                                          [r == "param" for r in sliced.roles])]
     assert transformer_costs(sliced, workload, 2).shared_params == ((float(embedding), (0, 1)),)
+
+
+def test_gpt_batch_inputs_are_loaded_by_the_chunks_that_read_them():
+    """gpt-tiny's step reads its tokens in the first layer and its labels in the last; per sequence each is
+    ``seq_len`` int32s. The chunk reading one pays a latency plus ``b`` sequences of it at the intra-node
+    bandwidth in its forward, as the simulated backend prices our plans' LOADs."""
+    from alpa_like.bench import ours
+    from alpa_like.bench.workloads import make_workload, transformer_costs
+    from alpa_like.pipeshard import AutoLayerOption
+
+    workload = make_workload("gpt-tiny", 8)
+    sliced = ours.slice_workload(workload, ours.pipeshard_method(
+        workload, 2, layer_option=AutoLayerOption(layer_num=3, eps=None)))
+    costs = transformer_costs(sliced, workload, 2)
+    per_sequence = workload.config.seq_len * 4.0
+    assert sorted(costs.batch_inputs) == [(per_sequence, (0,)), (per_sequence, (costs.num_layers - 1,))]
+    c = cluster()
+    one_load = c.intra_node_latency + 2 * per_sequence / c.intra_node_bandwidth
+    assert load_seconds(c, costs, range(0, 1), 2) == pytest.approx(one_load)
+    assert load_seconds(c, costs, range(0, costs.num_layers), 2) == pytest.approx(2 * one_load)
+    config = MegatronConfig(t=1, p=1, d=4, b=2)
+    unloaded = dataclasses.replace(costs, batch_inputs=())
+    gap = (estimate(config, costs, c, 64).stage_forward_seconds[0]
+           - estimate(config, unloaded, c, 64).stage_forward_seconds[0])
+    assert gap == pytest.approx(2 * one_load)
+    with pytest.raises(ValueError, match="batch_inputs"):
+        dataclasses.replace(costs, batch_inputs=((1.0, ()),))
 
 
 def test_replay_receives_before_a_chunk_and_sends_through_one_nic_take_turns():

@@ -70,7 +70,19 @@ def test_cases_try_several_micro_batch_counts_unless_given():
     assert suites.suite_cases("gpt", ["gpt-1.3b"])[0].auto_micro_batches == suites.AUTO_MICRO_BATCHES["gpt"]
     assert suites.suite_cases("gpt", ["gpt-1.3b"], micro_batches=32)[0].auto_micro_batches == (32,)
     assert suites.suite_cases("moe", ["moe-380m"])[0].auto_micro_batches == suites.AUTO_MICRO_BATCHES["moe"]
-    assert suites.suite_cases("wresnet", ["wresnet-250m"])[0].auto_micro_batches == (64,)
+    assert suites.suite_cases("wresnet", ["wresnet-250m"])[0].auto_micro_batches == (24, 32)
+
+
+def test_wresnet_ablations_get_their_best_micro_batch_count_from_the_same_grid():
+    """Fig. 3.9 compares stage partitionings: on ``wresnet`` the equal-layer and equal-operator plans try the
+    row's micro-batch counts as our automatic plan does, each keeping its fastest."""
+    case = suites.Case(suite="wresnet", model="wresnet-tiny", gpus=2, global_batch=8, num_micro_batches=2,
+                       auto_micro_batches=(1, 2))
+    row = suites.run_case(case, "p3.16xlarge")
+    for variant in ("auto", "equal layer", "equal operator"):
+        entry = row["ours"][variant]
+        assert set(entry["micro_batches_tried"]) == {"1", "2"}, variant
+        assert entry["simulated_s"] == min(entry["micro_batches_tried"].values()), variant
 
 
 def test_plan_text_counts_repeats():

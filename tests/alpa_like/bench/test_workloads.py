@@ -41,23 +41,31 @@ def test_gpt_39b_layers_are_its_blocks_and_the_logits():
     assert flops[48] / flops[1] == pytest.approx(logits_to_block_flops(workload.config), rel=0.05)
 
 
-def test_moe_10b_layers_are_its_blocks_and_the_logits():
-    """MoE also gets a layer for the logits: each of MoE-10B's 17 layers receives exactly one hidden state
+def test_moe_10b_layers_are_its_sublayers_and_the_logits():
+    """MoE marks its own layers (``pipeline_boundaries="sublayer"``): every block's attention, every block's
+    MLP, and the logits, 33 layers for MoE-10B's 16 blocks. The attentions cost the same, an expert MLP
+    (every other block) more than twice a dense one. Each layer receives exactly one hidden state
     (``tokens x hidden`` FP16) from each neighbour per micro-batch (its input, and its output's gradient)
     (the first and the last have one neighbour) and beside them only FP32 scalars (the MoE layers'
     auxiliary load-balancing losses, which the last layer adds up, and their cotangents)."""
     from alpa_like.compiler.stage_profiling import received_per_micro_batch
 
     workload = make_workload("moe-10b", 1024)
-    assert workload.num_layers == 17
+    assert workload.num_layers == 33 and workload.manual_layers
     sliced = ours.slice_workload(workload, ours.pipeshard_method(workload, 256))
-    received = received_per_micro_batch(sliced.jaxpr, sliced.pieces, len(sliced.summaries))
     c = workload.config
+    assert len(sliced.summaries) == 33
+    flops = [s.forward_flops for s in sliced.summaries]
+    attention, dense, expert = flops[2:32:2], [flops[l] for l in range(1, 32, 2) if not c.is_moe_layer(l // 2)], \
+        [flops[l] for l in range(1, 32, 2) if c.is_moe_layer(l // 2)]
+    assert len(dense) == len(expert) == 8
+    assert max(attention) == pytest.approx(min(attention), rel=1e-6)
+    assert min(expert) > 2 * max(dense) > 2 * max(attention)
+    received = received_per_micro_batch(sliced.jaxpr, sliced.pieces, len(sliced.summaries))
     hidden = 1024 // 256 * c.seq_len * c.hidden_size * 2
-    assert len(sliced.summaries) == 17
-    for l in range(17):
-        expected = [0 if l == 0 else hidden, 0 if l == 16 else hidden]
-        assert all(0 <= b - e <= 4 for b, e in zip(received.neighbour_bytes[l, l], expected))
+    for l in range(33):
+        expected = [0 if l == 0 else hidden, 0 if l == 32 else hidden]
+        assert all(0 <= b - e <= 4 for b, e in zip(received.neighbour_bytes[l, l], expected)), l
         assert 0 <= received.num_bytes[l, l] - sum(expected) <= 4 * 8  # the 8 MoE layers' scalars at most
 
 

@@ -130,7 +130,8 @@ def test_table_3_6_rows_and_gpus():
 
 def test_config_fields_are_frozen_public_surface():
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
-    assert fields == {"vocab_size", "seq_len", "hidden_size", "num_layers", "num_heads", "mlp_ratio", "dtype"}
+    assert fields == {"vocab_size", "seq_len", "hidden_size", "num_layers", "num_heads", "mlp_ratio", "dtype",
+                      "pipeline_boundaries"}
     with pytest.raises(dataclasses.FrozenInstanceError):
         TINY.hidden_size = 3  # type: ignore[misc]
 
@@ -140,12 +141,36 @@ def test_config_names_are_unique_across_tables():
     assert len(names) == len(set(names))
 
 
+@pytest.mark.parametrize(("boundaries", "layers"), [("block", TINY.num_layers + 1),
+                                                     ("sublayer", 2 * TINY.num_layers + 1)])
+def test_pipeline_boundaries_make_manual_layers_and_change_nothing_else(tiny, boundaries, layers):
+    """``pipeline_boundaries`` marks layers for ``ManualLayerOption`` (after each block, and with
+    ``"sublayer"`` between attention and MLP too; the logits are the last layer); the logits are the same."""
+    import alpa_like as al
+    from alpa_like.pipeshard import slice_step
+
+    apply, _, params, batch = tiny
+    config = dataclasses.replace(TINY, pipeline_boundaries=boundaries)
+    marked = jax.jit(lambda params, ids: GPTModel(config).apply({"params": params}, ids))(params, batch["input_ids"])
+    np.testing.assert_array_equal(np.asarray(marked), np.asarray(apply(params, batch["input_ids"])))
+    loss = gpt_loss(GPTModel(config))
+
+    def step(params, batch):
+        return al.grad(loss)(params, batch)
+
+    method = al.PipeshardParallel(num_micro_batches=1, layer_option=al.ManualLayerOption())
+    sliced = slice_step(method, step, (params, batch), static_argnums=(), batch_argnums=(1,))
+    assert len(sliced.summaries) == layers
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
         ({"hidden_size": 30}, r"hidden_size must be divisible by num_heads=4, got hidden_size=30"),
         ({"num_layers": 0}, r"GPTConfig.num_layers must be a positive int, got 0"),
         ({"dtype": jnp.int32}, r"GPTConfig.dtype must be a floating dtype"),
+        ({"pipeline_boundaries": "layer"}, r"GPTConfig.pipeline_boundaries must be one of \('none', 'block', "
+                                           r"'sublayer'\), got 'layer'"),
     ],
 )
 def test_bad_config_raises(kwargs, match):
