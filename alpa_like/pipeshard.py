@@ -346,16 +346,11 @@ def _plan_and_profile(method: PipeshardParallel, sliced: SlicedStep, cluster: Cl
     t3 = time.perf_counter()
     plan = build(solution)
     times["other"] = time.perf_counter() - t3
-    alternatives = _alternative_tables(method, profile)
-    if alternatives:
+    if _settles_estimates(method):
         t4 = time.perf_counter()
         plans = {_layout(solution): (plan, solution)}
-        for table in alternatives:
-            try:
-                other = _solve(method, table, cluster)
-            except ValueError:  # nothing fits under the pessimistic pricing
-                continue
-            if _layout(other) not in plans:
+        for _, other in _estimate_tables(method, profile, cluster, solution)[1:]:
+            if other is not None and _layout(other) not in plans:
                 plans[_layout(other)] = (build(other), other)
         if len(plans) > 1:
             progress.step(f"step 3b/4: the DP's tables for what it estimates give {len(plans)} plans: "
@@ -371,29 +366,45 @@ def _plan_and_profile(method: PipeshardParallel, sliced: SlicedStep, cluster: Cl
     return plan, profile, solution
 
 
-def _alternative_tables(method: PipeshardParallel, profile: StageProfile) -> list[StageCosts]:
-    """The stage DP's table under the other pricings of what it can only estimate, for the planner to solve
-    and simulate beside the main one (the fastest simulated plan is kept); [] when there is nothing to
-    settle or the simulated backend does not run the schedule (virtual stages, TeraPipe) or the stages are
-    given by hand.
+def _settles_estimates(method: PipeshardParallel) -> bool:
+    """Whether the planner simulates the DP's plans under :func:`_estimate_tables`: the simulated backend
+    runs the schedule (one stage per mesh; not TeraPipe) and the DP chose the stages."""
+    return (method.virtual_stages == 1 and method.pipeline_schedule != "terapipe"
+            and isinstance(method.stage_option, AutoStageOption))
+
+
+def _estimate_tables(method: PipeshardParallel, profile: StageProfile, cluster: ClusterSpec,
+                     solution: StageSolution) -> list[tuple[StageCosts, StageSolution | None]]:
+    """The stage DP's table under each pricing of what it can only estimate, with the DP's solution on it
+    (None when nothing fits); the first is the main table and its ``solution``. The planner simulates the
+    distinct plans and keeps the fastest.
 
     * Shared NICs: ``nic_wait`` is an expected wait, high where transfers never collide (a GPT's equal
       stages under 1F1B take turns without waiting) and right where they do (Wide-ResNet's uneven stages):
       the table without it.
     * Senders on fewer nodes: a stage of several nodes receives at its own NICs in the table, but a
       neighbour inside one node sends through one
-      (:func:`~alpa_like.compiler.stage_profiling.sender_limited_extra`): the table with that extra, with and
-      without ``nic_wait``."""
-    if not (method.virtual_stages == 1 and method.pipeline_schedule != "terapipe"
-            and isinstance(method.stage_option, AutoStageOption)):
-        return []
-    costs = profile.costs
-    contention = costs.nic_wait is not None and bool(costs.nic_wait.any())
-    tables = [dataclasses.replace(costs, nic_wait=None)] if contention else []
-    if profile.sender_limited is not None and profile.sender_limited.any():
-        limited = dataclasses.replace(costs, t_intra=costs.t_intra + profile.sender_limited[..., None])
-        tables += [limited] + ([dataclasses.replace(limited, nic_wait=None)] if contention else [])
+      (:func:`~alpa_like.compiler.stage_profiling.sender_limited_extra`): each table above with that extra,
+      solved only when the table's own plan has a stage the extra applies to (otherwise that plan is also
+      the best under the extra, which raises no other plan below its old cost)."""
+    costs, limited = profile.costs, profile.sender_limited
+    tables = [(costs, solution)]
+    if costs.nic_wait is not None and costs.nic_wait.any():
+        blind = dataclasses.replace(costs, nic_wait=None)
+        tables.append((blind, _solve_or_none(method, blind, cluster)))
+    for table, found in list(tables):
+        if limited is not None and found is not None and any(
+                limited[s.layers[0], s.layers[1], s.submesh_index] > 0 for s in found.stages):
+            pessimistic = dataclasses.replace(table, t_intra=table.t_intra + limited[..., None])
+            tables.append((pessimistic, _solve_or_none(method, pessimistic, cluster)))
     return tables
+
+
+def _solve_or_none(method: PipeshardParallel, costs: StageCosts, cluster: ClusterSpec) -> StageSolution | None:
+    try:
+        return _solve(method, costs, cluster)
+    except ValueError:  # no plan fits under this pricing
+        return None
 
 
 def _layout(solution: StageSolution) -> tuple:
@@ -407,7 +418,7 @@ def simulate_plan(plan: ParallelPlan, sliced: SlicedStep, **options):
     time on the simulated clock.
 
     The planner uses it where the stage DP's cost is an estimate the simulator resolves: when the DP's plans
-    under the pricings of :func:`_alternative_tables` differ, each is simulated and the fastest is kept."""
+    under the pricings of :func:`_estimate_tables` differ, each is simulated and the fastest is kept."""
     stage_to_mesh = list(range(len(plan.stages)))
     program = build_stage_program(sliced.closed_jaxpr, sliced.pieces, [s.layer_ids for s in plan.stages],
                                   [r == "batch" for r in sliced.roles], stage_to_mesh=stage_to_mesh)

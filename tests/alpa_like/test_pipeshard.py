@@ -185,7 +185,7 @@ def _layout(plan):
 def test_estimated_costs_are_settled_by_simulating_the_plans(monkeypatch, num_layers, devices_per_node, num_nodes):
     """Where the stage DP's table can only estimate (``StageCosts.nic_wait`` for NICs that two meshes of a node
     share; a multi-node stage's receive from a neighbour inside one node, ``StageProfile.sender_limited``),
-    the planner also solves the tables of ``_alternative_tables`` and keeps the plan the simulated backend
+    the planner also solves the tables of ``_estimate_tables`` and keeps the plan the simulated backend
     runs fastest: the chosen plan is one of the tables' plans and simulates no slower than any of them."""
     step, state, batch = gpt_case(num_layers=num_layers)
     cluster = dataclasses.replace(al.ClusterSpec.preset("p3.16xlarge", num_nodes=num_nodes),
@@ -195,12 +195,14 @@ def test_estimated_costs_are_settled_by_simulating_the_plans(monkeypatch, num_la
     sliced = pipeshard.slice_step(method, step, (state, batch), static_argnums=(), batch_argnums=(1,))
     chosen, profile, _ = pipeshard._plan_and_profile(method, sliced, cluster)
     assert "simulated choice" in dict(chosen.compile_times)
-    tables = [profile.costs] + pipeshard._alternative_tables(method, profile)
-    assert len(tables) == 4  # both estimates are in play: with and without each
-    monkeypatch.setattr(pipeshard, "_alternative_tables", lambda method, profile: [])
+    monkeypatch.setattr(pipeshard, "_settles_estimates", lambda method: False)
+    main = pipeshard.plan_sliced(method, sliced, cluster)
+    tables = [table for table, _ in pipeshard._estimate_tables(method, profile, cluster,
+                                                                 pipeshard._solve(method, profile.costs, cluster))]
+    assert len(tables) >= 3  # both estimates are in play
     solve = pipeshard._solve
-    seconds = {}
-    for table in tables:
+    seconds = {_layout(main): pipeshard.simulate_plan(main, sliced).step_seconds}
+    for table in tables[1:]:
         monkeypatch.setattr(pipeshard, "_solve", lambda method, costs, cluster, table=table: solve(method, table, cluster))
         plan = pipeshard.plan_sliced(method, sliced, cluster)
         seconds[_layout(plan)] = pipeshard.simulate_plan(plan, sliced).step_seconds
