@@ -26,7 +26,7 @@ GLOBAL_BATCH = {"gpt": 1024, "opt": 1024, "moe": 1024, "wresnet": 1536}
 MICRO_BATCHES = {"gpt": 64, "opt": 64, "moe": 64, "wresnet": 32}
 """Micro-batches of every plan of a row (ablations, equal-layer) unless :data:`AUTO_MICRO_BATCHES` says
 otherwise."""
-AUTO_MICRO_BATCHES = {"gpt": (64, 256, 512, 1024), "opt": (64, 256, 512, 1024), "moe": (64, 128, 256),
+AUTO_MICRO_BATCHES = {"gpt": (32, 256, 512, 1024), "opt": (32, 256, 512, 1024), "moe": (64, 128, 256),
                       "wresnet": (24, 32)}
 """The micro-batch counts a row's plans try, keeping the fastest simulated plan: our automatic plan on every
 suite, and on ``wresnet`` the equal-layer and equal-operator ablations too (Fig. 3.9 compares stage
@@ -34,10 +34,13 @@ partitionings, so each gets its best count from the same grid).
 
 Transformers: the Megatron-LM baseline picks its micro-batch size from a grid too (down to one sequence, i.e.
 1024 micro-batches per pipeline), and a deep pipeline's bubble shrinks with more micro-batches (GPT-6.7B on 16
-GPUs: 31.17 s at 256, 30.74 s at 512, the count Megatron-LM's best configuration uses); the expert-parallel
-baseline grid-searches its micro-batches as well. MoE stops at 256: MoE-10B on 16 GPUs (17 layers, the tied
-logits their own) simulated 6.64, 6.69, 6.22 and 6.44 s at 64, 128, 256 and 512 micro-batches, and above 512 a
-micro-batch holds less than one routing group (:func:`~alpa_like.bench.workloads.micro_batch_count_error`).
+GPUs: 31.99 s at 64, 31.17 s at 256, 30.74 s at 512, the count Megatron-LM's best configuration uses); a
+one-stage plan has no bubble and pays a host load per micro-batch, so few are best (GPT-350M on one GPU:
+25.5612 s at 32, 25.5616 s at 64, as Megatron-LM's best, b=32, i.e. 32 micro-batches); the expert-parallel
+baseline grid-searches its micro-batches as well. MoE stops at 256: MoE-10B on 16 GPUs simulated 6.13, 6.02
+and 5.81 s at 64, 128 and 256 micro-batches (33 sublayers; with a layer per block 6.64, 6.69, 6.22 and 6.44 s
+at 64-512), and above 512 a micro-batch holds less than one routing group
+(:func:`~alpa_like.bench.workloads.micro_batch_count_error`).
 
 Wide-ResNet: 24 and 32, the grid of Alpa's own Wide-ResNet search suite (micro-batches of 64 and 48 images).
 At 64 micro-batches a micro-batch of 24 images splits evenly over no mesh of 16 or more devices, so a stage
