@@ -145,9 +145,9 @@ def run_case(case: Case, preset: str, ablations: bool = False) -> dict:
 
 
 def _best_plan(variant: str, workload: Workload, cluster, counts: tuple[int, ...], m: int, sliced) -> dict:
-    """Our plan ``variant`` (:data:`~alpa_like.bench.ours.VARIANTS`) for each micro-batch count in ``counts`` that keeps the model
-    (:func:`~alpa_like.bench.workloads.micro_batch_count_error`; the step re-traced for each count other than
-    ``m``); the summary of the fastest simulated one, with what every count gave."""
+    """Our plan ``variant`` (:data:`~alpa_like.bench.ours.VARIANTS`) for each micro-batch count in ``counts``
+    that keeps the model (:func:`~alpa_like.bench.workloads.micro_batch_count_error`; the step re-traced for
+    each count other than ``m``); the summary of the fastest simulated one, with what every count gave."""
     results, skipped = {}, []
     for count in counts:
         error = micro_batch_count_error(workload, count)

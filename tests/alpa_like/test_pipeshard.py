@@ -181,6 +181,7 @@ def _layout(plan):
     return tuple((s.layer_ids, s.submesh_shape, s.logical_mesh_shape) for s in plan.stages)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_layers,devices_per_node,num_nodes", [(8, 4, 3), (8, 2, 4)])
 def test_estimated_costs_are_settled_by_simulating_the_plans(monkeypatch, num_layers, devices_per_node, num_nodes):
     """Where the stage DP's table can only estimate (``StageCosts.nic_wait`` for NICs that two meshes of a node
@@ -203,7 +204,8 @@ def test_estimated_costs_are_settled_by_simulating_the_plans(monkeypatch, num_la
     solve = pipeshard._solve
     seconds = {_layout(main): pipeshard.simulate_plan(main, sliced).step_seconds}
     for table in tables[1:]:
-        monkeypatch.setattr(pipeshard, "_solve", lambda method, costs, cluster, table=table: solve(method, table, cluster))
+        monkeypatch.setattr(pipeshard, "_solve",
+                            lambda method, costs, cluster, table=table: solve(method, table, cluster))
         plan = pipeshard.plan_sliced(method, sliced, cluster)
         seconds[_layout(plan)] = pipeshard.simulate_plan(plan, sliced).step_seconds
     assert len(seconds) > 1  # the case exercises the choice
