@@ -346,10 +346,11 @@ def _plan_and_profile(method: PipeshardParallel, sliced: SlicedStep, cluster: Cl
     t3 = time.perf_counter()
     plan = build(solution)
     times["other"] = time.perf_counter() - t3
-    if _settles_estimates(method):
-        t4 = time.perf_counter()
+    t4 = time.perf_counter()
+    tables = _estimate_tables(method, profile, cluster, solution) if _settles_estimates(method) else []
+    if len(tables) > 1:
         plans = {_layout(solution): (plan, solution)}
-        for _, other in _estimate_tables(method, profile, cluster, solution)[1:]:
+        for _, other in tables[1:]:
             if other is not None and _layout(other) not in plans:
                 plans[_layout(other)] = (build(other), other)
         if len(plans) > 1:
