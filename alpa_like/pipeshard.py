@@ -336,12 +336,7 @@ def _plan_and_profile(method: PipeshardParallel, sliced: SlicedStep, cluster: Cl
     times["stage DP"] = time.perf_counter() - t2
 
     def build(chosen: StageSolution) -> ParallelPlan:
-        devices = assign_devices(chosen.submeshes, cluster.num_nodes, cluster.num_devices_per_node)
-        stages = tuple(_stage_plan(q, choice, devices[q], traced, summaries, profile, method.num_micro_batches)
-                       for q, choice in enumerate(chosen.stages))
-        return ParallelPlan(method=repr(method), num_micro_batches=method.num_micro_batches, cluster=cluster,
-                            stages=stages, pipeline_schedule=method.pipeline_schedule,
-                            estimated_iteration_time=float(chosen.iteration_time), warnings=tuple(sliced.warnings))
+        return plan_of_stages(method, sliced, cluster, profile, chosen.stages, chosen.iteration_time)
 
     t3 = time.perf_counter()
     plan = build(solution)
@@ -367,6 +362,18 @@ def _plan_and_profile(method: PipeshardParallel, sliced: SlicedStep, cluster: Cl
     return plan, profile, solution
 
 
+def plan_of_stages(method: PipeshardParallel, sliced: SlicedStep, cluster: ClusterSpec, profile: StageProfile,
+                   stages: Sequence[StageChoice], iteration_time: float) -> ParallelPlan:
+    """The plan of the stage DP's ``stages`` (placed by :func:`~alpa_like.compiler.submesh.assign_devices`,
+    each with its layers' ILP solutions from ``profile``), estimated at ``iteration_time``; no compile times."""
+    devices = assign_devices([c.submesh for c in stages], cluster.num_nodes, cluster.num_devices_per_node)
+    planned = tuple(_stage_plan(q, choice, devices[q], sliced.traced, sliced.summaries, profile,
+                                method.num_micro_batches) for q, choice in enumerate(stages))
+    return ParallelPlan(method=repr(method), num_micro_batches=method.num_micro_batches, cluster=cluster,
+                        stages=planned, pipeline_schedule=method.pipeline_schedule,
+                        estimated_iteration_time=float(iteration_time), warnings=tuple(sliced.warnings))
+
+
 def _settles_estimates(method: PipeshardParallel) -> bool:
     """Whether the planner simulates the DP's plans under :func:`_estimate_tables`: the simulated backend
     runs the schedule (one stage per mesh; not TeraPipe) and the DP chose the stages."""
@@ -389,12 +396,12 @@ def _estimate_tables(method: PipeshardParallel, profile: StageProfile, cluster: 
       solved only when the table's own plan has a stage the extra applies to (otherwise that plan is also
       the best under the extra, which raises no other plan below its old cost)."""
     costs, limited = profile.costs, profile.sender_limited
-    tables = [(costs, solution)]
+    tables: list[tuple[StageCosts, StageSolution | None]] = [(costs, solution)]
     if costs.nic_wait is not None and costs.nic_wait.any():
         blind = dataclasses.replace(costs, nic_wait=None)
         tables.append((blind, _solve_or_none(method, blind, cluster)))
     for table, found in list(tables):
-        if limited is not None and found is not None and any(
+        if found is not None and any(
                 limited[s.layers[0], s.layers[1], s.submesh_index] > 0 for s in found.stages):
             pessimistic = dataclasses.replace(table, t_intra=table.t_intra + limited[..., None])
             tables.append((pessimistic, _solve_or_none(method, pessimistic, cluster)))

@@ -16,8 +16,9 @@ All are priced with the cost model our own plans use, on the same cluster:
   them), everything else is ZeRO-2 data parallel over all ``N``, and expert gradients are ZeRO-2 reduced
   over the ``N / EP`` replicas of each expert; each MoE layer moves its dispatched tokens with an all-to-all
   over the ``EP`` group twice in the forward (dispatch, combine), twice in the backward and twice in the
-  recomputed forward (priced knowing which pieces stay inside a node, :func:`collective_seconds`). ``EP`` and the micro-batch count are grid-searched (every ``EP`` dividing ``E`` and
-  ``N``), as Alpa grid-searched DeepSpeed's parallelism degrees. Gradients are reduced once per step (real
+  recomputed forward (priced knowing which pieces stay inside a node, :func:`collective_seconds`). ``EP``
+  and the micro-batch count are grid-searched (every ``EP`` dividing ``E`` and ``N``), as Alpa grid-searched
+  DeepSpeed's parallelism degrees. Gradients are reduced once per step (real
   ZeRO-2 reduces every micro-batch's: this favours the baseline). DeepSpeed's tensor model parallelism of
   the dense layers is not modelled; it would split the dense part, which is small next to the experts
   (MoE-10B: 0.5 of 10.2 billion parameters);

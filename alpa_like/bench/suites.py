@@ -112,8 +112,8 @@ def run_case(case: Case, preset: str, ablations: bool = False) -> dict:
     if ablations:
         variants += ["intra-op only", "inter-op only"]
     row["ours"] = {}
+    counts = case.auto_micro_batches or (m,)
     for variant in variants:
-        counts = case.auto_micro_batches or (m,)
         if variant == "auto" or case.suite == "wresnet":
             summary = _best_plan(variant, workload, cluster, counts, m, sliced)
         else:

@@ -119,6 +119,20 @@ def test_breakdown_plans_auto_equal_layer_and_each_restriction(tmp_path, capsys)
     assert "only 1x4" in text and "free transfers s" in text
 
 
+def test_breakdown_near_lists_aligned_plans_cheapest_first_each_covering_the_cluster():
+    """``--near``: the aligned plans within the slack of the DP's slowest stage, priced by Eq. 3.2 and
+    simulated; each uses every device, and they come cheapest first by the DP's price."""
+    from alpa_like.bench import breakdown
+
+    rows = breakdown.plan_rows("gpt-tiny", 4, [], num_micro_batches=2, with_auto=False, near=(2.0, 3))
+    assert rows and all(r["variant"].startswith("near ") for r in rows)
+    for r in rows:
+        assert sum(a * b for a, b in r["submeshes"]) == 4
+        assert r["simulated_s"] > 0
+    predicted = [r["dp_predicted_s"] for r in rows]
+    assert predicted == sorted(predicted)
+
+
 def test_breakdown_parses_a_given_plan_and_rejects_bad_ones():
     from alpa_like.bench import breakdown
 
