@@ -14,7 +14,10 @@ import functools
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from alpa_like.compiler.flops import ComputeRates
 
 _GIB = 2**30
 _GBIT_PER_S = 1e9 / 8  # bytes/s in one Gb/s
@@ -53,6 +56,10 @@ class ClusterSpec:
     (the situation inside a training step). With it, each jaxpr equation costs the larger of its FLOP time
     and its memory time (:func:`~alpa_like.compiler.flops.equation_seconds`, a roofline). None: no memory
     term, FLOPs only (the presets, so their predictions stay those of the seeds' FLOP-based model)."""
+    fp32_peak_flops: float | None = None
+    """Peak FLOP/s of one device for a matrix product or convolution with float32 operands, at XLA's
+    default precision (float32 on a V100, TF32 on an A100 or H100), or None: the same as ``peak_flops``
+    (measured clusters, whose ``peak_flops`` is a float32 matmul). Alpa trains Wide-ResNet in FP32."""
     launch_overhead: float = 0.0
     """Seconds the host spends launching one compiled executable on the devices (dispatch, argument
     handling, the runtime's thunk start-up), paid once per RUN instruction by the simulated backend."""
@@ -64,6 +71,14 @@ class ClusterSpec:
     def num_devices(self) -> int:
         """Total number of devices, ``num_nodes * num_devices_per_node``."""
         return self.num_nodes * self.num_devices_per_node
+
+    @property
+    def compute_rates(self) -> ComputeRates:
+        """The rates one device's work is priced at (:func:`~alpa_like.compiler.flops.jaxpr_seconds`)."""
+        from alpa_like.compiler.flops import ComputeRates  # Local import: presets and JSON need no JAX.
+
+        return ComputeRates(peak_flops=self.peak_flops, memory_bandwidth=self.memory_bandwidth,
+                            fp32_peak_flops=self.fp32_peak_flops)
 
     @classmethod
     def preset(cls, name: str, num_nodes: int = 1) -> ClusterSpec:
@@ -172,10 +187,10 @@ def _validate(spec: ClusterSpec) -> None:
         value = getattr(spec, field)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
             raise ValueError(f"{field} must be a number > 0, got {value!r}")
-    if spec.memory_bandwidth is not None and (not isinstance(spec.memory_bandwidth, (int, float))
-                                              or isinstance(spec.memory_bandwidth, bool)
-                                              or not spec.memory_bandwidth > 0):
-        raise ValueError(f"memory_bandwidth must be None or a number > 0, got {spec.memory_bandwidth!r}")
+    for field in ("memory_bandwidth", "fp32_peak_flops"):
+        value = getattr(spec, field)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0):
+            raise ValueError(f"{field} must be None or a number > 0, got {value!r}")
     for field in ("intra_node_latency", "inter_node_latency", "launch_overhead"):
         value = getattr(spec, field)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
@@ -199,6 +214,8 @@ def _p3_16xlarge(num_nodes: int) -> ClusterSpec:
         device_name="V100-SXM2-16GB",
         # NVIDIA V100 datasheet: 125 TFLOP/s FP16 tensor-core peak (SXM2). Alpa trains GPT/MoE in FP16.
         peak_flops=125e12,
+        # NVIDIA V100 datasheet: 15.7 TFLOP/s FP32 (SXM2); a V100 has no TF32, so float32 products run there.
+        fp32_peak_flops=15.7e12,
         device_memory=16 * _GIB,
         # NVIDIA V100 datasheet: NVLink 2.0, 300 GB/s bidirectional per GPU -> 150 GB/s unidirectional.
         intra_node_bandwidth=150e9,
@@ -219,6 +236,8 @@ def _dgx_a100(num_nodes: int) -> ClusterSpec:
         device_name="A100-SXM4-80GB",
         # Megatron-LM §5: "The peak device throughput of an A100 GPU with 16-bit precision is 312 teraFLOP/s".
         peak_flops=312e12,
+        # NVIDIA A100 datasheet: 156 TFLOP/s TF32 tensor core (dense), XLA's default for float32 products.
+        fp32_peak_flops=156e12,
         device_memory=80 * _GIB,
         # NVIDIA A100 datasheet: NVLink 3 (NVSwitch), 600 GB/s bidirectional per GPU -> 300 GB/s.
         intra_node_bandwidth=300e9,
@@ -238,6 +257,8 @@ def _h100(num_nodes: int) -> ClusterSpec:
         device_name="H100-SXM5-80GB",
         # NVIDIA H100 datasheet: 1,979 TFLOP/s BF16 "with sparsity" -> 989 TFLOP/s dense.
         peak_flops=989e12,
+        # NVIDIA H100 datasheet: 989 TFLOP/s TF32 "with sparsity" -> 494.5 TFLOP/s dense.
+        fp32_peak_flops=494.5e12,
         device_memory=80 * _GIB,
         # NVIDIA H100 datasheet: NVLink 4, 900 GB/s bidirectional per GPU -> 450 GB/s.
         intra_node_bandwidth=450e9,

@@ -134,8 +134,8 @@ def causal_self_attention(
         uniform average of the values of that row (no NaNs).
 
     Returns:
-      ``[batch, S_q, heads, head_dim]`` in the dtype of ``q``. Scores and softmax are computed in
-      float32 whatever the input dtype.
+      ``[batch, S_q, heads, head_dim]`` in the dtype of ``q``. The two products run in the inputs' dtype;
+      the scaling, mask and softmax in float32 whatever the input dtype.
 
     Raises:
       ValueError: if the shapes are not as described.
@@ -150,8 +150,9 @@ def causal_self_attention(
     with jax.named_scope(ATTENTION_SCOPE):
         k, v, mask = _with_prefix(k, v, mask)
         q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[3]
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-        scores = scores.astype(jnp.float32) / math.sqrt(head_dim)
+        # The product in the inputs' dtype, so that it and its gradients run on 16-bit matrix units for 16-bit
+        # inputs (as Megatron-LM's FP16 attention does); the scores in float32 from here on.
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(head_dim)
         q_pos = jnp.arange(q_len)[:, None] + (kv_len - q_len)
         allowed = q_pos >= jnp.arange(kv_len)[None, :]
         if mask is not None:

@@ -121,14 +121,14 @@ def spmd_plan(method, traced: TracedStep, layout: SpmdLayout, cluster: ClusterSp
         comm = tuple(layout.communication)
     else:
         comm = tuple(gradient_communication(layout, traced.in_leaves, mesh, offset, method.num_micro_batches))
-    rates = (cluster.peak_flops, cluster.memory_bandwidth, cluster.num_devices)
+    rates, n = cluster.compute_rates, cluster.num_devices
     if method.num_micro_batches > 1:
         split = split_at_grad_marker(traced.closed_jaxpr, [leaf.is_batch for leaf in traced.in_leaves])
         flops = float(split_total(split, method.num_micro_batches))
-        compute = split_total(split, method.num_micro_batches, lambda e: equation_seconds(e, *rates))
+        compute = split_total(split, method.num_micro_batches, lambda e: equation_seconds(e, rates, n))
     else:
         flops = float(jaxpr_flops(traced.closed_jaxpr))
-        compute = jaxpr_seconds(traced.closed_jaxpr, *rates)
+        compute = jaxpr_seconds(traced.closed_jaxpr, rates, n)
     stage = StagePlan(stage_id=0, layer_ids=(), submesh_shape=cluster_submesh(cluster),
                       logical_mesh_shape=tuple(mesh_shape), mesh_axis_names=layout.axis_names,
                       device_ids=tuple(int(d) for d in device_ids), inputs=inputs, outputs=outputs,

@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from jax.extend.core import Literal
 
+from alpa_like.compiler.flops import ComputeRates
 from alpa_like.compiler.ilp import DEFAULT_SOLVER, IlpEdge, IlpProblem, IlpSolution, restrict, solve
 from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.compiler.op_graph import (
@@ -80,6 +81,9 @@ class PassOptions:
     solver: str = DEFAULT_SOLVER
     """MILP backend, one of :data:`alpa_like.compiler.ilp.SOLVERS`."""
     peak_flops: float = 1e12
+    """FLOP/s of one device, to price work a strategy repeats on replicated devices (``ClusterSpec.peak_flops``)."""
+    fp32_peak_flops: float | None = None
+    """FLOP/s of a float32 matrix product (``ClusterSpec.fp32_peak_flops``), or None: ``peak_flops``."""
     node_weights: tuple[float, ...] | None = None
     """Per graph node, how many times it runs per step (e.g. ``num_micro_batches`` for compute-grad
     equations under gradient accumulation); its costs and its operands' resharding are scaled by it."""
@@ -171,7 +175,7 @@ def with_replicated_work(strategy: Strategy, node: OpNode, graph: OpGraph, ctx: 
     """Adds to a light operator's ``d_v`` the time of the work it repeats on replicated devices.
 
     The dissertation sets ``d_v = 0`` for light operators ("their computation costs are negligible"); we
-    charge one FLOP per element of the larger of its first operand and its outputs, at ``peak_flops``, times
+    charge one FLOP per element of the larger of its first operand and its outputs, at ``rates.peak_flops``, times
     ``1/shards - 1/devices`` (0 when the work is split over every device). This is orders of magnitude below
     any collective, so it only breaks ties between plans of equal communication in favour of split work.
     """
@@ -179,7 +183,7 @@ def with_replicated_work(strategy: Strategy, node: OpNode, graph: OpGraph, ctx: 
                    + [math.prod(graph.tensors[t].shape) for t in node.operands[:1] if t is not None])
     spec = strategy.out_specs[0] if strategy.out_specs else None
     split = shards(spec, ctx.mesh.shape) if spec is not None else 1
-    extra = elements / ctx.peak_flops * (1.0 / split - 1.0 / ctx.mesh.num_devices)
+    extra = elements / ctx.rates.peak_flops * (1.0 / split - 1.0 / ctx.mesh.num_devices)
     return dataclasses.replace(strategy, compute_seconds=strategy.compute_seconds + extra) if extra > 0 else strategy
 
 
@@ -527,7 +531,8 @@ class PreparedPass:
 def prepare(graph: OpGraph, mesh: LogicalMesh, options: PassOptions = PassOptions(), *,
             aliases: Sequence[tuple[int, int]] = ()) -> PreparedPass:
     """Strategies (step 1) and the ILP (step 2) of the pass; see :func:`auto_shard` for the arguments."""
-    ctx = StrategyContext(mesh=mesh, peak_flops=options.peak_flops)
+    rates = ComputeRates(options.peak_flops, fp32_peak_flops=options.fp32_peak_flops)
+    ctx = StrategyContext(mesh=mesh, rates=rates)
     table = strategy_table(graph, ctx, options.input_candidates)
     gradients = gradient_nodes(graph).union(*(gradient_producers(graph, graph.output_tensors[i])
                                               for i in options.gradient_outputs

@@ -9,10 +9,13 @@ bodies; a ``scan`` body counts ``length`` times, a ``while`` body once (its trip
 :func:`equation_seconds` turns one equation into time with a roofline: the larger of its FLOPs at the
 device's FLOP/s and its memory traffic (operand plus result bytes, :func:`eqn_bytes`) at the device's
 memory bandwidth. Element-wise and data-movement equations, which a FLOP count prices at (almost) zero, are
-memory-bound on CPUs and GPUs alike.
+memory-bound on CPUs and GPUs alike. A matrix product or convolution runs on the device's matrix units
+at the rate of its operands' precision (:class:`ComputeRates`): a V100's tensor cores take 16-bit operands
+(125 TFLOP/s) and its float32 products run at 15.7 TFLOP/s.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -40,12 +43,18 @@ def dot_general_flops(eqn: JaxprEqn) -> float:
 
 
 def conv_flops(eqn: JaxprEqn) -> float:
-    """2 * (output elements) * (kernel spatial size) * (input features per group)."""
+    """2 * (output elements) * (kernel spatial size) * (input features per group) / (input dilation).
+
+    An input (lhs) dilation of ``d`` puts ``d - 1`` zeros between the input's elements along a spatial
+    dimension, so only ``1 / prod(d)`` of the window's taps meet an input element. That is how the gradient
+    of a strided convolution with respect to its input is expressed (a transposed convolution), and a GPU
+    library computes it without multiplying by the zeros: the same FLOPs as the forward convolution."""
     rhs_shape = eqn.invars[1].aval.shape
     dn = eqn.params["dimension_numbers"]
     rhs_spec = dn.rhs_spec  # (out feature dim, in feature dim, *spatial dims)
     kernel = math.prod(rhs_shape[d] for d in rhs_spec[2:]) * rhs_shape[rhs_spec[1]]
-    return 2.0 * _size(eqn.outvars[0].aval) * kernel
+    input_dilation = math.prod(eqn.params.get("lhs_dilation") or (1,))
+    return 2.0 * _size(eqn.outvars[0].aval) * kernel / input_dilation
 
 
 def _sub_jaxprs(eqn: JaxprEqn) -> list[Jaxpr]:
@@ -122,35 +131,73 @@ def jaxpr_bytes(jaxpr: Jaxpr | ClosedJaxpr) -> float:
     return sum(eqn_bytes(e) for e in jaxpr.eqns)
 
 
-def equation_seconds(eqn: JaxprEqn, peak_flops: float, memory_bandwidth: float | None,
-                     num_devices: float = 1.0) -> float:
+@dataclasses.dataclass(frozen=True)
+class ComputeRates:
+    """How fast one device computes: the rates :func:`equation_seconds` prices an equation with."""
+
+    peak_flops: float
+    """FLOP/s of the device's matrix units at the training precision (16-bit tensor cores on GPUs); every
+    FLOP that is not a float32 matrix product runs at it."""
+    memory_bandwidth: float | None = None
+    """Bytes/s of the device's memory with every device busy, or None: no memory term (FLOPs only)."""
+    fp32_peak_flops: float | None = None
+    """FLOP/s of a matrix product or convolution with a float32 (or wider) operand, or None: ``peak_flops``.
+    XLA's default precision runs such a product in float32 on a V100 (no tensor cores) and in TF32 on an
+    A100 or H100 (JAX's "Matmul precision" page)."""
+
+    def __post_init__(self) -> None:
+        for name in ("peak_flops", "memory_bandwidth", "fp32_peak_flops"):
+            value = getattr(self, name)
+            if (value is not None or name == "peak_flops") and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"ComputeRates.{name} must be a number > 0"
+                                 + ("" if name == "peak_flops" else " or None") + f", got {value!r}")
+
+    def flop_rate(self, eqn: JaxprEqn) -> float:
+        """FLOP/s for ``eqn``: :attr:`fp32_peak_flops` for a ``dot_general`` or ``conv_general_dilated`` with
+        an operand of 32 or more bits (when set), else :attr:`peak_flops`."""
+        if (self.fp32_peak_flops is not None and eqn.primitive.name in _MATRIX
+                and any(_is_wide_float(v.aval) for v in eqn.invars[:2])):
+            return self.fp32_peak_flops
+        return self.peak_flops
+
+
+_MATRIX = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def _is_wide_float(aval) -> bool:
+    dtype = getattr(aval, "dtype", None)
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        return False
+    return dtype.kind == "f" and dtype.itemsize >= 4
+
+
+def equation_seconds(eqn: JaxprEqn, rates: ComputeRates, num_devices: float = 1.0) -> float:
     """Roofline time of one equation whose work is split evenly over ``num_devices`` devices:
-    ``max(flops / (n * peak_flops), bytes / (n * memory_bandwidth))``, or the FLOP term alone when
-    ``memory_bandwidth`` is None (no memory term). A nested jaxpr (scan, jit, remat, cond) is priced
-    equation by equation inside, so a body's memory-bound and compute-bound parts do not hide each other.
+    ``max(flops / (n * flop rate), bytes / (n * memory_bandwidth))``, or the FLOP term alone when
+    ``rates.memory_bandwidth`` is None. The FLOP rate is :meth:`ComputeRates.flop_rate`. A nested jaxpr
+    (scan, jit, remat, cond) is priced equation by equation inside, so a body's memory-bound and
+    compute-bound parts do not hide each other.
 
     Args:
       eqn: a jaxpr equation.
-      peak_flops: FLOP/s of one device (``ClusterSpec.peak_flops``), > 0.
-      memory_bandwidth: bytes/s of one device's memory with every device busy
-        (``ClusterSpec.memory_bandwidth``), > 0, or None.
+      rates: the device's rates (``ClusterSpec.compute_rates``).
       num_devices: devices sharing the work, > 0.
     """
-    if peak_flops <= 0 or num_devices <= 0 or (memory_bandwidth is not None and memory_bandwidth <= 0):
-        raise ValueError(f"equation_seconds: peak_flops, memory_bandwidth and num_devices must be > 0, got "
-                         f"{peak_flops!r}, {memory_bandwidth!r}, {num_devices!r}")
+    if num_devices <= 0:
+        raise ValueError(f"equation_seconds: num_devices must be > 0, got {num_devices!r}")
     subs = _sub_jaxprs(eqn)
     if subs:
-        return _nested_total(eqn, [jaxpr_seconds(j, peak_flops, memory_bandwidth, num_devices) for j in subs])
-    compute = eqn_flops(eqn) / (num_devices * peak_flops)
-    if memory_bandwidth is None:
+        return _nested_total(eqn, [jaxpr_seconds(j, rates, num_devices) for j in subs])
+    compute = eqn_flops(eqn) / (num_devices * rates.flop_rate(eqn))
+    if rates.memory_bandwidth is None:
         return compute
-    return max(compute, eqn_bytes(eqn) / (num_devices * memory_bandwidth))
+    return max(compute, eqn_bytes(eqn) / (num_devices * rates.memory_bandwidth))
 
 
-def jaxpr_seconds(jaxpr: Jaxpr | ClosedJaxpr, peak_flops: float, memory_bandwidth: float | None,
-                  num_devices: float = 1.0) -> float:
+def jaxpr_seconds(jaxpr: Jaxpr | ClosedJaxpr, rates: ComputeRates, num_devices: float = 1.0) -> float:
     """Sum of :func:`equation_seconds` over a jaxpr's equations (XLA runs them one after another)."""
     if isinstance(jaxpr, ClosedJaxpr):
         jaxpr = jaxpr.jaxpr
-    return sum(equation_seconds(e, peak_flops, memory_bandwidth, num_devices) for e in jaxpr.eqns)
+    return sum(equation_seconds(e, rates, num_devices) for e in jaxpr.eqns)

@@ -61,7 +61,7 @@ from alpa_like.compiler.auto_sharding import (
     restricted_inputs,
     solve_prepared,
 )
-from alpa_like.compiler.flops import jaxpr_seconds
+from alpa_like.compiler.flops import ComputeRates, jaxpr_seconds
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD, LayerSummary, Piece
 from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.compiler.markers import is_marker
@@ -170,27 +170,25 @@ def is_params_sharded(cost: LayerCost, candidates: dict[int, tuple[ShardingSpec,
     return all(cost.input_specs[k] in specs for k, specs in candidates.items())
 
 
-def profile_layer(closed: ClosedJaxpr, param_inputs: Sequence[bool], mesh: LogicalMesh, peak_flops: float,
-                  options: PassOptions, memory_bandwidth: float | None = None) -> LayerCost:
+def profile_layer(closed: ClosedJaxpr, param_inputs: Sequence[bool], mesh: LogicalMesh, rates: ComputeRates,
+                  options: PassOptions) -> LayerCost:
     """Runs the intra-op pass on one layer and returns its cost on ``mesh`` (``options.input_candidates``
     constrains the layer's inputs, e.g. to :func:`sharded_param_candidates`)."""
-    return layer_cost(closed, param_inputs, mesh, peak_flops, auto_shard(build_op_graph(closed), mesh, options),
-                      memory_bandwidth)
+    return layer_cost(closed, param_inputs, mesh, rates, auto_shard(build_op_graph(closed), mesh, options))
 
 
-def layer_cost(closed: ClosedJaxpr, param_inputs: Sequence[bool], mesh: LogicalMesh, peak_flops: float,
-               solution: ShardingSolution, memory_bandwidth: float | None = None) -> LayerCost:
+def layer_cost(closed: ClosedJaxpr, param_inputs: Sequence[bool], mesh: LogicalMesh, rates: ComputeRates,
+               solution: ShardingSolution) -> LayerCost:
     """The :class:`LayerCost` of the layer ``closed`` under the intra-op pass's ``solution`` on ``mesh``.
 
     Its compute time is the per-equation roofline :func:`~alpa_like.compiler.flops.jaxpr_seconds` with the
-    work split evenly over the mesh's devices (FLOPs at ``peak_flops`` alone when ``memory_bandwidth`` is
-    None)."""
+    work split evenly over the mesh's devices (FLOPs alone when ``rates.memory_bandwidth`` is None)."""
     param_bytes = 0.0
     for spec, var, is_param in zip(solution.input_specs(), closed.jaxpr.invars, param_inputs, strict=True):
         if is_param:
             param_bytes += nbytes(var.aval) / spec.num_shards(mesh.shape)
     comm_bytes = sum(c.num_bytes for strategy in solution.strategies for c in strategy.collectives)
-    return LayerCost(compute_seconds=jaxpr_seconds(closed, peak_flops, memory_bandwidth, mesh.num_devices),
+    return LayerCost(compute_seconds=jaxpr_seconds(closed, rates, mesh.num_devices),
                      comm_seconds=float(solution.objective), comm_bytes=float(comm_bytes),
                      param_bytes_per_device=param_bytes, input_specs=tuple(solution.input_specs()),
                      value_pins=tuple(pins(solution.graph, solution)),
@@ -265,7 +263,7 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
     job_keys = list(jobs)
     context = _SolveContext(layers=layers, gradient_outputs=gradient_outputs,
                             jobs=[jobs[k] for k in job_keys], param_mask=tuple(param_mask),
-                            peak_flops=cluster.peak_flops, memory_bandwidth=cluster.memory_bandwidth,
+                            rates=cluster.compute_rates,
                             options=options, memory_variants=memory_variants)
     results: dict[tuple, tuple[LayerCost, ...]] = {}
     num_solves = 0
@@ -316,8 +314,7 @@ class _SolveContext:
     """Per layer, the indices of its jaxpr's outputs that are gradients (:attr:`PassOptions.gradient_outputs`)."""
     jobs: list[tuple[int, LogicalMesh]]
     param_mask: tuple[bool, ...]
-    peak_flops: float
-    memory_bandwidth: float | None
+    rates: ComputeRates
     options: PassOptions
     memory_variants: bool
 
@@ -344,8 +341,7 @@ def _solve_job(context: _SolveContext, index: int) -> tuple[int, tuple[LayerCost
     params = [i >= 0 and context.param_mask[i] for i in inputs]
     options = dataclasses.replace(context.options, gradient_outputs=context.gradient_outputs[l])
     prepared = prepare(build_op_graph(closed), mesh, options)
-    solved = [layer_cost(closed, params, mesh, context.peak_flops, solve_prepared(prepared),
-                         context.memory_bandwidth)]
+    solved = [layer_cost(closed, params, mesh, context.rates, solve_prepared(prepared))]
     profiled = _variants(mesh.num_devices, context.memory_variants)
     for variant, fraction in ((PARAMS_HALF_SHARDED, 2), (PARAMS_SHARDED, 1)):
         candidates = sharded_param_candidates(closed, params, mesh, fraction)
@@ -357,7 +353,7 @@ def _solve_job(context: _SolveContext, index: int) -> tuple[int, tuple[LayerCost
         else:  # the options limit some parameter to specs without these: the twin is its own problem
             limited = dataclasses.replace(options, input_candidates={**options.input_candidates, **candidates})
             twin = auto_shard(prepared.graph, mesh, limited)
-        solved.append(layer_cost(closed, params, mesh, context.peak_flops, twin, context.memory_bandwidth))
+        solved.append(layer_cost(closed, params, mesh, context.rates, twin))
     return index, tuple(solved), len({id(cost) for cost in solved})
 
 

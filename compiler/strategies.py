@@ -16,7 +16,8 @@ partial sum that is all-reduced over its axes (Table 3.3 #2, #3, #5, #7). Heavy 
 strategies that split the work over every device ("we do not allow replicated computation" for matmuls,
 §3.4.2), so their compute cost ``d_v`` is the same for all of them and is set to 0; only when no such
 strategy divides the shapes are partially replicated strategies offered, charged with the redundant compute
-time ``flops / peak * (1 / shards - 1 / devices)``.
+time ``flops / rate * (1 / shards - 1 / devices)``, at the operator's rate
+(:meth:`~alpa_like.compiler.flops.ComputeRates.flop_rate`).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import numpy as np
 from jax.extend.core import JaxprEqn, Literal
 
 from alpa_like.compiler import jax_compat
-from alpa_like.compiler.flops import conv_flops, dot_general_flops
+from alpa_like.compiler.flops import ComputeRates, conv_flops, dot_general_flops
 from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.compiler.sharding_spec import DimAxes, ShardingSpec
 
@@ -91,8 +92,8 @@ class StrategyContext:
     """What a rule needs besides the equation: the mesh and the device speed."""
 
     mesh: LogicalMesh
-    peak_flops: float = 1e12
-    """FLOP/s of one device, to price replicated work of heavy operators."""
+    rates: ComputeRates = ComputeRates(1e12)
+    """How fast one device computes, to price replicated work of heavy operators."""
 
 
 def make_spec(axes: Sequence[DimAxes]) -> ShardingSpec:
@@ -213,7 +214,8 @@ def loop_strategies(eqn: JaxprEqn, loops: Sequence[Loop], ctx: StrategyContext, 
         if used >= set(useful):
             full.append(make_strategy(**strategy, ctx=ctx))
         else:
-            extra = flops / ctx.peak_flops * (1.0 / work_shards - 1.0 / ctx.mesh.num_devices) if heavy else 0.0
+            redundant = 1.0 / work_shards - 1.0 / ctx.mesh.num_devices
+            extra = flops / ctx.rates.flop_rate(eqn) * redundant if heavy else 0.0
             partial.append(make_strategy(**strategy, ctx=ctx, compute_seconds=extra))
     if heavy and full:
         return full

@@ -294,8 +294,8 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
             if phase != APPLY and cluster.memory_bandwidth is None:  # FLOP-only: the plan's time split 1 : 2
                 seconds = per_mb * share
             else:
-                seconds = (jaxpr_seconds(program.piece(q, phase).jaxpr, cluster.peak_flops,
-                                         cluster.memory_bandwidth, devices * speedup) + comm_per_mb * share)
+                seconds = (jaxpr_seconds(program.piece(q, phase).jaxpr, cluster.compute_rates, devices * speedup)
+                           + comm_per_mb * share)
             stage_time[(q, phase)] = seconds + cluster.launch_overhead
     updated_on = {v: frozenset(programs.stage_to_mesh[q] for q in stages)
                   for v, stages in updating_stages(program).items()}

@@ -33,9 +33,9 @@ NOTES = {
     "wresnet": "Equal layer: the stage DP allowed only stages of one common number of layers (every such number "
                "tried), still choosing their submeshes and logical meshes (Alpa Fig. 3.9). Equal operator: layers "
                "of equal operator counts instead of Eq. 3.6's clustering. Every layer is rematerialized and each "
-               "plan is the fastest of 24 and 32 micro-batches, as in Alpa's Wide-ResNet suite; TFLOP/s divide "
-               "our traced step's FLOPs, so a plan that recomputes fewer (equal operator) can show more than "
-               "the peak.",
+               "plan is the fastest of 24 and 32 micro-batches, as in Alpa's Wide-ResNet suite. FP32 convolutions "
+               "run at the V100's 15.7 TFLOP/s; TFLOP/s divide our traced step's FLOPs, so a plan whose layers "
+               "recompute fewer FLOPs (equal operator) reads higher than its own FLOPs would give.",
 }
 
 HEADER = """# Benchmarks
@@ -45,9 +45,10 @@ command that produced its numbers. Rows marked "simulated" are plans made from s
 `ClusterSpec` preset and run on the simulated backend (the cost model's clock): they are predictions of the
 cost model, not measurements. Every system in a table (ours, Megatron-LM, ZeRO, expert parallelism, the
 ablations) is priced by the same cost model on the same cluster: FLOPs of the traced step at the device's
-peak, alpha-beta collectives, the pipeline schedule replayed. TFLOP/s per GPU divides one FLOP count per row
-(Megatron-LM Eq. 3 for GPT/OPT, the traced step for MoE and Wide-ResNet) by each system's step time, so a
-ratio of TFLOP/s is a ratio of step times. "no plan" means the planner found nothing that fits in device
+peak (a matmul or convolution with a float32 operand at the FP32 rate: 15.7 TFLOP/s on a V100, where
+Wide-ResNet trains in FP32), alpha-beta collectives, the pipeline schedule replayed. TFLOP/s per GPU divides
+one FLOP count per row (Megatron-LM Eq. 3 for GPT/OPT, the traced step for MoE and Wide-ResNet) by each
+system's step time, so a ratio of TFLOP/s is a ratio of step times. "no plan" means the planner found nothing that fits in device
 memory (its message is in the JSON).
 """
 

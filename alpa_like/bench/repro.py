@@ -184,12 +184,30 @@ def alpa_stage_shapes(results_dir: str) -> dict:
     return out
 
 
+WRESNET_SCALING_PAPER = 0.80
+"""Alpa §3.8: Wide-ResNet reaches 80% of linear scaling on 32 GPUs (the Table 3.8 series, weak scaling)."""
+
+
+def wresnet_scaling(results_dir: str, gpus: int = 32) -> dict | str:
+    """TFLOP/s per GPU of our Wide-ResNet plan on ``gpus`` GPUs over that on one GPU, from saved results
+    (each row's own model, as Table 3.8 grows the model with the GPUs), beside the paper's 80%."""
+    path = Path(results_dir) / "bench_wresnet.json"
+    if not path.exists():
+        return "no results: run python -m alpa_like.bench wresnet"
+    tflops = {r["gpus"]: r["ours"]["auto"].get("tflops") for r in json.loads(path.read_text())["rows"]}
+    if not tflops.get(1) or not tflops.get(gpus):
+        return f"no results: the saved rows need plans on 1 and {gpus} GPUs"
+    return {"gpus": gpus, "tflops_1": tflops[1], f"tflops_{gpus}": tflops[gpus], "scaling": tflops[gpus] / tflops[1],
+            "paper": WRESNET_SCALING_PAPER}
+
+
 def main(args) -> int:
     results = {"megatron_table_1": megatron_table_1()}
     eff = results["megatron_table_1"]["efficiency"]
     results["interleaved_gain"] = interleaved_gain(eff)
     results["bfpp_table_e1"] = bfpp_table_e1()
     results["alpa_stage_shapes"] = alpa_stage_shapes(args.results_dir)
+    results["wresnet_scaling"] = wresnet_scaling(args.results_dir)
     print_results(results)
     out = args.out or os.path.join(args.results_dir, "bench_repro.json")
     print(f"wrote {write_json(out, [results])}")
@@ -240,4 +258,14 @@ def results_text(results: dict, markdown: bool = False) -> list[str]:
             shape = f"no plan ({r['error'][:80]})" if r["error"] else \
                 f"layers per stage {r['layers_per_stage']}, GPUs per stage {r['gpus_per_stage']}"
             out.append(f"- {suite} {r['model']} on {r['gpus']} GPUs: {shape}")
+    scaling = results.get("wresnet_scaling")
+    if scaling is not None:
+        out.append("")
+        if isinstance(scaling, str):
+            out.append(f"Wide-ResNet scaling: {scaling}")
+        else:
+            n = scaling["gpus"]
+            out.append(f"Wide-ResNet scaling on {n} GPUs (paper: {scaling['paper']:.0%} of linear): ours "
+                       f"{scaling['scaling']:.1%} ({scaling[f'tflops_{n}']:.2f} TFLOP/s per GPU against "
+                       f"{scaling['tflops_1']:.2f} on one GPU)")
     return out

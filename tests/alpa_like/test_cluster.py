@@ -14,13 +14,13 @@ GIB = 2**30
 # Public fields: adding one is an API change (and needs a docstring with units).
 FIELDS = ("name", "num_nodes", "num_devices_per_node", "device_name", "peak_flops", "device_memory",
           "intra_node_bandwidth", "inter_node_bandwidth", "intra_node_latency", "inter_node_latency",
-          "shared_host_compute", "memory_bandwidth", "launch_overhead")
+          "shared_host_compute", "memory_bandwidth", "fp32_peak_flops", "launch_overhead")
 
 PRESETS = {
-    # name: (device_name, peak_flops, device_memory, intra bytes/s, inter bytes/s per device)
-    "p3.16xlarge": ("V100-SXM2-16GB", 125e12, 16 * GIB, 150e9, 25e9 / 8 / 8),
-    "dgx-a100": ("A100-SXM4-80GB", 312e12, 80 * GIB, 300e9, 200e9 / 8),
-    "h100": ("H100-SXM5-80GB", 989e12, 80 * GIB, 450e9, 400e9 / 8),
+    # name: (device_name, peak_flops, fp32_peak_flops, device_memory, intra bytes/s, inter bytes/s per device)
+    "p3.16xlarge": ("V100-SXM2-16GB", 125e12, 15.7e12, 16 * GIB, 150e9, 25e9 / 8 / 8),
+    "dgx-a100": ("A100-SXM4-80GB", 312e12, 156e12, 80 * GIB, 300e9, 200e9 / 8),
+    "h100": ("H100-SXM5-80GB", 989e12, 494.5e12, 80 * GIB, 450e9, 400e9 / 8),
 }
 
 
@@ -34,11 +34,13 @@ def test_field_set_is_frozen():
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_values(name):
-    device_name, flops, memory, intra, inter = PRESETS[name]
+    device_name, flops, fp32_flops, memory, intra, inter = PRESETS[name]
     spec = ClusterSpec.preset(name, num_nodes=4)
     assert (spec.name, spec.num_nodes, spec.num_devices_per_node, spec.num_devices) == (name, 4, 8, 32)
     assert (spec.device_name, spec.device_memory) == (device_name, memory)
     assert spec.peak_flops == pytest.approx(flops)
+    assert spec.fp32_peak_flops == pytest.approx(fp32_flops)
+    assert spec.compute_rates.fp32_peak_flops == spec.fp32_peak_flops < spec.compute_rates.peak_flops
     assert spec.intra_node_bandwidth == pytest.approx(intra)
     assert spec.inter_node_bandwidth == pytest.approx(inter)
     assert spec.inter_node_bandwidth < spec.intra_node_bandwidth
@@ -65,6 +67,7 @@ def test_preset_rejects_bad_num_nodes(num_nodes):
     ("num_nodes", 0), ("num_devices_per_node", 0), ("device_memory", -1), ("peak_flops", 0.0),
     ("intra_node_bandwidth", -1.0), ("inter_node_bandwidth", float("nan")), ("intra_node_latency", -1e-6),
     ("inter_node_latency", "1us"), ("name", ""), ("memory_bandwidth", 0.0), ("memory_bandwidth", "fast"),
+    ("fp32_peak_flops", 0.0), ("fp32_peak_flops", True),
     ("launch_overhead", -1e-6),
 ])
 def test_validation_names_the_field(field, value):

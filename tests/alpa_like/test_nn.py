@@ -73,6 +73,26 @@ def test_jit_and_bfloat16_keep_dtype():
     np.testing.assert_allclose(out.astype(jnp.float32), ref, atol=3e-2)  # bf16 has 8 mantissa bits
 
 
+def _equations(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
+                    yield from _equations(getattr(sub, "jaxpr", sub))
+
+
+def test_float16_products_and_their_gradients_stay_float16():
+    """The cost model runs a product with a float32 operand at a GPU's FP32 rate: in FP16 attention neither
+    the two products nor the four of their gradients may take a float32 operand (as in Megatron-LM)."""
+    q, k, v = (x.astype(jnp.float16) for x in _qkv(5, 2, 4, 4, 2, 8))
+    loss = lambda q, k, v: causal_self_attention(q, k, v).astype(jnp.float32).sum()  # noqa: E731
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr
+    dots = [e for e in _equations(jaxpr) if e.primitive.name == "dot_general"]
+    assert len(dots) == 6
+    assert {str(x.aval.dtype) for e in dots for x in e.invars} == {"float16"}
+
+
 def test_named_scope_marks_the_equations():
     q, k, v = _qkv(4, 1, 3, 3, 1, 2)
     jaxpr = jax.make_jaxpr(causal_self_attention)(q, k, v).jaxpr

@@ -189,8 +189,10 @@ def test_estimated_costs_are_settled_by_simulating_the_plans(monkeypatch, num_la
     the planner also solves the tables of ``_estimate_tables`` and keeps the plan the simulated backend
     runs fastest: the chosen plan is one of the tables' plans and simulates no slower than any of them."""
     step, state, batch = gpt_case(num_layers=num_layers)
+    # The tiny GPT is float32: priced at the FP16 rate (no fp32_peak_flops), as a GPT in FP16 would be, its
+    # transfers weigh enough against its compute for both estimates to matter.
     cluster = dataclasses.replace(al.ClusterSpec.preset("p3.16xlarge", num_nodes=num_nodes),
-                                  num_devices_per_node=devices_per_node)
+                                  num_devices_per_node=devices_per_node, fp32_peak_flops=None)
     method = al.PipeshardParallel(num_micro_batches=16, layer_option=al.AutoLayerOption(layer_num=num_layers),
                                   stage_option=QUIET)
     sliced = pipeshard.slice_step(method, step, (state, batch), static_argnums=(), batch_argnums=(1,))

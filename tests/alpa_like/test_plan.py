@@ -116,6 +116,6 @@ def test_spmd_compute_is_the_steps_roofline_when_the_cluster_has_a_memory_bandwi
     cpu = dataclasses.replace(gpu, peak_flops=2e10, memory_bandwidth=3e9)
     for cluster in (gpu, cpu):
         plan = al.plan(step, state, batch, method=al.DataParallel(), cluster=cluster)
-        expected = jaxpr_seconds(closed, cluster.peak_flops, cluster.memory_bandwidth, cluster.num_devices)
+        expected = jaxpr_seconds(closed, cluster.compute_rates, cluster.num_devices)
         assert plan.stages[0].compute_seconds == pytest.approx(expected, rel=1e-9)
     assert plan.stages[0].compute_seconds > jaxpr_flops(closed) / (8 * cpu.peak_flops)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from alpa_like.compiler import jax_compat
+from alpa_like.compiler.flops import ComputeRates
 from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.compiler.propagation import FOLLOW_RULES
 from alpa_like.compiler.sharding_spec import ShardingSpec, enumerate_specs
@@ -67,7 +68,7 @@ def test_matmul_uses_every_device_when_it_can():
 
 def test_matmul_falls_back_to_partial_strategies_with_their_redundant_compute():
     eqn = eqn_of(lambda a, b: a @ b, (3, 3), (3, 2))  # only j (size 2) divides: one axis at most
-    ctx = StrategyContext(mesh=MESH, peak_flops=1e9)
+    ctx = StrategyContext(mesh=MESH, rates=ComputeRates(1e9))
     strategies = by_name(ROOT_RULES["dot_general"](eqn, ctx))
     flops = 2 * 3 * 2 * 3
     assert strategies["replicated"].compute_seconds == pytest.approx(flops / 1e9 * (1 - 1 / 4))

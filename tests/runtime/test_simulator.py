@@ -80,7 +80,7 @@ def test_calibrated_simulation_uses_measured_durations():
 def test_run_costs_are_the_pieces_roofline_plus_one_launch():
     """With a memory bandwidth, each RUN lasts launch + the roofline of its own piece's jaxpr (work split over
     the mesh's devices) + its share of the stage's intra-op communication; the kinds add up to that."""
-    from alpa_like.compiler.flops import jaxpr_seconds
+    from alpa_like.compiler.flops import ComputeRates, jaxpr_seconds
     from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
 
     exe = executable("gpipe", num_micro_batches=2)
@@ -90,7 +90,7 @@ def test_run_costs_are_the_pieces_roofline_plus_one_launch():
     sim = simulate(plan, exe.program, exe.programs)
     expected = {}
     for phase, kind in ((FORWARD, "RUN F"), (BACKWARD, "RUN B"), (APPLY, "RUN A")):
-        per_run = [1e-3 + jaxpr_seconds(exe.program.piece(q, phase).jaxpr, 1e9, 1e8,
+        per_run = [1e-3 + jaxpr_seconds(exe.program.piece(q, phase).jaxpr, ComputeRates(1e9, 1e8),
                                         len(plan.stages[exe.programs.stage_to_mesh[q]].device_ids))
                    for q in range(exe.program.num_stages)]
         expected[kind] = sum(per_run) * (1 if phase == APPLY else 2)
@@ -98,7 +98,7 @@ def test_run_costs_are_the_pieces_roofline_plus_one_launch():
         assert sim.seconds_by_kind[kind] == pytest.approx(seconds)
     assert expected["RUN B"] > expected["RUN F"] > 2e-3  # the pieces are not free
     f = {s.task.stage: s.end - s.start for s in sim.timeline.spans if s.task.phase is Phase.F}
-    assert f[0] == pytest.approx(1e-3 + jaxpr_seconds(exe.program.piece(0, FORWARD).jaxpr, 1e9, 1e8,
+    assert f[0] == pytest.approx(1e-3 + jaxpr_seconds(exe.program.piece(0, FORWARD).jaxpr, ComputeRates(1e9, 1e8),
                                                        len(plan.stages[exe.programs.stage_to_mesh[0]].device_ids)))
 
 

@@ -1,4 +1,6 @@
 """The reproductions' analytic costs and calibration."""
+import json
+
 import pytest
 
 from alpa_like.bench import repro
@@ -24,3 +26,20 @@ def test_calibration_hits_its_row_and_is_monotone():
     assert 0 < eff < 1
     assert repro._table_1_tflops(row, eff) == pytest.approx(row[-1], rel=1e-6)
     assert repro._table_1_tflops(row, eff / 2) < row[-1]
+
+
+_EMPTY_RESULTS = {"megatron_table_1": {"efficiency": 0.5, "rows": []}, "interleaved_gain": {"paper": "", "rows": []},
+                  "bfpp_table_e1": {"efficiency": 0.5, "rows": [], "headline": {}}, "alpa_stage_shapes": {}}
+
+
+def test_wresnet_scaling_divides_saved_tflops(tmp_path):
+    assert repro.wresnet_scaling(str(tmp_path)).startswith("no results")
+    rows = [{"gpus": g, "ours": {"auto": {"tflops": t}}} for g, t in ((1, 15.0), (4, 14.0), (32, 12.0))]
+    (tmp_path / "bench_wresnet.json").write_text(json.dumps({"rows": rows}))
+    scaling = repro.wresnet_scaling(str(tmp_path))
+    assert scaling["scaling"] == pytest.approx(0.8) and scaling["paper"] == 0.8
+    assert "80.0% (12.00 TFLOP/s per GPU against 15.00" in "\n".join(repro.results_text(
+        {**_EMPTY_RESULTS, "wresnet_scaling": scaling}))
+    rows[2]["ours"]["auto"]["tflops"] = None  # no plan on 32 GPUs
+    (tmp_path / "bench_wresnet.json").write_text(json.dumps({"rows": rows}))
+    assert "1 and 32 GPUs" in repro.wresnet_scaling(str(tmp_path))
