@@ -72,15 +72,23 @@ class AutoLayerOption:
     like a large vocabulary's logits, otherwise makes the clustering infeasible)."""
     remat_layer: bool = False
     """Recompute each layer's forward in its backward (`jax.checkpoint` per layer)."""
+    recompute_aware: bool = False
+    """With ``remat_layer``: Eq. 3.6's tie-break prefers, among the clusterings of optimal communication, layers
+    ending where less is recomputed, after a convolution or matmul whose output the backward does not read
+    (:func:`~alpa_like.compiler.layer_construction.recompute_savings`). Fewer FLOPs, but such cuts carry more
+    bytes (the operator's output beside the residual), which a pipeline across nodes pays: off by default."""
 
     def __post_init__(self):
+        if self.recompute_aware and not self.remat_layer:
+            raise ValueError("AutoLayerOption.recompute_aware=True needs remat_layer=True (without "
+                             "rematerialization no layer recomputes anything)")
         if not isinstance(self.layer_num, int) or self.layer_num < 1:
             raise ValueError(f"AutoLayerOption.layer_num must be an int >= 1, got {self.layer_num!r}")
         if self.eps is not None and not self.eps >= 0:
             raise ValueError(f"AutoLayerOption.eps must be >= 0 or None, got {self.eps!r}")
 
     def layering(self) -> Layering:
-        return Layering(assign=auto_layers(self.layer_num, self.eps), remat=self.remat_layer)
+        return Layering(assign=auto_layers(self.layer_num, self.eps, self.recompute_aware), remat=self.remat_layer)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -161,6 +161,31 @@ def operator_segments(jaxpr: Jaxpr) -> list[int]:
     return out
 
 
+# Equations whose gradient needs none of their inputs' values (linear in them, or data movement).
+_NO_RESIDUALS = frozenset({"add", "add_any", "sub", "neg", "reshape", "squeeze", "expand_dims", "broadcast_in_dim",
+                           "transpose", "convert_element_type", "copy", "copy_p", "reduce_sum", "concatenate",
+                           "slice", "pad", "alpa_marker"})
+
+
+def recompute_savings(jaxpr: Jaxpr, segments: Sequence[int]) -> list[float]:
+    """Per segment of :func:`operator_segments`, the forward FLOPs that a rematerialized layer ending with
+    that segment does not recompute: its heavy operator's, when every equation after that operator in the
+    segment is one whose gradient needs no input values (:data:`_NO_RESIDUALS`); else 0. The backward of a
+    layer recomputes only the values its gradients read (JAX's partial evaluation of ``jax.checkpoint``), and
+    a matmul's or convolution's gradients read its inputs, not its output: a layer cut right after a
+    convolution, or after a projection and its residual add, does not run it twice."""
+    num_segments = segments[-1] + 1 if segments else 0
+    saving = [0.0] * num_segments
+    heavy_seen = [False] * num_segments
+    for eqn, seg in zip(jaxpr.eqns, segments, strict=True):
+        if eqn.primitive.name in HEAVY_PRIMITIVES and not heavy_seen[seg]:
+            heavy_seen[seg] = True
+            saving[seg] = eqn_flops(eqn)
+        elif heavy_seen[seg] and eqn.primitive.name not in _NO_RESIDUALS:
+            saving[seg] = 0.0
+    return saving
+
+
 def _live_bytes_before(jaxpr: Jaxpr) -> np.ndarray:
     """``live[t]``: bytes of the values that equations ``0..t-1`` define and equations ``t..`` (or the
     outputs) read, for ``t = 0..len(eqns)``."""
@@ -182,11 +207,13 @@ def _live_bytes_before(jaxpr: Jaxpr) -> np.ndarray:
     return np.cumsum(delta)[:n + 1]
 
 
-def auto_layers(layer_num: int, delta: float | None) -> LayerAssignment:
+def auto_layers(layer_num: int, delta: float | None, recompute_aware: bool = False) -> LayerAssignment:
     """The assignment of operator clustering (Eq. 3.6) into ``layer_num`` layers with slack ``delta``
     (None: Alpa's default slack :data:`DEFAULT_DELTA`, or the smallest slack that admits a clustering when
     that one does not, e.g. when one operator, like GPT's logits, is heavier than an average layer. A slack
-    much tighter than the default forces cuts inside blocks, where more bytes cross)."""
+    much tighter than the default forces cuts inside blocks, where more bytes cross). With
+    ``recompute_aware`` (for layers that will be rematerialized) the clustering's tie-break counts what each
+    layer recomputes (:func:`recompute_savings`)."""
     def assign(jaxpr: Jaxpr) -> list[int]:
         segments = operator_segments(jaxpr)
         num_segments = segments[-1] + 1 if segments else 0
@@ -209,7 +236,8 @@ def auto_layers(layer_num: int, delta: float | None) -> LayerAssignment:
                     nbytes = float(np.prod(v.aval.shape, dtype=np.float64) * jax_compat.numpy_dtype(v.aval.dtype).itemsize)
                     edges.append((src, segments[i], nbytes, id(v)))
         slack = max(DEFAULT_DELTA, least_delta(flops, layer_num)) if delta is None else delta
-        clustering = cluster_layers(flops, incoming_bytes(num_segments, edges), layer_num, slack)
+        saving = recompute_savings(jaxpr, segments) if recompute_aware else None
+        clustering = cluster_layers(flops, incoming_bytes(num_segments, edges), layer_num, slack, saving)
         layer_of_segment = np.zeros(num_segments, dtype=int)
         for layer, ops in enumerate(clustering.layers):
             layer_of_segment[list(ops)] = layer

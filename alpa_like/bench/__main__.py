@@ -34,6 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--models", nargs="*", help="only these models of the suite")
     parser.add_argument("--micro-batches", type=int, help="micro-batches of our plans (default per suite)")
     parser.add_argument("--ablations", action="store_true", help="add intra-op-only and inter-op-only plans")
+    parser.add_argument("--recompute-aware-layers", action="store_true",
+                        help="Eq. 3.6's tie-break counts what rematerialized layers recompute "
+                             "(AutoLayerOption.recompute_aware)")
     parser.add_argument("--plot", action="store_true", help="write a PNG chart beside the JSON")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per measured method (local/ray)")
     parser.add_argument("--out", help="JSON results path")
@@ -59,7 +62,7 @@ def _progress(items, desc):
 def run_simulated(args) -> int:
     from alpa_like.bench import report, suites
 
-    cases = suites.suite_cases(args.command, args.models, args.micro_batches)
+    cases = suites.suite_cases(args.command, args.models, args.micro_batches, args.recompute_aware_layers)
     rows = []
     bar = _progress(cases, f"{args.command} on {args.cluster}")
     for case in bar:

@@ -171,11 +171,13 @@ def near_optimal_results(sliced, method, cluster, slack: float, top: int) -> lis
 
 def plan_rows(model: str, gpus: int, restrictions, preset: str = "p3.16xlarge",
               num_micro_batches: int | None = None, with_auto: bool = True, plans=(),
-              what_if: bool = False, near: tuple[float, int] | None = None) -> list[dict]:
+              what_if: bool = False, near: tuple[float, int] | None = None,
+              recompute_aware: bool = False) -> list[dict]:
     """One summary per plan (``auto`` and ``equal layer`` unless ``with_auto`` is False, then each
     restriction, then each of ``plans``, :func:`parse_plan`'s tuples priced as given, then with ``near =
     (slack, top)`` :func:`near_optimal_results`), as the suites write them; with ``what_if``, also
-    :func:`what_if_seconds` of each plan."""
+    :func:`what_if_seconds` of each plan. ``recompute_aware``: the workload's
+    ``AutoLayerOption.recompute_aware``."""
     from alpa_like import models
     from alpa_like.bench import ours, suites
     from alpa_like.bench.workloads import cluster_for, make_workload
@@ -184,7 +186,8 @@ def plan_rows(model: str, gpus: int, restrictions, preset: str = "p3.16xlarge",
     config = models.get_config(model)
     suite = ("moe" if isinstance(config, models.MoEConfig) else
              "wresnet" if isinstance(config, models.WResNetConfig) else "gpt")
-    workload = make_workload(model, suites.GLOBAL_BATCH[suite])
+    workload = dataclasses.replace(make_workload(model, suites.GLOBAL_BATCH[suite]),
+                                   recompute_aware=recompute_aware)
     cluster = cluster_for(gpus, preset)
     m = num_micro_batches or suites.MICRO_BATCHES[suite]
     method = ours.pipeshard_method(workload, m)
@@ -261,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--near", type=float, metavar="SLACK",
                         help="also simulate the aligned plans whose stages are within SLACK x the DP's slowest stage")
     parser.add_argument("--top", type=int, default=20, help="with --near: how many of them (cheapest by Eq. 3.2)")
+    parser.add_argument("--recompute-aware-layers", action="store_true",
+                        help="Eq. 3.6's tie-break counts recomputation (AutoLayerOption.recompute_aware)")
     parser.add_argument("--out", help="JSON path (default results/breakdown_<model>_<gpus>.json)")
     args = parser.parse_args(argv)
     try:
@@ -273,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     rows = plan_rows(args.model, args.gpus, restrictions, args.cluster, args.micro_batches,
                      with_auto=not args.only_restricted, plans=plans, what_if=args.what_if,
-                     near=None if args.near is None else (args.near, args.top))
+                     near=None if args.near is None else (args.near, args.top),
+                     recompute_aware=args.recompute_aware_layers)
     print(f"\n{args.model} on {args.gpus} GPUs, simulated {args.cluster} ({time.perf_counter() - start:.0f} s)")
     print(format_rows(rows))
     out = args.out or os.path.join("results", f"breakdown_{args.model}_{args.gpus}.json")

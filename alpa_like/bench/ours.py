@@ -96,7 +96,8 @@ def pipeshard_method(workload: Workload, num_micro_batches: int, stage_option=No
                      layer_option: AutoLayerOption | ManualLayerOption | None = None) -> PipeshardParallel:
     if layer_option is None:
         layer_option = (ManualLayerOption(remat_layer=workload.remat) if workload.manual_layers else
-                        AutoLayerOption(layer_num=workload.num_layers, eps=None, remat_layer=workload.remat))
+                        AutoLayerOption(layer_num=workload.num_layers, eps=None, remat_layer=workload.remat,
+                                        recompute_aware=workload.recompute_aware))
     return PipeshardParallel(
         num_micro_batches=num_micro_batches,
         layer_option=layer_option,

@@ -57,12 +57,16 @@ class Case:
     auto_micro_batches: tuple[int, ...] = ()
     """Micro-batch counts the plans of :data:`AUTO_MICRO_BATCHES` try (the fastest is kept); () means
     ``num_micro_batches``."""
+    recompute_aware: bool = False
+    """Eq. 3.6's clustering counts recomputation (``AutoLayerOption.recompute_aware``) for every plan of the
+    row that uses it (not equal operator); only for workloads with per-layer remat."""
 
     def __str__(self) -> str:
         return f"{self.model} on {self.gpus} GPUs"
 
 
-def suite_cases(suite: str, models_filter: list[str] | None = None, micro_batches: int | None = None) -> list[Case]:
+def suite_cases(suite: str, models_filter: list[str] | None = None, micro_batches: int | None = None,
+                recompute_aware: bool = False) -> list[Case]:
     """The rows of ``suite`` (optionally only ``models_filter``)."""
     if suite not in SUITE_NAMES:
         raise ValueError(f"suite must be one of {SUITE_NAMES}, got {suite!r}")
@@ -75,7 +79,7 @@ def suite_cases(suite: str, models_filter: list[str] | None = None, micro_batche
     m = micro_batches or MICRO_BATCHES[suite]
     tried = (m,) if micro_batches else AUTO_MICRO_BATCHES.get(suite, (m,))
     return [Case(suite=suite, model=name, gpus=gpus, global_batch=GLOBAL_BATCH[suite], num_micro_batches=m,
-                 auto_micro_batches=tried)
+                 auto_micro_batches=tried, recompute_aware=recompute_aware)
             for name, gpus in table.items() if not models_filter or name in models_filter]
 
 
@@ -92,6 +96,10 @@ def run_case(case: Case, preset: str, ablations: bool = False) -> dict:
     """Plans and simulates ``case``: ours, the suite's baselines and ablations; returns one JSON row."""
     start = time.perf_counter()
     workload = make_workload(case.model, case.global_batch)
+    if case.recompute_aware:
+        if not workload.remat or workload.manual_layers:
+            raise ValueError(f"--recompute-aware-layers: {case.model} has no per-layer remat with Eq. 3.6 layers")
+        workload = dataclasses.replace(workload, recompute_aware=True)
     cluster = cluster_for(case.gpus, preset)
     m = case.num_micro_batches
     method = ours.pipeshard_method(workload, m)

@@ -46,6 +46,9 @@ class Workload:
     one layer per block had cuts inside blocks: a layer boundary carrying 4.7 hidden states, and a residual
     gradient skipping the MoE feed-forward's layer into the one before it.)"""
     remat: bool
+    recompute_aware: bool = False
+    """``AutoLayerOption.recompute_aware``: with ``remat``, Eq. 3.6's tie-break counts what layers recompute
+    (``python -m alpa_like.bench wresnet --recompute-aware-layers``)."""
     manual_layers: bool = False
     """Layers end at the model's ``al.mark_pipeline_boundary()`` calls (``ManualLayerOption``) instead of
     Eq. 3.6's clustering. MoE marks every block's attention and MLP apart (``pipeline_boundaries=

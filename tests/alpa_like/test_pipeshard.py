@@ -152,6 +152,8 @@ def test_bad_options_are_named():
         al.PipeshardParallel(pipeline_schedule="zigzag")
     with pytest.raises(ValueError, match="layer_num must be an int >= 1"):
         al.AutoLayerOption(layer_num=0)
+    with pytest.raises(ValueError, match="recompute_aware=True needs remat_layer=True"):
+        al.AutoLayerOption(layer_num=4, recompute_aware=True)
 
 
 def test_remat_layers_keep_only_their_non_parameter_inputs_for_the_backward():

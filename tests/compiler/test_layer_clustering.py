@@ -26,8 +26,9 @@ def naive_incoming_bytes(num_ops, edges):
     return comm
 
 
-def brute_force(flops, comm, num_layers, delta):
-    """(least max incoming bytes, least FLOP variance among those) over every clustering, or None."""
+def brute_force(flops, comm, num_layers, delta, end_saving=None):
+    """(least max incoming bytes, least FLOP variance among those) over every clustering, or None; with
+    ``end_saving``, the variance of the layers' step FLOPs ``4 f - saving at the layer's last operator``."""
     n, total = len(flops), float(sum(flops))
     bound = (1 + delta) * total / num_layers
     best = None
@@ -36,7 +37,9 @@ def brute_force(flops, comm, num_layers, delta):
         layer_flops = [float(sum(flops[a:b])) for a, b in zip(bounds, bounds[1:])]
         if max(layer_flops) > bound * (1 + 1e-9):
             continue
-        key = (max(comm[a, b - 1] for a, b in zip(bounds, bounds[1:])), float(np.var(layer_flops)))
+        costs = layer_flops if end_saving is None else [4 * f - end_saving[b - 1]
+                                                          for f, b in zip(layer_flops, bounds[1:])]
+        key = (max(comm[a, b - 1] for a, b in zip(bounds, bounds[1:])), float(np.sum(np.square(costs))))
         if best is None or key[0] < best[0] or (key[0] == best[0] and key[1] < best[1] - 1e-9):
             best = key
     return best
@@ -86,7 +89,36 @@ def test_clustering_equals_brute_force(graph, data, delta):
     assert max(result.layer_flops) <= (1 + delta) * sum(flops) / num_layers * (1 + 1e-9)  # The balance bound.
     assert result.max_incoming_bytes == max(comm[a, b - 1] for a, b in zip(bounds, bounds[1:]))
     assert result.max_incoming_bytes == expected[0]
-    assert result.flop_variance == pytest.approx(expected[1], abs=1e-9)
+    assert float(np.sum(np.square(result.layer_flops))) == pytest.approx(expected[1], abs=1e-9)
+
+
+@settings(max_examples=200, deadline=None)
+@given(graph=graphs(), data=st.data(), delta=st.sampled_from([0.0, 0.5, 1.0]))
+def test_clustering_with_recompute_savings_equals_brute_force(graph, data, delta):
+    n, flops, edges = graph
+    num_layers = data.draw(st.integers(1, n))
+    saving = [float(data.draw(st.integers(0, f))) for f in flops]
+    comm = incoming_bytes(n, edges)
+    expected = brute_force(flops, comm, num_layers, delta, saving)
+    if expected is None:
+        return  # the FLOP bound alone decides, as in the test without savings
+    result = cluster_layers(flops, comm, num_layers, delta, end_saving=saving)
+    bounds = result.boundaries
+    assert result.max_incoming_bytes == expected[0]
+    costs = [4 * f - saving[b - 1] for f, b in zip(result.layer_flops, bounds[1:])]
+    assert float(np.sum(np.square(costs))) == pytest.approx(expected[1], abs=1e-9)
+
+
+def test_recompute_savings_move_cuts_after_heavy_operators():
+    # Every cut costs the same bytes. Without savings layers of 3 and 4 FLOPs win (sums of squares 9 + 16);
+    # a layer ending at operator 2 recomputes 2 FLOPs less: step FLOPs 4 * 5 - 2 and 4 * 2, 18^2 + 8^2 = 388,
+    # against 12^2 + 16^2 = 400 for the balanced cut.
+    chain = incoming_bytes(4, [(i, i + 1, 10.0) for i in range(3)])
+    assert cluster_layers([1.0, 2.0, 2.0, 2.0], chain, 2, delta=1.0).boundaries == (0, 2, 4)
+    saving = [0.0, 0.0, 2.0, 0.0]
+    assert cluster_layers([1.0, 2.0, 2.0, 2.0], chain, 2, delta=1.0, end_saving=saving).boundaries == (0, 3, 4)
+    with pytest.raises(ValueError, match="end_saving"):
+        cluster_layers([1.0, 2.0, 2.0, 2.0], chain, 2, delta=1.0, end_saving=[3.0] * 4)
 
 
 def test_chain_of_equal_operators_splits_evenly():

@@ -96,3 +96,49 @@ def test_operator_segments_cut_where_the_fewest_bytes_are_live():
     names = [e.primitive.name for e in jaxpr.eqns]
     assert names == ["tanh", "dot_general", "dot_general", "add", "dot_general", "tanh"]
     assert segments == [0, 0, 1, 1, 2, 2]
+
+
+def _convs(x, kernels, cut_after):
+    for i, k in enumerate(kernels):
+        if i:
+            x = jnp.tanh(x)
+        x = jax.lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        if i == cut_after:
+            mark_pipeline_boundary()
+    return x.sum()
+
+
+def test_a_rematerialized_layer_cut_after_a_convolution_does_not_recompute_it():
+    """What :func:`recompute_savings` assumes of JAX: with per-layer remat, a layer ending right after a
+    convolution (or a convolution and a sum) recomputes the layer's other convolutions only."""
+    from alpa_like.compiler.flops import conv_flops
+    from alpa_like.compiler.layer_construction import operator_segments, recompute_savings
+
+    kernels = [jnp.ones((3, 3, 4, 4))] * 3
+    x = jnp.ones((2, 8, 8, 4))
+
+    def loss(kernels):
+        return _convs(x, kernels, cut_after=1)  # layers: conv, tanh, conv | tanh, conv, sum
+
+    def conv_work(remat):
+        grad = jax.make_jaxpr(jax.grad(construct_layers(loss, manual_layers, remat=remat)))(kernels)
+        return sum(conv_flops(e) for e in _all_eqns(grad.jaxpr) if e.primitive.name == "conv_general_dilated")
+
+    one_conv = 2 * (2 * 8 * 8 * 4) * (3 * 3 * 4)
+    assert conv_work(True) - conv_work(False) == one_conv  # the first convolution, recomputed once
+    jaxpr = jax.make_jaxpr(lambda k: _convs(x, k, cut_after=-1))(kernels).jaxpr
+    segments = operator_segments(jaxpr)
+    assert recompute_savings(jaxpr, segments) == [one_conv] * 3
+    # A segment whose convolution feeds an operation that needs it (tanh) within the segment saves nothing.
+    jaxpr = jax.make_jaxpr(lambda k: jnp.tanh(_convs(x, k, cut_after=-1)))(kernels).jaxpr
+    assert recompute_savings(jaxpr, operator_segments(jaxpr))[-1] == 0.0
+
+
+def _all_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _all_eqns(inner)

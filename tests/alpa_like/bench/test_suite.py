@@ -1,12 +1,15 @@
 """The suite's plumbing: cases, rows (with and without plans), the table, the CLI and the backends."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 import alpa_like as al
 from alpa_like.bench import __main__ as cli
-from alpa_like.bench import backends, report, suites
+from alpa_like.bench import backends, ours, report, suites
 from alpa_like.bench.ours import equal_operator_layers
+from alpa_like.bench.workloads import make_workload
 
 
 def test_equal_operator_layers_split_matmuls_evenly():
@@ -83,6 +86,19 @@ def test_wresnet_ablations_get_their_best_micro_batch_count_from_the_same_grid()
         entry = row["ours"][variant]
         assert set(entry["micro_batches_tried"]) == {"1", "2"}, variant
         assert entry["simulated_s"] == min(entry["micro_batches_tried"].values()), variant
+
+
+def test_recompute_aware_layers_reach_the_layer_option_of_remat_workloads_only():
+    args = cli.parse_args(["wresnet", "--recompute-aware-layers"])
+    cases = suites.suite_cases("wresnet", ["wresnet-250m"], recompute_aware=args.recompute_aware_layers)
+    assert cases[0].recompute_aware
+    workload = dataclasses.replace(make_workload("wresnet-tiny", 8), recompute_aware=True)
+    option = ours.pipeshard_method(workload, 2).layer_option
+    assert option.recompute_aware and option.remat_layer
+    moe = suites.Case(suite="moe", model="moe-tiny", gpus=2, global_batch=8, num_micro_batches=2,
+                      recompute_aware=True)
+    with pytest.raises(ValueError, match="recompute-aware-layers: moe-tiny"):
+        suites.run_case(moe, "p3.16xlarge")
 
 
 def test_plan_text_counts_repeats():
