@@ -331,7 +331,7 @@ def _plan_and_profile(method: PipeshardParallel, sliced: SlicedStep, cluster: Cl
     options = PassOptions(solver=method.auto_sharding_option.solver,
                           solver_time_limit=method.auto_sharding_option.solver_time_limit,
                           allow_all_to_all=method.auto_sharding_option.allow_all_to_all,
-                          peak_flops=cluster.peak_flops, fp32_peak_flops=cluster.fp32_peak_flops,
+                          rates=cluster.compute_rates,
                           gradient_sync_weight=1.0 / method.num_micro_batches if deferred else 1.0)
     profile = profile_stage_costs(
         jaxpr, pieces, summaries, param_mask, optimizer_bytes, cluster, submeshes, views, options,

@@ -239,8 +239,7 @@ def solve_views(traced: TracedStep, graph: OpGraph, roles: Sequence[str], cluste
                               allow_all_to_all=option.allow_all_to_all,
                               input_candidates=_batch_candidates(traced, graph, roles, mesh, option),
                               solver_time_limit=float(option.solver_time_limit), solver=option.solver,
-                              peak_flops=cluster.peak_flops, fp32_peak_flops=cluster.fp32_peak_flops,
-                              node_weights=weights)
+                              rates=cluster.compute_rates, node_weights=weights)
         start = time.perf_counter()
         prepared = prepare(graph, mesh, options, aliases=aliases)
         solution = solve_prepared(prepared)

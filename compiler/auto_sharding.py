@@ -80,10 +80,9 @@ class PassOptions:
     solver_time_limit: float = 60.0
     solver: str = DEFAULT_SOLVER
     """MILP backend, one of :data:`alpa_like.compiler.ilp.SOLVERS`."""
-    peak_flops: float = 1e12
-    """FLOP/s of one device, to price work a strategy repeats on replicated devices (``ClusterSpec.peak_flops``)."""
-    fp32_peak_flops: float | None = None
-    """FLOP/s of a float32 matrix product (``ClusterSpec.fp32_peak_flops``), or None: ``peak_flops``."""
+    rates: ComputeRates = ComputeRates(1e12)
+    """How fast one device computes (``ClusterSpec.compute_rates``), to price work a strategy repeats on
+    replicated devices."""
     node_weights: tuple[float, ...] | None = None
     """Per graph node, how many times it runs per step (e.g. ``num_micro_batches`` for compute-grad
     equations under gradient accumulation); its costs and its operands' resharding are scaled by it."""
@@ -175,8 +174,8 @@ def with_replicated_work(strategy: Strategy, node: OpNode, graph: OpGraph, ctx: 
     """Adds to a light operator's ``d_v`` the time of the work it repeats on replicated devices.
 
     The dissertation sets ``d_v = 0`` for light operators ("their computation costs are negligible"); we
-    charge one FLOP per element of the larger of its first operand and its outputs, at ``rates.peak_flops``, times
-    ``1/shards - 1/devices`` (0 when the work is split over every device). This is orders of magnitude below
+    charge one FLOP per element of the larger of its first operand and its outputs, at ``rates.peak_flops``,
+    times ``1/shards - 1/devices`` (0 when the work is split over every device). This is orders of magnitude below
     any collective, so it only breaks ties between plans of equal communication in favour of split work.
     """
     elements = max([math.prod(graph.tensors[t].shape) for t in node.outputs]
@@ -531,8 +530,7 @@ class PreparedPass:
 def prepare(graph: OpGraph, mesh: LogicalMesh, options: PassOptions = PassOptions(), *,
             aliases: Sequence[tuple[int, int]] = ()) -> PreparedPass:
     """Strategies (step 1) and the ILP (step 2) of the pass; see :func:`auto_shard` for the arguments."""
-    rates = ComputeRates(options.peak_flops, fp32_peak_flops=options.fp32_peak_flops)
-    ctx = StrategyContext(mesh=mesh, rates=rates)
+    ctx = StrategyContext(mesh=mesh, rates=options.rates)
     table = strategy_table(graph, ctx, options.input_candidates)
     gradients = gradient_nodes(graph).union(*(gradient_producers(graph, graph.output_tensors[i])
                                               for i in options.gradient_outputs

@@ -186,8 +186,7 @@ def plan_rows(model: str, gpus: int, restrictions, preset: str = "p3.16xlarge",
     config = models.get_config(model)
     suite = ("moe" if isinstance(config, models.MoEConfig) else
              "wresnet" if isinstance(config, models.WResNetConfig) else "gpt")
-    workload = dataclasses.replace(make_workload(model, suites.GLOBAL_BATCH[suite]),
-                                   recompute_aware=recompute_aware)
+    workload = make_workload(model, suites.GLOBAL_BATCH[suite], recompute_aware)
     cluster = cluster_for(gpus, preset)
     m = num_micro_batches or suites.MICRO_BATCHES[suite]
     method = ours.pipeshard_method(workload, m)

@@ -48,8 +48,8 @@ ablations) is priced by the same cost model on the same cluster: FLOPs of the tr
 peak (a matmul or convolution with a float32 operand at the FP32 rate: 15.7 TFLOP/s on a V100, where
 Wide-ResNet trains in FP32), alpha-beta collectives, the pipeline schedule replayed. TFLOP/s per GPU divides
 one FLOP count per row (Megatron-LM Eq. 3 for GPT/OPT, the traced step for MoE and Wide-ResNet) by each
-system's step time, so a ratio of TFLOP/s is a ratio of step times. "no plan" means the planner found nothing that fits in device
-memory (its message is in the JSON).
+system's step time, so a ratio of TFLOP/s is a ratio of step times. "no plan" means the planner found nothing
+that fits in device memory (its message is in the JSON).
 """
 
 

@@ -95,11 +95,7 @@ def step_flops(workload: Workload, totals: baselines.StepTotals) -> float:
 def run_case(case: Case, preset: str, ablations: bool = False) -> dict:
     """Plans and simulates ``case``: ours, the suite's baselines and ablations; returns one JSON row."""
     start = time.perf_counter()
-    workload = make_workload(case.model, case.global_batch)
-    if case.recompute_aware:
-        if not workload.remat or workload.manual_layers:
-            raise ValueError(f"--recompute-aware-layers: {case.model} has no per-layer remat with Eq. 3.6 layers")
-        workload = dataclasses.replace(workload, recompute_aware=True)
+    workload = make_workload(case.model, case.global_batch, case.recompute_aware)
     cluster = cluster_for(case.gpus, preset)
     m = case.num_micro_batches
     method = ours.pipeshard_method(workload, m)

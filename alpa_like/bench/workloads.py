@@ -122,8 +122,18 @@ def loss_train_step(loss_fn: Callable) -> Callable:
     return train_step
 
 
-def make_workload(name: str, global_batch: int) -> Workload:
-    """The workload of a named config (any of ``models.ALL_CONFIG_TABLES``) at ``global_batch``."""
+def make_workload(name: str, global_batch: int, recompute_aware: bool = False) -> Workload:
+    """The workload of a named config (any of ``models.ALL_CONFIG_TABLES``) at ``global_batch``; with
+    ``recompute_aware``, its Eq. 3.6 layers count recomputation (:attr:`Workload.recompute_aware`)."""
+    workload = _named_workload(name, global_batch)
+    if not recompute_aware:
+        return workload
+    if not workload.remat or workload.manual_layers:
+        raise ValueError(f"--recompute-aware-layers: {name} has no per-layer remat with Eq. 3.6 layers")
+    return dataclasses.replace(workload, recompute_aware=True)
+
+
+def _named_workload(name: str, global_batch: int) -> Workload:
     config = models.get_config(name)
     if isinstance(config, models.MoEConfig):
         config = dataclasses.replace(config, dtype=jnp.float16, pipeline_boundaries="sublayer")

@@ -83,7 +83,7 @@ def ilp_size(name: str, config, num_devices: int, batch: int, solver: str, time_
         mesh = LogicalMesh.from_cluster(cluster, (cluster.num_nodes, cluster.num_devices_per_node), shape)
         clear_caches()
         start, cpu_start = time.perf_counter(), time.process_time()
-        solution = auto_shard(graph, mesh, PassOptions(peak_flops=cluster.peak_flops, solver=solver,
+        solution = auto_shard(graph, mesh, PassOptions(rates=cluster.compute_rates, solver=solver,
                                                        solver_time_limit=time_limit), aliases=aliases)
         total, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         ilp = solution.ilp

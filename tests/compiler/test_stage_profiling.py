@@ -58,7 +58,7 @@ def profile(sliced_profile_inputs):
     param_mask = [r == "param" for r in sliced.roles]
     optimizer_bytes = [sum(sliced.traced.in_leaves[i].nbytes for i in inputs) for inputs in sliced.optimizer_inputs]
     return profile_stage_costs(sliced.jaxpr, sliced.pieces, sliced.summaries, param_mask, optimizer_bytes, cluster,
-                               [(1, 1), (1, 2)], [[(1, 1)], [(1, 2)]], PassOptions(peak_flops=cluster.peak_flops))
+                               [(1, 1), (1, 2)], [[(1, 1)], [(1, 2)]], PassOptions(rates=cluster.compute_rates))
 
 
 def test_the_table_lists_a_params_sharded_twin_for_multi_device_submeshes(profile):
@@ -97,7 +97,7 @@ def test_meshes_of_four_devices_add_a_half_sharded_variant_between_the_two(slice
     optimizer_bytes = [sum(sliced.traced.in_leaves[i].nbytes for i in inputs) for inputs in sliced.optimizer_inputs]
     profile = profile_stage_costs(sliced.jaxpr, sliced.pieces, sliced.summaries, param_mask, optimizer_bytes,
                                   cluster, [(1, 2), (1, 4)], [[(1, 2)], [(2, 2)]],
-                                  PassOptions(peak_flops=cluster.peak_flops))
+                                  PassOptions(rates=cluster.compute_rates))
     assert profile.costs.variants == (("", PARAMS_SHARDED), ("", PARAMS_HALF_SHARDED, PARAMS_SHARDED))
     weight = HIDDEN * HIDDEN * 4
     for layer in range(LAYERS):

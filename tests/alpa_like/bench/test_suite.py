@@ -1,6 +1,4 @@
 """The suite's plumbing: cases, rows (with and without plans), the table, the CLI and the backends."""
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import pytest
@@ -92,7 +90,7 @@ def test_recompute_aware_layers_reach_the_layer_option_of_remat_workloads_only()
     args = cli.parse_args(["wresnet", "--recompute-aware-layers"])
     cases = suites.suite_cases("wresnet", ["wresnet-250m"], recompute_aware=args.recompute_aware_layers)
     assert cases[0].recompute_aware
-    workload = dataclasses.replace(make_workload("wresnet-tiny", 8), recompute_aware=True)
+    workload = make_workload("wresnet-tiny", 8, recompute_aware=True)
     option = ours.pipeshard_method(workload, 2).layer_option
     assert option.recompute_aware and option.remat_layer
     moe = suites.Case(suite="moe", model="moe-tiny", gpus=2, global_batch=8, num_micro_batches=2,
