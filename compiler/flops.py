@@ -57,7 +57,17 @@ def conv_flops(eqn: JaxprEqn) -> float:
     return 2.0 * _size(eqn.outvars[0].aval) * kernel / input_dilation
 
 
+# Primitives whose jaxpr parameter combines two elements (a scatter's update, a reduction's monoid): they
+# are priced by their own shapes, not as a nested program run once.
+_COMBINER_PRIMITIVES = frozenset({"scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min",
+                                  "scatter-max", "reduce", "reduce_window", "select_and_scatter"})
+
+
 def _sub_jaxprs(eqn: JaxprEqn) -> list[Jaxpr]:
+    """The nested programs an equation runs (a call's, a loop's body, a cond's branches); none for a
+    primitive whose jaxpr only combines elements (:data:`_COMBINER_PRIMITIVES`)."""
+    if eqn.primitive.name in _COMBINER_PRIMITIVES:
+        return []
     subs = []
     for value in eqn.params.values():
         for item in value if isinstance(value, (tuple, list)) else (value,):

@@ -2,9 +2,11 @@
 
 All are priced with the cost model our own plans use, on the same cluster:
 
-* compute: the traced FLOPs of the step with per-layer recomputation (the same layer summaries the stage
-  DP sees, so every system does the same arithmetic) at the device's peak, spread over all ``N`` devices,
-  plus the optimizer update over ``N`` (ZeRO shards it);
+* compute: the traced step with per-layer recomputation (the same sliced jaxpr the stage DP sees, so every
+  system does the same arithmetic), each equation priced as our plans price it
+  (:func:`~alpa_like.compiler.flops.equation_seconds` at ``ClusterSpec.compute_rates``: a float32 matrix
+  product at the FP32 rate), spread over all ``N`` devices, plus the optimizer update over ``N`` (ZeRO
+  shards it);
 * communication: ``al.plan`` with :class:`~alpa_like.Zero2Parallel` / :class:`~alpa_like.Zero3Parallel`
   gives the gradient reduce-scatter, the all-gather of updated (ZeRO-2) or used (ZeRO-3, per micro-batch)
   parameters; each is priced with the cluster's alpha-beta links as the cheaper of one ring and NCCL's
@@ -38,6 +40,8 @@ import numpy as np
 
 import alpa_like as al
 from alpa_like.cluster import ClusterSpec
+from alpa_like.compiler.flops import ComputeRates, equation_seconds
+from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
 from alpa_like.compiler.logical_mesh import LogicalMesh
 
 from alpa_like.bench.workloads import Workload
@@ -71,14 +75,29 @@ class StepTotals:
     apply_flops: float
     activation_bytes_per_sequence: float
     """Kept from forward to backward, summed over layers."""
+    step_seconds: float
+    """``step_flops`` on one device, each equation at its rate (:func:`equation_seconds`)."""
+    apply_seconds: float
+    """``apply_flops`` on one device."""
+
+    def compute_seconds(self, num_devices: int) -> float:
+        """The whole step's arithmetic split evenly over ``num_devices`` (data parallel, ZeRO-sharded update)."""
+        return (self.step_seconds + self.apply_seconds) / num_devices
 
 
-def step_totals(sliced: Any, workload: Workload, num_micro_batches: int) -> StepTotals:
-    """Totals of a step sliced with ``num_micro_batches`` micro-batches (``ours.slice_workload``)."""
+def step_totals(sliced: Any, workload: Workload, num_micro_batches: int, rates: ComputeRates) -> StepTotals:
+    """Totals of a step sliced with ``num_micro_batches`` micro-batches (``ours.slice_workload``), its
+    seconds at ``rates`` (``ClusterSpec.compute_rates``)."""
     per_mb = sum(s.forward_flops + s.backward_flops for s in sliced.summaries)
     sequences = workload.global_batch / num_micro_batches
+    seconds = {FORWARD: 0.0, BACKWARD: 0.0, APPLY: 0.0}
+    for eqn, piece in zip(sliced.jaxpr.eqns, sliced.pieces, strict=True):
+        if piece is not None:
+            seconds[piece.phase] += equation_seconds(eqn, rates)
     return StepTotals(step_flops=per_mb * num_micro_batches, apply_flops=sum(s.apply_flops for s in sliced.summaries),
-                      activation_bytes_per_sequence=sum(s.activation_bytes for s in sliced.summaries) / sequences)
+                      activation_bytes_per_sequence=sum(s.activation_bytes for s in sliced.summaries) / sequences,
+                      step_seconds=(seconds[FORWARD] + seconds[BACKWARD]) * num_micro_batches,
+                      apply_seconds=seconds[APPLY])
 
 
 def _micro_batch_counts(global_batch: int, num_devices: int) -> list[int]:
@@ -151,7 +170,7 @@ def zero_baseline(stage: int, workload: Workload, totals: StepTotals, cluster: C
     state = workload.args[0]
     params = state["train"].params if isinstance(state, dict) else state.params
     param_bytes = _tree_bytes(params)
-    compute = (totals.step_flops + totals.apply_flops) / (n * cluster.peak_flops)
+    compute = totals.compute_seconds(n)
     method_cls = al.Zero2Parallel if stage == 2 else al.Zero3Parallel
     name = f"zero{stage}"
     counts = _micro_batch_counts(workload.global_batch, n)
@@ -217,7 +236,7 @@ def expert_parallel_estimate(workload: Workload, totals: StepTotals, cluster: Cl
     dense_bytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves if not _is_expert(x, e))
     optimizer_bytes = _tree_bytes(state.opt_state)
     per_node = cluster.num_devices_per_node
-    compute = (totals.step_flops + totals.apply_flops) / (n * cluster.peak_flops)
+    compute = totals.compute_seconds(n)
     # ZeRO-2: dense gradients reduce-scattered over all N, updated parameters all-gathered; expert gradients
     # the same over the N / EP replicas of each expert (an all-reduce's volume), whose group holds
     # max(1, M / EP) devices of each of its nodes (EP groups are runs of consecutive devices)

@@ -100,7 +100,7 @@ def run_case(case: Case, preset: str, ablations: bool = False) -> dict:
     m = case.num_micro_batches
     method = ours.pipeshard_method(workload, m)
     sliced = ours.slice_workload(workload, method)
-    totals = baselines.step_totals(sliced, workload, m)
+    totals = baselines.step_totals(sliced, workload, m, cluster.compute_rates)
     flops = step_flops(workload, totals)
     row = {"suite": case.suite, "model": case.model, "gpus": case.gpus, "cluster": preset,
            "global_batch": case.global_batch, "micro_batches": m, "step_flops": flops,

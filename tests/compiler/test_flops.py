@@ -46,6 +46,18 @@ from alpa_like.compiler.flops import (  # noqa: E402
     ComputeRates, eqn_bytes, equation_seconds, jaxpr_bytes, jaxpr_seconds)
 
 
+def test_scatter_and_reduce_are_priced_by_their_shapes_not_their_combiner():
+    # their jaxpr parameter adds two scalars; the equation itself touches whole arrays
+    x, i = jnp.ones((1000, 8)), jnp.arange(10)
+    scatter = jax.make_jaxpr(lambda x, i: x.at[i].add(1.0))(x, i).jaxpr.eqns[-1]
+    assert scatter.primitive.name == "scatter-add"
+    assert eqn_flops(scatter) == 1000 * 8
+    assert eqn_bytes(scatter) == 2 * 1000 * 8 * 4 + sum(
+        v.aval.size * v.aval.dtype.itemsize for v in scatter.invars[1:])
+    custom = jax.make_jaxpr(lambda x: jax.lax.reduce(x, 0.0, lambda a, b: a + 2 * b, (0,)))(x).jaxpr.eqns[-1]
+    assert custom.primitive.name == "reduce" and eqn_flops(custom) == 8
+
+
 def test_bytes_are_operands_plus_results_and_reshape_moves_nothing():
     add = jax.make_jaxpr(jnp.add)(jnp.ones((10, 10)), jnp.ones((10, 10)))
     assert eqn_bytes(add.jaxpr.eqns[0]) == 3 * 100 * 4

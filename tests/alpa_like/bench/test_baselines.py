@@ -8,6 +8,8 @@ import pytest
 
 from alpa_like.bench import baselines, ours
 from alpa_like.bench.workloads import cluster_for, make_workload
+
+from alpa_like.compiler.flops import ComputeRates, eqn_flops
 from alpa_like.compiler.logical_mesh import LogicalMesh
 
 
@@ -15,7 +17,37 @@ from alpa_like.compiler.logical_mesh import LogicalMesh
 def tiny_moe():
     workload = make_workload("moe-tiny", 8)
     sliced = ours.slice_workload(workload, ours.pipeshard_method(workload, 2))
-    return workload, baselines.step_totals(sliced, workload, 2)
+    return workload, baselines.step_totals(sliced, workload, 2, cluster_for(4).compute_rates)
+
+
+def test_step_seconds_price_each_equation_at_its_rate():
+    workload = make_workload("moe-tiny", 8)
+    sliced = ours.slice_workload(workload, ours.pipeshard_method(workload, 2))
+    peak = 1e12
+    flat = baselines.step_totals(sliced, workload, 2, ComputeRates(peak_flops=peak))
+    # one rate for everything: the seconds are the FLOPs at that rate
+    assert flat.step_seconds == pytest.approx(flat.step_flops / peak)
+    assert flat.apply_seconds == pytest.approx(flat.apply_flops / peak)
+    assert flat.compute_seconds(4) == pytest.approx((flat.step_flops + flat.apply_flops) / (4 * peak))
+    # at a 10x slower FP32 rate the step costs 9x the FLOPs of its float32 matrix products (the MoE gating's
+    # einsums, some inside remat) more, per micro-batch
+    fp32 = ComputeRates(peak_flops=peak, fp32_peak_flops=peak / 10)
+    slow = baselines.step_totals(sliced, workload, 2, fp32)
+
+    def fp32_flops(eqns):
+        total = 0.0
+        for e in eqns:
+            assert e.primitive.name not in ("scan", "while", "cond")  # every nested program runs once
+            if e.primitive.name in ("remat2", "jit", "custom_jvp_call"):
+                body = e.params.get("jaxpr") or e.params["call_jaxpr"]
+                total += fp32_flops(getattr(body, "jaxpr", body).eqns)
+            elif fp32.flop_rate(e) < peak:
+                total += eqn_flops(e)
+        return total
+    gating = fp32_flops(e for e, p in zip(sliced.jaxpr.eqns, sliced.pieces) if p is not None and p.phase != "apply")
+    assert gating > 0
+    assert slow.step_seconds == pytest.approx(flat.step_seconds + 2 * gating * 9 / peak)
+    assert slow.step_flops == flat.step_flops
 
 
 def test_expert_parallel_degrees_divide_experts_and_devices():
