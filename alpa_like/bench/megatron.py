@@ -10,7 +10,8 @@ pipeline (Megatron's default), so a stage holds ``t * d`` consecutive devices.
 The cost model is the one our own planner uses, so the comparison is like for like:
 
 * compute: the traced layers' FLOPs (:class:`TransformerCosts`, taken from the same sliced step the stage
-  DP sees) at the device's peak FLOP/s;
+  DP sees) at the device's peak FLOP/s: the GPT/OPT steps it prices have no float32 matrix product, so this
+  is the rate our plans pay too (``test_baselines.py`` checks it);
 * communication: the alpha-beta model of :class:`~alpa_like.compiler.logical_mesh.LogicalMesh` on the
   same :class:`~alpa_like.cluster.ClusterSpec` (tensor all-reduces on the ``t`` axis, the gradient all-reduce
   on the ``d`` axis, point-to-point sends between stages, across nodes with Megatron's scatter/gather

@@ -50,6 +50,15 @@ def test_step_seconds_price_each_equation_at_its_rate():
     assert slow.step_flops == flat.step_flops
 
 
+def test_gpt_steps_have_no_float32_matrix_products():
+    # the Megatron-LM baseline prices GPT's FLOPs at peak_flops: right only while none runs at the FP32 rate
+    workload = make_workload("gpt-tiny", 8)
+    sliced = ours.slice_workload(workload, ours.pipeshard_method(workload, 2))
+    flat = baselines.step_totals(sliced, workload, 2, ComputeRates(peak_flops=1e12))
+    slow = baselines.step_totals(sliced, workload, 2, ComputeRates(peak_flops=1e12, fp32_peak_flops=1e11))
+    assert (slow.step_seconds, slow.apply_seconds) == (flat.step_seconds, flat.apply_seconds)
+
+
 def test_expert_parallel_degrees_divide_experts_and_devices():
     assert baselines.expert_parallel_degrees(32, 16) == [1, 2, 4, 8, 16]
     assert baselines.expert_parallel_degrees(48, 32) == [1, 2, 4, 8, 16]
