@@ -72,22 +72,35 @@ class AutoLayerOption:
     like a large vocabulary's logits, otherwise makes the clustering infeasible)."""
     remat_layer: bool = False
     """Recompute each layer's forward in its backward (`jax.checkpoint` per layer)."""
-    recompute_aware: bool = False
+    recompute_aware: bool | str = False
     """With ``remat_layer``: Eq. 3.6's tie-break prefers, among the clusterings of optimal communication, layers
     ending where less is recomputed, after a convolution or matmul whose output the backward does not read
     (:func:`~alpa_like.compiler.layer_construction.recompute_savings`). Fewer FLOPs, but such cuts carry more
-    bytes (the operator's output beside the residual), which a pipeline across nodes pays: off by default."""
+    bytes (the operator's output beside the residual), which a pipeline across nodes pays: off by default.
+    ``"auto"``: plan the step with both tie-breaks and keep the plan of the lower estimated iteration time
+    (twice the planning; layers are cut before the cluster is known, so only the plans can tell)."""
 
     def __post_init__(self):
+        if self.recompute_aware not in (False, True, "auto"):
+            raise ValueError(f"AutoLayerOption.recompute_aware must be False, True or 'auto', got "
+                             f"{self.recompute_aware!r}")
         if self.recompute_aware and not self.remat_layer:
-            raise ValueError("AutoLayerOption.recompute_aware=True needs remat_layer=True (without "
-                             "rematerialization no layer recomputes anything)")
+            raise ValueError(f"AutoLayerOption.recompute_aware={self.recompute_aware!r} needs remat_layer=True "
+                             "(without rematerialization no layer recomputes anything)")
         if not isinstance(self.layer_num, int) or self.layer_num < 1:
             raise ValueError(f"AutoLayerOption.layer_num must be an int >= 1, got {self.layer_num!r}")
         if self.eps is not None and not self.eps >= 0:
             raise ValueError(f"AutoLayerOption.eps must be >= 0 or None, got {self.eps!r}")
 
+    def choices(self) -> tuple[AutoLayerOption, ...]:
+        """The layer options planning tries: both tie-breaks for ``recompute_aware="auto"``, else this one."""
+        if self.recompute_aware == "auto":
+            return (dataclasses.replace(self, recompute_aware=False), dataclasses.replace(self, recompute_aware=True))
+        return (self,)
+
     def layering(self) -> Layering:
+        if self.recompute_aware == "auto":
+            raise ValueError("AutoLayerOption(recompute_aware='auto') is two layerings: plan each of choices()")
         return Layering(assign=auto_layers(self.layer_num, self.eps, self.recompute_aware), remat=self.remat_layer)
 
 
@@ -97,6 +110,9 @@ class ManualLayerOption:
 
     remat_layer: bool = False
     """Recompute each layer's forward in its backward (`jax.checkpoint` per layer)."""
+
+    def choices(self) -> tuple[ManualLayerOption]:
+        return (self,)
 
     def layering(self) -> Layering:
         return Layering(assign=manual_layers, remat=self.remat_layer)
@@ -301,10 +317,50 @@ def slice_step(method: PipeshardParallel, fun: Callable, args: Sequence[Any], *,
 def plan_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[Any], *, static_argnums: Sequence[int],
                    batch_argnums: Sequence[int], cluster: ClusterSpec) -> ParallelPlan:
     """Plans ``fun(*args)`` with ``method`` on ``cluster`` (nothing is allocated or run)."""
+    return _slice_and_plan(method, fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums,
+                           cluster=cluster).plan
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Planned:
+    """A planned step: the method with the layer option it was sliced with, and what planning built."""
+
+    method: PipeshardParallel
+    sliced: SlicedStep
+    plan: ParallelPlan
+    profile: StageProfile
+    solution: StageSolution
+
+
+def _slice_and_plan(method: PipeshardParallel, fun: Callable, args: Sequence[Any], *, static_argnums: Sequence[int],
+                    batch_argnums: Sequence[int], cluster: ClusterSpec) -> _Planned:
+    """Steps 1-4 of planning, once per layer option of ``method.layer_option.choices()``; the plan of the
+    lowest estimated iteration time is kept (a layering without a plan is skipped; when none has one, the
+    first one's error is raised)."""
     progress = _Progress(method.stage_option.show_progress)
-    progress.step("step 1/4: tracing the step and cutting it into layers")
-    sliced = slice_step(method, fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums)
-    return plan_sliced(method, sliced, cluster, progress)
+    choices = method.layer_option.choices()
+    best, first_error = None, None
+    for k, option in enumerate(choices):
+        candidate = dataclasses.replace(method, layer_option=option)
+        which = f" (layering {k + 1}/{len(choices)}: recompute_aware={option.recompute_aware})" if len(choices) > 1 else ""
+        progress.step("step 1/4: tracing the step and cutting it into layers" + which)
+        try:
+            sliced = slice_step(candidate, fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums)
+            plan, profile, solution = _plan_and_profile(candidate, sliced, cluster, progress)
+        except ValueError as e:
+            if len(choices) == 1:
+                raise
+            progress.step(f"no plan with this layering: {e}")
+            first_error = first_error or e
+            continue
+        if best is None or plan.estimated_iteration_time < best.plan.estimated_iteration_time:
+            best = _Planned(method=candidate, sliced=sliced, plan=plan, profile=profile, solution=solution)
+    if best is None:
+        raise first_error
+    if len(choices) > 1:
+        progress.step(f"kept the layering with recompute_aware={best.method.layer_option.recompute_aware} "
+                      f"({best.plan.estimated_iteration_time:.4g} s per iteration)")
+    return best
 
 
 def plan_sliced(method: PipeshardParallel, sliced: SlicedStep, cluster: ClusterSpec,
@@ -619,10 +675,10 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
         raise NotImplementedError("pipeline_schedule='terapipe' runs on the local backend only (al.init('local'))")
     if make_executable is not PipeshardExecutable:  # other backends all-reduce gradients in every backward
         method = dataclasses.replace(method, defer_gradient_sync=False)
-    progress = _Progress(method.stage_option.show_progress)
-    progress.step("step 1/4: tracing the step and cutting it into layers")
-    sliced = slice_step(method, fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums)
-    plan, profile, solution = _plan_and_profile(method, sliced, cluster or ClusterSpec.local(devices), progress)
+    planned = _slice_and_plan(method, fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums,
+                              cluster=cluster or ClusterSpec.local(devices))
+    method, sliced, plan, profile, solution = (planned.method, planned.sliced, planned.plan, planned.profile,
+                                               planned.solution)
     if method.pipeline_schedule == "terapipe":
         return _compile_terapipe(method, fun, args, sliced, plan, devices)
     stage_layers, stage_to_mesh = [s.layer_ids for s in plan.stages], list(range(len(plan.stages)))

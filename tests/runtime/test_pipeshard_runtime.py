@@ -94,6 +94,18 @@ def test_pipeline_matches_single_device_jit(case, schedule):
     assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
 
 
+def test_a_plan_chosen_from_both_layerings_runs_as_planned():
+    """recompute_aware='auto' plans the step cut by both tie-breaks and runs the one it keeps."""
+    loss_fn, state, batches = gpt_case()
+    step = train_step_for(loss_fn)
+    method = al.PipeshardParallel(num_micro_batches=2, stage_option=TWO_STAGES, layer_option=al.AutoLayerOption(
+        layer_num=4, remat_layer=True, recompute_aware="auto"))
+    ref_state, ref_losses = reference_on_one_device(step, state, batches)
+    got_state, got_losses = run_steps(al.parallelize(step, method=method), state, batches)
+    assert_trees_close(got_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
+
+
 def wide_mlp_loss(params, batch):
     x = batch["x"]
     for i in range(4):
