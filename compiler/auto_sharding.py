@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from jax.extend.core import Literal
 
+from alpa_like.compiler import jax_compat
 from alpa_like.compiler.flops import ComputeRates
 from alpa_like.compiler.ilp import DEFAULT_SOLVER, IlpEdge, IlpProblem, IlpSolution, restrict, solve
 from alpa_like.compiler.logical_mesh import LogicalMesh
@@ -441,7 +442,7 @@ def build_problem(graph: OpGraph, table: list[list[Strategy]], mesh: LogicalMesh
         tensor = graph.tensors[use.tensor]
         srcs = [s.out_specs[tensor.out_index] for s in table[tensor.producer]]
         dsts = _required(table, graph, use)
-        itemsize = np.dtype(tensor.dtype).itemsize
+        itemsize = jax_compat.numpy_dtype(tensor.dtype).itemsize
         r = reshard.matrix(tensor.shape, itemsize, srcs, dsts)
         r = r * (weight[use.node] if use.pos >= 0 else use.times)
         a, b = node_of[tensor.producer], node_of[use.node]
@@ -648,7 +649,7 @@ def _reshards(graph: OpGraph, chosen: Sequence[Strategy], mesh: LogicalMesh, ali
         tensor = graph.tensors[use.tensor]
         src = chosen[tensor.producer].out_specs[tensor.out_index]
         dst = chosen[use.node].out_specs[use.out_index] if use.pos < 0 else chosen[use.node].in_specs[use.pos]
-        itemsize = np.dtype(tensor.dtype).itemsize
+        itemsize = jax_compat.numpy_dtype(tensor.dtype).itemsize
         seconds = reshard.cost(tensor.shape, itemsize, src, dst)
         if src != dst and seconds > 0:
             out.append(Reshard(tensor=use.tensor, node=use.node, src=src, dst=dst, seconds=seconds,

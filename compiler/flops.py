@@ -21,6 +21,8 @@ import math
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
+from alpa_like.compiler import jax_compat
+
 _FREE = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "convert_element_type",
                    "alpa_marker", "copy", "copy_p", "iota", "stop_gradient", "transpose", "slice",
                    "dynamic_slice", "concatenate", "pad", "select_n"})
@@ -57,27 +59,6 @@ def conv_flops(eqn: JaxprEqn) -> float:
     return 2.0 * _size(eqn.outvars[0].aval) * kernel / input_dilation
 
 
-# Primitives whose jaxpr parameter combines two elements (a scatter's update, a reduction's monoid): they
-# are priced by their own shapes, not as a nested program run once.
-_COMBINER_PRIMITIVES = frozenset({"scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min",
-                                  "scatter-max", "reduce", "reduce_window", "select_and_scatter"})
-
-
-def _sub_jaxprs(eqn: JaxprEqn) -> list[Jaxpr]:
-    """The nested programs an equation runs (a call's, a loop's body, a cond's branches); none for a
-    primitive whose jaxpr only combines elements (:data:`_COMBINER_PRIMITIVES`)."""
-    if eqn.primitive.name in _COMBINER_PRIMITIVES:
-        return []
-    subs = []
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, ClosedJaxpr):
-                subs.append(item.jaxpr)
-            elif isinstance(item, Jaxpr):
-                subs.append(item)
-    return subs
-
-
 def _nested_total(eqn: JaxprEqn, costs: list[float]) -> float:
     """An equation's cost from its nested jaxprs' ``costs``: a ``cond`` its most expensive branch, a ``scan``
     its body ``length`` times, anything else (``jit``, ``while`` once, ``checkpoint``...) their sum."""
@@ -93,7 +74,7 @@ def eqn_flops(eqn: JaxprEqn) -> float:
         return dot_general_flops(eqn)
     if name == "conv_general_dilated":
         return conv_flops(eqn)
-    subs = _sub_jaxprs(eqn)
+    subs = jax_compat.nested_jaxprs(eqn)
     if subs:
         return _nested_total(eqn, [jaxpr_flops(j) for j in subs])
     if name in _FREE:
@@ -126,7 +107,7 @@ def eqn_bytes(eqn: JaxprEqn) -> float:
     fuses element-wise chains and keeps intermediates in cache) and the quantity XLA's own cost analysis
     reports as "bytes accessed" for unfused HLO."""
     name = eqn.primitive.name
-    subs = _sub_jaxprs(eqn)
+    subs = jax_compat.nested_jaxprs(eqn)
     if subs:
         return _nested_total(eqn, [jaxpr_bytes(j) for j in subs])
     if name in _NO_TRAFFIC:
@@ -197,7 +178,7 @@ def equation_seconds(eqn: JaxprEqn, rates: ComputeRates, num_devices: float = 1.
     """
     if num_devices <= 0:
         raise ValueError(f"equation_seconds: num_devices must be > 0, got {num_devices!r}")
-    subs = _sub_jaxprs(eqn)
+    subs = jax_compat.nested_jaxprs(eqn)
     if subs:
         return _nested_total(eqn, [jaxpr_seconds(j, rates, num_devices) for j in subs])
     compute = eqn_flops(eqn) / (num_devices * rates.flop_rate(eqn))

@@ -130,6 +130,27 @@ def inlinable_body(eqn: JaxprEqn) -> ClosedJaxpr | None:
     return inner
 
 
+# Primitives whose jaxpr parameter combines two elements (a scatter's update, a reduction's monoid): not a
+# nested program, the equation works on whole arrays.
+COMBINER_PRIMITIVES = frozenset({"scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min",
+                                 "scatter-max", "reduce", "reduce_window", "select_and_scatter"})
+
+
+def nested_jaxprs(eqn: JaxprEqn) -> list[Jaxpr]:
+    """The nested programs an equation runs (a call's body, a loop's body, a cond's branches); none for a
+    primitive whose jaxpr only combines elements (:data:`COMBINER_PRIMITIVES`)."""
+    if eqn.primitive.name in COMBINER_PRIMITIVES:
+        return []
+    subs = []
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, ClosedJaxpr):
+                subs.append(item.jaxpr)
+            elif isinstance(item, Jaxpr):
+                subs.append(item)
+    return subs
+
+
 def name_stack(eqn: JaxprEqn) -> str:
     """The eqn's source name stack as text, e.g. ``transpose(jvp(GPTModel))/block_0/attn``."""
     return str(eqn.source_info.name_stack)

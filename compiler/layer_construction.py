@@ -140,14 +140,23 @@ def _layer_body(eqns, inputs: Sequence[Var], outputs: Sequence[Var]) -> Callable
 HEAVY_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
 
 
+def is_heavy(eqn) -> bool:
+    """A matmul or convolution, or an equation running one in a nested program (a ``jax.checkpoint`` or
+    ``nn.remat`` block, a ``custom_vjp`` function, a ``scan`` over layers): one operator, which layers
+    cannot cut inside."""
+    return eqn.primitive.name in HEAVY_PRIMITIVES or any(
+        is_heavy(e) for jaxpr in jax_compat.nested_jaxprs(eqn) for e in jaxpr.eqns)
+
+
 def operator_segments(jaxpr: Jaxpr) -> list[int]:
-    """Segment of each equation: one segment per matmul/convolution, so the clustering DP sees one operator
-    per heavy op. The cheap ops between two heavy ops are split between them where the fewest bytes are live
+    """Segment of each equation: one segment per heavy operator (:func:`is_heavy`), so the clustering DP sees
+    one operator per matmul, convolution or block run as one call. The cheap ops between two heavy ops are
+    split between them where the fewest bytes are live
     (defined before the split, read after it), the earliest such point on ties: a residual add after a
     projection joins that projection, so a layer boundary carries the sum, not both addends. Cheap ops
     before the first heavy op join it; trailing cheap ops join the last one."""
     eqns = jaxpr.eqns
-    heavy = [i for i, e in enumerate(eqns) if e.primitive.name in HEAVY_PRIMITIVES]
+    heavy = [i for i, e in enumerate(eqns) if is_heavy(e)]
     if len(heavy) < 2:
         return [0] * len(eqns)
     live = _live_bytes_before(jaxpr)
@@ -201,7 +210,7 @@ def _live_bytes_before(jaxpr: Jaxpr) -> np.ndarray:
     for i, eqn in enumerate(jaxpr.eqns):
         for v in eqn.outvars:
             if v in last_use and last_use[v] > i:
-                nbytes = float(np.prod(v.aval.shape, dtype=np.float64) * np.dtype(v.aval.dtype).itemsize)
+                nbytes = float(np.prod(v.aval.shape, dtype=np.float64) * jax_compat.numpy_dtype(v.aval.dtype).itemsize)
                 delta[i + 1] += nbytes
                 delta[last_use[v] + 1] -= nbytes
     return np.cumsum(delta)[:n + 1]

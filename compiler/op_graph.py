@@ -61,7 +61,7 @@ class Tensor:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * jax_compat.numpy_dtype(self.dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -52,6 +52,7 @@ import math
 
 import numpy as np
 
+from alpa_like.compiler import jax_compat
 from alpa_like.compiler.flops import jaxpr_seconds
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
 from alpa_like.compiler.stage_construction import StageProgram, updating_stages
@@ -122,7 +123,7 @@ def transfer_cost(plan, aval, src_mesh: int, dst_mesh: int, src_spec=None,
     cluster = plan.cluster
     per_node = cluster.num_devices_per_node
     src_plan, dst_plan = plan.stages[src_mesh], plan.stages[dst_mesh]
-    reshard = plan_resharding(aval.shape, np.dtype(aval.dtype).itemsize,
+    reshard = plan_resharding(aval.shape, jax_compat.numpy_dtype(aval.dtype).itemsize,
                               _mesh_layout(src_plan, aval.shape, src_spec), _mesh_layout(dst_plan, aval.shape, dst_spec))
     cross = {d // per_node for d in src_plan.device_ids} != {d // per_node for d in dst_plan.device_ids}
     bandwidth = cluster.inter_node_bandwidth if cross else cluster.intra_node_bandwidth
@@ -359,7 +360,7 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
             start = max([start, *(node_clock[n] for n in hosts(ins))])
             nics: frozenset[Nic] = frozenset()
             aval = program.values[ins.key[0]].aval
-            nbytes = math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+            nbytes = math.prod(aval.shape) * jax_compat.numpy_dtype(aval.dtype).itemsize
             if ins.key[1] != PER_STEP:
                 nbytes //= m
             v = ins.key[0]

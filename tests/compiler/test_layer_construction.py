@@ -80,6 +80,22 @@ def test_layers_stacked_in_a_scan_are_a_clear_error_naming_the_scan():
         auto_layers(2, delta=0.6)(jaxpr)
 
 
+def test_a_checkpointed_block_or_a_scan_is_one_operator():
+    """Blocks the user wrapped in jax.checkpoint (what nn.remat emits) are one operator each, not zero: their
+    matmuls are inside the call. The step's gradient later differentiates through them as usual."""
+    from alpa_like.compiler.layer_construction import auto_layers, operator_segments
+
+    def loss(ws, x):
+        for w in ws:
+            x = jax.checkpoint(lambda w, h: jnp.tanh(h @ w))(w, x)
+        return jnp.mean(jax.lax.scan(lambda h, w: (h @ w, None), x, jnp.stack(ws))[0] ** 2)
+    jaxpr = jax.make_jaxpr(loss)([jnp.ones((8, 8))] * 3, jnp.ones((2, 8))).jaxpr
+    segments = operator_segments(jaxpr)
+    heavy = [e.primitive.name for e in jaxpr.eqns if e.primitive.name in ("checkpoint", "remat2", "scan")]
+    assert len(heavy) == 4 and segments[-1] == 3
+    assert max(auto_layers(2, delta=None)(jaxpr)) == 1
+
+
 def test_operator_segments_cut_where_the_fewest_bytes_are_live():
     """A residual block: ``h = x + (x @ w1) @ w2`` then ``h @ w3``. Cutting before the add leaves both
     addends live (x and the projection); cutting after it leaves only h, so the add joins w2's segment."""

@@ -106,6 +106,51 @@ def test_a_plan_chosen_from_both_layerings_runs_as_planned():
     assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
 
 
+def checkpointed_blocks_loss(params, batch):
+    h = batch["x"]
+    for i in range(4):
+        h = jax.checkpoint(lambda w, b, h: jnp.tanh(h @ w + b))(params[f"w{i}"], params[f"b{i}"], h)
+    return jnp.mean((h - batch["y"]) ** 2)
+
+
+def dropout_loss(params, batch, key):
+    h = batch["x"]
+    for i in range(4):
+        h = jnp.tanh(h @ params[f"w{i}"] + params[f"b{i}"])
+        keep = jax.random.bernoulli(jax.random.fold_in(key, i), 0.7, h.shape)
+        h = jnp.where(keep, h / 0.7, 0.0)
+    return jnp.mean((h - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("model", ["checkpointed blocks", "dropout with a typed key", "dropout with a raw key"])
+def test_user_remat_blocks_and_dropout_keys_run_in_a_pipeline(model):
+    """What Flax models bring: blocks under jax.checkpoint (nn.remat; each is one operator of Eq. 3.6) and a
+    PRNG key argument (a typed key<fry> or a raw uint32 key) read by every layer."""
+    _, state, batches = mlp_case()
+    if model == "checkpointed blocks":
+        def step(state, batch):
+            loss, grads = al.value_and_grad(checkpointed_blocks_loss)(state.params, batch)
+            return state.apply_gradients(grads=grads), loss
+        args = [(b,) for b in batches]
+    else:
+        def step(state, batch, key):
+            loss, grads = al.value_and_grad(dropout_loss)(state.params, batch, key)
+            return state.apply_gradients(grads=grads), loss
+        make_key = jax.random.key if model == "dropout with a typed key" else jax.random.PRNGKey
+        args = [(b, make_key(i)) for i, b in enumerate(batches)]
+    # one micro-batch: a dropout mask drawn for a micro-batch is not the rows of the full batch's mask
+    method = al.PipeshardParallel(num_micro_batches=2 if model == "checkpointed blocks" else 1,
+                                  layer_option=al.AutoLayerOption(layer_num=2),
+                                  stage_option=al.UniformStageOption(num_stages=2, show_progress=False))
+    parallel, reference = al.parallelize(step, method=method), jax.jit(step)
+    got, expected = state, state
+    for a in args:
+        got, got_loss = parallel(got, *a)
+        expected, expected_loss = reference(expected, *a)
+        assert_trees_close(got_loss, expected_loss, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got.params, expected.params, rtol=1e-5, atol=1e-6)
+
+
 def wide_mlp_loss(params, batch):
     x = batch["x"]
     for i in range(4):
