@@ -30,6 +30,7 @@ from alpa_like.cluster import ClusterSpec
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.auto_sharding import PassOptions
 from alpa_like.compiler.cross_layer_grad import split_cross_layer_grad_sums
+from alpa_like.compiler.grad_accumulation import grad_markers, split_at_grad_marker
 from alpa_like.compiler.layer_construction import Layering, auto_layers, layering, manual_layers
 from alpa_like.compiler.layer_slicing import layer_summaries, slice_layers
 from alpa_like.compiler.layer_clustering import DEFAULT_DELTA
@@ -157,6 +158,39 @@ class ManualStageOption:
     """Per stage, the 2-D logical view of its devices."""
     show_progress: bool = True
 
+    def __post_init__(self):
+        for name in ("forward_stage_layer_ids", "submesh_physical_shapes", "submesh_logical_shapes"):
+            value = getattr(self, name)
+            if not isinstance(value, (tuple, list)) or not value:
+                raise ValueError(f"ManualStageOption.{name} must be a non-empty tuple (one entry per stage), "
+                                 f"got {value!r}")
+            object.__setattr__(self, name, tuple(tuple(entry) if isinstance(entry, (tuple, list)) else entry
+                                                 for entry in value))
+        for q, (physical, logical) in enumerate(zip(self.submesh_physical_shapes, self.submesh_logical_shapes)):
+            for name, shape in (("submesh_physical_shapes", physical), ("submesh_logical_shapes", logical)):
+                if not (isinstance(shape, tuple) and len(shape) == 2
+                        and all(isinstance(d, int) and d >= 1 for d in shape)):
+                    raise ValueError(f"ManualStageOption.{name}[{q}] must be a pair of ints >= 1, got {shape!r}")
+            if physical[0] * physical[1] != logical[0] * logical[1]:
+                raise ValueError(f"ManualStageOption.submesh_logical_shapes[{q}] = {logical} must view the "
+                                 f"{physical[0] * physical[1]} devices of submesh_physical_shapes[{q}] = {physical}")
+
+    @classmethod
+    def from_plan(cls, plan: ParallelPlan, show_progress: bool = True) -> ManualStageOption:
+        """The stages of a saved pipeshard ``plan`` (``ParallelPlan.from_json``) as a stage option, to run the
+        step on them again without the stage DP (the intra-op pass still runs on each stage)."""
+        if not plan.stages or any(not s.layer_ids for s in plan.stages):
+            raise ValueError("ManualStageOption.from_plan needs a PipeshardParallel plan (its stages list their "
+                             "layers); this plan has none")
+        if any(list(s.layer_ids) != list(range(s.layer_ids[0], s.layer_ids[-1] + 1)) for s in plan.stages):
+            raise ValueError("ManualStageOption.from_plan: the plan's meshes hold non-consecutive layers (a "
+                             "looping schedule with virtual_stages > 1 deals them round-robin), which "
+                             "ManualStageOption cannot express")
+        return cls(forward_stage_layer_ids=tuple(tuple(s.layer_ids) for s in plan.stages),
+                   submesh_physical_shapes=tuple(tuple(s.submesh_shape) for s in plan.stages),
+                   submesh_logical_shapes=tuple(tuple(s.logical_mesh_shape) for s in plan.stages),
+                   show_progress=show_progress)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class UniformStageOption:
@@ -168,6 +202,18 @@ class UniformStageOption:
     """None: the cluster split evenly, (1, M / s) per stage within a node or (N / s, M) across nodes."""
     submesh_logical_shape: Shape | None = None
     show_progress: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool) or self.num_stages < 1:
+            raise ValueError(f"UniformStageOption.num_stages must be an int >= 1, got {self.num_stages!r}")
+        for name in ("submesh_physical_shape", "submesh_logical_shape"):
+            shape = getattr(self, name)
+            if shape is None:
+                continue
+            if not (isinstance(shape, (tuple, list)) and len(shape) == 2 and all(
+                    isinstance(d, int) and d >= 1 for d in shape)):
+                raise ValueError(f"UniformStageOption.{name} must be None or a pair of ints >= 1, got {shape!r}")
+            object.__setattr__(self, name, tuple(shape))
 
 
 StageOption = AutoStageOption | ManualStageOption | UniformStageOption
@@ -296,6 +342,12 @@ def slice_step(method: PipeshardParallel, fun: Callable, args: Sequence[Any], *,
     with layering(method.layer_option.layering()):
         traced = trace_step(fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums,
                             num_micro_batches=method.num_micro_batches)
+    markers = grad_markers(traced.closed_jaxpr)
+    if len(markers) > 1:
+        raise ValueError(f"PipeshardParallel needs exactly one al.grad / al.value_and_grad call in the step (its "
+                         f"loss is what the pipeline cuts into layers), found {len(markers)}")
+    if markers and method.num_micro_batches > 1:  # a value computed from the batch after al.grad: an error
+        split_at_grad_marker(traced.closed_jaxpr, [leaf.is_batch for leaf in traced.in_leaves])
     # Parameter markers have done their job (param_mask); without them each layer reads its own parameters.
     jaxpr = jax_compat.bypass_eqns(traced.closed_jaxpr.jaxpr, lambda e: is_marker(e, "param"))
     pieces = slice_layers(jaxpr)

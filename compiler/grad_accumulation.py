@@ -19,6 +19,7 @@ values as without accumulation (only the summation order differs).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -84,10 +85,12 @@ def split_at_grad_marker(closed: ClosedJaxpr, batch_mask: Sequence[bool]) -> Gra
     batch_vars = {v for v, b in zip(closed.jaxpr.invars, batch_mask, strict=True) if b}
     live = jax_compat.ancestors(eqns, closed.jaxpr.outvars)  # dead code (e.g. jax.grad's unused loss) is dropped
     dependent = _batch_dependent(eqns[:k], batch_vars)
+    _check_no_per_example_results(eqns, marker, dependent, {v.aval.shape[0] for v in batch_vars if v.aval.shape})
     feeds_marker = jax_compat.ancestors(eqns[:k], marker.invars)
     per_micro = [i for i in sorted(feeds_marker) if set(eqns[i].outvars) & dependent]
     hoisted = [i for i in range(k) if i in live and i not in per_micro and not set(eqns[i].outvars) & dependent]
     apply = [i for i in range(len(eqns)) if i in live and i != k and i not in per_micro and i not in hoisted]
+    _warn_shared_random_draws([eqns[i] for i in hoisted], [eqns[i] for i in per_micro])
     dependent = _batch_dependent([eqns[i] for i in apply], dependent)
     for i in apply:
         if any(v in dependent for v in jax_compat.eqn_inputs(eqns[i])):
@@ -100,6 +103,48 @@ def split_at_grad_marker(closed: ClosedJaxpr, batch_mask: Sequence[bool]) -> Gra
                          "return it from the loss as aux (al.value_and_grad(..., has_aux=True))")
     return GradSplit(hoisted=tuple(eqns[i] for i in hoisted), per_micro_batch=tuple(eqns[i] for i in per_micro),
                      marker=marker, apply=tuple(eqns[i] for i in apply))
+
+
+def _check_no_per_example_results(eqns: Sequence[JaxprEqn], marker: JaxprEqn, dependent: set[Var],
+                                  rows: set[int]) -> None:
+    """al.grad's results are averaged over micro-batches: a per-example one (an aux with the micro-batch's
+    rows in dim 0, e.g. logits) would come back with one micro-batch's rows, averaged. Gradients have their
+    parameters' shapes, so a result shaped like a parameter is taken for a gradient."""
+    param_shapes = {tuple(v.aval.shape) for e in eqns if is_marker(e, "param") for v in e.outvars}
+    for var in marker.invars:
+        shape = tuple(var.aval.shape)
+        if var in dependent and shape and shape[0] in rows and shape not in param_shapes:
+            raise ValueError(
+                f"al.grad / al.value_and_grad returns a value of shape {shape} whose dim 0 is a micro-batch's "
+                f"{shape[0]} rows (a per-example aux, e.g. logits): with num_micro_batches > 1 what it returns "
+                "is averaged over micro-batches, so these rows would not be the batch's; return a reduction "
+                "over the examples (e.g. their mean) as aux, or use num_micro_batches=1")
+
+
+_RANDOM_PRIMITIVES = frozenset({"random_bits", "threefry2x32"})
+
+
+def _warn_shared_random_draws(hoisted: Sequence[JaxprEqn], per_micro_batch: Sequence[JaxprEqn]) -> None:
+    """Random numbers drawn independently of the batch are drawn once per step and read by every micro-batch
+    (exact for a value that does not depend on the batch, as Alpa's issue #592 asks); a dropout mask drawn
+    that way repeats in every micro-batch: a warning says so."""
+    read = {v for e in per_micro_batch for v in jax_compat.eqn_inputs(e)}
+    draws = [e for e in hoisted if e.primitive.name in _RANDOM_PRIMITIVES and _feeds(hoisted, e, read)]
+    if draws:
+        shapes = ", ".join(sorted({str(tuple(v.aval.shape)) for e in draws for v in e.outvars}))
+        warnings.warn(f"with num_micro_batches > 1, the random numbers drawn in the step (shapes {shapes}) do not "
+                      "depend on the batch, so they are drawn once per step and every micro-batch reads the same "
+                      "ones: a dropout mask repeats in each micro-batch. For independent masks, draw from a key "
+                      "that depends on the batch (e.g. one key per example in a batch leaf)", stacklevel=2)
+
+
+def _feeds(eqns: Sequence[JaxprEqn], source: JaxprEqn, targets: set) -> bool:
+    """Whether a value ``source`` defines reaches one of ``targets`` through ``eqns``."""
+    reached = set(source.outvars)
+    for eqn in eqns:
+        if any(v in reached for v in jax_compat.eqn_inputs(eqn)):
+            reached.update(eqn.outvars)
+    return bool(reached & targets)
 
 
 def split_total(split: GradSplit, num_micro_batches: int, cost: Callable[[JaxprEqn], float] = eqn_flops) -> float:

@@ -246,7 +246,11 @@ def auto_layers(layer_num: int, delta: float | None, recompute_aware: bool = Fal
                     edges.append((src, segments[i], nbytes, id(v)))
         slack = max(DEFAULT_DELTA, least_delta(flops, layer_num)) if delta is None else delta
         saving = recompute_savings(jaxpr, segments) if recompute_aware else None
-        clustering = cluster_layers(flops, incoming_bytes(num_segments, edges), layer_num, slack, saving)
+        try:
+            clustering = cluster_layers(flops, incoming_bytes(num_segments, edges), layer_num, slack, saving)
+        except ValueError as e:  # the option is AutoLayerOption.eps; pass eps=None for the least that works
+            raise ValueError(f"AutoLayerOption(layer_num={layer_num}, eps={delta}): {e} (delta is eps; eps=None "
+                             "takes the least slack that admits a clustering)") from None
         layer_of_segment = np.zeros(num_segments, dtype=int)
         for layer, ops in enumerate(clustering.layers):
             layer_of_segment[list(ops)] = layer

@@ -120,6 +120,19 @@ def micro_batch_aval(aval: jax.ShapeDtypeStruct, path: str, num_micro_batches: i
     return jax.ShapeDtypeStruct((aval.shape[0] // num_micro_batches, *aval.shape[1:]), aval.dtype)
 
 
+def check_batch_rows(leaves: Sequence[LeafInfo]) -> None:
+    """Micro-batch ``j`` takes rows ``j, j + m, ...`` of every batch leaf, so they must all have the same
+    number of rows (dim 0) for the rows of one example to stay together."""
+    rows = {}
+    for leaf in leaves:
+        if leaf.is_batch and leaf.shape:
+            rows.setdefault(leaf.shape[0], leaf.path)
+    if len(rows) > 1:
+        listed = ", ".join(f"{path} has {n}" for n, path in rows.items())
+        raise ValueError(f"batch leaves must share their number of rows (dim 0) to be split into micro-batches: "
+                         f"{listed}; move leaves that are not per-example out of batch_argnums")
+
+
 def flatten_inputs(fn: Callable, args: Sequence[Any], static_argnums: Sequence[int],
                    batch_argnums: Sequence[int]) -> tuple[list[jax.ShapeDtypeStruct], list[LeafInfo], Any]:
     """Flattens the dynamic arguments: their avals, their LeafInfos and the PyTreeDef of their tuple."""
@@ -180,6 +193,7 @@ def trace_step(fn: Callable, args: Sequence[Any], *, static_argnums: Sequence[in
         raise ValueError(f"arguments {sorted(overlap)} are both in static_argnums and batch_argnums")
     avals, in_leaves, in_tree = flatten_inputs(fn, args, static_argnums, batch_argnums)
     if num_micro_batches > 1:
+        check_batch_rows(in_leaves)
         avals = [micro_batch_aval(a, leaf.path, num_micro_batches) if leaf.is_batch else a
                  for a, leaf in zip(avals, in_leaves, strict=True)]
     dynamic_argnums = tuple(i for i in range(len(args)) if i not in static_argnums)
@@ -199,6 +213,13 @@ def trace_step(fn: Callable, args: Sequence[Any], *, static_argnums: Sequence[in
         out_leaves.append(LeafInfo(path=path_to_str("out", key_path), shape=tuple(leaf.shape),
                                    dtype=str(leaf.dtype), itemsize=jax_compat.numpy_dtype(leaf.dtype).itemsize,
                                    arg_index=key_path[0].idx if out_is_tuple and key_path else -1))
+    param_mask = marked_param_inputs(closed)
+    differentiated = [leaf.path for leaf, p in zip(in_leaves, param_mask, strict=True) if p and leaf.is_batch]
+    if differentiated and num_micro_batches > 1:
+        raise ValueError(f"al.grad differentiates the batch leaf {differentiated[0]}: with num_micro_batches > 1 "
+                         "each micro-batch's gradient covers its own rows only, and al.grad's results are "
+                         "averaged over micro-batches; use num_micro_batches=1 for gradients with respect to "
+                         "the batch")
     return TracedStep(closed_jaxpr=closed, in_leaves=tuple(in_leaves), out_leaves=tuple(out_leaves),
                       in_tree=in_tree, out_tree=jax.tree_util.tree_structure(out_shape),
-                      dynamic_argnums=dynamic_argnums, param_mask=marked_param_inputs(closed))
+                      dynamic_argnums=dynamic_argnums, param_mask=param_mask)

@@ -145,6 +145,24 @@ def test_manual_and_uniform_stage_options():
         al.plan(step, state, batch, cluster=cluster, method=al.PipeshardParallel(
             layer_option=al.AutoLayerOption(layer_num=4),
             stage_option=dataclasses.replace(manual, forward_stage_layer_ids=((0,), (2, 3)))))
+    with pytest.raises(ValueError, match=r"submesh_logical_shapes\[1\] = \(1, 2\) must view the 4 devices"):
+        dataclasses.replace(manual, submesh_logical_shapes=((2, 2), (1, 2)))
+    with pytest.raises(ValueError, match=r"submesh_physical_shapes\[0\] must be a pair of ints >= 1, got \(4,\)"):
+        dataclasses.replace(manual, submesh_physical_shapes=((4,), (1, 4)))
+
+
+def test_a_saved_plan_is_reused_through_manual_stages(gpt_plan):
+    """``ParallelPlan.from_json`` then ``ManualStageOption.from_plan``: the same stages, without the stage DP."""
+    step, state, batch = gpt_case()
+    saved = al.ParallelPlan.from_json(gpt_plan.to_json())
+    option = al.ManualStageOption.from_plan(saved, show_progress=False)
+    again = al.plan(step, state, batch, cluster=saved.cluster, method=al.PipeshardParallel(
+        num_micro_batches=saved.num_micro_batches, layer_option=al.AutoLayerOption(layer_num=4), stage_option=option))
+    assert [(s.layer_ids, s.submesh_shape, s.logical_mesh_shape) for s in again.stages] == [
+        (s.layer_ids, s.submesh_shape, s.logical_mesh_shape) for s in gpt_plan.stages]
+    assert again.estimated_iteration_time == pytest.approx(gpt_plan.estimated_iteration_time, rel=1e-6)
+    with pytest.raises(ValueError, match="from_plan needs a PipeshardParallel plan"):
+        al.ManualStageOption.from_plan(al.plan(step, state, batch, method=al.DataParallel(), cluster=saved.cluster))
 
 
 def test_bad_options_are_named():
@@ -158,6 +176,53 @@ def test_bad_options_are_named():
         al.AutoLayerOption(layer_num=4, recompute_aware="auto")
     with pytest.raises(ValueError, match="recompute_aware must be False, True or 'auto', got 'yes'"):
         al.AutoLayerOption(layer_num=4, remat_layer=True, recompute_aware="yes")
+    for bad in (0, "2", True):
+        with pytest.raises(ValueError, match=f"UniformStageOption.num_stages must be an int >= 1, got {bad!r}"):
+            al.UniformStageOption(num_stages=bad)
+    with pytest.raises(ValueError, match="submesh_physical_shape must be None or a pair of ints >= 1"):
+        al.UniformStageOption(num_stages=2, submesh_physical_shape=(1, 0))
+    assert al.UniformStageOption(num_stages=2, submesh_logical_shape=[2, 2]).submesh_logical_shape == (2, 2)
+
+
+def test_steps_a_pipeline_cannot_run_are_named_errors():
+    step, state, batch = uneven_case()
+    cluster = al.ClusterSpec.preset("p3.16xlarge", num_nodes=1)
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.ManualLayerOption(), stage_option=QUIET)
+
+    def two_grads(state, batch):  # e.g. a GAN's discriminator and generator updates
+        g1 = al.grad(uneven_mlp_loss)(state.params, batch)
+        g2 = al.grad(uneven_mlp_loss)(state.params, batch)
+        return jax.tree.map(jnp.add, g1, g2)
+
+    def metric_after_grad(state, batch):  # per micro-batch, it would be summed, not averaged
+        new_state, loss = step(state, batch)
+        return new_state, {"loss": loss, "x_mean": jnp.mean(batch["x"])}
+    with pytest.raises(ValueError, match="needs exactly one al.grad / al.value_and_grad call in the step .* found 2"):
+        al.plan(two_grads, state, batch, method=method, cluster=cluster)
+    with pytest.raises(ValueError, match="`reduce_sum` outside al.grad uses the batch"):
+        al.plan(metric_after_grad, state, batch, method=method, cluster=cluster)
+    al.plan(metric_after_grad, state, batch, method=dataclasses.replace(method, num_micro_batches=1),
+            cluster=cluster)
+
+
+def test_a_clustering_the_slack_forbids_names_the_option():
+    def vocabulary_loss(params, batch):  # the last matmul (the logits) holds most of the FLOPs
+        h = batch["x"]
+        for name in ("w0", "w1", "w2"):
+            h = jnp.tanh(h @ params[name])
+        return jnp.mean(h @ params["logits"])
+    params = {f"w{i}": jax.ShapeDtypeStruct((64, 64), jnp.float32) for i in range(3)}
+    params["logits"] = jax.ShapeDtypeStruct((64, 4096), jnp.float32)
+    batch = {"x": jax.ShapeDtypeStruct((32, 64), jnp.float32)}
+    cluster = al.ClusterSpec.preset("p3.16xlarge", num_nodes=1)
+
+    def plan(eps):
+        return al.plan(train_step_for(vocabulary_loss), state_shapes(params), batch, cluster=cluster,
+                       method=al.PipeshardParallel(layer_option=al.AutoLayerOption(layer_num=4, eps=eps),
+                                                   stage_option=QUIET))
+    with pytest.raises(ValueError, match=r"AutoLayerOption\(layer_num=4, eps=0.6\): no clustering .* eps=None takes"):
+        plan(0.6)
+    plan(None)
 
 
 def conv_chain_loss(params, batch):

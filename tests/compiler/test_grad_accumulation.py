@@ -1,4 +1,6 @@
 """Splitting a step at the grad marker, and its clear errors."""
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,6 +64,44 @@ def test_two_grad_calls_are_rejected():
     traced, mask = _trace(step)
     with pytest.raises(ValueError, match="exactly one al.grad"):
         split_at_grad_marker(traced.closed_jaxpr, mask)
+
+
+def test_random_numbers_shared_by_the_micro_batches_are_a_warning():
+    """A mask drawn from a key alone is drawn once per step (the same numbers as one micro-batch would draw);
+    every micro-batch then reads it."""
+    def dropout_loss(params, batch, key):
+        keep = jax.random.bernoulli(key, 0.5, batch["x"].shape)
+        return mlp_loss(params, {"x": jnp.where(keep, batch["x"], 0.0), "y": batch["y"]})
+
+    def step(state, batch, key):
+        return state.apply_gradients(grads=al.grad(dropout_loss)(state.params, batch, key))
+
+    for key in (jax.random.key(0), jax.random.PRNGKey(0)):
+        traced = trace_step(step, (mlp_state(), mlp_batch(np.random.default_rng(0)), key), batch_argnums=(1,),
+                            num_micro_batches=2)
+        with pytest.warns(UserWarning, match=r"shapes \(16, 16\)\) do not depend on the batch"):
+            split = split_at_grad_marker(traced.closed_jaxpr, [leaf.is_batch for leaf in traced.in_leaves])
+        assert "random_bits" in {e.primitive.name for e in split.hoisted}
+    with warnings.catch_warnings():  # no random numbers: no warning
+        warnings.simplefilter("error")
+        traced, mask = _trace(make_train_step(mlp_loss))
+        split_at_grad_marker(traced.closed_jaxpr, mask)
+
+
+def test_per_example_aux_is_rejected_and_parameter_shaped_results_are_gradients():
+    def loss_with_predictions(params, batch):
+        return mlp_loss(params, batch), {"mean": jnp.mean(batch["x"]), "rows": batch["x"][:, 0]}
+
+    def step(state, batch):
+        (loss, aux), grads = al.value_and_grad(loss_with_predictions, has_aux=True)(state.params, batch)
+        return state.apply_gradients(grads=grads), aux["mean"], aux["rows"]
+
+    traced, mask = _trace(step)
+    with pytest.raises(ValueError, match=r"returns a value of shape \(16,\) whose dim 0 is a micro-batch's 16 rows"):
+        split_at_grad_marker(traced.closed_jaxpr, mask)
+    # a 16 x 32 weight's gradient has 16 = the micro-batch's rows in dim 0: shaped like its parameter, it is one
+    traced, mask = _trace(make_train_step(mlp_loss))
+    assert any(v.aval.shape == (16, 32) for v in split_at_grad_marker(traced.closed_jaxpr, mask).marker.invars)
 
 
 def test_integer_aux_is_rejected():

@@ -66,6 +66,19 @@ def test_micro_batch_trace_divides_the_batch_rows():
     assert next(leaf for leaf in traced.in_leaves if leaf.path == "batch.x").shape == (32, 16)
 
 
+def test_micro_batches_need_batch_leaves_of_one_row_count_and_no_batch_gradient():
+    state, batch = mlp_state(), mlp_batch(np.random.default_rng(0))
+    uneven = {"x": batch["x"], "y": batch["y"][:16]}
+    with pytest.raises(ValueError, match="must share their number of rows .* batch.x has 32, batch.y has 16"):
+        trace_step(make_train_step(mlp_loss), (state, uneven), batch_argnums=(1,), num_micro_batches=2)
+
+    def input_gradient(state, batch):  # each micro-batch would return the gradient of its own rows only
+        return al.grad(mlp_loss, argnums=1)(state.params, batch)["x"]
+    with pytest.raises(ValueError, match="al.grad differentiates the batch leaf batch.x: with num_micro_batches"):
+        trace_step(input_gradient, (state, batch), batch_argnums=(1,), num_micro_batches=2)
+    assert trace_step(input_gradient, (state, batch), batch_argnums=(1,)).param_mask[-2:] == (True, True)
+
+
 def test_argnums_out_of_range_and_overlap():
     with pytest.raises(ValueError, match="static_argnums contains 3"):
         trace_step(lambda a: a, (1.0,), static_argnums=(3,))
