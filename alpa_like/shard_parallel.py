@@ -433,12 +433,17 @@ def realize(traced: TracedStep, graph: OpGraph, solution: ShardingSolution,
                                           num_constraints=solution.ilp.num_constraints, views=tuple(views)))
 
 
+COMBINED = "gradient synchronisation (combined into one all-reduce)"
+
+
 def predicted_collectives(graph: OpGraph, solution: ShardingSolution, rewrites: Sequence[WeightUpdateSharding],
                           weight=lambda n: 1.0) -> list[tuple[Collective, float, str]]:
     """Every collective the plan performs per step: (collective, times per step, why).
 
     Strategy collectives of the operators that compute a gradient are ``gradient synchronisation``; those
-    of rewritten gradients become reduce-scatters, plus one all-gather of the updated parameter.
+    of rewritten gradients become reduce-scatters, plus one all-gather of the updated parameter. The
+    all-reduces XLA combines (``solution.combined``) are ``combined gradient synchronisation``
+    (:func:`communication` prices their latency once).
     """
     mesh = solution.mesh
     rewritten = {n: r for r in rewrites for n in r.grad_nodes}
@@ -449,6 +454,8 @@ def predicted_collectives(graph: OpGraph, solution: ShardingSolution, rewrites: 
             if r is not None and c.kind == "all-reduce" and set(c.axes) <= set(r.axes):
                 out.append((dataclasses.replace(c, kind="reduce-scatter"), weight(node.id),
                             "gradient synchronisation"))
+            elif c.kind == "all-reduce" and node.id in solution.combined:
+                out.append((c, weight(node.id), COMBINED))
             else:
                 what = "gradient synchronisation" if r is not None else "operator collectives"
                 out.append((c, weight(node.id), what))
@@ -466,12 +473,18 @@ def predicted_collectives(graph: OpGraph, solution: ShardingSolution, rewrites: 
 
 
 def communication(graph, solution, rewrites, weight) -> tuple[CommEstimate, ...]:
-    """:func:`predicted_collectives` summed per (kind, mesh axes, why)."""
+    """:func:`predicted_collectives` summed per (kind, mesh axes, why); combined all-reduces pay their bytes
+    each and one latency per group, as the ILP's objective prices them."""
     totals: dict[tuple, list[float]] = {}
+    no_latency = without_latency(solution.mesh)
     for c, times, what in predicted_collectives(graph, solution, rewrites, weight):
         entry = totals.setdefault((c.kind, c.axes, what), [0.0, 0.0])
         entry[0] += times * c.num_bytes
-        entry[1] += times * c.seconds(solution.mesh)
+        if what == COMBINED:
+            latency = c.seconds(solution.mesh) - c.seconds(no_latency)
+            entry[1] += times * (c.seconds(no_latency) + (0.0 if entry[1] else latency))
+        else:
+            entry[1] += times * c.seconds(solution.mesh)
     return tuple(CommEstimate(kind=kind, mesh_axes=axes, num_bytes=int(round(b)), seconds=float(s), what=what)
                  for (kind, axes, what), (b, s) in totals.items())
 

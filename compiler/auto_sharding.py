@@ -127,6 +127,9 @@ class ShardingSolution:
     """Eq. 3.1: seconds of communication of the chosen strategies plus resharding."""
     peak_memory: float | None = None
     """Largest per-device bytes of live tensors under the plan (computed when a memory budget is set)."""
+    combined: frozenset[int] = frozenset()
+    """Nodes whose all-reduces XLA combines into one per step (:attr:`PassOptions.combine_gradient_all_reduces`):
+    each pays its bytes, and the step one latency."""
 
     def tensor_spec(self, tensor: int) -> ShardingSpec:
         t = self.graph.tensors[tensor]
@@ -597,7 +600,7 @@ def _solution(prepared: PreparedPass, solution: IlpSolution) -> ShardingSolution
     latencies = [all_reduce_latency(chosen[n], mesh) for n in prepared.combined]
     return ShardingSolution(mesh=mesh, graph=graph, strategies=chosen, reshards=reshards, ilp=solution,
                             objective=prepared.exact.objective(solution.choice) + max(latencies, default=0.0),
-                            peak_memory=peak)
+                            peak_memory=peak, combined=prepared.combined)
 
 
 def auto_shard(graph: OpGraph, mesh: LogicalMesh, options: PassOptions = PassOptions(), *,

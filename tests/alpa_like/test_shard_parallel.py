@@ -14,6 +14,8 @@ from flax.training import train_state
 
 import alpa_like as al
 from alpa_like import models
+from alpa_like import shard_parallel as shard_parallel_module
+from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.models import gpt, moe, wide_resnet
 from alpa_like.runtime import hlo_stats
 from tests.helpers import (assert_trees_close, make_train_step, mlp_batch, mlp_loss, mlp_state,
@@ -195,6 +197,12 @@ def test_compiled_collectives_match_the_ilp_for_mlp():
     (_, parts), = _compiled_all_reduces(exe)
     heavy = _predicted_all_reduces(exe)
     assert heavy and collections.Counter({n: len(b) for n, b in heavy.items()}) <= collections.Counter(parts)
+    # the plan prices that one all-reduce as the ILP does: every gradient's bytes, one latency
+    (combined,) = [c for c in predicted if c.what == shard_parallel_module.COMBINED]
+    mesh = LogicalMesh.from_cluster(exe.plan.cluster, exe.plan.stages[0].submesh_shape,
+                                    exe.plan.stages[0].logical_mesh_shape)
+    axis = combined.mesh_axes[0] if len(combined.mesh_axes) == 1 else combined.mesh_axes
+    assert combined.seconds == pytest.approx(mesh.all_reduce_cost(combined.num_bytes, axis), rel=1e-6)
 
 
 def _compiled_by_kind(exe) -> dict[str, int]:
