@@ -293,11 +293,16 @@ class ManualShardParallel:
         if len(pspec) > len(leaf.shape):
             raise ValueError(f"spec {pspec} for {leaf.path} has {len(pspec)} entries but the leaf has shape "
                              f"{leaf.shape}")
+        named = []
         for entry in pspec:
             for name in entry if isinstance(entry, tuple) else (entry,):
                 if name is not None and name not in self.mesh_axis_names:
                     raise ValueError(f"spec {pspec} for {leaf.path} names mesh axis {name!r}; the mesh axes "
                                      f"are {self.mesh_axis_names}")
+                if name is not None and name in named:
+                    raise ValueError(f"spec {pspec} for {leaf.path} uses mesh axis {name!r} twice; a mesh axis "
+                                     "splits at most one dim")
+                named.append(name)
         spec = ShardingSpec.from_partition_spec(pspec, self.mesh_axis_names, len(leaf.shape))
         for d, axes in enumerate(spec.axes):
             shards = math.prod(self.mesh_shape[a] for a in axes)

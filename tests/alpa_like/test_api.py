@@ -112,6 +112,9 @@ def test_manual_specs_are_checked(args):
     with pytest.raises(ValueError, match="names mesh axis 'batch'"):
         al.parallelize(step, method=al.ManualShardParallel(mesh_shape=(8,), mesh_axis_names=("data",),
                                                            in_specs=(None, P("batch"))))(*args)
+    with pytest.raises(ValueError, match=r"spec P\('a', 'a'\) for batch.x uses mesh axis 'a' twice"):
+        al.parallelize(step, method=al.ManualShardParallel(mesh_shape=(2, 4), mesh_axis_names=("a", "b"),
+                                                           in_specs=(None, P("a", "a"))))(*args)
     with pytest.raises(ValueError, match="has no rule"):
         al.parallelize(step, method=al.ManualShardParallel(
             mesh_shape=(8,), mesh_axis_names=("data",), in_specs=(None, P("batch")),
