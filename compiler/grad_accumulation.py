@@ -166,7 +166,9 @@ def to_micro_batches(x, num_micro_batches: int):
 
 def make_step_fn(closed: ClosedJaxpr, batch_mask: Sequence[bool], *, num_micro_batches: int = 1,
                  eqn_hook: jax_compat.EqnHook | None = None, on_micro_batch: ValuesFn | None = None,
-                 operand_hook: jax_compat.EqnHook | None = None) -> Callable:
+                 operand_hook: jax_compat.EqnHook | None = None,
+                 micro_batch_eval: Callable[[Sequence[JaxprEqn], dict], None] | None = None,
+                 stack_sizes: dict[Var, int] | None = None) -> Callable:
     """A function of the flat inputs that computes the flat outputs of ``closed``.
 
     Args:
@@ -178,6 +180,11 @@ def make_step_fn(closed: ClosedJaxpr, batch_mask: Sequence[bool], *, num_micro_b
       on_micro_batch: applied to the batch leaves of one micro-batch, e.g. to pin their sharding.
       operand_hook: ``hook(eqn, invals) -> invals`` applied to every equation's operands as that equation
         reads them (e.g. to pin the layout one reader needs).
+      micro_batch_eval: ``eval(eqns, env)`` evaluates the per-micro-batch equations into ``env`` instead of
+        :func:`~alpa_like.compiler.jax_compat.eval_eqns` with the hooks (e.g. keeping gradients as stacks of
+        per-shard partial sums, :mod:`~alpa_like.compiler.gradient_sync`).
+      stack_sizes: the grad marker's inputs that ``micro_batch_eval`` computes as stacks ``(d, *shape)`` ->
+        ``d``; they are accumulated as stacks and summed over the stack once, after the last micro-batch.
     """
     if num_micro_batches == 1:
         def step(*flat):
@@ -188,6 +195,10 @@ def make_step_fn(closed: ClosedJaxpr, batch_mask: Sequence[bool], *, num_micro_b
     jaxpr = closed.jaxpr
     batch_vars = [v for v, b in zip(jaxpr.invars, batch_mask, strict=True) if b]
     m = num_micro_batches
+    stack_sizes = stack_sizes or {}
+    if micro_batch_eval is None:
+        def micro_batch_eval(eqns, env):
+            jax_compat.eval_eqns(eqns, env, hook=eqn_hook, operand_hook=operand_hook)
 
     def step(*flat):
         env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
@@ -200,12 +211,15 @@ def make_step_fn(closed: ClosedJaxpr, batch_mask: Sequence[bool], *, num_micro_b
                 batch_values = on_micro_batch(list(batch_values))
             local = dict(env)
             local.update(zip(batch_vars, batch_values, strict=True))
-            jax_compat.eval_eqns(split.per_micro_batch, local, hook=eqn_hook, operand_hook=operand_hook)
+            micro_batch_eval(split.per_micro_batch, local)
             values = [v.val if not isinstance(v, Var) else local[v] for v in split.marker.invars]
             return [a + v for a, v in zip(acc, values, strict=True)], None
 
-        zeros = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in split.marker.invars]
+        stacks = [stack_sizes.get(v) if isinstance(v, Var) else None for v in split.marker.invars]
+        zeros = [jnp.zeros(((d,) if d else ()) + v.aval.shape, v.aval.dtype)
+                 for v, d in zip(split.marker.invars, stacks, strict=True)]
         total, _ = jax.lax.scan(body, zeros, micro_batches)
+        total = [jnp.sum(t, axis=0) if d else t for t, d in zip(total, stacks, strict=True)]
         mean = [t / np.asarray(m, dtype=t.dtype) for t in total]
         marker_env = dict(zip(split.marker.invars, mean, strict=True))
         jax_compat.eval_eqns([split.marker], marker_env, hook=eqn_hook, operand_hook=operand_hook)

@@ -17,18 +17,29 @@ _COMMENT = re.compile(r"/\*.*?\*/")
 _ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
 
 
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_WHILE_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
+
+
 @dataclasses.dataclass(frozen=True)
 class HloCollective:
     kind: str
     result_bytes: int
     """Bytes of the collective's result (per device)."""
     line: str
+    in_loop_body: bool = False
+    """Whether it is in the body computation of a ``while`` (runs once per iteration, e.g. per micro-batch)."""
 
 
 def collectives(hlo_text: str) -> list[HloCollective]:
     """Every collective op in an HLO module text, in program order (async pairs counted once)."""
+    bodies = set(_WHILE_BODY.findall(hlo_text))
     found = []
+    computation = None
     for line in hlo_text.splitlines():
+        start = _COMPUTATION.match(line)
+        if start:
+            computation = start.group(1)
         m = _LINE.search(_COMMENT.sub("", line))  # tuple shapes carry /*index=5*/ comments
         if not m:
             continue
@@ -37,7 +48,8 @@ def collectives(hlo_text: str) -> list[HloCollective]:
             if dtype in _DTYPES:
                 size = int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
                 nbytes += size * _DTYPES[dtype]
-        found.append(HloCollective(kind=m.group("op"), result_bytes=nbytes, line=line.strip()))
+        found.append(HloCollective(kind=m.group("op"), result_bytes=nbytes, line=line.strip(),
+                                   in_loop_body=computation in bodies))
     return found
 
 

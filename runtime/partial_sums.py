@@ -24,6 +24,7 @@ from alpa_like.compiler.gradient_sync import (
     split_spec,
     stack_position,
     stacked_params,
+    stacked_spec,
 )
 from alpa_like.runtime.mesh import named_sharding
 
@@ -37,12 +38,20 @@ def eval_piece(closed: ClosedJaxpr, args: Sequence[Any], deferred: DeferredGradi
     jaxpr = closed.jaxpr
     env: dict[Var, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
+    eval_eqns(jaxpr.eqns, env, deferred, mesh, hook=hook, operand_hook=operand_hook)
+    return [v.val if isinstance(v, Literal) else env[v] for v in jaxpr.outvars]
+
+
+def eval_eqns(eqns: Sequence[JaxprEqn], env: dict, deferred: DeferredGradients, mesh, *, hook=None,
+              operand_hook=None) -> None:
+    """:func:`eval_piece` on equations, reading and writing ``env`` (like
+    :func:`~alpa_like.compiler.jax_compat.eval_eqns`)."""
     stacked: set[Var] = set()
 
     def read(v):
         return v.val if isinstance(v, Literal) else env[v]
 
-    for eqn in jaxpr.eqns:
+    for eqn in eqns:
         invals = [read(v) for v in eqn.invars]
         if operand_hook is not None:
             invals = operand_hook(eqn, invals)
@@ -59,7 +68,6 @@ def eval_piece(closed: ClosedJaxpr, args: Sequence[Any], deferred: DeferredGradi
         if hook is not None:
             outvals = hook(eqn, outvals)
         env.update(zip(eqn.outvars, outvals, strict=True))
-    return [read(v) for v in jaxpr.outvars]
 
 
 def _partial_sums(eqn: JaxprEqn, invals: Sequence[Any], split: Split, mesh) -> Any:
@@ -106,3 +114,13 @@ def _means(stacks, totals, count: int, shardings: tuple):
             total = jax.lax.with_sharding_constraint(total, sharding)
         reduced.append(mean(total))
     return reduced, [mean(t) for t in totals]
+
+
+def stacked_pins(value_pins, deferred: DeferredGradients):
+    """``value_pins`` with the values ``deferred`` computes as stacks pinned to their stacked layouts."""
+    out = []
+    for eqn, k, spec in value_pins:
+        axes = deferred.stacked.get(eqn.outvars[k])
+        out.append((eqn, k, spec if axes is None else stacked_spec(spec, axes)))
+    return out
+

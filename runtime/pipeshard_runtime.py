@@ -27,14 +27,14 @@ from jax.sharding import NamedSharding
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.grad_accumulation import to_micro_batches
 from alpa_like.compiler.sharding_spec import ShardingSpec
-from alpa_like.compiler.gradient_sync import NONE, DeferredGradients, deferrable_gradients, stacked_spec
+from alpa_like.compiler.gradient_sync import NONE, DeferredGradients, deferrable_gradients
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
 from alpa_like.compiler.stage_construction import StageProgram, ValueId
 from alpa_like.compiler.stage_sharding import StageSharding
 from alpa_like.runtime.instructions import PER_STEP, Instruction, MeshPrograms, Op
 from alpa_like.runtime.mesh import make_mesh, named_sharding
 from alpa_like.runtime.resharding import layout_of, plan_resharding, reshard
-from alpa_like.runtime.partial_sums import eval_piece, step_means
+from alpa_like.runtime.partial_sums import eval_piece, stacked_pins, step_means
 from alpa_like.runtime.spmd import pin_hook
 
 MESH_AXES = ("x", "y")
@@ -374,12 +374,3 @@ def deferred_gradients(program: StageProgram, stage: int, sharding: StageShardin
     operand_specs = {(id(eqn), k): spec for eqn, k, spec in sharding.operand_pins}
     return deferrable_gradients(piece.jaxpr.jaxpr.eqns, gradients, piece.jaxpr.jaxpr.outvars,
                                 {**sharding.input_specs, **sharding.output_specs}, operand_specs, mesh_shape)
-
-
-def stacked_pins(value_pins, deferred: DeferredGradients):
-    """``value_pins`` with the values ``deferred`` computes as stacks pinned to their stacked layouts."""
-    out = []
-    for eqn, k, spec in value_pins:
-        axes = deferred.stacked.get(eqn.outvars[k])
-        out.append((eqn, k, spec if axes is None else stacked_spec(spec, axes)))
-    return out

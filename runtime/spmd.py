@@ -8,16 +8,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from jax.extend.core import Var
 from jax.sharding import NamedSharding
 
 from alpa_like.compiler import jax_compat
-from alpa_like.compiler.grad_accumulation import make_step_fn
+from alpa_like.compiler.grad_accumulation import make_step_fn, split_at_grad_marker
+from alpa_like.compiler.gradient_sync import NONE, DeferredGradients, deferrable_gradients
 from alpa_like.compiler.markers import is_marker
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.trace import TracedStep
 from alpa_like.methods import SpmdLayout, largest_dim_spec
 from alpa_like.planning import batch_axes
-from alpa_like.runtime import hlo_stats
+from alpa_like.runtime import hlo_stats, partial_sums
 from alpa_like.runtime.mesh import make_mesh, named_sharding
 
 
@@ -64,6 +66,22 @@ def _chain_hooks(hooks: Sequence[jax_compat.EqnHook]) -> jax_compat.EqnHook | No
     return hook
 
 
+def deferred_gradients(traced: TracedStep, layout: SpmdLayout, batch_mask: Sequence[bool]) -> DeferredGradients:
+    """The results of al.grad (gradients, a mean loss) whose all-reduce over the mesh can wait for the last
+    micro-batch: the per-micro-batch equations keep them as stacks of per-shard partial sums
+    (:func:`~alpa_like.compiler.gradient_sync.deferrable_gradients` on the layout's pinned specs), summed once
+    per step. Exact algebra; only the order of float additions changes."""
+    split = split_at_grad_marker(traced.closed_jaxpr, batch_mask)
+    jaxpr = traced.closed_jaxpr.jaxpr
+    eqns = jaxpr.eqns
+    var_specs = {v: spec for v, spec in zip(jaxpr.invars, layout.in_specs, strict=True)}
+    var_specs.update({eqns[i].outvars[k]: spec for i, k, spec in layout.eqn_constraints})
+    operand_specs = {(id(eqns[i]), k): spec for i, k, spec in layout.operand_constraints}
+    results = [v for v in split.marker.invars if isinstance(v, Var)]
+    return deferrable_gradients(split.per_micro_batch, results, results, var_specs, operand_specs,
+                                tuple(layout.mesh_shape))
+
+
 def _micro_batch_pin(mesh, batch_specs: Sequence[ShardingSpec]) -> Callable:
     shardings = [named_sharding(mesh, s) for s in batch_specs]
 
@@ -100,12 +118,24 @@ def compile_spmd(traced: TracedStep, layout: SpmdLayout, devices: Sequence[Any],
         hooks.append(_pin_grads_hook(mesh, data_axes))
     if layout.eqn_constraints:
         hooks.append(pin_hook(mesh, [(eqns[i], k, spec) for i, k, spec in layout.eqn_constraints]))
-    hook = _chain_hooks(hooks)
     operand_hook = (pin_hook(mesh, [(eqns[i], k, spec) for i, k, spec in layout.operand_constraints])
                     if layout.operand_constraints else None)
+    deferred = (deferred_gradients(traced, layout, batch_mask) if num_micro_batches > 1 and layout.eqn_constraints
+                else NONE)
+    micro_batch_eval = None
+    if deferred:  # the pins of values computed as stacks of partial sums get stacked layouts (the last hook)
+        hooks[-1] = pin_hook(mesh, partial_sums.stacked_pins([(eqns[i], k, spec) for i, k, spec in layout.eqn_constraints],
+                                                deferred))
+        stacked_hook = _chain_hooks(hooks)
+
+        def micro_batch_eval(micro_eqns, env):
+            partial_sums.eval_eqns(micro_eqns, env, deferred, mesh, hook=stacked_hook, operand_hook=operand_hook)
+    hook = _chain_hooks(hooks)
+    stack_sizes = {v: math.prod(layout.mesh_shape[a] for a in axes) for v, axes in deferred.outputs.items()}
     step = make_step_fn(traced.closed_jaxpr, batch_mask, num_micro_batches=num_micro_batches, eqn_hook=hook,
                         operand_hook=operand_hook,
-                        on_micro_batch=_micro_batch_pin(mesh, batch_specs) if num_micro_batches > 1 else None)
+                        on_micro_batch=_micro_batch_pin(mesh, batch_specs) if num_micro_batches > 1 else None,
+                        micro_batch_eval=micro_batch_eval, stack_sizes=stack_sizes)
     jitted = jax.jit(step, in_shardings=in_shardings, out_shardings=out_shardings,
                      donate_argnums=tuple(donate_flat))
     avals = [jax.ShapeDtypeStruct(leaf.shape, v.aval.dtype)  # the jaxpr's dtype: a typed PRNG key's is no string

@@ -99,9 +99,13 @@ def test_mlp_with_gradient_accumulation_matches_single_device_jit():
     ref_state, _ = reference_on_one_device(step, state, batches[:2])
     method = al.ShardParallel(num_micro_batches=2,
                               auto_sharding_option=al.AutoShardingOption(logical_mesh_shape=(2, 4)))
-    par_state, _ = run_steps(al.parallelize(step, method=method), state, batches[:2])
+    parallel = al.parallelize(step, method=method)
+    par_state, _ = run_steps(parallel, state, batches[:2])
     assert_trees_close(par_state.params, ref_state.params)
     assert_trees_close(par_state.opt_state, ref_state.opt_state)
+    # the micro-batch loop keeps per-shard partial sums of the gradients: their all-reduce runs once, after it
+    compiled = hlo_stats.collectives(parallel.get_executable(state, batches[0]).get_hlo_text())
+    assert [c.kind for c in compiled if c.in_loop_body] == [] and "all-reduce" in {c.kind for c in compiled}
 
 
 # ------------------------------------------------------------------------------------------- the plan
