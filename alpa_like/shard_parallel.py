@@ -174,9 +174,13 @@ class ShardParallel:
         start = time.perf_counter()
         output_to_input = match_outputs_to_inputs(traced)
         weights = _node_weights(traced, graph, self.num_micro_batches)
+        # With micro-batches the gradients are accumulated as per-shard partial sums and reduced once per step
+        # (runtime/spmd.deferred_gradients): their all-reduces run 1 / m as often as their operators.
+        sync_weight = 1.0 / self.num_micro_batches
         candidates = solve_views(traced, graph, roles, cluster, views, option, weights,
                                  alias_pairs(graph, output_to_input),
-                                 cost_models=tuple(COST_MODELS) if measure else ("alpha-beta",))
+                                 cost_models=tuple(COST_MODELS) if measure else ("alpha-beta",),
+                                 gradient_sync_weight=sync_weight)
         views_report = tuple((c.solution.mesh.shape, c.solution.objective) for c in candidates
                              if c.cost_model == "alpha-beta")
         if measure and option.prefer_reduce_scatter:  # the post-ILP rewrite is a candidate too (Eq. 3.1 omits it)
@@ -189,7 +193,7 @@ class ShardParallel:
             notes = warns if status == "optimal" else warns + (
                 f"intra-op ILP on mesh {c.solution.mesh.shape}: {status}",)
             return realize(traced, graph, c.solution, rewrites, roles, output_to_input, weights, views=views_report,
-                           seconds=c.seconds, warnings=notes)
+                           seconds=c.seconds, warnings=notes, gradient_sync_weight=sync_weight)
 
         if not measure:
             return build(min(candidates, key=lambda c: c.solution.objective))
@@ -229,7 +233,8 @@ all-to-alls of Table 3.2 cost far more than modelled on CPU devices). Each plan 
 
 def solve_views(traced: TracedStep, graph: OpGraph, roles: Sequence[str], cluster: ClusterSpec,
                 views: Sequence[tuple[int, int]], option: AutoShardingOption, weights: Sequence[float] | None,
-                aliases: Sequence[tuple[int, int]], cost_models: Sequence[str] = ("alpha-beta",)) -> list[Candidate]:
+                aliases: Sequence[tuple[int, int]], cost_models: Sequence[str] = ("alpha-beta",),
+                gradient_sync_weight: float = 1.0) -> list[Candidate]:
     """The ILP's plan on every logical view under each of ``cost_models`` (names of :data:`COST_MODELS`),
     each priced on the option's own Eq. 3.1 (:func:`price_on`); view by view, in the order given."""
     candidates = []
@@ -239,7 +244,8 @@ def solve_views(traced: TracedStep, graph: OpGraph, roles: Sequence[str], cluste
                               allow_all_to_all=option.allow_all_to_all,
                               input_candidates=_batch_candidates(traced, graph, roles, mesh, option),
                               solver_time_limit=float(option.solver_time_limit), solver=option.solver,
-                              rates=cluster.compute_rates, node_weights=weights)
+                              rates=cluster.compute_rates, node_weights=weights,
+                              gradient_sync_weight=gradient_sync_weight)
         start = time.perf_counter()
         prepared = prepare(graph, mesh, options, aliases=aliases)
         solution = solve_prepared(prepared)
@@ -394,8 +400,10 @@ def _node_weights(traced: TracedStep, graph: OpGraph, num_micro_batches: int) ->
 
 def realize(traced: TracedStep, graph: OpGraph, solution: ShardingSolution,
             rewrites: Sequence[WeightUpdateSharding], roles: Sequence[str], output_to_input: Sequence[int | None],
-            weights: Sequence[float] | None, *, views, seconds: float, warnings: Sequence[str]) -> SpmdLayout:
-    """The :class:`SpmdLayout` that makes XLA follow ``solution`` (and the weight-update sharding)."""
+            weights: Sequence[float] | None, *, views, seconds: float, warnings: Sequence[str],
+            gradient_sync_weight: float = 1.0) -> SpmdLayout:
+    """The :class:`SpmdLayout` that makes XLA follow ``solution`` (and the weight-update sharding);
+    ``gradient_sync_weight``: times per run of their operators that gradients are synchronised."""
     def weight(n: int) -> float:  # times node n runs per step (scan bodies, micro-batches)
         return graph.nodes[n].repeat * (1.0 if weights is None else weights[n])
     in_specs = list(solution.input_specs())
@@ -424,7 +432,7 @@ def realize(traced: TracedStep, graph: OpGraph, solution: ShardingSolution,
                       in_specs=tuple(in_specs), out_specs=tuple(out_specs), shard_grads=False,
                       eqn_constraints=tuple(constraints), operand_constraints=tuple(operand_pins(graph, solution)),
                       warnings=tuple(warnings),
-                      communication=communication(graph, solution, rewrites, weight),
+                      communication=communication(graph, solution, rewrites, weight, gradient_sync_weight),
                       op_plans=op_plans(traced, graph, solution, roles, weight),
                       solver=SolverReport(status=solution.ilp.status, objective=solution.objective,
                                           solve_seconds=seconds, num_nodes=solution.ilp.num_nodes,
@@ -437,13 +445,14 @@ COMBINED = "gradient synchronisation (combined into one all-reduce)"
 
 
 def predicted_collectives(graph: OpGraph, solution: ShardingSolution, rewrites: Sequence[WeightUpdateSharding],
-                          weight=lambda n: 1.0) -> list[tuple[Collective, float, str]]:
+                          weight=lambda n: 1.0, sync_weight: float = 1.0) -> list[tuple[Collective, float, str]]:
     """Every collective the plan performs per step: (collective, times per step, why).
 
     Strategy collectives of the operators that compute a gradient are ``gradient synchronisation``; those
     of rewritten gradients become reduce-scatters, plus one all-gather of the updated parameter. The
     all-reduces XLA combines (``solution.combined``) are ``combined gradient synchronisation``
-    (:func:`communication` prices their latency once).
+    (:func:`communication` prices their latency once). Gradient synchronisation runs ``sync_weight`` times
+    per run of its operator (``1 / m`` when micro-batches accumulate partial sums).
     """
     mesh = solution.mesh
     rewritten = {n: r for r in rewrites for n in r.grad_nodes}
@@ -452,10 +461,10 @@ def predicted_collectives(graph: OpGraph, solution: ShardingSolution, rewrites: 
         r = rewritten.get(node.id)
         for c in solution.strategies[node.id].collectives:
             if r is not None and c.kind == "all-reduce" and set(c.axes) <= set(r.axes):
-                out.append((dataclasses.replace(c, kind="reduce-scatter"), weight(node.id),
+                out.append((dataclasses.replace(c, kind="reduce-scatter"), weight(node.id) * sync_weight,
                             "gradient synchronisation"))
             elif c.kind == "all-reduce" and node.id in solution.combined:
-                out.append((c, weight(node.id), COMBINED))
+                out.append((c, weight(node.id) * sync_weight, COMBINED))
             else:
                 what = "gradient synchronisation" if r is not None else "operator collectives"
                 out.append((c, weight(node.id), what))
@@ -472,12 +481,12 @@ def predicted_collectives(graph: OpGraph, solution: ShardingSolution, rewrites: 
     return out
 
 
-def communication(graph, solution, rewrites, weight) -> tuple[CommEstimate, ...]:
+def communication(graph, solution, rewrites, weight, sync_weight: float = 1.0) -> tuple[CommEstimate, ...]:
     """:func:`predicted_collectives` summed per (kind, mesh axes, why); combined all-reduces pay their bytes
     each and one latency per group, as the ILP's objective prices them."""
     totals: dict[tuple, list[float]] = {}
     no_latency = without_latency(solution.mesh)
-    for c, times, what in predicted_collectives(graph, solution, rewrites, weight):
+    for c, times, what in predicted_collectives(graph, solution, rewrites, weight, sync_weight):
         entry = totals.setdefault((c.kind, c.axes, what), [0.0, 0.0])
         entry[0] += times * c.num_bytes
         if what == COMBINED:

@@ -104,8 +104,16 @@ def test_mlp_with_gradient_accumulation_matches_single_device_jit():
     assert_trees_close(par_state.params, ref_state.params)
     assert_trees_close(par_state.opt_state, ref_state.opt_state)
     # the micro-batch loop keeps per-shard partial sums of the gradients: their all-reduce runs once, after it
-    compiled = hlo_stats.collectives(parallel.get_executable(state, batches[0]).get_hlo_text())
+    exe = parallel.get_executable(state, batches[0])
+    compiled = hlo_stats.collectives(exe.get_hlo_text())
     assert [c.kind for c in compiled if c.in_loop_body] == [] and "all-reduce" in {c.kind for c in compiled}
+    # and the plan prices that synchronisation once per step, as for one micro-batch
+    one = al.parallelize(step, method=dataclasses.replace(method, num_micro_batches=1)).get_executable(
+        state, batches[0])
+
+    def synchronised(e):
+        return {(c.kind, c.num_bytes) for c in e.plan.stages[0].communication if c.what.startswith("gradient")}
+    assert synchronised(exe) and synchronised(exe) == synchronised(one)
 
 
 # ------------------------------------------------------------------------------------------- the plan
