@@ -342,6 +342,9 @@ def slice_step(method: PipeshardParallel, fun: Callable, args: Sequence[Any], *,
     with layering(method.layer_option.layering()):
         traced = trace_step(fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums,
                             num_micro_batches=method.num_micro_batches)
+    if any(is_marker(e, "boundary") for e in traced.closed_jaxpr.jaxpr.eqns):
+        raise ValueError("al.mark_pipeline_boundary() was called outside the function al.grad differentiates, "
+                         "where it cuts nothing: call it inside the loss, between two layers' forward code")
     markers = grad_markers(traced.closed_jaxpr)
     if len(markers) > 1:
         raise ValueError(f"PipeshardParallel needs exactly one al.grad / al.value_and_grad call in the step (its "

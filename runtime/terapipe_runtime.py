@@ -779,7 +779,10 @@ def _check_batch_leaves(leaves, batch_mask) -> int:
                                             f"(the sequence); {leaf.path} has shape {leaf.shape}")
             lengths[leaf.path] = leaf.shape[1]
     if not lengths:
-        raise TerapipeContractError("pipeline_schedule='terapipe' needs batch inputs [batch, seq, ...] in the loss")
+        raise TerapipeContractError("pipeline_schedule='terapipe' needs batch inputs [batch, seq, ...] among the "
+                                    "arguments of the function al.grad differentiates (a batch the loss reads "
+                                    "from its closure cannot be sliced): pass the batch to it, e.g. "
+                                    "al.value_and_grad(loss_fn)(params, batch)")
     if len(set(lengths.values())) != 1:
         raise TerapipeContractError(f"pipeline_schedule='terapipe' needs every batch input to have the same "
                                     f"sequence length (dim 1); got {lengths}")

@@ -197,8 +197,13 @@ def test_steps_a_pipeline_cannot_run_are_named_errors():
     def metric_after_grad(state, batch):  # per micro-batch, it would be summed, not averaged
         new_state, loss = step(state, batch)
         return new_state, {"loss": loss, "x_mean": jnp.mean(batch["x"])}
+    def boundary_outside_the_loss(state, batch):
+        al.mark_pipeline_boundary()
+        return step(state, batch)
     with pytest.raises(ValueError, match="needs exactly one al.grad / al.value_and_grad call in the step .* found 2"):
         al.plan(two_grads, state, batch, method=method, cluster=cluster)
+    with pytest.raises(ValueError, match=r"mark_pipeline_boundary\(\) was called outside the function al.grad"):
+        al.plan(boundary_outside_the_loss, state, batch, method=method, cluster=cluster)
     with pytest.raises(ValueError, match="`reduce_sum` outside al.grad uses the batch"):
         al.plan(metric_after_grad, state, batch, method=method, cluster=cluster)
     al.plan(metric_after_grad, state, batch, method=dataclasses.replace(method, num_micro_batches=1),

@@ -111,6 +111,19 @@ def test_positions_from_arange_break_the_contract():
         al.parallelize(train_step_for(loss_fn), method=method)(state, batches[0])
 
 
+def test_a_batch_the_loss_reads_from_its_closure_is_rejected():
+    loss_fn, state, batches = gpt_case(num_layers=2)
+
+    def step(state, batch):
+        loss, grads = al.value_and_grad(lambda params: loss_fn(params, batch))(state.params)
+        return state.apply_gradients(grads=grads), loss
+    method = al.PipeshardParallel(layer_option=al.AutoLayerOption(layer_num=2),
+                                  stage_option=stages(((0,), (1,)), ((1, 4),) * 2, ((1, 4),) * 2),
+                                  pipeline_schedule="terapipe", token_slices=(8, 8))
+    with pytest.raises(TerapipeContractError, match="among the arguments of the function al.grad differentiates"):
+        al.parallelize(step, method=method)(state, batches[0])
+
+
 def test_a_model_without_causal_attention_is_rejected():
     def loss_fn(params, batch):
         return jnp.mean((batch["x"] @ params["w"]) ** 2)
