@@ -167,10 +167,8 @@ class ManualStageOption:
             object.__setattr__(self, name, tuple(tuple(entry) if isinstance(entry, (tuple, list)) else entry
                                                  for entry in value))
         for q, (physical, logical) in enumerate(zip(self.submesh_physical_shapes, self.submesh_logical_shapes)):
-            for name, shape in (("submesh_physical_shapes", physical), ("submesh_logical_shapes", logical)):
-                if not (isinstance(shape, tuple) and len(shape) == 2
-                        and all(isinstance(d, int) and d >= 1 for d in shape)):
-                    raise ValueError(f"ManualStageOption.{name}[{q}] must be a pair of ints >= 1, got {shape!r}")
+            _check_shape(f"ManualStageOption.submesh_physical_shapes[{q}]", physical)
+            _check_shape(f"ManualStageOption.submesh_logical_shapes[{q}]", logical)
             if physical[0] * physical[1] != logical[0] * logical[1]:
                 raise ValueError(f"ManualStageOption.submesh_logical_shapes[{q}] = {logical} must view the "
                                  f"{physical[0] * physical[1]} devices of submesh_physical_shapes[{q}] = {physical}")
@@ -208,15 +206,20 @@ class UniformStageOption:
             raise ValueError(f"UniformStageOption.num_stages must be an int >= 1, got {self.num_stages!r}")
         for name in ("submesh_physical_shape", "submesh_logical_shape"):
             shape = getattr(self, name)
-            if shape is None:
-                continue
-            if not (isinstance(shape, (tuple, list)) and len(shape) == 2 and all(
-                    isinstance(d, int) and d >= 1 for d in shape)):
-                raise ValueError(f"UniformStageOption.{name} must be None or a pair of ints >= 1, got {shape!r}")
-            object.__setattr__(self, name, tuple(shape))
+            if shape is not None:
+                object.__setattr__(self, name, _check_shape(f"UniformStageOption.{name}", shape, or_none=True))
 
 
 StageOption = AutoStageOption | ManualStageOption | UniformStageOption
+
+
+def _check_shape(name: str, shape: Any, or_none: bool = False) -> Shape:
+    """``shape`` as a tuple when it is a pair of ints >= 1 (a submesh or logical mesh shape); else an error
+    naming the option field ``name``."""
+    if not (isinstance(shape, (tuple, list)) and len(shape) == 2 and all(isinstance(d, int) and d >= 1
+                                                                          for d in shape)):
+        raise ValueError(f"{name} must be {'None or ' if or_none else ''}a pair of ints >= 1, got {shape!r}")
+    return tuple(shape)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -397,7 +400,8 @@ def _slice_and_plan(method: PipeshardParallel, fun: Callable, args: Sequence[Any
     best, first_error = None, None
     for k, option in enumerate(choices):
         candidate = dataclasses.replace(method, layer_option=option)
-        which = f" (layering {k + 1}/{len(choices)}: recompute_aware={option.recompute_aware})" if len(choices) > 1 else ""
+        which = ("" if len(choices) == 1 else
+                 f" (layering {k + 1}/{len(choices)}: recompute_aware={option.recompute_aware})")
         progress.step("step 1/4: tracing the step and cutting it into layers" + which)
         try:
             sliced = slice_step(candidate, fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums)

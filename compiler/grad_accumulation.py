@@ -129,22 +129,14 @@ def _warn_shared_random_draws(hoisted: Sequence[JaxprEqn], per_micro_batch: Sequ
     (exact for a value that does not depend on the batch, as Alpa's issue #592 asks); a dropout mask drawn
     that way repeats in every micro-batch: a warning says so."""
     read = {v for e in per_micro_batch for v in jax_compat.eqn_inputs(e)}
-    draws = [e for e in hoisted if e.primitive.name in _RANDOM_PRIMITIVES and _feeds(hoisted, e, read)]
+    draws = [e for e in hoisted if e.primitive.name in _RANDOM_PRIMITIVES
+             and _batch_dependent(hoisted, set(e.outvars)) & read]
     if draws:
         shapes = ", ".join(sorted({str(tuple(v.aval.shape)) for e in draws for v in e.outvars}))
         warnings.warn(f"with num_micro_batches > 1, the random numbers drawn in the step (shapes {shapes}) do not "
                       "depend on the batch, so they are drawn once per step and every micro-batch reads the same "
                       "ones: a dropout mask repeats in each micro-batch. For independent masks, draw from a key "
                       "that depends on the batch (e.g. one key per example in a batch leaf)", stacklevel=2)
-
-
-def _feeds(eqns: Sequence[JaxprEqn], source: JaxprEqn, targets: set) -> bool:
-    """Whether a value ``source`` defines reaches one of ``targets`` through ``eqns``."""
-    reached = set(source.outvars)
-    for eqn in eqns:
-        if any(v in reached for v in jax_compat.eqn_inputs(eqn)):
-            reached.update(eqn.outvars)
-    return bool(reached & targets)
 
 
 def split_total(split: GradSplit, num_micro_batches: int, cost: Callable[[JaxprEqn], float] = eqn_flops) -> float:

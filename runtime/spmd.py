@@ -116,21 +116,18 @@ def compile_spmd(traced: TracedStep, layout: SpmdLayout, devices: Sequence[Any],
     data_axes = batch_axes(layout)
     if layout.shard_grads and data_axes:
         hooks.append(_pin_grads_hook(mesh, data_axes))
-    if layout.eqn_constraints:
-        hooks.append(pin_hook(mesh, [(eqns[i], k, spec) for i, k, spec in layout.eqn_constraints]))
-    operand_hook = (pin_hook(mesh, [(eqns[i], k, spec) for i, k, spec in layout.operand_constraints])
-                    if layout.operand_constraints else None)
     deferred = (deferred_gradients(traced, layout, batch_mask) if num_micro_batches > 1 and layout.eqn_constraints
                 else NONE)
-    micro_batch_eval = None
-    if deferred:  # the pins of values computed as stacks of partial sums get stacked layouts (the last hook)
-        hooks[-1] = pin_hook(mesh, partial_sums.stacked_pins([(eqns[i], k, spec) for i, k, spec in layout.eqn_constraints],
-                                                deferred))
-        stacked_hook = _chain_hooks(hooks)
-
-        def micro_batch_eval(micro_eqns, env):
-            partial_sums.eval_eqns(micro_eqns, env, deferred, mesh, hook=stacked_hook, operand_hook=operand_hook)
+    if layout.eqn_constraints:  # values computed as stacks of partial sums are pinned to stacked layouts
+        value_pins = [(eqns[i], k, spec) for i, k, spec in layout.eqn_constraints]
+        hooks.append(pin_hook(mesh, partial_sums.stacked_pins(value_pins, deferred)))
     hook = _chain_hooks(hooks)
+    operand_hook = (pin_hook(mesh, [(eqns[i], k, spec) for i, k, spec in layout.operand_constraints])
+                    if layout.operand_constraints else None)
+    micro_batch_eval = None
+    if deferred:
+        def micro_batch_eval(micro_eqns, env):
+            partial_sums.eval_eqns(micro_eqns, env, deferred, mesh, hook=hook, operand_hook=operand_hook)
     stack_sizes = {v: math.prod(layout.mesh_shape[a] for a in axes) for v, axes in deferred.outputs.items()}
     step = make_step_fn(traced.closed_jaxpr, batch_mask, num_micro_batches=num_micro_batches, eqn_hook=hook,
                         operand_hook=operand_hook,
