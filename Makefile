@@ -18,11 +18,14 @@ venv: $(STAMP)
 demo: $(STAMP)
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) examples/gpt_train.py --method shard --steps 20
 
+# Two worker processes (pytest-xdist): most of a test's time is one XLA compile, on one core.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadgroup
 
 test-fast: $(STAMP)
-	$(PY) -m pytest tests -q -m "not slow"
+	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -8,6 +8,7 @@ setup(
     python_requires=">=3.11,<3.13",
     packages=[
         "alpa_like",
+        "alpa_like.bench",
         "alpa_like.models",
         "alpa_like.compiler",
         "alpa_like.runtime",
@@ -35,6 +36,7 @@ setup(
         "test": [
             "pytest>=8,<10",
             "pytest-timeout>=2.3,<3",
+            "pytest-xdist>=3.5,<4",
             "hypothesis>=6.100,<7",
         ],
     },

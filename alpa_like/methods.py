@@ -44,6 +44,9 @@ class SpmdLayout:
     """None leaves the output's sharding to XLA."""
     shard_grads: bool = False
     """Pin the gradients (the values of the grad marker) to :func:`largest_dim_spec`."""
+    gathered_roles: tuple[str, ...] = ()
+    """Roles whose leaves are stored sharded but gathered whole where the step reads them (ZeRO-3's
+    parameters): their ``in_specs`` say nothing about the layouts of the values computed from them."""
     eqn_constraints: tuple[tuple[int, int, ShardingSpec], ...] = ()
     """(equation index in the traced jaxpr, output index, spec): intermediate values pinned with
     `with_sharding_constraint` (how the intra-op pass makes XLA follow its choice)."""
@@ -189,11 +192,13 @@ class Zero3Parallel:
 
     def layout(self, traced: TracedStep, cluster: ClusterSpec) -> SpmdLayout:
         return _data_parallel_layout(traced, cluster.num_devices, self.num_micro_batches,
-                                     shard_state=("optimizer_state", "param", "state"), shard_grads=True)
+                                     shard_state=("optimizer_state", "param", "state"), shard_grads=True,
+                                     gathered_roles=("param", "state"))
 
 
 def _data_parallel_layout(traced: TracedStep, num_devices: int, num_micro_batches: int,
-                          shard_state: Sequence[str], shard_grads: bool) -> SpmdLayout:
+                          shard_state: Sequence[str], shard_grads: bool,
+                          gathered_roles: tuple[str, ...] = ()) -> SpmdLayout:
     roles, warnings = input_roles(traced)
     if shard_state and "optimizer_state" in shard_state and all(r in ("batch", "state") for r in roles):
         warnings += ("could not tell parameters from optimizer state (call al.grad / al.value_and_grad in the "
@@ -210,7 +215,7 @@ def _data_parallel_layout(traced: TracedStep, num_devices: int, num_micro_batche
         warnings += ("no batch leaves (batch_argnums): every device computes the same thing",)
     return SpmdLayout(mesh_shape=(num_devices,), axis_names=(DATA_AXIS,), roles=roles, in_specs=tuple(specs),
                       out_specs=_outputs_like_inputs(traced, specs, default=ShardingSpec.replicated(0)),
-                      shard_grads=shard_grads, warnings=warnings)
+                      shard_grads=shard_grads, gathered_roles=gathered_roles, warnings=warnings)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

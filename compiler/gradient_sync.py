@@ -106,6 +106,10 @@ def _source_split(eqn: JaxprEqn, spec_of, mesh_shape: tuple[int, ...], is_zero=l
         if rhs.axes[b] != axes or any(lhs.axes[x] for x in lc if x != a) or any(rhs.axes[x] for x in rc if x != b):
             return None
         dims, specs = ((0, a), (1, b)), (lhs, rhs)
+    elif name == "conv_general_dilated":
+        dims, specs, axes = _conv_split(eqn, spec_of)
+        if dims is None:
+            return None
     elif name == "reduce_sum":
         spec = spec_of(eqn, 0)
         if spec is None:
@@ -126,13 +130,32 @@ def _source_split(eqn: JaxprEqn, spec_of, mesh_shape: tuple[int, ...], is_zero=l
     return Split(dims=dims, specs=specs, stack=stack, axes=tuple(axes))
 
 
+def _conv_split(eqn: JaxprEqn, spec_of):
+    """A convolution contracting a feature dim split over mesh axes, with nothing else split (a weight
+    gradient: JAX puts the batch in the feature dims of ``x`` and ``dy``): the (lhs, rhs) feature dims, their
+    specs and the axes; ``(None, None, None)`` otherwise."""
+    if eqn.params["feature_group_count"] != 1 or eqn.params["batch_group_count"] != 1:
+        return None, None, None
+    lhs, rhs = spec_of(eqn, 0), spec_of(eqn, 1)
+    if lhs is None or rhs is None:
+        return None, None, None
+    dn = eqn.params["dimension_numbers"]
+    a, b = dn.lhs_spec[1], dn.rhs_spec[1]
+    axes = lhs.axes[a]
+    others = [x for d, x in enumerate(lhs.axes) if d != a] + [x for d, x in enumerate(rhs.axes) if d != b]
+    if not axes or rhs.axes[b] != axes or any(others):
+        return None, None, None
+    return ((0, a), (1, b)), (lhs, rhs), axes
+
+
 def _scatter_split(eqn: JaxprEqn, spec_of, is_zero):
     """A ``scatter-add`` of updates split over mesh axes along one scatter dim into a table of zeros: the
-    (indices dim, updates dim) pair, their specs and the axes; ``(None, None, None)`` otherwise."""
+    (indices dim, updates dim) pair, their specs and the axes; ``(None, None, None)`` otherwise. Indices of
+    no known layout (replicated, e.g. positions from an ``iota``) are sliced like the updates, for free."""
     dn = eqn.params["dimension_numbers"]
     operand, indices, updates = eqn.invars
     idx, upd = spec_of(eqn, 1), spec_of(eqn, 2)
-    if idx is None or upd is None or not is_zero(operand) or dn.operand_batching_dims:
+    if upd is None or not is_zero(operand) or dn.operand_batching_dims:
         return None, None, None
     scatter_dims = [u for u in range(len(updates.aval.shape)) if u not in dn.update_window_dims]
     pairs = [(t, u) for t, u in zip(range(len(indices.aval.shape) - 1), scatter_dims) if upd.axes[u]]
@@ -140,6 +163,8 @@ def _scatter_split(eqn: JaxprEqn, spec_of, is_zero):
         return None, None, None
     t, u = pairs[0]
     axes = upd.axes[u]
+    if idx is None:
+        idx = ShardingSpec(axes=tuple(axes if d == t else () for d in range(len(indices.aval.shape))))
     if idx.axes[t] != axes or any(upd.axes[w] for w in dn.update_window_dims):
         return None, None, None
     return ((1, t), (2, u)), (idx, upd), axes
@@ -147,7 +172,7 @@ def _scatter_split(eqn: JaxprEqn, spec_of, is_zero):
 
 def deferrable_gradients(eqns: Sequence[JaxprEqn], gradients: Sequence[Var], outputs: Sequence[Var],
                          var_specs: Mapping[Var, ShardingSpec], operand_specs: Mapping[tuple[int, int], ShardingSpec],
-                         mesh_shape: tuple[int, ...]) -> DeferredGradients:
+                         mesh_shape: tuple[int, ...], before: Sequence[JaxprEqn] = ()) -> DeferredGradients:
     """Which of ``gradients`` (outputs of the piece ``eqns``) can be computed as stacks of partial sums.
 
     Args:
@@ -158,8 +183,11 @@ def deferrable_gradients(eqns: Sequence[JaxprEqn], gradients: Sequence[Var], out
       var_specs: the ILP's layout of values (where produced or received).
       operand_specs: ``(id(eqn), operand) -> spec`` as heavy operators read them (the operand pins).
       mesh_shape: the stage's logical mesh.
+      before: equations computed before the piece whose outputs it reads (hoisted out of the micro-batch
+        loop); only tables of zeros are looked up there.
     """
     producer = {v: e for e in eqns for v in e.outvars}
+    made_before = {v: e for e in before for v in e.outvars}
     readers: dict[Var, list[JaxprEqn]] = {}
     for e in eqns:
         for v in e.invars:
@@ -172,7 +200,7 @@ def deferrable_gradients(eqns: Sequence[JaxprEqn], gradients: Sequence[Var], out
 
     def is_zero(v) -> bool:
         """A broadcast of the literal 0 (how the transpose of a gather starts its table)."""
-        e = producer.get(v) if isinstance(v, Var) else None
+        e = (producer.get(v) or made_before.get(v)) if isinstance(v, Var) else None
         return (e is not None and e.primitive.name == "broadcast_in_dim" and not isinstance(e.invars[0], Var)
                 and np.all(np.asarray(e.invars[0].val) == 0))
 

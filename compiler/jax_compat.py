@@ -190,6 +190,18 @@ def ancestors(eqns: Sequence[JaxprEqn], targets: Sequence[Any]) -> set[int]:
     return needed
 
 
+def without_dead_code(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """``closed`` without the equations its outputs do not depend on (a loss the step discards), as XLA drops
+    them; equations with effects (callbacks, prints) and what they read are kept."""
+    eqns = closed.jaxpr.eqns
+    effectful = [e for e in eqns if e.effects]
+    live = ancestors(eqns, list(closed.jaxpr.outvars) + [v for e in effectful for v in eqn_inputs(e)])
+    kept = [e for i, e in enumerate(eqns) if i in live or e.effects]
+    if len(kept) == len(eqns):
+        return closed
+    return closed.replace(jaxpr=closed.jaxpr.replace(eqns=kept))
+
+
 def free_vars(eqns: Sequence[JaxprEqn]) -> list[Var]:
     """The Vars ``eqns`` read without defining them, in order of first use: the inputs of the group."""
     defined = {v for e in eqns for v in e.outvars}

@@ -16,13 +16,15 @@ positions the operator may be merged into, ``derive(eqn, pos, spec, ctx)`` build
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
-from jax.extend.core import JaxprEqn, Literal
+from jax.extend.core import JaxprEqn, Literal, Var
 
+from alpa_like.compiler import jax_compat
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.strategies import (
+    ROOT_RULES,
     Collective,
     Strategy,
     StrategyContext,
@@ -310,3 +312,54 @@ RNG_PRIMITIVES = frozenset({"random_bits", "random_seed", "random_wrap", "random
 
 SOURCE_PRIMITIVES = frozenset({"iota", "full", "empty"}) | RNG_PRIMITIVES
 """Operators that only create values: replicated (slicing a replicated value is free, Table 3.2 #1)."""
+
+
+def follow_forward(eqns: Sequence[JaxprEqn], known: Mapping[Var, ShardingSpec],
+                   ctx: StrategyContext) -> dict[Var, ShardingSpec]:
+    """The layouts that follow from ``known`` ones when nothing else is pinned: ``known`` plus, equation by
+    equation, the outputs of each equation that reads a sharded value and has a strategy reading every
+    sharded operand as it is laid out, with no collective of its own (a trivial operator by its follow rule,
+    a root operator by one of its Table 3.3 strategies). Operands of no entry are replicated, which any
+    strategy can slice for free (Table 3.2 #1).
+
+    A call-like equation (``custom_jvp``, ``checkpoint``) gives its outputs the layouts its body gives them.
+
+    Data parallelism is the use: from the batch leaves split on dim 0, the activations and their gradients
+    keep the split, and a contraction over it (a weight gradient ``x^T dy``, the loss's sum) gets no entry,
+    since its result is all-reduced. Equations with sharded operands that no strategy reads as they are
+    laid out (operands that disagree, an operator without a rule) get no entry either: their outputs are
+    taken as replicated.
+    """
+    specs = dict(known)
+    for eqn in eqns:
+        sharded = {k: specs[v] for k, v in enumerate(eqn.invars)
+                   if isinstance(v, Var) and v in specs and any(specs[v].axes)}
+        if not sharded:
+            continue
+        body = jax_compat.inlinable_body(eqn)
+        if body is not None:  # a call (custom_jvp's relu, a checkpointed block): the layouts its body gives
+            inner = body.jaxpr
+            inside = follow_forward(inner.eqns, {inner.invars[k]: spec for k, spec in sharded.items()}, ctx)
+            specs.update({v: inside[w] for v, w in zip(eqn.outvars, inner.outvars, strict=True)
+                          if isinstance(w, Var) and w in inside})
+            continue
+        strategy = _strategy_reading(eqn, sharded, ctx)
+        if strategy is not None:
+            specs.update(zip(eqn.outvars, strategy.out_specs, strict=True))
+    return specs
+
+
+def _strategy_reading(eqn: JaxprEqn, sharded: Mapping[int, ShardingSpec], ctx: StrategyContext) -> Strategy | None:
+    """A strategy of ``eqn`` without collectives that reads operand ``k`` as ``sharded[k]`` for each ``k``: a
+    follow rule's (which slices the other operands alike), or a root rule's reading the others whole."""
+    name = eqn.primitive.name
+    if name in FOLLOW_RULES:
+        rule = FOLLOW_RULES[name]
+        candidates = [rule.derive(eqn, pos, sharded[pos], ctx) for pos in rule.candidates(eqn) if pos in sharded]
+    elif name in ROOT_RULES:
+        candidates = [s for s in ROOT_RULES[name](eqn, ctx)
+                      if all(spec is None or k in sharded or not any(spec.axes) for k, spec in enumerate(s.in_specs))]
+    else:
+        return None
+    return next((s for s in candidates
+                 if not s.collectives and all(s.in_specs[k] == spec for k, spec in sharded.items())), None)

@@ -3,7 +3,8 @@
 This is the first pass of the pipeline (ARCHITECTURE.md "trace"): it validates the user's arguments,
 names every leaf by its pytree path (``state.params.dense.kernel``, ``batch.x``), traces the step with
 `jax.make_jaxpr` (arrays or ShapeDtypeStructs: nothing is allocated or run), inlines nested ``jit`` calls,
-and finds which inputs are model parameters from the ``"param"`` markers of :func:`alpa_like.grad`.
+drops the equations the outputs do not need (XLA would, so no pass should price them), and finds which
+inputs are model parameters from the ``"param"`` markers of :func:`alpa_like.grad`.
 """
 from __future__ import annotations
 
@@ -206,7 +207,7 @@ def trace_step(fn: Callable, args: Sequence[Any], *, static_argnums: Sequence[in
         return fn(*full)
 
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
-    closed = jax_compat.inline_calls(closed)
+    closed = jax_compat.without_dead_code(jax_compat.inline_calls(closed))
     out_leaves = []
     out_is_tuple = isinstance(out_shape, (tuple, list))
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(out_shape)[0]:

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal, Var
+from jax.sharding import PartitionSpec
 
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.gradient_sync import (
@@ -73,6 +74,8 @@ def eval_eqns(eqns: Sequence[JaxprEqn], env: dict, deferred: DeferredGradients, 
 def _partial_sums(eqn: JaxprEqn, invals: Sequence[Any], split: Split, mesh) -> Any:
     """The contraction ``eqn`` with its split dims cut into ``(stack, rest)``: one partial sum per shard,
     stacked on a leading dim laid out over the shards' mesh axes (no communication)."""
+    if eqn.primitive.name == "conv_general_dilated":
+        return _conv_partial_sums(eqn, invals, split, mesh)
     ops = list(invals)
     for (k, dim), spec in zip(split.dims, split.specs, strict=True):
         x = jnp.reshape(ops[k], split_shape(ops[k].shape, dim, split.stack))
@@ -82,6 +85,19 @@ def _partial_sums(eqn: JaxprEqn, invals: Sequence[Any], split: Split, mesh) -> A
         return jax.vmap(lambda *xs: jax_compat.bind_eqn(eqn, xs)[0], in_axes=in_axes)(*ops)
     params = eqn.primitive.get_bind_params(stacked_params(eqn, split))
     return jnp.moveaxis(eqn.primitive.bind(*ops, **params), stack_position(eqn, split), 0)
+
+
+def _conv_partial_sums(eqn: JaxprEqn, invals: Sequence[Any], split: Split, mesh) -> Any:
+    """A convolution's partial sums, one per shard, each device convolving its own shard (``shard_map``).
+    ``jax.vmap`` over the split dims would batch it as a grouped convolution, and XLA's CPU partitioner was
+    seen to compute a sharded one wrongly when each group has one feature (one row per device)."""
+    names = tuple(mesh.axis_names[a] for a in split.axes)
+    in_specs = tuple(spec.to_partition_spec(mesh.axis_names) for spec in split.specs)
+    out_spec = PartitionSpec(names, *([None] * len(eqn.outvars[0].aval.shape)))
+
+    def local(lhs, rhs):
+        return jax_compat.bind_eqn(eqn, (lhs, rhs))[0][None]
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_spec)(*invals)
 
 
 def reduce_stack(stack: Any, count: int, sharding=None) -> Any:

@@ -14,8 +14,11 @@ from jax.sharding import NamedSharding
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.grad_accumulation import make_step_fn, split_at_grad_marker
 from alpa_like.compiler.gradient_sync import NONE, DeferredGradients, deferrable_gradients
+from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.compiler.markers import is_marker
+from alpa_like.compiler.propagation import follow_forward
 from alpa_like.compiler.sharding_spec import ShardingSpec
+from alpa_like.compiler.strategies import StrategyContext
 from alpa_like.compiler.trace import TracedStep
 from alpa_like.methods import SpmdLayout, largest_dim_spec
 from alpa_like.planning import batch_axes
@@ -69,17 +72,30 @@ def _chain_hooks(hooks: Sequence[jax_compat.EqnHook]) -> jax_compat.EqnHook | No
 def deferred_gradients(traced: TracedStep, layout: SpmdLayout, batch_mask: Sequence[bool]) -> DeferredGradients:
     """The results of al.grad (gradients, a mean loss) whose all-reduce over the mesh can wait for the last
     micro-batch: the per-micro-batch equations keep them as stacks of per-shard partial sums
-    (:func:`~alpa_like.compiler.gradient_sync.deferrable_gradients` on the layout's pinned specs), summed once
-    per step. Exact algebra; only the order of float additions changes."""
+    (:func:`~alpa_like.compiler.gradient_sync.deferrable_gradients`), summed once per step. Exact algebra;
+    only the order of float additions changes.
+
+    The analysis reads the layouts of values: the intra-op pass's pins when it made them, otherwise the
+    layouts that follow from the leaves' (:func:`~alpa_like.compiler.propagation.follow_forward`: data
+    parallelism's batch split), leaving out the leaves gathered whole for compute (ZeRO-3's parameters).
+    """
+    if len(layout.mesh_shape) > 2:  # the strategies behind follow_forward know 1-D and 2-D meshes
+        return NONE
     split = split_at_grad_marker(traced.closed_jaxpr, batch_mask)
     jaxpr = traced.closed_jaxpr.jaxpr
     eqns = jaxpr.eqns
-    var_specs = {v: spec for v, spec in zip(jaxpr.invars, layout.in_specs, strict=True)}
-    var_specs.update({eqns[i].outvars[k]: spec for i, k, spec in layout.eqn_constraints})
+    var_specs = {v: spec for v, spec, role in zip(jaxpr.invars, layout.in_specs, layout.roles, strict=True)
+                 if role not in layout.gathered_roles}
+    if layout.eqn_constraints:
+        var_specs.update({eqns[i].outvars[k]: spec for i, k, spec in layout.eqn_constraints})
+    else:
+        mesh = LogicalMesh(shape=layout.mesh_shape, alpha=(0.0,) * len(layout.mesh_shape),
+                           beta=(1.0,) * len(layout.mesh_shape))
+        var_specs = follow_forward(eqns, var_specs, StrategyContext(mesh=mesh))
     operand_specs = {(id(eqns[i]), k): spec for i, k, spec in layout.operand_constraints}
     results = [v for v in split.marker.invars if isinstance(v, Var)]
     return deferrable_gradients(split.per_micro_batch, results, results, var_specs, operand_specs,
-                                tuple(layout.mesh_shape))
+                                tuple(layout.mesh_shape), before=split.hoisted)
 
 
 def _micro_batch_pin(mesh, batch_specs: Sequence[ShardingSpec]) -> Callable:
@@ -116,8 +132,7 @@ def compile_spmd(traced: TracedStep, layout: SpmdLayout, devices: Sequence[Any],
     data_axes = batch_axes(layout)
     if layout.shard_grads and data_axes:
         hooks.append(_pin_grads_hook(mesh, data_axes))
-    deferred = (deferred_gradients(traced, layout, batch_mask) if num_micro_batches > 1 and layout.eqn_constraints
-                else NONE)
+    deferred = deferred_gradients(traced, layout, batch_mask) if num_micro_batches > 1 else NONE
     if layout.eqn_constraints:  # values computed as stacks of partial sums are pinned to stacked layouts
         value_pins = [(eqns[i], k, spec) for i, k, spec in layout.eqn_constraints]
         hooks.append(pin_hook(mesh, partial_sums.stacked_pins(value_pins, deferred)))

@@ -24,6 +24,14 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+def pytest_collection_modifyitems(config, items):
+    """With pytest-xdist workers (`make test`), the tests that use Ray run in one worker (``--dist
+    loadgroup``), so the session starts one local Ray cluster, not one per worker."""
+    for item in items:
+        if item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _eight_devices():
     assert len(jax.devices()) == 8, "tests need 8 virtual CPU devices (XLA_FLAGS)"

@@ -1,5 +1,6 @@
 """Every SPMD method equals plain jax.jit on one device (MLP and tiny GPT, 3 steps)."""
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -8,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 import alpa_like as al
 from alpa_like import models
-from alpa_like.models import gpt
+from alpa_like.models import gpt, wide_resnet
 from tests.helpers import (assert_trees_close, make_train_step, mlp_batch, mlp_loss, mlp_state,
                            reference_on_one_device, run_steps)
 
@@ -121,6 +122,37 @@ def test_data_parallel_all_reduces_the_gradients_once():
     assert comm.kind == "all-reduce" and comm.what == "gradient synchronisation"
     param_bytes = sum(t.bytes_per_device for t in exe.plan.stages[0].inputs if t.role == "param")
     assert comm.num_bytes == param_bytes
+
+
+@pytest.mark.parametrize("method", [al.DataParallel, al.Zero2Parallel, al.Zero3Parallel])
+def test_micro_batches_synchronise_the_gradients_once_per_step(method):
+    # GPT's gradients include an embedding's scatter-add into a zero table hoisted out of the micro-batch
+    # loop, a position embedding indexed by an iota, and the tied output projection's matmul
+    step, state, batches = _gpt_case()
+    exe = al.parallelize(step, method=method(num_micro_batches=2)).get_executable(state, batches[0])
+    collectives = exe.collectives()
+    assert [c.kind for c in collectives if c.in_loop_body] == []
+    assert "all-reduce" in {c.kind for c in collectives if not c.in_loop_body}
+
+
+def test_convolution_weight_gradients_are_synchronised_once_per_step():
+    # (their partial sums are checked against the whole gradient in tests/compiler/test_gradient_sync.py)
+    config = models.get_config("wresnet-tiny")
+    model = wide_resnet.WideResNet(config)
+    variables = model.init(jax.random.PRNGKey(0), jnp.zeros((2, config.image_size, config.image_size, 3)),
+                           train=False)
+    loss_fn = wide_resnet.wresnet_loss(model)
+
+    def step(params, stats, batch):
+        (loss, _), grads = al.value_and_grad(loss_fn, has_aux=True)(params, stats, batch)
+        return grads, loss
+    args = (variables["params"], variables["batch_stats"], wide_resnet.wresnet_batch(config, 16, jax.random.PRNGKey(1)))
+    exe = al.parallelize(step, method=al.DataParallel(num_micro_batches=2), batch_argnums=(2,)).get_executable(*args)
+    in_loop = [c for c in exe.collectives() if c.in_loop_body]
+    # BatchNorm's sums over the micro-batch remain in the loop; no convolution's result is reduced there
+    assert in_loop and not any("conv_general_dilated" in c.line for c in in_loop)
+    kernel_bytes = sum(k.size * 4 for k in jax.tree.leaves(variables["params"]) if k.ndim == 4)
+    assert sum(c.result_bytes for c in exe.collectives() if not c.in_loop_body) >= kernel_bytes
 
 
 def test_manual_logical_axis_rules_map_to_mesh_axes():

@@ -18,7 +18,7 @@ from alpa_like import shard_parallel as shard_parallel_module
 from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.models import gpt, moe, wide_resnet
 from alpa_like.runtime import hlo_stats
-from tests.helpers import (assert_trees_close, make_train_step, mlp_batch, mlp_loss, mlp_state,
+from tests.helpers import (assert_trees_close, make_train_step, mlp_apply, mlp_batch, mlp_loss, mlp_state,
                            reference_on_one_device, run_steps)
 
 MESHES = {"1d": (1, 8), "2d": (2, 4)}
@@ -117,6 +117,18 @@ def test_mlp_with_gradient_accumulation_matches_single_device_jit():
 
 
 # ------------------------------------------------------------------------------------------- the plan
+
+def test_a_discarded_metric_changes_neither_the_plan_nor_its_price():
+    def step(state, batch):
+        grads = al.grad(mlp_loss)(state.params, batch)
+        unused_error = jnp.mean(jnp.abs(mlp_apply(state.params, batch["x"]) - batch["y"]))
+        return state.apply_gradients(grads=grads)
+    _, state, batches = _mlp_case()
+    exe = al.parallelize(step, method=al.ShardParallel()).get_executable(state, batches[0])
+    planned = sorted(c.num_bytes for c in exe.plan.stages[0].communication)
+    assert planned == sorted(c.result_bytes for c in exe.collectives())  # one all-reduce of the gradients
+
+
 
 @pytest.fixture(scope="module")
 def mlp_exe():

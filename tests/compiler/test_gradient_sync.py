@@ -12,13 +12,15 @@ from alpa_like.runtime.partial_sums import eval_piece, reduce_stack
 S0 = ShardingSpec.from_str("S0R")  # rows (the batch) split over mesh axis 0
 
 
-def analyse(fn, args, specs, gradients=None, mesh_shape=(4, 1)):
+def analyse(fn, args, specs, gradients=None, mesh_shape=(4, 1), hoisted=0):
+    """``fn``'s jaxpr analysed with its first ``hoisted`` equations computed before the piece."""
     closed = jax.make_jaxpr(fn)(*args)
     jaxpr = closed.jaxpr
-    var_specs = dict(zip(jaxpr.invars, specs, strict=True))
+    var_specs = {v: s for v, s in zip(jaxpr.invars, specs, strict=True) if s is not None}
     outputs = jaxpr.outvars
     grads = outputs if gradients is None else [outputs[k] for k in gradients]
-    return closed, deferrable_gradients(jaxpr.eqns, grads, outputs, var_specs, {}, mesh_shape)
+    return closed, deferrable_gradients(jaxpr.eqns[hoisted:], grads, outputs, var_specs, {}, mesh_shape,
+                                        before=jaxpr.eqns[:hoisted])
 
 
 def xt_dy(x, dy):
@@ -90,6 +92,13 @@ CASES = {  # name: (function, argument shapes (("int", shape, high) for indices)
     "contraction not first": (lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ()))), ((3, 8), (5, 8)),
                               ("RS0", "RS0"), (4, 1)),
     "embedding": (embedding_grad, (("int", (8, 1), 10), (8, 4)), ("S0R", "S0R"), (4, 1)),
+    # positions (an iota, replicated) index rows of the batch: sliced like the updates
+    "embedding at replicated indices": (embedding_grad, (("int", (8, 1), 10), (8, 4)), (None, "S0R"), (4, 1)),
+    # a convolution's weight gradient: JAX contracts the batch as the feature dims of x and dy; one row per
+    # device is the case XLA computed wrongly as a vmapped (grouped) convolution
+    "convolution": (lambda x, dy: jax.lax.conv_general_dilated(x, dy, (1, 1), "VALID",
+                                                               dimension_numbers=("CHWN", "IHWO", "HWNC")),
+                    ((4, 5, 5, 3), (4, 3, 3, 4)), ("S0RRR", "S0RRR"), (4, 1)),
     "lifted": (lambda x, dy: (jnp.transpose(xt_dy(x, dy)) * 0.5 - jnp.transpose(xt_dy(x, dy))).reshape(-1),
                ((8, 3), (8, 5)), ("S0R", "S0R"), (4, 1)),
 }
@@ -101,11 +110,12 @@ def test_stacked_partial_sums_add_up_to_the_gradients(case):
     rng = np.random.default_rng(0)
     args = [jnp.asarray(rng.integers(0, s[2], size=s[1]), jnp.int32) if s[0] == "int"
             else jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
-    specs = [ShardingSpec.from_str(t) for t in texts]
+    specs = [None if t is None else ShardingSpec.from_str(t) for t in texts]
     closed, deferred = analyse(fn, args, specs, mesh_shape=mesh_shape)
     assert set(deferred.outputs) == set(closed.jaxpr.outvars)
     mesh = make_mesh(jax.devices()[:mesh_shape[0] * mesh_shape[1]], mesh_shape, ("x", "y"))
-    placed = [jax.device_put(a, named_sharding(mesh, s)) for a, s in zip(args, specs, strict=True)]
+    placed = [jax.device_put(a, named_sharding(mesh, s or ShardingSpec.replicated(a.ndim)))
+              for a, s in zip(args, specs, strict=True)]
     stacks = jax.jit(lambda *xs: eval_piece(closed, xs, deferred, mesh))(*placed)
     expected = jax.jit(fn)(*args)
     expected = expected if isinstance(expected, tuple) else (expected,)
@@ -122,6 +132,15 @@ def test_an_embedding_gradient_into_a_nonzero_table_is_not_split():
         return jax.lax.scatter_add(jnp.ones((10, 4)), idx, dy, dn)  # every partial sum would add the ones
     _, deferred = analyse(fn, (jnp.zeros((8, 1), jnp.int32), jnp.ones((8, 4))), (S0, S0))
     assert not deferred
+
+
+def test_a_zero_table_made_before_the_piece_is_known_to_be_zero():
+    # the zero table of an embedding gradient does not depend on the batch: hoisted out of the loop
+    args, specs = (jnp.zeros((8, 1), jnp.int32), jnp.ones((8, 4))), (S0, S0)
+    closed, _ = analyse(embedding_grad, args, specs)
+    assert closed.jaxpr.eqns[0].primitive.name == "broadcast_in_dim"
+    _, deferred = analyse(embedding_grad, args, specs, hoisted=1)
+    assert set(deferred.outputs) == set(closed.jaxpr.outvars)
 
 
 def test_stacked_spec_puts_the_stack_on_the_reduced_axes_and_takes_them_off_the_value():

@@ -8,7 +8,7 @@ import pytest
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.flops import ComputeRates
 from alpa_like.compiler.logical_mesh import LogicalMesh
-from alpa_like.compiler.propagation import FOLLOW_RULES
+from alpa_like.compiler.propagation import FOLLOW_RULES, follow_forward
 from alpa_like.compiler.sharding_spec import ShardingSpec, enumerate_specs
 from alpa_like.compiler.strategies import ROOT_RULES, StrategyContext, divides
 
@@ -176,6 +176,20 @@ def test_slice_and_concatenate_need_their_dim_whole():
     assert derive(lambda x: x[:, 1:3], "S0S1", (4, 6)).in_specs == (S("S0R"),)
     s = derive(lambda x, y: jnp.concatenate([x, y], axis=0), "S0S1", (4, 6), (4, 6))
     assert s.in_specs == (S("RS1"), S("RS1")) and s.out_specs == (S("RS1"),)
+
+
+def test_data_parallel_layouts_follow_the_batch_split_and_stop_at_contractions_over_it():
+    def step(x, w, dy):
+        h = jnp.tanh(x @ w) + 1.0  # the batch rows stay split; the replicated w is read whole
+        return h, h.T @ dy, jnp.sum(h), jnp.sort(h, axis=0)
+    jaxpr = jax.make_jaxpr(step)(jnp.zeros((8, 4)), jnp.zeros((4, 6)), jnp.zeros((8, 3))).jaxpr
+    x, w, dy = jaxpr.invars
+    data_parallel = StrategyContext(mesh=LogicalMesh(shape=(4,), alpha=(0.5,), beta=(1.0,)))
+    specs = follow_forward(jaxpr.eqns, {x: S("S0R"), dy: S("S0R")}, data_parallel)
+    h, weight_grad, total, ordered = jaxpr.outvars
+    assert specs[h] == S("S0R") and w not in specs
+    # a contraction over the split rows is all-reduced, and a sort needs them whole: no layout follows
+    assert weight_grad not in specs and total not in specs and ordered not in specs
 
 
 # ----------------------------------------------------------------------------------- invariant table

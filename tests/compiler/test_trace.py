@@ -50,6 +50,17 @@ def test_nested_jit_is_inlined_and_evaluates_the_same():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_what_the_outputs_do_not_need_is_dropped_and_effects_are_kept():
+    def step(state, batch):
+        grads = al.grad(mlp_loss)(state.params, batch)
+        unused_metric = jnp.mean(jnp.abs(batch["x"]))  # XLA drops it: no pass may price it
+        jax.debug.callback(lambda n: None, jnp.sum(batch["y"]))
+        return state.apply_gradients(grads=grads)
+    traced = trace_step(step, (mlp_state(), mlp_batch(np.random.default_rng(0))), batch_argnums=(1,))
+    names = {e.primitive.name for e in traced.closed_jaxpr.jaxpr.eqns}
+    assert "abs" not in names and "debug_callback" in names
+
+
 def test_shape_dtype_structs_trace_without_data():
     state = jax.eval_shape(mlp_state)
     batch = jax.eval_shape(lambda: mlp_batch(np.random.default_rng(0)))
