@@ -190,13 +190,13 @@ def ancestors(eqns: Sequence[JaxprEqn], targets: Sequence[Any]) -> set[int]:
     return needed
 
 
-def without_dead_code(closed: ClosedJaxpr) -> ClosedJaxpr:
+def without_dead_code(closed: ClosedJaxpr, keep: Callable[[JaxprEqn], bool] = lambda eqn: False) -> ClosedJaxpr:
     """``closed`` without the equations its outputs do not depend on (a loss the step discards), as XLA drops
-    them; equations with effects (callbacks, prints) and what they read are kept."""
+    them; equations with effects (callbacks, prints), those ``keep`` names, and what they read are kept."""
     eqns = closed.jaxpr.eqns
-    effectful = [e for e in eqns if e.effects]
-    live = ancestors(eqns, list(closed.jaxpr.outvars) + [v for e in effectful for v in eqn_inputs(e)])
-    kept = [e for i, e in enumerate(eqns) if i in live or e.effects]
+    kept_anyway = [e for e in eqns if e.effects or keep(e)]
+    live = ancestors(eqns, list(closed.jaxpr.outvars) + [v for e in kept_anyway for v in eqn_inputs(e)])
+    kept = [e for i, e in enumerate(eqns) if i in live or e.effects or keep(e)]
     if len(kept) == len(eqns):
         return closed
     return closed.replace(jaxpr=closed.jaxpr.replace(eqns=kept))

@@ -207,7 +207,8 @@ def trace_step(fn: Callable, args: Sequence[Any], *, static_argnums: Sequence[in
         return fn(*full)
 
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
-    closed = jax_compat.without_dead_code(jax_compat.inline_calls(closed))
+    # markers stay: a misplaced one (a pipeline boundary outside the loss) is an error the later passes name
+    closed = jax_compat.without_dead_code(jax_compat.inline_calls(closed), keep=is_marker)
     out_leaves = []
     out_is_tuple = isinstance(out_shape, (tuple, list))
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(out_shape)[0]:
