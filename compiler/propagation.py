@@ -24,10 +24,11 @@ from jax.extend.core import JaxprEqn, Literal, Var
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.strategies import (
-    ROOT_RULES,
+    ROOT_LOOPS,
     Collective,
     Strategy,
     StrategyContext,
+    loop_strategies,
     make_spec,
     make_strategy,
     nbytes,
@@ -356,8 +357,8 @@ def _strategy_reading(eqn: JaxprEqn, sharded: Mapping[int, ShardingSpec], ctx: S
     if name in FOLLOW_RULES:
         rule = FOLLOW_RULES[name]
         candidates = [rule.derive(eqn, pos, sharded[pos], ctx) for pos in rule.candidates(eqn) if pos in sharded]
-    elif name in ROOT_RULES:
-        candidates = [s for s in ROOT_RULES[name](eqn, ctx)
+    elif name in ROOT_LOOPS:  # every mapping, those leaving a mesh axis idle too (a batch split on one axis)
+        candidates = [s for s in loop_strategies(eqn, ROOT_LOOPS[name](eqn), ctx, flops=0.0, heavy=False)
                       if all(spec is None or k in sharded or not any(spec.axes) for k, spec in enumerate(s.in_specs))]
     else:
         return None

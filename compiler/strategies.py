@@ -339,6 +339,15 @@ def scatter_rule(eqn: JaxprEqn, ctx: StrategyContext) -> list[Strategy]:
 
 RootRule = Callable[[JaxprEqn, StrategyContext], list[Strategy]]
 
+ROOT_LOOPS: dict[str, Callable[[JaxprEqn], list[Loop]]] = {
+    "dot_general": dot_general_loops,
+    "conv_general_dilated": conv_loops,
+    "gather": gather_loops,
+    "scatter-add": scatter_loops,
+    "scatter": scatter_loops,
+}
+"""Primitive name -> its loops (the root rules' strategies are mappings of these)."""
+
 ROOT_RULES: dict[str, RootRule] = {
     "dot_general": dot_general_rule,
     "conv_general_dilated": conv_rule,

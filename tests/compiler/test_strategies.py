@@ -184,8 +184,7 @@ def test_data_parallel_layouts_follow_the_batch_split_and_stop_at_contractions_o
         return h, h.T @ dy, jnp.sum(h), jnp.sort(h, axis=0)
     jaxpr = jax.make_jaxpr(step)(jnp.zeros((8, 4)), jnp.zeros((4, 6)), jnp.zeros((8, 3))).jaxpr
     x, w, dy = jaxpr.invars
-    data_parallel = StrategyContext(mesh=LogicalMesh(shape=(4,), alpha=(0.5,), beta=(1.0,)))
-    specs = follow_forward(jaxpr.eqns, {x: S("S0R"), dy: S("S0R")}, data_parallel)
+    specs = follow_forward(jaxpr.eqns, {x: S("S0R"), dy: S("S0R")}, CTX)  # mesh axis 1 stays idle
     h, weight_grad, total, ordered = jaxpr.outvars
     assert specs[h] == S("S0R") and w not in specs
     # a contraction over the split rows is all-reduced, and a sort needs them whole: no layout follows
