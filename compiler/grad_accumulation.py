@@ -83,11 +83,17 @@ def split_at_grad_marker(closed: ClosedJaxpr, batch_mask: Sequence[bool]) -> Gra
                 "num_micro_batches > 1 these values are averaged over micro-batches, so they must be floating "
                 "point (return integer metrics from outside the grad call)")
     batch_vars = {v for v, b in zip(closed.jaxpr.invars, batch_mask, strict=True) if b}
-    live = jax_compat.ancestors(eqns, closed.jaxpr.outvars)  # dead code (e.g. jax.grad's unused loss) is dropped
+    # dead code (e.g. jax.grad's unused loss) is dropped; effects (jax.debug.print) and what they read are not
+    effectful = {i for i, e in enumerate(eqns) if e.effects}
+    effect_inputs = [v for i in sorted(effectful) for v in jax_compat.eqn_inputs(eqns[i])]
+    live = jax_compat.ancestors(eqns, list(closed.jaxpr.outvars) + effect_inputs) | effectful
     dependent = _batch_dependent(eqns[:k], batch_vars)
     _check_no_per_example_results(eqns, marker, dependent, {v.aval.shape[0] for v in batch_vars if v.aval.shape})
-    feeds_marker = jax_compat.ancestors(eqns[:k], marker.invars)
-    per_micro = [i for i in sorted(feeds_marker) if set(eqns[i].outvars) & dependent]
+    effectful_before = {i for i in effectful if i < k}
+    feeds_marker = jax_compat.ancestors(eqns[:k], list(marker.invars) + [
+        v for i in sorted(effectful_before) for v in jax_compat.eqn_inputs(eqns[i])]) | effectful_before
+    per_micro = [i for i in sorted(feeds_marker)  # an effect on a micro-batch's values runs once per micro-batch
+                 if set(eqns[i].outvars) & dependent or any(v in dependent for v in jax_compat.eqn_inputs(eqns[i]))]
     hoisted = [i for i in range(k) if i in live and i not in per_micro and not set(eqns[i].outvars) & dependent]
     apply = [i for i in range(len(eqns)) if i in live and i != k and i not in per_micro and i not in hoisted]
     _warn_shared_random_draws([eqns[i] for i in hoisted], [eqns[i] for i in per_micro])

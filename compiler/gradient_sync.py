@@ -242,6 +242,8 @@ def deferrable_gradients(eqns: Sequence[JaxprEqn], gradients: Sequence[Var], out
                                                   and _reaches_source(x, producer, spec_of, mesh_shape, is_zero)),
                           None)
                 ok = k is not None and visit(eqn.invars[k]) and not _depends(eqn.invars[1 - k], members, producer)
+            elif name == "scatter-add" and is_zero(eqn.invars[0]):  # into zeros, it is linear in the updates
+                ok = visit(eqn.invars[2]) and not _depends(eqn.invars[1], members, producer)
             else:
                 ok = False
             if ok:

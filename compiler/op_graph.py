@@ -239,7 +239,8 @@ class _Builder:
         rule = FOLLOW_RULES.get(name)
         if rule is not None:
             follow = self.choose_operand(eqn, operands, rule.candidates(eqn))
-        elif name not in ROOT_RULES and name not in CONTROL_FLOW and name not in SOURCE_PRIMITIVES:
+        elif (name not in ROOT_RULES and name not in CONTROL_FLOW and name not in SOURCE_PRIMITIVES
+              and not eqn.effects):  # an effect (jax.debug.print) computes nothing to shard
             self.unsupported.append(name)
         followed = None if follow is None else operands[follow]
         outputs = []

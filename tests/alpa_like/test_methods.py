@@ -1,4 +1,6 @@
 """Every SPMD method equals plain jax.jit on one device (MLP and tiny GPT, 3 steps)."""
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -154,6 +156,28 @@ def test_convolution_weight_gradients_are_synchronised_once_per_step():
     assert in_loop and not any("conv_general_dilated" in c.line for c in in_loop)
     kernel_bytes = sum(k.size * 4 for k in jax.tree.leaves(variables["params"]) if k.ndim == 4)
     assert sum(c.result_bytes for c in exe.collectives() if not c.in_loop_body) >= kernel_bytes
+
+
+@pytest.mark.parametrize("method", [al.DataParallel(num_micro_batches=2), al.ShardParallel(num_micro_batches=2)])
+def test_debug_callbacks_fire_with_micro_batches(method):
+    seen = []
+
+    def loss_fn(params, batch):
+        jax.debug.callback(lambda total: seen.append(("micro-batch", float(total))), jnp.sum(batch["x"]))
+        return mlp_loss(params, batch)
+
+    def step(state, batch):
+        loss, grads = al.value_and_grad(loss_fn)(state.params, batch)
+        jax.debug.callback(lambda value: seen.append(("step", float(value))), loss)
+        return state.apply_gradients(grads=grads), loss
+    state, batch = mlp_state(), mlp_batch(np.random.default_rng(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "no sharding rule" warning for the callbacks
+        _, loss = al.parallelize(step, method=method)(state, batch)
+    jax.effects_barrier()
+    assert [what for what, _ in seen] == ["micro-batch", "micro-batch", "step"]
+    assert seen[0][1] + seen[1][1] == pytest.approx(float(jnp.sum(batch["x"])), abs=1e-4)
+    assert seen[2][1] == pytest.approx(float(loss))
 
 
 def test_manual_logical_axis_rules_map_to_mesh_axes():

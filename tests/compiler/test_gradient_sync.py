@@ -99,6 +99,9 @@ CASES = {  # name: (function, argument shapes (("int", shape, high) for indices)
     "convolution": (lambda x, dy: jax.lax.conv_general_dilated(x, dy, (1, 1), "VALID",
                                                                dimension_numbers=("CHWN", "IHWO", "HWNC")),
                     ((4, 5, 5, 3), (4, 3, 3, 4)), ("S0RRR", "S0RRR"), (4, 1)),
+    # a position embedding's gradient: the batch summed, then added into a zero table at its positions
+    "scatter after the sum": (lambda dy: embedding_grad(jnp.arange(8)[:, None] % 10, jnp.sum(dy, axis=0)),
+                              ((4, 8, 4),), ("S0RR",), (4, 1)),
     "lifted": (lambda x, dy: (jnp.transpose(xt_dy(x, dy)) * 0.5 - jnp.transpose(xt_dy(x, dy))).reshape(-1),
                ((8, 3), (8, 5)), ("S0R", "S0R"), (4, 1)),
 }
