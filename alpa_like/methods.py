@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings as python_warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -218,6 +219,12 @@ def _data_parallel_layout(traced: TracedStep, num_devices: int, num_micro_batche
                       shard_grads=shard_grads, gathered_roles=gathered_roles, warnings=warnings)
 
 
+def _has_grouped_convolution(traced: TracedStep) -> bool:
+    return any(e.primitive.name == "conv_general_dilated"
+               and (e.params["feature_group_count"] > 1 or e.params["batch_group_count"] > 1)
+               for e in traced.closed_jaxpr.jaxpr.eqns)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ManualShardParallel:
     """A device mesh and partition specs written by hand, the way pjit / MaxText users write them.
@@ -339,6 +346,13 @@ class ManualShardParallel:
             out_leaf_specs = _broadcast_output_prefix(self.out_specs, traced)
             out_specs = tuple(self._spec(p, leaf) for p, leaf in zip(out_leaf_specs, traced.out_leaves,
                                                                     strict=True))
+        if sum(n > 1 for n in self.mesh_shape) > 1 and _has_grouped_convolution(traced):
+            message = ("the step has a grouped (or depthwise) convolution on a 2-D mesh: XLA's CPU partitioner "
+                       "was seen computing its weight gradient 4x too large on a (2, 4) mesh with the batch on "
+                       "one axis and the kernel replicated (plain jax.jit too); check the step against jax.jit "
+                       "on one device, or use a 1-D mesh")
+            python_warnings.warn(f"ManualShardParallel: {message}", stacklevel=2)  # a wrong answer: not only in the plan
+            warnings += (message,)
         return SpmdLayout(mesh_shape=tuple(self.mesh_shape), axis_names=tuple(self.mesh_axis_names), roles=roles,
                           in_specs=in_specs, out_specs=out_specs, shard_grads=False, warnings=warnings)
 

@@ -180,6 +180,24 @@ def test_debug_callbacks_fire_with_micro_batches(method):
     assert seen[2][1] == pytest.approx(float(loss))
 
 
+def test_a_grouped_convolution_on_a_2d_manual_mesh_is_a_warning():
+    def loss_fn(kernel, batch):  # depthwise: one group per channel
+        y = jax.lax.conv_general_dilated(batch["x"], kernel, (1, 1), "VALID", feature_group_count=4,
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jnp.mean(y ** 2)
+
+    def step(kernel, batch):
+        return kernel - 0.1 * al.grad(loss_fn)(kernel, batch)
+    args = (jnp.ones((3, 3, 1, 4)), {"x": jnp.ones((16, 6, 6, 4))})
+    with pytest.warns(UserWarning, match="grouped .* convolution on a 2-D mesh"):
+        al.parallelize(step, method=al.ManualShardParallel(
+            mesh_shape=(2, 4), mesh_axis_names=("data", "model"), in_specs=(None, P("data")))).get_executable(*args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        al.parallelize(step, method=al.ManualShardParallel(
+            mesh_shape=(8, 1), mesh_axis_names=("data", "model"), in_specs=(None, P("data")))).get_executable(*args)
+
+
 def test_manual_logical_axis_rules_map_to_mesh_axes():
     rules = (("batch", "data"), ("hidden", "model"), ("embed", None), ("out", None))
     state, batches = mlp_state(), [mlp_batch(np.random.default_rng(i)) for i in range(2)]
