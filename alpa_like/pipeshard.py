@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -334,6 +335,16 @@ class SlicedStep:
         return ClosedJaxpr(self.jaxpr, self.traced.closed_jaxpr.consts)
 
 
+def _warn_dropped_effects(traced: TracedStep) -> None:
+    """The pipeline's stage programs hold the equations that compute values; an effect (``jax.debug.print``,
+    ``jax.debug.callback``) computes none and would be dropped without a word: a warning names it."""
+    effects = sorted({e.primitive.name for e in traced.closed_jaxpr.jaxpr.eqns if e.effects})
+    if effects:
+        warnings.warn(f"PipeshardParallel does not run the step's {', '.join(effects)} (jax.debug.print / "
+                      "jax.debug.callback): its stage programs drop effects; debug the step with DataParallel or "
+                      "ShardParallel, which run them", stacklevel=4)
+
+
 def slice_step(method: PipeshardParallel, fun: Callable, args: Sequence[Any], *, static_argnums: Sequence[int],
                batch_argnums: Sequence[int]) -> SlicedStep:
     """Traces ``fun(*args)`` under ``method``'s layer option (one micro-batch) and slices it into layers.
@@ -345,6 +356,7 @@ def slice_step(method: PipeshardParallel, fun: Callable, args: Sequence[Any], *,
     with layering(method.layer_option.layering()):
         traced = trace_step(fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums,
                             num_micro_batches=method.num_micro_batches)
+    _warn_dropped_effects(traced)
     if any(is_marker(e, "boundary") for e in traced.closed_jaxpr.jaxpr.eqns):
         raise ValueError("al.mark_pipeline_boundary() was called outside the function al.grad differentiates, "
                          "where it cuts nothing: call it inside the loss, between two layers' forward code")

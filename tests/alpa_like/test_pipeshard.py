@@ -184,6 +184,18 @@ def test_bad_options_are_named():
     assert al.UniformStageOption(num_stages=2, submesh_logical_shape=[2, 2]).submesh_logical_shape == (2, 2)
 
 
+def test_a_debug_callback_the_pipeline_drops_is_a_warning():
+    step, state, batch = uneven_case()
+
+    def printing(state, batch):
+        new_state, loss = step(state, batch)
+        jax.debug.print("loss {}", loss)
+        return new_state, loss
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.ManualLayerOption(), stage_option=QUIET)
+    with pytest.warns(UserWarning, match="does not run the step's debug_print"):
+        al.plan(printing, state, batch, method=method, cluster=al.ClusterSpec.preset("p3.16xlarge", num_nodes=1))
+
+
 def test_steps_a_pipeline_cannot_run_are_named_errors():
     step, state, batch = uneven_case()
     cluster = al.ClusterSpec.preset("p3.16xlarge", num_nodes=1)
