@@ -37,7 +37,8 @@ from alpa_like.compiler.layer_slicing import layer_summaries, slice_layers
 from alpa_like.compiler.layer_clustering import DEFAULT_DELTA
 from alpa_like.compiler.logical_mesh import logical_shapes
 from alpa_like.compiler.markers import is_marker
-from alpa_like.compiler.stage_dp import (StageChoice, StageCosts, StageSolution, pipeline_latency, price_placed_stages,
+from alpa_like.compiler.stage_dp import (StageChoice, StageCosts, StageSolution, micro_batches_in_flight,
+                                         pipeline_latency, price_placed_stages,
                                          solve_stages)
 from alpa_like.compiler.stage_construction import build_stage_program
 from alpa_like.compiler.stage_profiling import StageProfile, apply_phase_inputs, profile_stage_costs
@@ -660,13 +661,15 @@ def _solve(method: PipeshardParallel, costs: StageCosts, cluster: ClusterSpec) -
     if isinstance(option, ManualStageOption):
         layout = [((ids[0], ids[-1]), tuple(p), tuple(v)) for ids, p, v in zip(
             option.forward_stage_layer_ids, option.submesh_physical_shapes, option.submesh_logical_shapes)]
-        return _fixed_solution(costs, layout, b, choose_view=False, cluster=cluster)
+        return _fixed_solution(costs, layout, b, choose_view=False, cluster=cluster,
+                               schedule=_MEMORY_RULE[method.pipeline_schedule])
     if costs.num_layers % option.num_stages:
         raise ValueError(f"UniformStageOption(num_stages={option.num_stages}) needs a layer count divisible by "
                          f"it; the step has {costs.num_layers} layers")
     per = costs.num_layers // option.num_stages
     layout = [((q * per, q * per + per - 1), costs.submeshes[0], None) for q in range(option.num_stages)]
-    return _fixed_solution(costs, layout, b, choose_view=True, cluster=cluster)
+    return _fixed_solution(costs, layout, b, choose_view=True, cluster=cluster,
+                           schedule=_MEMORY_RULE[method.pipeline_schedule])
 
 
 def equal_layer_costs(costs: StageCosts, layers_per_stage: int) -> StageCosts:
@@ -681,17 +684,19 @@ def equal_layer_costs(costs: StageCosts, layers_per_stage: int) -> StageCosts:
 
 
 def _fixed_solution(costs: StageCosts, layout, num_micro_batches: int, choose_view: bool,
-                    cluster: ClusterSpec) -> StageSolution:
+                    cluster: ClusterSpec, schedule: str) -> StageSolution:
     """Evaluates Eq. 3.2 for stages given by hand, priced for their placement as the DP prices its own.
     Per stage, among the entries of its logical view (or of every view, for uniform stages) the fastest that
-    fits in memory, else the one needing the least."""
+    fits in memory (Eq. 3.5 with the micro-batches the ``schedule`` keeps in flight there, as the DP counts
+    them), else the one needing the least."""
     device_memory = cluster.device_memory
+    held = micro_batches_in_flight(schedule, len(layout), num_micro_batches)[::-1]  # first stage first
     stages = []
-    for (i, j), sub, view in layout:
+    for q, ((i, j), sub, view) in enumerate(layout):
         p = costs.submeshes.index(sub)
         views = costs.logical_shapes[p]
         options = [e for e, v in enumerate(views) if choose_view or v == view]
-        memory = {e: float(costs.mem_stage[i, j, p, e] + costs.mem_act[i, j, p, e]) for e in options}
+        memory = {e: float(costs.mem_stage[i, j, p, e] + held[q] * costs.mem_act[i, j, p, e]) for e in options}
         fitting = [e for e in options if memory[e] <= device_memory]
         e = (min(fitting, key=lambda e: costs.t_intra[i, j, p, e]) if fitting
              else min(options, key=memory.__getitem__))

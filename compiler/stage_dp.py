@@ -405,7 +405,7 @@ def solve_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_micro_ba
     _check_inputs(costs, (n_nodes, per_node), device_memory, epsilon)
     num_devices = n_nodes * per_node
     sizes = costs.sizes
-    in_flight = _in_flight(schedule, min(costs.num_layers, num_devices), batches)
+    in_flight = micro_batches_in_flight(schedule, min(costs.num_layers, num_devices), batches)
     eff, view = _effective_costs(costs, in_flight, device_memory)
     placement = _Placement.of(costs, num_devices, per_node)
 
@@ -696,8 +696,10 @@ def _best_finals(eff: np.ndarray, t_max: float, sizes: np.ndarray, num_devices: 
 # ---------------------------------------------------------------------------------------------------
 
 
-def _in_flight(schedule: Schedule, max_stages: int, batches: int) -> np.ndarray:
-    """Micro-batches of activations held by the ``s``-th stage from the end, ``s = 1..max_stages``."""
+def micro_batches_in_flight(schedule: Schedule | str, max_stages: int, batches: int) -> np.ndarray:
+    """Micro-batches of activations held by the ``s``-th stage from the end, ``s = 1..max_stages`` (Eq. 3.5's
+    multiplier of ``mem_act``)."""
+    schedule = _schedule(schedule)
     s = np.arange(1, max_stages + 1)
     return np.full(max_stages, batches) if schedule is Schedule.GPIPE else np.minimum(s, batches)
 

@@ -137,6 +137,13 @@ def test_manual_and_uniform_stage_options():
         num_micro_batches=4, layer_option=al.AutoLayerOption(layer_num=4), stage_option=manual))
     assert [s.layer_ids for s in plan.stages] == [(0, 1), (2, 3)]
     assert [s.logical_mesh_shape for s in plan.stages] == [(2, 2), (1, 4)]
+    # Eq. 3.5 for stages given by hand, as the DP counts it: GPipe holds all 4 micro-batches' activations on
+    # each stage, 1F1B two on the first and one on the last (the memory was once counted for one everywhere)
+    gpipe = al.plan(step, state, batch, cluster=cluster, method=al.PipeshardParallel(
+        num_micro_batches=4, layer_option=al.AutoLayerOption(layer_num=4), stage_option=manual,
+        pipeline_schedule="gpipe"))
+    one_f_one_b, all_four = [s.memory_per_device for s in plan.stages], [s.memory_per_device for s in gpipe.stages]
+    assert all_four[0] > one_f_one_b[0] and all_four[1] > one_f_one_b[1]
     uniform = al.UniformStageOption(num_stages=4, show_progress=False)
     plan = al.plan(step, state, batch, cluster=cluster, method=al.PipeshardParallel(
         num_micro_batches=4, layer_option=al.AutoLayerOption(layer_num=4), stage_option=uniform))
