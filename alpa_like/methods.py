@@ -351,7 +351,8 @@ class ManualShardParallel:
                        "was seen computing its weight gradient 4x too large on a (2, 4) mesh with the batch on "
                        "one axis and the kernel replicated (plain jax.jit too); check the step against jax.jit "
                        "on one device, or use a 1-D mesh")
-            python_warnings.warn(f"ManualShardParallel: {message}", stacklevel=2)  # a wrong answer: not only in the plan
+            # a wrong answer: a Python warning, not only a line in the plan
+            python_warnings.warn(f"ManualShardParallel: {message}", stacklevel=2)
             warnings += (message,)
         return SpmdLayout(mesh_shape=tuple(self.mesh_shape), axis_names=tuple(self.mesh_axis_names), roles=roles,
                           in_specs=in_specs, out_specs=out_specs, shard_grads=False, warnings=warnings)

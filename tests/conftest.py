@@ -26,12 +26,10 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 def pytest_collection_modifyitems(config, items):
     """With pytest-xdist workers (`make test`), the tests that use Ray run in one worker (``--dist
-    loadgroup``), so the session starts one local Ray cluster, not one per worker. They go first: a group
-    of minutes handed out last would leave the other worker idle."""
-    uses_ray = [item for item in items if item.get_closest_marker("ray")]
-    for item in uses_ray:
-        item.add_marker(pytest.mark.xdist_group("ray"))
-    items[:] = uses_ray + [item for item in items if not item.get_closest_marker("ray")]
+    loadgroup``), so the session starts one local Ray cluster, not one per worker."""
+    for item in items:
+        if item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 @pytest.fixture(scope="session", autouse=True)

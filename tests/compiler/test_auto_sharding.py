@@ -291,8 +291,9 @@ def test_vocabulary_parallel_cross_entropy_needs_only_per_token_all_reduces():
     hidden states replicated. Logits, softmax and their gradients stay split over the vocabulary; what
     crosses devices is one float per token for each reduction over it: the label's logit (a gather), the
     max and the sum of the log-softmax: 3 all-reduces of ``B * S`` floats (the max's tie count for its
-    derivative is dead code, since optax stops the max's gradient: the trace drops it, as XLA does). The softmax's ``broadcast_in_dim`` of a per-token scale to the logits' shape must be
-    sliced to the split logits, not make them whole (it once all-gathered the ``B * S * V`` gradient)."""
+    derivative is dead code, since optax stops the max's gradient: the trace drops it, as XLA does). The
+    softmax's ``broadcast_in_dim`` of a per-token scale to the logits' shape must be sliced to the split
+    logits, not make them whole (it once all-gathered the ``B * S * V`` gradient)."""
     vocab, hidden, batch, seq = 256, 32, 2, 16
 
     def step(params, data):
