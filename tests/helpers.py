@@ -39,6 +39,17 @@ def mlp_state(seed=0, tx=None, sizes=(16, 32, 8)) -> train_state.TrainState:
     return train_state.TrainState.create(apply_fn=mlp_apply, params=params, tx=tx or optax.adam(1e-2))
 
 
+def wresnet_tiny():
+    """``(config, variables, loss_fn)`` of the tiny Wide-ResNet (``loss_fn(params, stats, batch)``)."""
+    from alpa_like import models
+    from alpa_like.models import wide_resnet
+    config = models.get_config("wresnet-tiny")
+    model = wide_resnet.WideResNet(config)
+    variables = model.init(jax.random.PRNGKey(0), jnp.zeros((2, config.image_size, config.image_size, 3)),
+                           train=False)
+    return config, variables, wide_resnet.wresnet_loss(model)
+
+
 def make_train_step(loss_fn, grad_fn=al.value_and_grad):
     """``step(state, batch) -> (new_state, {"loss": loss})`` with al.value_and_grad (or another grad)."""
     def train_step(state, batch):

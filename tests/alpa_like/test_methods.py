@@ -13,7 +13,7 @@ import alpa_like as al
 from alpa_like import models
 from alpa_like.models import gpt, wide_resnet
 from tests.helpers import (assert_trees_close, make_train_step, mlp_batch, mlp_loss, mlp_state,
-                           reference_on_one_device, run_steps)
+                           reference_on_one_device, run_steps, wresnet_tiny)
 
 # One table: every method under test, crossed with the models below (optax alias_test style).
 MANUAL_2D = al.ManualShardParallel(
@@ -140,11 +140,7 @@ def test_micro_batches_synchronise_the_gradients_once_per_step(method_name):
 
 def test_convolution_weight_gradients_are_synchronised_once_per_step():
     # (their partial sums are checked against the whole gradient in tests/compiler/test_gradient_sync.py)
-    config = models.get_config("wresnet-tiny")
-    model = wide_resnet.WideResNet(config)
-    variables = model.init(jax.random.PRNGKey(0), jnp.zeros((2, config.image_size, config.image_size, 3)),
-                           train=False)
-    loss_fn = wide_resnet.wresnet_loss(model)
+    config, variables, loss_fn = wresnet_tiny()
 
     def step(params, stats, batch):
         (loss, _), grads = al.value_and_grad(loss_fn, has_aux=True)(params, stats, batch)

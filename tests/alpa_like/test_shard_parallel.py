@@ -19,7 +19,7 @@ from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.models import gpt, moe, wide_resnet
 from alpa_like.runtime import hlo_stats
 from tests.helpers import (assert_trees_close, make_train_step, mlp_apply, mlp_batch, mlp_loss, mlp_state,
-                           reference_on_one_device, run_steps)
+                           reference_on_one_device, run_steps, wresnet_tiny)
 
 MESHES = {"1d": (1, 8), "2d": (2, 4)}
 S = al.ShardingSpec.from_str
@@ -44,11 +44,7 @@ def _gpt_like_case(name, model_cls, loss):
 
 
 def _wresnet_case():
-    config = models.get_config("wresnet-tiny")
-    model = wide_resnet.WideResNet(config)
-    variables = model.init(jax.random.PRNGKey(0), jnp.zeros((2, config.image_size, config.image_size, 3)),
-                           train=False)
-    loss_fn = wide_resnet.wresnet_loss(model)
+    config, variables, loss_fn = wresnet_tiny()
     tx = optax.adam(1e-3)
 
     def step(state, batch):
