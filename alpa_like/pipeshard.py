@@ -40,7 +40,7 @@ from alpa_like.compiler.markers import is_marker
 from alpa_like.compiler.stage_dp import (StageChoice, StageCosts, StageSolution, micro_batches_in_flight,
                                          pipeline_latency, price_placed_stages,
                                          solve_stages)
-from alpa_like.compiler.stage_construction import build_stage_program
+from alpa_like.compiler.stage_construction import build_stage_program, micro_batch_key_draws
 from alpa_like.compiler.stage_profiling import StageProfile, apply_phase_inputs, profile_stage_costs
 from alpa_like.compiler.stage_sharding import StageSharding, stage_shardings
 from alpa_like.compiler.submesh import assign_devices, submesh_shapes
@@ -838,6 +838,10 @@ def _compile_terapipe(method: PipeshardParallel, fun: Callable, args: Sequence[A
         scheme = plan.token_slicing or ((rows, (seq,)),) * method.num_micro_batches
     program = build_stage_program(sliced.closed_jaxpr, sliced.pieces, [s.layer_ids for s in plan.stages],
                                   [r == "batch" for r in sliced.roles])
+    if micro_batch_key_draws(program, num_micro_batches=2):  # any draw from a per-step key in the loss
+        warnings.warn("pipeline_schedule='terapipe' runs the loss once per token slice and micro-batch with the "
+                      "same keys: a dropout mask drawn from a per-step key repeats in every slice and micro-batch "
+                      "(the other schedules draw one per micro-batch)", stacklevel=4)
     specs = {(q, t.path): t.spec for q, s in enumerate(plan.stages) for t in s.inputs if t.spec is not None}
     specs.update(_optimizer_state_specs(specs, sliced.traced.in_leaves))
     return TerapipeExecutable(fun=fun, args=args, traced=sliced.traced, plan=plan, program=program,

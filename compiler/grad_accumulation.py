@@ -33,6 +33,8 @@ from alpa_like.compiler.flops import eqn_flops
 from alpa_like.compiler.markers import is_marker
 
 ValuesFn = Callable[[list[Any]], list[Any]]
+KeyDraws = tuple[tuple[JaxprEqn, tuple[int, ...]], ...]
+"""Equations that draw random numbers, each with the positions of its per-step key operands."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,13 +45,17 @@ class GradSplit:
     per_micro_batch: tuple[JaxprEqn, ...]
     marker: JaxprEqn
     apply: tuple[JaxprEqn, ...]
+    folded_keys: KeyDraws = ()
+    """Per-micro-batch equations that draw random numbers from a per-step PRNG key, with the positions of
+    those key operands: each micro-batch folds its index into them (:func:`fold_micro_batch_index`)."""
 
 
 def grad_markers(closed: ClosedJaxpr) -> list[JaxprEqn]:
     return [e for e in closed.jaxpr.eqns if is_marker(e, "grad")]
 
 
-def _batch_dependent(eqns: Sequence[JaxprEqn], batch_vars: set[Var]) -> set[Var]:
+def batch_dependent(eqns: Sequence[JaxprEqn], batch_vars: set[Var]) -> set[Var]:
+    """``batch_vars`` and every value ``eqns`` compute from them (in order)."""
     dependent = set(batch_vars)
     for eqn in eqns:
         if any(v in dependent for v in jax_compat.eqn_inputs(eqn)):
@@ -87,17 +93,16 @@ def split_at_grad_marker(closed: ClosedJaxpr, batch_mask: Sequence[bool]) -> Gra
     effectful = {i for i, e in enumerate(eqns) if e.effects}
     effect_inputs = [v for i in sorted(effectful) for v in jax_compat.eqn_inputs(eqns[i])]
     live = jax_compat.ancestors(eqns, list(closed.jaxpr.outvars) + effect_inputs) | effectful
-    dependent = _batch_dependent(eqns[:k], batch_vars)
+    dependent = batch_dependent(eqns[:k], batch_vars)
     _check_no_per_example_results(eqns, marker, dependent, {v.aval.shape[0] for v in batch_vars if v.aval.shape})
-    effectful_before = {i for i in effectful if i < k}
-    feeds_marker = jax_compat.ancestors(eqns[:k], list(marker.invars) + [
-        v for i in sorted(effectful_before) for v in jax_compat.eqn_inputs(eqns[i])]) | effectful_before
-    per_micro = [i for i in sorted(feeds_marker)  # an effect on a micro-batch's values runs once per micro-batch
-                 if set(eqns[i].outvars) & dependent or any(v in dependent for v in jax_compat.eqn_inputs(eqns[i]))]
-    hoisted = [i for i in range(k) if i in live and i not in per_micro and not set(eqns[i].outvars) & dependent]
-    apply = [i for i in range(len(eqns)) if i in live and i != k and i not in per_micro and i not in hoisted]
+    hoisted, per_micro, apply = _phases(eqns, k, live, effectful, dependent)
+    drawn = _per_step_draws(eqns, hoisted, per_micro, apply, closed.jaxpr.outvars)
+    if drawn:  # drawn once per micro-batch, from the per-step key with the micro-batch's index folded in
+        hoisted, per_micro, apply = _phases(eqns, k, live, effectful,
+                                            batch_dependent(eqns[:k], batch_vars | {
+                                                v for i in drawn for v in eqns[i].outvars}))
     _warn_shared_random_draws([eqns[i] for i in hoisted], [eqns[i] for i in per_micro])
-    dependent = _batch_dependent([eqns[i] for i in apply], dependent)
+    dependent = batch_dependent([eqns[i] for i in apply], dependent)
     for i in apply:
         if any(v in dependent for v in jax_compat.eqn_inputs(eqns[i])):
             raise ValueError(
@@ -107,8 +112,23 @@ def split_at_grad_marker(closed: ClosedJaxpr, batch_mask: Sequence[bool]) -> Gra
     if any(v in dependent for v in closed.jaxpr.outvars if isinstance(v, Var)):
         raise ValueError("with num_micro_batches > 1 the step returns a value computed per micro-batch; "
                          "return it from the loss as aux (al.value_and_grad(..., has_aux=True))")
+    folded = per_step_key_draws([eqns[i] for i in per_micro], batch_vars | {v for i in drawn for v in eqns[i].outvars})
     return GradSplit(hoisted=tuple(eqns[i] for i in hoisted), per_micro_batch=tuple(eqns[i] for i in per_micro),
-                     marker=marker, apply=tuple(eqns[i] for i in apply))
+                     marker=marker, apply=tuple(eqns[i] for i in apply), folded_keys=folded)
+
+
+def _phases(eqns: Sequence[JaxprEqn], k: int, live: set[int], effectful: set[int],
+            dependent: set[Var]) -> tuple[list[int], list[int], list[int]]:
+    """Positions of the hoisted, per-micro-batch and apply equations (module docstring); ``k`` is the grad
+    marker's position, ``dependent`` the values that differ from micro-batch to micro-batch."""
+    effectful_before = {i for i in effectful if i < k}
+    feeds_marker = jax_compat.ancestors(eqns[:k], list(eqns[k].invars) + [
+        v for i in sorted(effectful_before) for v in jax_compat.eqn_inputs(eqns[i])]) | effectful_before
+    per_micro = [i for i in sorted(feeds_marker)  # an effect on a micro-batch's values runs once per micro-batch
+                 if set(eqns[i].outvars) & dependent or any(v in dependent for v in jax_compat.eqn_inputs(eqns[i]))]
+    hoisted = [i for i in range(k) if i in live and i not in per_micro and not set(eqns[i].outvars) & dependent]
+    apply = [i for i in range(len(eqns)) if i in live and i != k and i not in per_micro and i not in hoisted]
+    return hoisted, per_micro, apply
 
 
 def _check_no_per_example_results(eqns: Sequence[JaxprEqn], marker: JaxprEqn, dependent: set[Var],
@@ -130,19 +150,94 @@ def _check_no_per_example_results(eqns: Sequence[JaxprEqn], marker: JaxprEqn, de
 _RANDOM_PRIMITIVES = frozenset({"random_bits", "threefry2x32"})
 
 
+def _draws(eqn: JaxprEqn) -> bool:
+    """True when ``eqn`` draws random numbers: a random primitive, or a call (``checkpoint``, ``cond``, ...)
+    whose body draws."""
+    return eqn.primitive.name in _RANDOM_PRIMITIVES or any(
+        _draws(inner) for body in jax_compat.nested_jaxprs(eqn) for inner in body.eqns)
+
+
+def _is_key(var) -> bool:
+    return isinstance(var, Var) and jax.dtypes.issubdtype(var.aval.dtype, jax.dtypes.prng_key)
+
+
+def per_step_key_draws(eqns: Sequence[JaxprEqn], per_micro_batch: set[Var]) -> KeyDraws:
+    """The equations of a micro-batch's computation that draw random numbers from a typed PRNG key computed
+    once per step, with the positions of those key operands (what :func:`fold_micro_batch_index` folds).
+
+    Args:
+      eqns: equations run once per micro-batch, in order.
+      per_micro_batch: the values that differ from micro-batch to micro-batch when ``eqns`` start (the batch;
+        numbers already drawn per micro-batch); what ``eqns`` compute from them differs too.
+    """
+    differs = batch_dependent(eqns, set(per_micro_batch))
+    drawn = []
+    for eqn in eqns:
+        keys = tuple(k for k, v in enumerate(eqn.invars) if _is_key(v) and v not in differs)
+        if keys and _draws(eqn):
+            drawn.append((eqn, keys))
+    return tuple(drawn)
+
+
+def _per_step_draws(eqns: Sequence[JaxprEqn], hoisted: Sequence[int], per_micro: Sequence[int],
+                    apply: Sequence[int], outvars: Sequence[Any]) -> list[int]:
+    """The hoisted draws from a typed key whose numbers only the per-micro-batch equations read (through
+    hoisted equations or directly), e.g. a dropout mask: they move into the micro-batch loop, which draws
+    them from the key with the micro-batch's index folded in. A draw that is also read after al.grad, or
+    returned, stays once per step (its numbers must be one value)."""
+    read = {v for i in per_micro for v in jax_compat.eqn_inputs(eqns[i])}
+    read_later = ({v for i in apply for v in jax_compat.eqn_inputs(eqns[i])}
+                  | {v for v in outvars if isinstance(v, Var)})
+    hoisted_eqns = [eqns[i] for i in hoisted]
+    moved = []
+    for i in hoisted:
+        if not (_draws(eqns[i]) and any(_is_key(v) for v in eqns[i].invars)):
+            continue
+        reach = batch_dependent(hoisted_eqns, set(eqns[i].outvars))
+        if reach & read and not reach & read_later:
+            moved.append(i)
+    return moved
+
+
+def fold_micro_batch_index(folded_keys: KeyDraws, index,
+                           operand_hook: jax_compat.EqnHook | None = None) -> jax_compat.EqnHook | None:
+    """An operand hook that gives each equation of ``folded_keys`` its per-step keys with the micro-batch
+    ``index`` folded in (`jax.random.fold_in`), after ``operand_hook``: every micro-batch draws its own
+    numbers (its own dropout mask), as consecutive steps of a loop over micro-batches would."""
+    positions = {id(eqn): keys for eqn, keys in folded_keys}
+    if not positions:
+        return operand_hook
+
+    def hook(eqn, invals):
+        if operand_hook is not None:
+            invals = operand_hook(eqn, invals)
+        keys = positions.get(id(eqn))
+        if keys:
+            invals = list(invals)
+            for k in keys:
+                invals[k] = _fold_in(invals[k], index)
+        return invals
+    return hook
+
+
+def _fold_in(keys, index):
+    """`jax.random.fold_in` on every key of a key array of any shape."""
+    flat = jnp.reshape(keys, (-1,))
+    return jnp.reshape(jax.vmap(jax.random.fold_in, in_axes=(0, None))(flat, index), keys.shape)
+
+
 def _warn_shared_random_draws(hoisted: Sequence[JaxprEqn], per_micro_batch: Sequence[JaxprEqn]) -> None:
-    """Random numbers drawn independently of the batch are drawn once per step and read by every micro-batch
-    (exact for a value that does not depend on the batch, as Alpa's issue #592 asks); a dropout mask drawn
-    that way repeats in every micro-batch: a warning says so."""
+    """Random numbers drawn once per step and read by every micro-batch, which :func:`_per_step_draws`
+    could not move into the micro-batch loop (drawn from a raw ``uint32`` key inside a call, or also read
+    after al.grad): a dropout mask drawn that way repeats in every micro-batch, and a warning says so."""
     read = {v for e in per_micro_batch for v in jax_compat.eqn_inputs(e)}
-    draws = [e for e in hoisted if e.primitive.name in _RANDOM_PRIMITIVES
-             and _batch_dependent(hoisted, set(e.outvars)) & read]
+    draws = [e for e in hoisted if _draws(e) and batch_dependent(hoisted, set(e.outvars)) & read]
     if draws:
         shapes = ", ".join(sorted({str(tuple(v.aval.shape)) for e in draws for v in e.outvars}))
-        warnings.warn(f"with num_micro_batches > 1, the random numbers drawn in the step (shapes {shapes}) do not "
-                      "depend on the batch, so they are drawn once per step and every micro-batch reads the same "
-                      "ones: a dropout mask repeats in each micro-batch. For independent masks, draw from a key "
-                      "that depends on the batch (e.g. one key per example in a batch leaf)", stacklevel=2)
+        warnings.warn(f"with num_micro_batches > 1, the random numbers drawn in the step (shapes {shapes}) are "
+                      "drawn once per step and every micro-batch reads the same ones (they are also used after "
+                      "al.grad, or drawn from a raw uint32 key inside a call): a dropout mask repeats in each "
+                      "micro-batch. Draw them inside the loss from a typed key (jax.random.key)", stacklevel=2)
 
 
 def split_total(split: GradSplit, num_micro_batches: int, cost: Callable[[JaxprEqn], float] = eqn_flops) -> float:
@@ -165,7 +260,8 @@ def to_micro_batches(x, num_micro_batches: int):
 def make_step_fn(closed: ClosedJaxpr, batch_mask: Sequence[bool], *, num_micro_batches: int = 1,
                  eqn_hook: jax_compat.EqnHook | None = None, on_micro_batch: ValuesFn | None = None,
                  operand_hook: jax_compat.EqnHook | None = None,
-                 micro_batch_eval: Callable[[Sequence[JaxprEqn], dict], None] | None = None,
+                 micro_batch_eval: Callable[[Sequence[JaxprEqn], dict, jax_compat.EqnHook | None], None]
+                 | None = None,
                  stack_sizes: dict[Var, int] | None = None) -> Callable:
     """A function of the flat inputs that computes the flat outputs of ``closed``.
 
@@ -178,9 +274,10 @@ def make_step_fn(closed: ClosedJaxpr, batch_mask: Sequence[bool], *, num_micro_b
       on_micro_batch: applied to the batch leaves of one micro-batch, e.g. to pin their sharding.
       operand_hook: ``hook(eqn, invals) -> invals`` applied to every equation's operands as that equation
         reads them (e.g. to pin the layout one reader needs).
-      micro_batch_eval: ``eval(eqns, env)`` evaluates the per-micro-batch equations into ``env`` instead of
-        :func:`~alpa_like.compiler.jax_compat.eval_eqns` with the hooks (e.g. keeping gradients as stacks of
-        per-shard partial sums, :mod:`~alpa_like.compiler.gradient_sync`).
+      micro_batch_eval: ``eval(eqns, env, operand_hook)`` evaluates the per-micro-batch equations into ``env``
+        instead of :func:`~alpa_like.compiler.jax_compat.eval_eqns` with the hooks (e.g. keeping gradients as
+        stacks of per-shard partial sums, :mod:`~alpa_like.compiler.gradient_sync`); the ``operand_hook`` it
+        is given also folds the micro-batch's index into per-step random keys (:func:`fold_micro_batch_index`).
       stack_sizes: the grad marker's inputs that ``micro_batch_eval`` computes as stacks ``(d, *shape)`` ->
         ``d``; they are accumulated as stacks and summed over the stack once, after the last micro-batch.
     """
@@ -195,8 +292,8 @@ def make_step_fn(closed: ClosedJaxpr, batch_mask: Sequence[bool], *, num_micro_b
     m = num_micro_batches
     stack_sizes = stack_sizes or {}
     if micro_batch_eval is None:
-        def micro_batch_eval(eqns, env):
-            jax_compat.eval_eqns(eqns, env, hook=eqn_hook, operand_hook=operand_hook)
+        def micro_batch_eval(eqns, env, micro_operand_hook):
+            jax_compat.eval_eqns(eqns, env, hook=eqn_hook, operand_hook=micro_operand_hook)
 
     def step(*flat):
         env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
@@ -204,19 +301,21 @@ def make_step_fn(closed: ClosedJaxpr, batch_mask: Sequence[bool], *, num_micro_b
         jax_compat.eval_eqns(split.hoisted, env, hook=eqn_hook, operand_hook=operand_hook)
         micro_batches = [to_micro_batches(env[v], m) for v in batch_vars]
 
-        def body(acc, batch_values):
+        def body(acc, xs):
+            batch_values, index = xs
             if on_micro_batch is not None:
                 batch_values = on_micro_batch(list(batch_values))
             local = dict(env)
             local.update(zip(batch_vars, batch_values, strict=True))
-            micro_batch_eval(split.per_micro_batch, local)
+            micro_batch_eval(split.per_micro_batch, local,
+                             fold_micro_batch_index(split.folded_keys, index, operand_hook))
             values = [v.val if not isinstance(v, Var) else local[v] for v in split.marker.invars]
             return [a + v for a, v in zip(acc, values, strict=True)], None
 
         stacks = [stack_sizes.get(v) if isinstance(v, Var) else None for v in split.marker.invars]
         zeros = [jnp.zeros(((d,) if d else ()) + v.aval.shape, v.aval.dtype)
                  for v, d in zip(split.marker.invars, stacks, strict=True)]
-        total, _ = jax.lax.scan(body, zeros, micro_batches)
+        total, _ = jax.lax.scan(body, zeros, (micro_batches, jnp.arange(m, dtype=jnp.uint32)))
         total = [jnp.sum(t, axis=0) if d else t for t, d in zip(total, stacks, strict=True)]
         mean = [t / np.asarray(m, dtype=t.dtype) for t in total]
         marker_env = dict(zip(split.marker.invars, mean, strict=True))

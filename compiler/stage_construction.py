@@ -25,7 +25,8 @@ from typing import NewType
 from jax.extend.core import ClosedJaxpr, Literal, Var
 
 from alpa_like.compiler import jax_compat
-from alpa_like.compiler.grad_accumulation import to_micro_batches
+from alpa_like.compiler.grad_accumulation import (KeyDraws, batch_dependent, fold_micro_batch_index,
+                                                  per_step_key_draws, to_micro_batches)
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD, Piece
 from alpa_like.compiler.markers import is_marker
 
@@ -243,6 +244,33 @@ def updating_stages(program: StageProgram) -> dict[ValueId, frozenset[int]]:
     return {v: frozenset(stages) for v, stages in readers.items()}
 
 
+def micro_batch_key_draws(program: StageProgram, num_micro_batches: int) -> dict[tuple[int, str], KeyDraws]:
+    """Per forward and backward piece, its draws of random numbers from keys computed once per step (a
+    dropout mask from the step's key), as :func:`~alpa_like.compiler.grad_accumulation.per_step_key_draws`
+    finds them: the runtimes fold the micro-batch's index into those keys, as gradient accumulation does, so
+    that micro-batches do not share a mask. Pieces without such draws are left out, and every piece when
+    there is one micro-batch (the step's own draws, as under jax.jit)."""
+    if num_micro_batches == 1:
+        return {}
+    computed = [piece for (_, phase), piece in sorted(program.pieces.items()) if phase != APPLY]
+    differs = set(program.batch_inputs)  # ValueIds that differ per micro-batch
+    while True:  # what the pieces compute from the batch, through every stage (in any piece order)
+        size = len(differs)
+        for piece in computed:
+            inner = piece.jaxpr.jaxpr
+            values = batch_dependent(inner.eqns, _invars_in(piece, differs))
+            differs.update(v for v, out in zip(piece.outputs, inner.outvars, strict=True) if out in values)
+        if len(differs) == size:
+            break
+    found = {(piece.stage, piece.phase): per_step_key_draws(piece.jaxpr.jaxpr.eqns, _invars_in(piece, differs))
+             for piece in computed}
+    return {key: draws for key, draws in found.items() if draws}
+
+
+def _invars_in(piece: StagePiece, values: set[ValueId]) -> set[Var]:
+    return {var for var, v in zip(piece.jaxpr.jaxpr.invars, piece.inputs, strict=True) if v in values}
+
+
 def run_sequentially(program: StageProgram, flat_inputs: Sequence, num_micro_batches: int) -> list:
     """Runs ``program`` on the current default device in GPipe order: all forwards, all backwards, the mean
     of the accumulated values, then every apply. The reference the pipelined runtimes are tested against."""
@@ -251,13 +279,14 @@ def run_sequentially(program: StageProgram, flat_inputs: Sequence, num_micro_bat
         env[i] = x
     micro = {i: to_micro_batches(env[i], num_micro_batches) for i in program.batch_inputs}
     per_mb: list[dict[ValueId, object]] = []
+    draws = micro_batch_key_draws(program, num_micro_batches)
     for mb in range(num_micro_batches):
         local = dict(env)
         local.update({i: x[mb] for i, x in micro.items()})
         for phase in (FORWARD, BACKWARD):
             order = range(program.num_stages) if phase == FORWARD else reversed(range(program.num_stages))
             for q in order:
-                _run_piece(program.piece(q, phase), local)
+                _run_piece(program.piece(q, phase), local, fold_micro_batch_index(draws.get((q, phase), ()), mb))
         per_mb.append(local)
     for src, dst in program.accumulated:
         env[dst] = sum(m[src] for m in per_mb) / num_micro_batches
@@ -266,6 +295,6 @@ def run_sequentially(program: StageProgram, flat_inputs: Sequence, num_micro_bat
     return [program.literal_outputs[k] if v is None else env[v] for k, v in enumerate(program.step_outputs)]
 
 
-def _run_piece(piece: StagePiece, env: dict) -> None:
-    outs = jax_compat.eval_closed_jaxpr(piece.jaxpr, *[env[i] for i in piece.inputs])
+def _run_piece(piece: StagePiece, env: dict, operand_hook: jax_compat.EqnHook | None = None) -> None:
+    outs = jax_compat.eval_closed_jaxpr(piece.jaxpr, *[env[i] for i in piece.inputs], operand_hook=operand_hook)
     env.update(zip(piece.outputs, outs, strict=True))

@@ -25,11 +25,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from alpa_like.compiler import jax_compat
-from alpa_like.compiler.grad_accumulation import to_micro_batches
+from alpa_like.compiler.grad_accumulation import KeyDraws, fold_micro_batch_index, to_micro_batches
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.gradient_sync import NONE, DeferredGradients, deferrable_gradients
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
-from alpa_like.compiler.stage_construction import StageProgram, ValueId
+from alpa_like.compiler.stage_construction import StageProgram, ValueId, micro_batch_key_draws
 from alpa_like.compiler.stage_sharding import StageSharding
 from alpa_like.runtime.instructions import PER_STEP, Instruction, MeshPrograms, Op
 from alpa_like.runtime.mesh import make_mesh, named_sharding
@@ -121,10 +121,13 @@ class PipeshardExecutable:
                 if var in deferred.outputs:
                     spec = pinned.get(var)
                     self._stack_targets[dst] = None if spec is None else named_sharding(mesh, spec)
+        self._draws = micro_batch_key_draws(program, self.num_micro_batches)
+        """(stage, phase) -> the piece's draws from per-step keys: it takes the micro-batch's index last."""
         self._jitted: dict[tuple, Any] = {}
         self._fused: dict[tuple, Any] = {}
         self._arg_specs: dict[tuple[int, str], list[jax.ShapeDtypeStruct]] = {}
         self._reshard_plans: dict[tuple, Any] = {}
+        self._indices: dict[tuple[int, int], jax.Array] = {}
         self._own_copies: dict[int, tuple[Any, dict[int, Any]]] = {}
         """id of an array the last step returned -> (that array, {mesh: the same value on that mesh})."""
         self.last_step = StepStats()
@@ -208,6 +211,8 @@ class PipeshardExecutable:
         keys = [(v, ins.micro_batch) if (v, ins.micro_batch) in mesh_buffers else (v, PER_STEP)
                 for v in piece.inputs]
         args = [mesh_buffers[k] for k in keys]
+        if (ins.stage, ins.phase) in self._draws:
+            args.append(self._micro_batch_index(ins.mesh, ins.micro_batch))
         held = self._held_elsewhere(acc)
         donate = donated_positions(keys, freed, [id(x) in held for x in args])
         position = {v: k for k, v in enumerate(piece.outputs)}
@@ -217,7 +222,8 @@ class PipeshardExecutable:
             fn = self._fused.get((ins.stage, ins.phase, slots, donate))
             if fn is None:
                 fn = self._fused[(ins.stage, ins.phase, slots, donate)] = jax.jit(
-                    _accumulating_fn(piece, slots, *self._hooks.get((ins.stage, ins.phase), ())),
+                    _accumulating_fn(piece, slots, *self._hooks.get((ins.stage, ins.phase), ()),
+                                     draws=self._draws.get((ins.stage, ins.phase), ())),
                     donate_argnums=tuple(k + 1 for k in donate))
             with _quiet_unusable_donations():
                 outs, sums = fn([acc[a.target] for a in fused], *args)
@@ -248,8 +254,17 @@ class PipeshardExecutable:
         if fn is None:
             piece = self.program.piece(stage, phase)
             fn = self._jitted[(stage, phase, donate)] = jax.jit(
-                _piece_fn(piece, *self._hooks.get((stage, phase), ())), donate_argnums=donate)
+                _piece_fn(piece, *self._hooks.get((stage, phase), ()), draws=self._draws.get((stage, phase), ())),
+                donate_argnums=donate)
         return fn
+
+    def _micro_batch_index(self, mesh: int, micro_batch: int) -> jax.Array:
+        """The index a piece folds into its per-step random keys, as a uint32 scalar on ``mesh``."""
+        index = self._indices.get((mesh, micro_batch))
+        if index is None:
+            index = self._indices[(mesh, micro_batch)] = jax.device_put(
+                np.uint32(micro_batch), NamedSharding(self.meshes[mesh], jax.sharding.PartitionSpec()))
+        return index
 
     def _mean(self, group: list[Instruction], buffers, accumulators) -> None:
         for mesh in sorted({ins.mesh for ins in group}):
@@ -343,9 +358,10 @@ def _split_micro_batches(x, count: int):
     return tuple(to_micro_batches(x, count))
 
 
-def _accumulating_fn(piece, slots: tuple[int, ...], hook=None, operand_hook=None, deferred=NONE, mesh=None):
+def _accumulating_fn(piece, slots: tuple[int, ...], hook=None, operand_hook=None, deferred=NONE, mesh=None, *,
+                     draws: KeyDraws = ()):
     """The piece, also adding its outputs at ``slots`` to the given accumulators."""
-    body = _piece_fn(piece, hook, operand_hook, deferred, mesh)
+    body = _piece_fn(piece, hook, operand_hook, deferred, mesh, draws=draws)
 
     def run(totals, *args):
         outs = body(*args)
@@ -353,14 +369,20 @@ def _accumulating_fn(piece, slots: tuple[int, ...], hook=None, operand_hook=None
     return run
 
 
-def _piece_fn(piece, hook=None, operand_hook=None, deferred=NONE, mesh=None):
+def _piece_fn(piece, hook=None, operand_hook=None, deferred=NONE, mesh=None, *, draws: KeyDraws = ()):
     """The piece as a function of its inputs; ``hook`` / ``operand_hook`` pin layouts inside it
     (:func:`~alpa_like.runtime.spmd.pin_hook`); ``deferred`` gradients come out as stacks of partial sums
-    (:func:`~alpa_like.runtime.partial_sums.eval_piece`)."""
+    (:func:`~alpa_like.runtime.partial_sums.eval_piece`). With ``draws`` (a piece's
+    :func:`~alpa_like.compiler.stage_construction.micro_batch_key_draws`) it takes one more argument, the
+    micro-batch's index, folded into those draws' keys."""
     def run(*args):
+        operands = operand_hook
+        if draws:
+            *args, index = args
+            operands = fold_micro_batch_index(draws, index, operand_hook)
         if deferred:
-            return eval_piece(piece.jaxpr, args, deferred, mesh, hook=hook, operand_hook=operand_hook)
-        return jax_compat.eval_closed_jaxpr(piece.jaxpr, *args, hook=hook, operand_hook=operand_hook)
+            return eval_piece(piece.jaxpr, args, deferred, mesh, hook=hook, operand_hook=operands)
+        return jax_compat.eval_closed_jaxpr(piece.jaxpr, *args, hook=hook, operand_hook=operands)
     return run
 
 

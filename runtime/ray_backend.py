@@ -41,7 +41,8 @@ import numpy as np
 
 from alpa_like.cluster import ClusterSpec
 from alpa_like.compiler.sharding_spec import ShardingSpec
-from alpa_like.compiler.stage_construction import StageProgram
+from alpa_like.compiler.grad_accumulation import KeyDraws
+from alpa_like.compiler.stage_construction import StageProgram, micro_batch_key_draws
 from alpa_like.runtime.instructions import MeshPrograms, Op
 from alpa_like.runtime.pipeshard_runtime import _piece_fn
 from alpa_like.runtime.ray_worker import MeshInfo, MeshWorker, ShippedPiece, WorkerProgram, WorkerStepError
@@ -319,14 +320,27 @@ class RayCluster:
             ray.shutdown()
 
 
+def _is_typed_key(x) -> bool:
+    return jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key)
+
+
+def _key_payload(key) -> list:
+    """A typed PRNG key (``jax.random.key``), which NumPy cannot hold, as its key data and its impl's name:
+    the worker re-wraps it (``jax.random.wrap_key_data``)."""
+    return [np.asarray(jax.random.key_data(key)), str(jax.random.key_impl(key))]
+
+
 EXPORT_PLATFORMS = {"cpu": ("cpu",), "gpu": ("cuda",)}
 
 
-def export_piece(piece, platform: str = "cpu") -> bytes:
+def export_piece(piece, platform: str = "cpu", draws: KeyDraws = ()) -> bytes:
     """A stage piece as serialised ``jax.export`` StableHLO for ``platform``'s workers, exported for one
-    device (the worker's jit partitions it over its mesh)."""
+    device (the worker's jit partitions it over its mesh); with ``draws`` it takes the micro-batch's index
+    last (:func:`~alpa_like.runtime.pipeshard_runtime._piece_fn`)."""
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in piece.jaxpr.in_avals]
-    exported = jax.export.export(jax.jit(_piece_fn(piece)), platforms=EXPORT_PLATFORMS[platform])(*avals)
+    if draws:
+        avals.append(jax.ShapeDtypeStruct((), np.uint32))
+    exported = jax.export.export(jax.jit(_piece_fn(piece, draws=draws)), platforms=EXPORT_PLATFORMS[platform])(*avals)
     return bytes(exported.serialize())
 
 
@@ -344,7 +358,9 @@ def worker_programs(program: StageProgram, programs: MeshPrograms, meshes: Seque
     for k in range(len(meshes)):
         instructions = programs.program(k)
         stages = {ins.stage for ins in instructions if ins.op is Op.RUN}
-        pieces = {key: ShippedPiece(exported=shipped[key], inputs=p.inputs, outputs=p.outputs)
+        draws = micro_batch_key_draws(program, num_micro_batches)
+        pieces = {key: ShippedPiece(exported=shipped[key], inputs=p.inputs, outputs=p.outputs,
+                                    takes_micro_batch_index=key in draws)
                   for key, p in program.pieces.items() if key[0] in stages}
         loaded = {ins.key[0] for ins in instructions if ins.op is Op.LOAD}
         constants = {v: np.asarray(c) for v, c in program.constants.items() if v in loaded}
@@ -394,7 +410,9 @@ class RayPipeshardExecutable:
         self.workers = cluster.acquire([(n, len(info.flat_ids)) for n, info in zip(nodes, self.meshes)])
         self._mesh_of_actor = {_actor_id(a): k for k, a in enumerate(self.workers)}
         self.exe_id = cluster.new_executable_id()
-        shipped = {key: export_piece(piece, cluster.platform) for key, piece in program.pieces.items()}
+        draws = micro_batch_key_draws(program, self.num_micro_batches)
+        shipped = {key: export_piece(piece, cluster.platform, draws.get(key, ()))
+                   for key, piece in program.pieces.items()}
         self.worker_programs = worker_programs(program, programs, self.meshes, input_specs, shipped,
                                                self.num_micro_batches)
         self.shipped_bytes = sum(len(pickle.dumps(p)) for p in self.worker_programs)
@@ -480,11 +498,11 @@ class RayPipeshardExecutable:
                 if not here:  # made by an executable on other workers: goes through the driver
                     x = x.fetch()
             if not here:
-                value = np.asarray(x)
-                ref = ray.put(value)
-                sent += value.nbytes
+                payload = _key_payload(x) if _is_typed_key(x) else [np.asarray(x)]
+                ref = ray.put(payload[0])
+                sent += payload[0].nbytes
                 for k in loaders:
-                    inputs[k][v] = ("ref", [ref])
+                    inputs[k][v] = ("ref", [ref, *payload[1:]])
                 kinds["ref"] += 1
                 continue
             holder = min(here)

@@ -61,6 +61,8 @@ class ShippedPiece:
     exported: bytes
     inputs: tuple[ValueId, ...]
     outputs: tuple[ValueId, ...]
+    takes_micro_batch_index: bool = False
+    """The piece draws random numbers from per-step keys: it takes the micro-batch's index (uint32) last."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -372,6 +374,8 @@ class _StepRun:
         buffers, acc = self.buffers, self.accumulators
         args = [buffers[(v, ins.micro_batch)] if (v, ins.micro_batch) in buffers else buffers[(v, PER_STEP)]
                 for v in piece.inputs]
+        if piece.takes_micro_batch_index:
+            args.append(np.uint32(ins.micro_batch))
         position = {v: k for k, v in enumerate(piece.outputs)}
         fused = [a for a in accs if a.target in acc]
         if fused:
@@ -407,6 +411,8 @@ class _StepRun:
             if kind == "ref":
                 import ray
                 value = ray.get(payload[0])
+                if len(payload) > 1:  # a typed PRNG key's data and impl (ray_backend._key_payload)
+                    value = jax.random.wrap_key_data(value, impl=payload[1])
                 inputs[v] = ("value", value)
             elif kind == "handle":
                 value = self.worker._store[payload]

@@ -141,8 +141,8 @@ def compile_spmd(traced: TracedStep, layout: SpmdLayout, devices: Sequence[Any],
                     if layout.operand_constraints else None)
     micro_batch_eval = None
     if deferred:
-        def micro_batch_eval(micro_eqns, env):
-            partial_sums.eval_eqns(micro_eqns, env, deferred, mesh, hook=hook, operand_hook=operand_hook)
+        def micro_batch_eval(micro_eqns, env, micro_operand_hook):
+            partial_sums.eval_eqns(micro_eqns, env, deferred, mesh, hook=hook, operand_hook=micro_operand_hook)
     stack_sizes = {v: math.prod(layout.mesh_shape[a] for a in axes) for v, axes in deferred.outputs.items()}
     step = make_step_fn(traced.closed_jaxpr, batch_mask, num_micro_batches=num_micro_batches, eqn_hook=hook,
                         operand_hook=operand_hook,

@@ -156,7 +156,8 @@ def find_loss_call(fun: Callable, args: Sequence[Any], traced) -> LossCall:
         with grad_hook(hook):
             return step(list(flat))
 
-    jax.make_jaxpr(probe)(*[jax.ShapeDtypeStruct(l.shape, l.dtype) for l in traced.in_leaves])
+    jax.make_jaxpr(probe)(*[jax.ShapeDtypeStruct(l.shape, v.aval.dtype)  # the jaxpr's: a typed key's is no string
+                            for l, v in zip(traced.in_leaves, traced.closed_jaxpr.jaxpr.invars, strict=True)])
     if len(calls) != 1:
         raise TerapipeContractError(f"pipeline_schedule='terapipe' needs the step to call al.grad or "
                                     f"al.value_and_grad exactly once; it calls them {len(calls)} times")
@@ -372,6 +373,8 @@ class TerapipeExecutable:
         self.last_step_seconds = 0.0
 
         leaves = [traced.in_leaves[s] for s in self.call.sources]
+        invars = traced.closed_jaxpr.jaxpr.invars
+        self._leaf_dtypes = tuple(invars[s].aval.dtype for s in self.call.sources)  # a typed key's is no string
         self._leaf_paths = tuple(leaf.path for leaf in leaves)
         self._batch_leaf = tuple(leaf.is_batch for leaf in leaves)
         self.seq_len = _check_batch_leaves(leaves, self._batch_leaf)
@@ -430,8 +433,8 @@ class TerapipeExecutable:
         return len(self._fwd)
 
     def _leaf_avals(self, rows: int):
-        return [jax.ShapeDtypeStruct((rows, *l.shape[1:]) if b else tuple(l.shape), l.dtype)
-                for l, b in zip(self._leaves, self._batch_leaf, strict=True)]
+        return [jax.ShapeDtypeStruct((rows, *l.shape[1:]) if b else tuple(l.shape), dtype)
+                for l, b, dtype in zip(self._leaves, self._batch_leaf, self._leaf_dtypes, strict=True)]
 
     def _sharding(self, q: int, path: str | None, shape) -> NamedSharding:
         """Layout on stage ``q``'s mesh: the plan's (ILP's) spec of the input leaf at ``path`` if it has one,

@@ -11,10 +11,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache per test session, cold at the start: tests that build the same pieces
 # (one model under several schedules, the single-device references, Flax's op-by-op init) compile them once
 # instead of once per test. Keyed by the compiled HLO, so a hit is the same program. Set through the
-# environment so that the Ray workers the session starts share it.
-_CACHE = tempfile.mkdtemp(prefix="alpa-like-tests-jax-cache-")
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
-os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+# environment so that the pytest-xdist workers and the Ray workers the session starts share it; the process
+# that made it removes it.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _CACHE = tempfile.mkdtemp(prefix="alpa-like-tests-jax-cache-")
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 

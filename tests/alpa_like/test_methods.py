@@ -138,6 +138,45 @@ def test_micro_batches_synchronise_the_gradients_once_per_step(method_name):
     assert "all-reduce" in {c.kind for c in collectives if not c.in_loop_body}
 
 
+def _dropout_loss(params, batch, key, micro_batch=None):
+    key = jax.random.fold_in(key, 7)  # the key of the draw, into which micro-batch j's index is folded
+    if micro_batch is not None:
+        key = jax.random.fold_in(key, micro_batch)
+    keep = jax.random.bernoulli(key, 0.7, (batch["x"].shape[0], 32))
+    h = jnp.where(keep, jnp.tanh(batch["x"] @ params["dense_0"]["kernel"] + params["dense_0"]["bias"]) / 0.7, 0.0)
+    return jnp.mean((h @ params["dense_1"]["kernel"] + params["dense_1"]["bias"] - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("method", [
+    METHODS["data_mb2"], METHODS["zero3_mb4"], al.ShardParallel(num_micro_batches=2),
+    al.ManualShardParallel(mesh_shape=(2, 4), mesh_axis_names=("data", "model"), in_specs=(None, P("data"), None),
+                           num_micro_batches=2)], ids=lambda m: type(m).__name__)
+def test_each_micro_batch_draws_its_own_dropout_mask(method):
+    """The step with a per-step key equals, on one device under jax.jit, the loop over micro-batches that
+    draws micro-batch j's mask (rows j, j + m, ...) from its draw's key with ``j`` folded in."""
+    m = method.num_micro_batches
+
+    def step(state, batch, key):
+        loss, grads = al.value_and_grad(_dropout_loss)(state.params, batch, key)
+        return state.apply_gradients(grads=grads), loss
+
+    def loop(state, batch, key):
+        rows = [jax.tree.map(lambda x, j=j: x[j::m], batch) for j in range(m)]
+        parts = [jax.value_and_grad(_dropout_loss)(state.params, b, key, j) for j, b in enumerate(rows)]
+        loss, grads = jax.tree.map(lambda *xs: sum(xs) / m, *parts)
+        return state.apply_gradients(grads=grads), loss
+
+    state, key = jax.device_put((mlp_state(tx=optax.sgd(0.1)), jax.random.key(5)), jax.devices()[0])
+    batches = [jax.device_put(mlp_batch(np.random.default_rng(i)), jax.devices()[0]) for i in range(2)]
+    parallel, reference = al.parallelize(step, method=method), jax.jit(loop)
+    got, expected = state, state
+    for i, batch in enumerate(batches):
+        got, got_loss = parallel(got, batch, jax.random.fold_in(key, i))
+        expected, expected_loss = reference(expected, batch, jax.random.fold_in(key, i))
+        assert_trees_close(got_loss, expected_loss, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got.params, expected.params, rtol=1e-5, atol=1e-6)
+
+
 def test_convolution_weight_gradients_are_synchronised_once_per_step():
     # (their partial sums are checked against the whole gradient in tests/compiler/test_gradient_sync.py)
     config, variables, loss_fn = wresnet_tiny()

@@ -4,12 +4,13 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import alpa_like as al
 from alpa_like.compiler.grad_accumulation import make_step_fn, split_at_grad_marker, to_micro_batches
 from alpa_like.compiler.trace import trace_step
-from tests.helpers import make_train_step, mlp_batch, mlp_loss, mlp_state
+from tests.helpers import assert_trees_close, make_train_step, mlp_batch, mlp_loss, mlp_state
 
 
 def _trace(step, m=2):
@@ -66,26 +67,78 @@ def test_two_grad_calls_are_rejected():
         split_at_grad_marker(traced.closed_jaxpr, mask)
 
 
-def test_random_numbers_shared_by_the_micro_batches_are_a_warning():
-    """A mask drawn from a key alone is drawn once per step (the same numbers as one micro-batch would draw);
-    every micro-batch then reads it."""
-    def dropout_loss(params, batch, key):
-        keep = jax.random.bernoulli(key, 0.5, batch["x"].shape)
-        return mlp_loss(params, {"x": jnp.where(keep, batch["x"], 0.0), "y": batch["y"]})
+def dropout_loss(params, batch, key):
+    keep = jax.random.bernoulli(key, 0.5, batch["x"].shape)
+    return mlp_loss(params, {"x": jnp.where(keep, batch["x"], 0.0), "y": batch["y"]})
 
+
+def dropout_step(state, batch, key):
+    return state.apply_gradients(grads=al.grad(dropout_loss)(state.params, batch, key))
+
+
+@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey], ids=["typed", "raw"])
+def test_random_numbers_drawn_from_a_per_step_key_are_drawn_per_micro_batch(make_key):
+    """A mask drawn from a key alone does not depend on the batch; it is drawn in the micro-batch loop, from
+    the key with the micro-batch's index folded in, so that micro-batches do not share a mask. The step then
+    equals the loop a user would write: micro-batch j (rows j, j + m, ...) with ``fold_in(key, j)``."""
+    state, batch, key = mlp_state(tx=optax.sgd(0.1)), mlp_batch(np.random.default_rng(0)), make_key(3)
+    traced = trace_step(dropout_step, (state, batch, key), batch_argnums=(1,), num_micro_batches=2)
+    mask = [leaf.is_batch for leaf in traced.in_leaves]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        split = split_at_grad_marker(traced.closed_jaxpr, mask)
+    assert "random_bits" in {e.primitive.name for e in split.per_micro_batch}
+    assert "random_bits" not in {e.primitive.name for e in split.hoisted}
+    assert [e.primitive.name for e, _ in split.folded_keys] == ["random_bits"]
+
+    got = jax.tree.unflatten(traced.out_tree, jax.jit(make_step_fn(traced.closed_jaxpr, mask, num_micro_batches=2))(
+        *jax.tree.leaves((state, batch, key))))
+
+    def loop(key_of):  # the step as a loop over the two strided micro-batches
+        grads = [al.grad(dropout_loss)(state.params, jax.tree.map(lambda x, j=j: x[j::2], batch), key_of(j))
+                 for j in range(2)]
+        return state.apply_gradients(grads=jax.tree.map(lambda a, b: (a + b) / 2, *grads))
+    assert_trees_close(got.params, loop(lambda j: jax.random.fold_in(key, j)).params, rtol=1e-5, atol=1e-6)
+    shared = loop(lambda j: key).params  # one mask for both micro-batches: what the step must not compute
+    assert not np.allclose(got.params["dense_0"]["kernel"], shared["dense_0"]["kernel"], atol=1e-4)
+
+
+def test_a_typed_key_passed_into_a_checkpointed_block_is_folded_per_micro_batch():
+    """nn.remat / jax.checkpoint blocks run per micro-batch with the key as an operand (forward and the
+    backward's recomputation): both get the micro-batch's index folded in, so they draw the same mask."""
     def step(state, batch, key):
-        return state.apply_gradients(grads=al.grad(dropout_loss)(state.params, batch, key))
+        return state.apply_gradients(grads=al.grad(jax.checkpoint(dropout_loss))(state.params, batch, key))
 
-    for key in (jax.random.key(0), jax.random.PRNGKey(0)):
-        traced = trace_step(step, (mlp_state(), mlp_batch(np.random.default_rng(0)), key), batch_argnums=(1,),
-                            num_micro_batches=2)
-        with pytest.warns(UserWarning, match=r"shapes \(16, 16\)\) do not depend on the batch"):
-            split = split_at_grad_marker(traced.closed_jaxpr, [leaf.is_batch for leaf in traced.in_leaves])
-        assert "random_bits" in {e.primitive.name for e in split.hoisted}
+    state, batch, key = mlp_state(tx=optax.sgd(0.1)), mlp_batch(np.random.default_rng(0)), jax.random.key(3)
+    traced = trace_step(step, (state, batch, key), batch_argnums=(1,), num_micro_batches=2)
+    mask = [leaf.is_batch for leaf in traced.in_leaves]
+    split = split_at_grad_marker(traced.closed_jaxpr, mask)
+    assert {e.primitive.name for e, _ in split.folded_keys} == {"remat2"}  # jax.checkpoint
+    got = jax.tree.unflatten(traced.out_tree, jax.jit(make_step_fn(traced.closed_jaxpr, mask, num_micro_batches=2))(
+        *jax.tree.leaves((state, batch, key))))
+    grads = [al.grad(dropout_loss)(state.params, jax.tree.map(lambda x, j=j: x[j::2], batch), jax.random.fold_in(key, j))
+             for j in range(2)]
+    expected = state.apply_gradients(grads=jax.tree.map(lambda a, b: (a + b) / 2, *grads))
+    assert_trees_close(got.params, expected.params, rtol=1e-5, atol=1e-6)
+
+
+def test_random_numbers_also_read_after_the_gradient_stay_per_step_with_a_warning():
+    """Numbers the step also uses after al.grad must be one value: they stay drawn once per step, and a
+    warning says that the micro-batches share them."""
+    def step(state, batch, key):
+        noise = jax.random.normal(key, (16, 16))
+        grads = al.grad(lambda p, b: dropout_loss(p, {"x": b["x"] + noise, "y": b["y"]}, key))(state.params, batch)
+        return state.apply_gradients(grads=grads), jnp.sum(noise)
+
+    traced = trace_step(step, (mlp_state(), mlp_batch(np.random.default_rng(0)), jax.random.key(0)),
+                        batch_argnums=(1,), num_micro_batches=2)
+    with pytest.warns(UserWarning, match=r"shapes \(16, 16\)\) are drawn once per step"):
+        split = split_at_grad_marker(traced.closed_jaxpr, [leaf.is_batch for leaf in traced.in_leaves])
+    assert len(split.folded_keys) == 1  # the dropout mask, read by the loss only, is still per micro-batch
     with warnings.catch_warnings():  # no random numbers: no warning
         warnings.simplefilter("error")
         traced, mask = _trace(make_train_step(mlp_loss))
-        split_at_grad_marker(traced.closed_jaxpr, mask)
+        assert not split_at_grad_marker(traced.closed_jaxpr, mask).folded_keys
 
 
 def test_per_example_aux_is_rejected_and_parameter_shaped_results_are_gradients():

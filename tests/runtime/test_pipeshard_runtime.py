@@ -113,13 +113,47 @@ def checkpointed_blocks_loss(params, batch):
     return jnp.mean((h - batch["y"]) ** 2)
 
 
-def dropout_loss(params, batch, key):
+def dropout_loss(params, batch, key, micro_batch=None):
+    """Dropout after each layer; ``micro_batch`` j: the masks the pipeline draws for micro-batch j, whose
+    index it folds into each draw's key."""
     h = batch["x"]
     for i in range(4):
         h = jnp.tanh(h @ params[f"w{i}"] + params[f"b{i}"])
-        keep = jax.random.bernoulli(jax.random.fold_in(key, i), 0.7, h.shape)
-        h = jnp.where(keep, h / 0.7, 0.0)
+        draw_key = jax.random.fold_in(key, i)
+        if micro_batch is not None:
+            draw_key = jax.random.fold_in(draw_key, micro_batch)
+        h = jnp.where(jax.random.bernoulli(draw_key, 0.7, h.shape), h / 0.7, 0.0)
     return jnp.mean((h - batch["y"]) ** 2)
+
+
+def dropout_step(state, batch, key):
+    loss, grads = al.value_and_grad(dropout_loss)(state.params, batch, key)
+    return state.apply_gradients(grads=grads), loss
+
+
+def dropout_loop(num_micro_batches):
+    """The reference of :func:`dropout_step` with micro-batches: a loop over them (rows j, j + m, ...)."""
+    m = num_micro_batches
+
+    def loop(state, batch, key):
+        parts = [jax.value_and_grad(dropout_loss)(state.params, jax.tree.map(lambda x, j=j: x[j::m], batch), key, j)
+                 for j in range(m)]
+        loss, grads = jax.tree.map(lambda *xs: sum(xs) / m, *parts)
+        return state.apply_gradients(grads=grads), loss
+    return loop
+
+
+def assert_matches_dropout_loop(parallel, num_micro_batches):
+    """``parallel`` (a :func:`dropout_step`) against :func:`dropout_loop` under jax.jit on one device."""
+    _, state, batches = mlp_case()
+    state = state.replace(tx=SGD, opt_state=SGD.init(state.params))
+    reference = jax.jit(dropout_loop(num_micro_batches))
+    got, expected = state, jax.device_put(state, jax.devices()[0])
+    for i, batch in enumerate(batches[:2]):
+        got, got_loss = parallel(got, batch, jax.random.key(i))
+        expected, expected_loss = reference(expected, jax.device_put(batch, jax.devices()[0]), jax.random.key(i))
+        assert_trees_close(got_loss, expected_loss, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got.params, expected.params, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("model", ["checkpointed blocks", "dropout with a typed key", "dropout with a raw key"])
@@ -133,9 +167,7 @@ def test_user_remat_blocks_and_dropout_keys_run_in_a_pipeline(model):
             return state.apply_gradients(grads=grads), loss
         args = [(b,) for b in batches]
     else:
-        def step(state, batch, key):
-            loss, grads = al.value_and_grad(dropout_loss)(state.params, batch, key)
-            return state.apply_gradients(grads=grads), loss
+        step = dropout_step
         make_key = jax.random.key if model == "dropout with a typed key" else jax.random.PRNGKey
         args = [(b, make_key(i)) for i, b in enumerate(batches)]
     # one micro-batch: a dropout mask drawn for a micro-batch is not the rows of the full batch's mask
@@ -149,6 +181,16 @@ def test_user_remat_blocks_and_dropout_keys_run_in_a_pipeline(model):
         expected, expected_loss = reference(expected, *a)
         assert_trees_close(got_loss, expected_loss, rtol=1e-5, atol=1e-6)
     assert_trees_close(got.params, expected.params, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_each_micro_batch_draws_its_own_dropout_mask(schedule):
+    """With micro-batches, the pipeline folds micro-batch j's index into the key of every draw from a per-step
+    key, as the SPMD methods do (tests/alpa_like/test_methods.py): no two micro-batches share a mask."""
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2),
+                                  stage_option=al.UniformStageOption(num_stages=2, show_progress=False),
+                                  pipeline_schedule=schedule)
+    assert_matches_dropout_loop(al.parallelize(dropout_step, method=method), num_micro_batches=2)
 
 
 def wide_mlp_loss(params, batch):
@@ -228,7 +270,8 @@ def test_one_stage_on_all_devices_with_deferred_gradients_runs_step_after_step()
     # Regression: the step's mean reduced each of gpt-small's ~40 deferred gradients in its own collective
     # executable; dispatched back to back on 8 CPU devices they exhausted XLA's host threads and the third
     # or fourth step deadlocked in an all-reduce (XLA aborts after 40 s). One executable per mesh now.
-    config = models.get_config("gpt-small")
+    # gpt-tiny with gpt-small's 12 layers has as many gradients, and compiles and runs faster.
+    config = dataclasses.replace(models.get_config("gpt-tiny"), num_layers=models.get_config("gpt-small").num_layers)
     model = gpt.GPTModel(config)
     batches = [gpt.gpt_batch(config, 8, jax.random.PRNGKey(10 + i)) for i in range(4)]
     params = model.init(jax.random.PRNGKey(0), batches[0]["input_ids"])["params"]

@@ -17,7 +17,8 @@ from alpa_like.runtime.instructions import Op
 from alpa_like.runtime.ray_backend import RayStepError, RemoteArray, held_at_end, worker_programs
 from alpa_like.runtime.ray_worker import MeshInfo
 from tests.helpers import assert_trees_close, reference_on_one_device, run_steps
-from tests.runtime.test_pipeshard_runtime import gpt_case, mlp_case, stages, train_step_for
+from tests.runtime.test_pipeshard_runtime import (assert_matches_dropout_loop, dropout_step, gpt_case, mlp_case, stages,
+                                                 train_step_for)
 
 pytestmark = pytest.mark.ray
 
@@ -58,8 +59,9 @@ def run_on_local_backend(step, method, state, batches):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("meshes", sorted(MESHES))
+# each mesh count with one schedule (~60 s a case): the schedules' instruction orders are tested on the
+# local backend, which runs the same programs
+@pytest.mark.parametrize("meshes,schedule", [("2_meshes", "gpipe"), ("3_meshes", "1f1b")])
 def test_gpt_matches_local_backend_and_jit(ray_backend, meshes, schedule):
     loss_fn, state, batches = gpt_case()
     batches = batches[:2]
@@ -78,6 +80,14 @@ def test_gpt_matches_local_backend_and_jit(ray_backend, meshes, schedule):
     assert_trees_close(got_losses, local_losses, rtol=1e-5, atol=1e-6)
     assert_trees_close(got_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
     assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
+
+
+def test_each_micro_batch_draws_its_own_dropout_mask(ray_backend):
+    """The shipped pieces take the micro-batch's index for their draws from per-step keys (typed keys cross
+    jax.export), as on the local backend."""
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=4),
+                                  stage_option=MESHES["2_meshes"])
+    assert_matches_dropout_loop(al.parallelize(dropout_step, method=method), num_micro_batches=2)
 
 
 @pytest.mark.slow
