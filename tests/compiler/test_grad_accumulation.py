@@ -116,8 +116,8 @@ def test_a_typed_key_passed_into_a_checkpointed_block_is_folded_per_micro_batch(
     assert {e.primitive.name for e, _ in split.folded_keys} == {"remat2"}  # jax.checkpoint
     got = jax.tree.unflatten(traced.out_tree, jax.jit(make_step_fn(traced.closed_jaxpr, mask, num_micro_batches=2))(
         *jax.tree.leaves((state, batch, key))))
-    grads = [al.grad(dropout_loss)(state.params, jax.tree.map(lambda x, j=j: x[j::2], batch), jax.random.fold_in(key, j))
-             for j in range(2)]
+    grads = [al.grad(dropout_loss)(state.params, jax.tree.map(lambda x, j=j: x[j::2], batch),
+                                   jax.random.fold_in(key, j)) for j in range(2)]
     expected = state.apply_gradients(grads=jax.tree.map(lambda a, b: (a + b) / 2, *grads))
     assert_trees_close(got.params, expected.params, rtol=1e-5, atol=1e-6)
 

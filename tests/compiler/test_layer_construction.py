@@ -27,8 +27,10 @@ def args():
 def test_same_value_and_gradient(args, remat):
     layered = construct_layers(mlp3, manual_layers, remat=remat)
     np.testing.assert_allclose(jax.jit(layered)(*args), jax.jit(mlp3)(*args), rtol=1e-6)
+    # rtol 1e-5 as elsewhere: with remat the backward recomputes the forward inside another fusion, which can
+    # round differently in float32's last bits (2.6e-6 seen at LLVM optimisation level 0)
     for a, b in zip(jax.jit(jax.grad(layered))(*args), jax.jit(jax.grad(mlp3))(*args), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=1e-5)
 
 
 def test_each_manual_layer_is_delimited_forward_and_backward(args):
