@@ -6,7 +6,9 @@ gradient accumulation, and apply-grad (the optimizer update). The ``"grad"`` mar
 equations of the flat step jaxpr:
 
 * ``hoisted``: before the marker and independent of the batch (run once per step);
-* ``per_micro_batch``: the batch-dependent ancestors of the marker's inputs (run once per micro-batch);
+* ``per_micro_batch``: the batch-dependent ancestors of the marker's inputs (run once per micro-batch),
+  and the draws of random numbers that only they read (a dropout mask): each micro-batch draws its own,
+  from the draw's key with the micro-batch's index folded in (:func:`fold_micro_batch_index`);
 * ``apply``: everything else (run once, after the marker; must not read the batch).
 
 The jaxpr is traced for one micro-batch (``trace_step(..., num_micro_batches=m)``), so the per-micro-batch
@@ -96,12 +98,15 @@ def split_at_grad_marker(closed: ClosedJaxpr, batch_mask: Sequence[bool]) -> Gra
     dependent = batch_dependent(eqns[:k], batch_vars)
     _check_no_per_example_results(eqns, marker, dependent, {v.aval.shape[0] for v in batch_vars if v.aval.shape})
     hoisted, per_micro, apply = _phases(eqns, k, live, effectful, dependent)
-    drawn = _per_step_draws(eqns, hoisted, per_micro, apply, closed.jaxpr.outvars)
-    if drawn:  # drawn once per micro-batch, from the per-step key with the micro-batch's index folded in
-        hoisted, per_micro, apply = _phases(eqns, k, live, effectful,
-                                            batch_dependent(eqns[:k], batch_vars | {
-                                                v for i in drawn for v in eqns[i].outvars}))
-    _warn_shared_random_draws([eqns[i] for i in hoisted], [eqns[i] for i in per_micro])
+    # draws moved into the loop: each micro-batch draws its own, from the key with its index folded in
+    drawing_calls = sorted({eqns[i].primitive.name for i in per_micro if draws_inside_a_call(eqns[i])})
+    per_micro_values = batch_vars
+    if not drawing_calls:
+        per_micro_values = batch_vars | {v for i in _per_step_draws(eqns, hoisted, per_micro, apply,
+                                                                    closed.jaxpr.outvars) for v in eqns[i].outvars}
+    if per_micro_values != batch_vars:
+        hoisted, per_micro, apply = _phases(eqns, k, live, effectful, batch_dependent(eqns[:k], per_micro_values))
+    _warn_shared_random_draws([eqns[i] for i in hoisted], [eqns[i] for i in per_micro], drawing_calls)
     dependent = batch_dependent([eqns[i] for i in apply], dependent)
     for i in apply:
         if any(v in dependent for v in jax_compat.eqn_inputs(eqns[i])):
@@ -112,7 +117,7 @@ def split_at_grad_marker(closed: ClosedJaxpr, batch_mask: Sequence[bool]) -> Gra
     if any(v in dependent for v in closed.jaxpr.outvars if isinstance(v, Var)):
         raise ValueError("with num_micro_batches > 1 the step returns a value computed per micro-batch; "
                          "return it from the loss as aux (al.value_and_grad(..., has_aux=True))")
-    folded = per_step_key_draws([eqns[i] for i in per_micro], batch_vars | {v for i in drawn for v in eqns[i].outvars})
+    folded = () if drawing_calls else per_step_key_draws([eqns[i] for i in per_micro], per_micro_values)
     return GradSplit(hoisted=tuple(eqns[i] for i in hoisted), per_micro_batch=tuple(eqns[i] for i in per_micro),
                      marker=marker, apply=tuple(eqns[i] for i in apply), folded_keys=folded)
 
@@ -150,11 +155,16 @@ def _check_no_per_example_results(eqns: Sequence[JaxprEqn], marker: JaxprEqn, de
 _RANDOM_PRIMITIVES = frozenset({"random_bits", "threefry2x32"})
 
 
-def _draws(eqn: JaxprEqn) -> bool:
+def draws_random_numbers(eqn: JaxprEqn) -> bool:
     """True when ``eqn`` draws random numbers: a random primitive, or a call (``checkpoint``, ``cond``, ...)
     whose body draws."""
     return eqn.primitive.name in _RANDOM_PRIMITIVES or any(
-        _draws(inner) for body in jax_compat.nested_jaxprs(eqn) for inner in body.eqns)
+        draws_random_numbers(inner) for body in jax_compat.nested_jaxprs(eqn) for inner in body.eqns)
+
+
+def draws_inside_a_call(eqn: JaxprEqn) -> bool:
+    """True when ``eqn`` is a call (``checkpoint``, ``scan``, ``cond``, ...) whose body draws random numbers."""
+    return eqn.primitive.name not in _RANDOM_PRIMITIVES and draws_random_numbers(eqn)
 
 
 def _is_key(var) -> bool:
@@ -174,7 +184,7 @@ def per_step_key_draws(eqns: Sequence[JaxprEqn], per_micro_batch: set[Var]) -> K
     drawn = []
     for eqn in eqns:
         keys = tuple(k for k, v in enumerate(eqn.invars) if _is_key(v) and v not in differs)
-        if keys and _draws(eqn):
+        if keys and draws_random_numbers(eqn):
             drawn.append((eqn, keys))
     return tuple(drawn)
 
@@ -191,7 +201,7 @@ def _per_step_draws(eqns: Sequence[JaxprEqn], hoisted: Sequence[int], per_micro:
     hoisted_eqns = [eqns[i] for i in hoisted]
     moved = []
     for i in hoisted:
-        if not (_draws(eqns[i]) and any(_is_key(v) for v in eqns[i].invars)):
+        if not (draws_random_numbers(eqns[i]) and any(_is_key(v) for v in eqns[i].invars)):
             continue
         reach = batch_dependent(hoisted_eqns, set(eqns[i].outvars))
         if reach & read and not reach & read_later:
@@ -226,18 +236,28 @@ def _fold_in(keys, index):
     return jnp.reshape(jax.vmap(jax.random.fold_in, in_axes=(0, None))(flat, index), keys.shape)
 
 
-def _warn_shared_random_draws(hoisted: Sequence[JaxprEqn], per_micro_batch: Sequence[JaxprEqn]) -> None:
-    """Random numbers drawn once per step and read by every micro-batch, which :func:`_per_step_draws`
-    could not move into the micro-batch loop (drawn from a raw ``uint32`` key inside a call, or also read
-    after al.grad): a dropout mask drawn that way repeats in every micro-batch, and a warning says so."""
+def _warn_shared_random_draws(hoisted: Sequence[JaxprEqn], per_micro_batch: Sequence[JaxprEqn],
+                              drawing_calls: Sequence[str] = ()) -> None:
+    """Random numbers every micro-batch reads the same of: drawn once per step because :func:`_per_step_draws`
+    could not move them into the micro-batch loop (also read after al.grad), or because the micro-batch
+    computation also draws inside a call body (``drawing_calls``: ``jax.checkpoint``/``nn.remat``, ``scan``,
+    ``cond``). There, JAX draws the forward's numbers outside the body and recomputes them inside it for the
+    backward; folding the micro-batch's index into the draws' keys would give the two different masks, so
+    nothing is folded and a dropout mask repeats in every micro-batch: a warning says so."""
     read = {v for e in per_micro_batch for v in jax_compat.eqn_inputs(e)}
-    draws = [e for e in hoisted if _draws(e) and batch_dependent(hoisted, set(e.outvars)) & read]
-    if draws:
+    draws = [e for e in hoisted if draws_random_numbers(e) and batch_dependent(hoisted, set(e.outvars)) & read]
+    if drawing_calls:
+        warnings.warn(f"with num_micro_batches > 1, the step draws random numbers inside {', '.join(drawing_calls)} "
+                      "(jax.checkpoint / nn.remat, scan or cond) bodies: every micro-batch draws the same ones "
+                      "(a dropout mask repeats in each micro-batch), because giving each micro-batch its own "
+                      "would not yet keep the forward's and the recomputed backward's draws equal",
+                      stacklevel=3)
+    elif draws:
         shapes = ", ".join(sorted({str(tuple(v.aval.shape)) for e in draws for v in e.outvars}))
         warnings.warn(f"with num_micro_batches > 1, the random numbers drawn in the step (shapes {shapes}) are "
                       "drawn once per step and every micro-batch reads the same ones (they are also used after "
-                      "al.grad, or drawn from a raw uint32 key inside a call): a dropout mask repeats in each "
-                      "micro-batch. Draw them inside the loss from a typed key (jax.random.key)", stacklevel=2)
+                      "al.grad): a dropout mask repeats in each micro-batch. Draw them inside the loss",
+                      stacklevel=3)
 
 
 def split_total(split: GradSplit, num_micro_batches: int, cost: Callable[[JaxprEqn], float] = eqn_flops) -> float:

@@ -121,7 +121,8 @@ def construct_layers(fun: Callable, assign: LayerAssignment, *, remat: bool = Fa
 def _mark_inexact(values: list, kind: str, layer: int) -> list:
     """Layer markers on the floating-point values only: integer values (token ids) have no gradient, and
     marking them would put float0 tangents in the backward pass."""
-    floating = [i for i, x in enumerate(values) if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)]
+    floating = [i for i, x in enumerate(values)  # result_type: a Python float argument has no dtype
+                if jax.numpy.issubdtype(jax.numpy.result_type(x), jax.numpy.inexact)]
     marked = mark([values[i] for i in floating], kind, layer)
     out = list(values)
     for i, x in zip(floating, marked, strict=True):

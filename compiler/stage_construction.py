@@ -25,8 +25,9 @@ from typing import NewType
 from jax.extend.core import ClosedJaxpr, Literal, Var
 
 from alpa_like.compiler import jax_compat
-from alpa_like.compiler.grad_accumulation import (KeyDraws, batch_dependent, fold_micro_batch_index,
-                                                  per_step_key_draws, to_micro_batches)
+from alpa_like.compiler.grad_accumulation import (KeyDraws, batch_dependent, draws_inside_a_call,
+                                                  draws_random_numbers, fold_micro_batch_index, per_step_key_draws,
+                                                  to_micro_batches)
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD, Piece
 from alpa_like.compiler.markers import is_marker
 
@@ -249,10 +250,24 @@ def micro_batch_key_draws(program: StageProgram, num_micro_batches: int) -> dict
     dropout mask from the step's key), as :func:`~alpa_like.compiler.grad_accumulation.per_step_key_draws`
     finds them: the runtimes fold the micro-batch's index into those keys, as gradient accumulation does, so
     that micro-batches do not share a mask. Pieces without such draws are left out, and every piece when
-    there is one micro-batch (the step's own draws, as under jax.jit)."""
+    there is one micro-batch (the step's own draws, as under jax.jit).
+
+    Nothing is folded (every micro-batch draws the same numbers, as ``split_at_grad_marker`` warns) when a
+    piece draws inside a call body (``jax.checkpoint``, ``scan``, ``cond``: the forward's draws and the
+    backward's recomputed ones would get different keys), or when drawn numbers reach an apply piece or the
+    step's outputs (they must be one value)."""
     if num_micro_batches == 1:
         return {}
     computed = [piece for (_, phase), piece in sorted(program.pieces.items()) if phase != APPLY]
+    read_later = {v for (_, phase), piece in program.pieces.items() if phase == APPLY for v in piece.inputs}
+    read_later |= {v for v in program.step_outputs if v is not None}
+    for piece in computed:
+        inner = piece.jaxpr.jaxpr
+        if any(draws_inside_a_call(e) for e in inner.eqns):
+            return {}
+        drawn = batch_dependent(inner.eqns, {v for e in inner.eqns if draws_random_numbers(e) for v in e.outvars})
+        if any(out in drawn and v in read_later for v, out in zip(piece.outputs, inner.outvars, strict=True)):
+            return {}
     differs = set(program.batch_inputs)  # ValueIds that differ per micro-batch
     while True:  # what the pieces compute from the batch, through every stage (in any piece order)
         size = len(differs)

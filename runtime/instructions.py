@@ -119,7 +119,14 @@ def emit_programs(program: StageProgram, schedule: Schedule, stage_to_mesh: Sequ
     out: list[Instruction] = []
 
     def key_of(v: ValueId, mb: int) -> Key:
-        return (v, mb) if v in per_micro_batch else (v, PER_STEP)
+        """The buffer of ``v`` that micro-batch ``mb`` (or the step, ``PER_STEP``) reads or writes. A
+        per-micro-batch value read once per step (by an apply piece, or as the step's output) is one the
+        forward pieces compute without the batch (a key split off before al.grad, a scalar read in the loss
+        and after it), the same for every micro-batch (``grad_accumulation.split_at_grad_marker`` rejects
+        one that depends on the batch): micro-batch 0's."""
+        if v not in per_micro_batch:
+            return (v, PER_STEP)
+        return (v, 0 if mb == PER_STEP else mb)
 
     def make_available(v: ValueId, mb: int, mesh: int) -> None:
         key = key_of(v, mb)
@@ -185,6 +192,16 @@ def emit_programs(program: StageProgram, schedule: Schedule, stage_to_mesh: Sequ
                         output_copies=tuple(copies) if any(copies) else ())
 
 
+def buffer_key(buffers, v: ValueId, micro_batch: int) -> Key:
+    """The key of the buffer of ``v`` that a RUN for ``micro_batch`` reads on a mesh holding ``buffers``:
+    the micro-batch's own, else the step's, else micro-batch 0's (a value the forward pieces compute
+    without the batch, read once per step: see ``key_of`` in :func:`emit_programs`)."""
+    for key in ((v, micro_batch), (v, PER_STEP)):
+        if key in buffers:
+            return key
+    return (v, 0)
+
+
 def _insert_frees(instructions: list[Instruction], program: StageProgram, keep: set, key_of) -> list[Instruction]:
     """Adds ``FREE`` after the last use of each per-micro-batch buffer on each mesh (step inputs, outputs
     and accumulators stay): the last instruction that reads it on the mesh (a RUN's input, an ACC, a RECV
@@ -196,7 +213,10 @@ def _insert_frees(instructions: list[Instruction], program: StageProgram, keep: 
         op = ins.op
         if op is run:
             mb = ins.micro_batch
-            if mb == PER_STEP:  # every key it reads or writes is per step
+            if mb == PER_STEP:  # it writes per-step keys; it may read micro-batch 0's buffers (key_of)
+                for v in program.pieces[(ins.stage, ins.phase)].inputs:
+                    if (key := key_of(v, PER_STEP))[1] != PER_STEP:
+                        last[(ins.mesh, key)] = i
                 continue
             piece_key = (ins.stage, ins.phase)
             values = touched.get(piece_key)

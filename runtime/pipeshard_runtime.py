@@ -31,7 +31,7 @@ from alpa_like.compiler.gradient_sync import NONE, DeferredGradients, deferrable
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
 from alpa_like.compiler.stage_construction import StageProgram, ValueId, micro_batch_key_draws
 from alpa_like.compiler.stage_sharding import StageSharding
-from alpa_like.runtime.instructions import PER_STEP, Instruction, MeshPrograms, Op
+from alpa_like.runtime.instructions import PER_STEP, Instruction, MeshPrograms, Op, buffer_key
 from alpa_like.runtime.mesh import make_mesh, named_sharding
 from alpa_like.runtime.resharding import layout_of, plan_resharding, reshard
 from alpa_like.runtime.partial_sums import eval_piece, stacked_pins, step_means
@@ -208,8 +208,7 @@ class PipeshardExecutable:
         """
         mesh_buffers, acc = buffers[ins.mesh], accumulators[ins.mesh]
         piece = self.program.piece(ins.stage, ins.phase)
-        keys = [(v, ins.micro_batch) if (v, ins.micro_batch) in mesh_buffers else (v, PER_STEP)
-                for v in piece.inputs]
+        keys = [buffer_key(mesh_buffers, v, ins.micro_batch) for v in piece.inputs]
         args = [mesh_buffers[k] for k in keys]
         if (ins.stage, ins.phase) in self._draws:
             args.append(self._micro_batch_index(ins.mesh, ins.micro_batch))

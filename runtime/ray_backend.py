@@ -98,7 +98,7 @@ class RemoteArray:
     __slots__ = ("shape", "dtype", "replicas", "_cluster", "_value", "__weakref__")
 
     def __init__(self, shape, dtype, replicas: Sequence[tuple[Any, int]], cluster: RayCluster):
-        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.shape, self.dtype = tuple(shape), dtype if _is_typed_key_dtype(dtype) else np.dtype(dtype)
         self.replicas = tuple(replicas)
         """(worker actor, handle id) of each copy."""
         self._cluster, self._value = cluster, None
@@ -119,9 +119,12 @@ class RemoteArray:
     def aval(self) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(self.shape, self.dtype)
 
-    def fetch(self) -> np.ndarray:
+    def fetch(self) -> np.ndarray | jax.Array:
+        """The value (a typed PRNG key comes back as a ``jax.random.key`` array)."""
         if self._value is None:
-            self._value = self._cluster.fetch(*self.replicas[0])
+            value = self._cluster.fetch(*self.replicas[0])
+            self._value = (jax.random.wrap_key_data(value[0], impl=value[1]) if isinstance(value, tuple)
+                           else value)
         return self._value
 
     def __array__(self, dtype=None, copy=None):
@@ -320,8 +323,12 @@ class RayCluster:
             ray.shutdown()
 
 
+def _is_typed_key_dtype(dtype) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
 def _is_typed_key(x) -> bool:
-    return jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key)
+    return _is_typed_key_dtype(getattr(x, "dtype", np.float32))
 
 
 def _key_payload(key) -> list:

@@ -33,7 +33,7 @@ import numpy as np
 
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.stage_construction import ValueId
-from alpa_like.runtime.instructions import PER_STEP, Instruction, Key, Op
+from alpa_like.runtime.instructions import PER_STEP, Instruction, Key, Op, buffer_key
 from alpa_like.runtime.resharding import MeshLayout, plan_resharding
 
 RECV_POLL_SECONDS = 0.2
@@ -121,6 +121,8 @@ class MeshWorker:
         self._loaded: dict[int, _LoadedProgram] = {}
         self._mailbox: dict[tuple, list] = {}
         self._aborted: set[tuple[int, int]] = set()
+        self._send_failures: dict[tuple[int, int], BaseException] = {}
+        """(executable, step) -> the error of a send of this worker's, which its RECVs raise instead of waiting."""
         self._cond = threading.Condition()
         self._sender = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sender")
         self._fault: tuple[int, str] | None = None
@@ -144,8 +146,13 @@ class MeshWorker:
     def unload_program(self, exe_id: int) -> None:
         self._loaded.pop(exe_id, None)
 
-    def fetch(self, handle: int) -> np.ndarray:
-        return np.asarray(self._store[handle])
+    def fetch(self, handle: int) -> np.ndarray | tuple[np.ndarray, str]:
+        """The stored array; a typed PRNG key, which NumPy cannot hold, as (key data, impl name)."""
+        import jax
+        x = self._store[handle]
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return np.asarray(jax.random.key_data(x)), str(jax.random.key_impl(x))
+        return np.asarray(x)
 
     def free(self, handles: Sequence[int]) -> None:
         for h in handles:
@@ -186,6 +193,9 @@ class MeshWorker:
             while (exe_id, step, key) not in self._mailbox:
                 if (exe_id, step) in self._aborted:
                     raise StepAborted(f"step {step} aborted by the driver while waiting for {key}")
+                failed = self._send_failures.get((exe_id, step))
+                if failed is not None:  # this worker's own send failed: its peers would wait forever
+                    raise failed
                 self._cond.wait(RECV_POLL_SECONDS)
             parcel, i = self._mailbox.pop((exe_id, step, key))
         return parcel.items()[i]
@@ -227,6 +237,7 @@ class MeshWorker:
             self._where = "idle"
             with self._cond:
                 self._aborted.discard((exe_id, step))
+                self._send_failures.pop((exe_id, step), None)
         self._store.update(zip(out_handles, outputs, strict=True))
         return {"mesh": loaded.program.mesh, "seconds": time.perf_counter() - start,
                 "bytes_sent": run.bytes_sent, "input_bytes_sent": run.input_bytes_sent, "instructions": run.count}
@@ -372,8 +383,7 @@ class _StepRun:
     def _run(self, ins: Instruction, accs: list[Instruction]) -> None:
         piece = self.program.pieces[(ins.stage, ins.phase)]
         buffers, acc = self.buffers, self.accumulators
-        args = [buffers[(v, ins.micro_batch)] if (v, ins.micro_batch) in buffers else buffers[(v, PER_STEP)]
-                for v in piece.inputs]
+        args = [buffers[buffer_key(buffers, v, ins.micro_batch)] for v in piece.inputs]
         if piece.takes_micro_batch_index:
             args.append(np.uint32(ins.micro_batch))
         position = {v: k for k, v in enumerate(piece.outputs)}
@@ -451,6 +461,16 @@ class _StepRun:
         self.outbox = {}
 
     def _send_now(self, dst: int, items: list) -> None:
+        try:
+            self._send_parcel(dst, items)
+        except BaseException as e:  # fail this worker's step now (its RECV waits, or its next instruction)
+            worker = self.worker
+            with worker._cond:
+                worker._send_failures[(self.exe_id, self.step)] = e
+                worker._cond.notify_all()
+            raise
+
+    def _send_parcel(self, dst: int, items: list) -> None:
         import ray
         parcel = [self._pieces(x, dst, spec, is_input=key[0] == "input") for key, x, spec in items]
         ref = ray.put(parcel)
@@ -461,6 +481,11 @@ class _StepRun:
         import jax
         from alpa_like.runtime.resharding import pieces_to_send
         src_spec = _spec_of(x, self.loaded)
+        key_impl = None
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # typed keys travel as their key data
+            key_impl = str(jax.random.key_impl(x))
+            x = jax.random.key_data(x)
+            src_spec, dst_spec = (ShardingSpec(axes=spec.axes + ((),)) for spec in (src_spec, dst_spec))
         plan = self.loaded.plan(x.shape, x.dtype, self.program.mesh, src_spec, dst, dst_spec)
         target = self.loaded.sharding(src_spec)
         if not x.sharding.is_equivalent_to(target, x.ndim):
@@ -471,7 +496,8 @@ class _StepRun:
         else:
             self.bytes_sent += plan.cross_mesh_bytes
         return {"shape": tuple(x.shape), "dtype": str(x.dtype), "src_mesh": self.program.mesh,
-                "src_spec": src_spec, "dst_spec": dst_spec, "pieces": pieces_to_send(plan, src_data)}
+                "src_spec": src_spec, "dst_spec": dst_spec, "pieces": pieces_to_send(plan, src_data),
+                "key_impl": key_impl}
 
     def _receive(self, key):
         import jax
@@ -483,8 +509,9 @@ class _StepRun:
         received = {dst: [(box, jax.device_put(piece, device_of[dst])) for box, piece in pieces]
                     for dst, pieces in payload["pieces"].items()}
         info = self.program.meshes[self.program.mesh]
-        return assemble_received(plan, received, np.dtype(payload["dtype"]), device_of, info.flat_ids,
-                                 self.loaded.sharding(payload["dst_spec"]))
+        x = assemble_received(plan, received, np.dtype(payload["dtype"]), device_of, info.flat_ids,
+                              self.loaded.sharding(payload["dst_spec"]))
+        return x if payload["key_impl"] is None else jax.random.wrap_key_data(x, impl=payload["key_impl"])
 
     def finish_sends(self) -> None:
         for future in self.sends:

@@ -103,21 +103,29 @@ def test_random_numbers_drawn_from_a_per_step_key_are_drawn_per_micro_batch(make
     assert not np.allclose(got.params["dense_0"]["kernel"], shared["dense_0"]["kernel"], atol=1e-4)
 
 
-def test_a_typed_key_passed_into_a_checkpointed_block_is_folded_per_micro_batch():
-    """nn.remat / jax.checkpoint blocks run per micro-batch with the key as an operand (forward and the
-    backward's recomputation): both get the micro-batch's index folded in, so they draw the same mask."""
-    def step(state, batch, key):
-        return state.apply_gradients(grads=al.grad(jax.checkpoint(dropout_loss))(state.params, batch, key))
+@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey], ids=["typed", "raw"])
+def test_draws_inside_a_checkpointed_block_are_shared_by_the_micro_batches_with_a_warning(make_key):
+    """jax.checkpoint / nn.remat: JAX draws the forward's mask outside the block and recomputes it inside it
+    for the backward, from the block's key operand. Folding the index into the draw's key would give the
+    backward another mask (a key split inside the block): nothing is folded, the micro-batches share the
+    mask (a warning says so), and the gradients are those of one consistent mask per micro-batch."""
+    def loss_fn(params, batch, key):
+        return dropout_loss(params, batch, jax.random.split(key)[1])
 
-    state, batch, key = mlp_state(tx=optax.sgd(0.1)), mlp_batch(np.random.default_rng(0)), jax.random.key(3)
+    def step(state, batch, key):
+        return state.apply_gradients(grads=al.grad(jax.checkpoint(loss_fn))(state.params, batch, key))
+
+    state, batch, key = mlp_state(tx=optax.sgd(0.1)), mlp_batch(np.random.default_rng(0)), make_key(3)
     traced = trace_step(step, (state, batch, key), batch_argnums=(1,), num_micro_batches=2)
     mask = [leaf.is_batch for leaf in traced.in_leaves]
-    split = split_at_grad_marker(traced.closed_jaxpr, mask)
-    assert {e.primitive.name for e, _ in split.folded_keys} == {"remat2"}  # jax.checkpoint
-    got = jax.tree.unflatten(traced.out_tree, jax.jit(make_step_fn(traced.closed_jaxpr, mask, num_micro_batches=2))(
-        *jax.tree.leaves((state, batch, key))))
-    grads = [al.grad(dropout_loss)(state.params, jax.tree.map(lambda x, j=j: x[j::2], batch),
-                                   jax.random.fold_in(key, j)) for j in range(2)]
+    with pytest.warns(UserWarning, match="inside .*checkpoint.* bodies: every micro-batch draws the same"):
+        split = split_at_grad_marker(traced.closed_jaxpr, mask)
+    assert not split.folded_keys
+    with warnings.catch_warnings():  # make_step_fn splits again: the same warning
+        warnings.simplefilter("ignore")
+        step_fn = make_step_fn(traced.closed_jaxpr, mask, num_micro_batches=2)
+    got = jax.tree.unflatten(traced.out_tree, jax.jit(step_fn)(*jax.tree.leaves((state, batch, key))))
+    grads = [al.grad(loss_fn)(state.params, jax.tree.map(lambda x, j=j: x[j::2], batch), key) for j in range(2)]
     expected = state.apply_gradients(grads=jax.tree.map(lambda a, b: (a + b) / 2, *grads))
     assert_trees_close(got.params, expected.params, rtol=1e-5, atol=1e-6)
 

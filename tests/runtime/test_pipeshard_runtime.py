@@ -131,28 +131,42 @@ def dropout_step(state, batch, key):
     return state.apply_gradients(grads=grads), loss
 
 
+def dropout_key_step(state, batch, key):
+    """:func:`dropout_step` on a key split off the step's key, which the step returns (a train state's
+    ``rng``): computed before al.grad, outside the loss."""
+    key, sub = jax.random.split(key)
+    state, loss = dropout_step(state, batch, sub)
+    return state, loss, key
+
+
 def dropout_loop(num_micro_batches):
-    """The reference of :func:`dropout_step` with micro-batches: a loop over them (rows j, j + m, ...)."""
+    """The reference of :func:`dropout_key_step` with micro-batches: a loop over them (rows j, j + m, ...)."""
     m = num_micro_batches
 
     def loop(state, batch, key):
-        parts = [jax.value_and_grad(dropout_loss)(state.params, jax.tree.map(lambda x, j=j: x[j::m], batch), key, j)
+        key, sub = jax.random.split(key)
+        parts = [jax.value_and_grad(dropout_loss)(state.params, jax.tree.map(lambda x, j=j: x[j::m], batch), sub, j)
                  for j in range(m)]
         loss, grads = jax.tree.map(lambda *xs: sum(xs) / m, *parts)
-        return state.apply_gradients(grads=grads), loss
+        return state.apply_gradients(grads=grads), loss, key
     return loop
 
 
 def assert_matches_dropout_loop(parallel, num_micro_batches):
-    """``parallel`` (a :func:`dropout_step`) against :func:`dropout_loop` under jax.jit on one device."""
+    """``parallel`` (a :func:`dropout_key_step`) against :func:`dropout_loop` under jax.jit on one device,
+    two steps, each on the key the step before returned."""
     _, state, batches = mlp_case()
     state = state.replace(tx=SGD, opt_state=SGD.init(state.params))
     reference = jax.jit(dropout_loop(num_micro_batches))
-    got, expected = state, jax.device_put(state, jax.devices()[0])
-    for i, batch in enumerate(batches[:2]):
-        got, got_loss = parallel(got, batch, jax.random.key(i))
-        expected, expected_loss = reference(expected, jax.device_put(batch, jax.devices()[0]), jax.random.key(i))
+    got, got_key = state, jax.random.key(7)
+    expected, expected_key = jax.device_put((state, got_key), jax.devices()[0])
+    for batch in batches[:2]:
+        got, got_loss, got_key = parallel(got, batch, got_key)
+        expected, expected_loss, expected_key = reference(expected, jax.device_put(batch, jax.devices()[0]),
+                                                          expected_key)
         assert_trees_close(got_loss, expected_loss, rtol=1e-5, atol=1e-6)
+    fetched = got_key.fetch() if hasattr(got_key, "fetch") else got_key  # a RemoteArray on the Ray backend
+    np.testing.assert_array_equal(jax.random.key_data(fetched), jax.random.key_data(expected_key))
     assert_trees_close(got.params, expected.params, rtol=1e-5, atol=1e-6)
 
 
@@ -186,11 +200,81 @@ def test_user_remat_blocks_and_dropout_keys_run_in_a_pipeline(model):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_each_micro_batch_draws_its_own_dropout_mask(schedule):
     """With micro-batches, the pipeline folds micro-batch j's index into the key of every draw from a per-step
-    key, as the SPMD methods do (tests/alpa_like/test_methods.py): no two micro-batches share a mask."""
+    key, as the SPMD methods do (tests/alpa_like/test_methods.py): no two micro-batches share a mask. The key
+    the step returns is computed by a forward piece (every micro-batch computes the same): micro-batch 0's."""
     method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2),
                                   stage_option=al.UniformStageOption(num_stages=2, show_progress=False),
                                   pipeline_schedule=schedule)
-    assert_matches_dropout_loop(al.parallelize(dropout_step, method=method), num_micro_batches=2)
+    assert_matches_dropout_loop(al.parallelize(dropout_key_step, method=method), num_micro_batches=2)
+
+
+@pytest.mark.parametrize("num_micro_batches", [1, 2])
+def test_a_value_made_before_al_grad_and_read_after_it_runs(num_micro_batches):
+    """A value the step computes before al.grad without the batch, read in the loss and after al.grad (here a
+    scale), is computed by a forward piece with every micro-batch; the update and the output read micro-batch
+    0's (found by an outside probe: "read on mesh 0 before it is computed")."""
+    _, state, batches = mlp_case()
+    state = state.replace(tx=SGD, opt_state=SGD.init(state.params))
+
+    def step(state, batch, scale):
+        factor = jnp.sin(scale)
+        loss, grads = al.value_and_grad(lambda p, b: factor * mlp_loss(p, b))(state.params, batch)
+        return state.apply_gradients(grads=jax.tree.map(lambda g: g / factor, grads)), loss, factor
+
+    method = al.PipeshardParallel(num_micro_batches=num_micro_batches, layer_option=al.AutoLayerOption(layer_num=2),
+                                  stage_option=al.UniformStageOption(num_stages=2, show_progress=False))
+    got = al.parallelize(step, method=method)(state, batches[0], jnp.float32(0.5))
+    expected = jax.jit(step)(state, batches[0], jnp.float32(0.5))
+    assert_trees_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_python_float_argument_of_the_loss_is_accepted():
+    """al.value_and_grad(loss)(params, batch, 0.5): the layer markers skip it like any non-float value (an
+    outside probe found an AttributeError on its missing dtype)."""
+    _, state, batches = mlp_case()
+    state = state.replace(tx=SGD, opt_state=SGD.init(state.params))
+
+    def step(state, batch):
+        loss, grads = al.value_and_grad(lambda p, b, scale: scale * mlp_loss(p, b))(state.params, batch, 0.5)
+        return state.apply_gradients(grads=grads), loss
+
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2),
+                                  stage_option=al.UniformStageOption(num_stages=2, show_progress=False))
+    assert_trees_close(al.parallelize(step, method=method)(state, batches[0]), jax.jit(step)(state, batches[0]),
+                       rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_inside_checkpointed_blocks_is_shared_by_the_micro_batches():
+    """Draws inside jax.checkpoint bodies are not folded (see split_at_grad_marker's warning): every
+    micro-batch draws the same masks, and forward and backward agree on them (folding at the draw gave the
+    recomputed backward another mask: an outside probe's silent wrong gradients)."""
+    def block(w, b, h, key):
+        keep = jax.random.bernoulli(jax.random.split(key)[1], 0.7, h.shape)  # the draw's key made in the block
+        return jnp.where(keep, jnp.tanh(h @ w + b) / 0.7, 0.0)
+
+    def loss_fn(params, batch, key):
+        h = batch["x"]
+        for i in range(4):
+            h = jax.checkpoint(block)(params[f"w{i}"], params[f"b{i}"], h, jax.random.fold_in(key, i))
+        return jnp.mean((h - batch["y"]) ** 2)
+
+    def step(state, batch, key):
+        loss, grads = al.value_and_grad(loss_fn)(state.params, batch, key)
+        return state.apply_gradients(grads=grads), loss
+
+    def shared_loop(state, batch, key):
+        parts = [jax.value_and_grad(loss_fn)(state.params, jax.tree.map(lambda x, j=j: x[j::2], batch), key)
+                 for j in range(2)]
+        loss, grads = jax.tree.map(lambda *xs: sum(xs) / 2, *parts)
+        return state.apply_gradients(grads=grads), loss
+
+    _, state, batches = mlp_case()
+    state = state.replace(tx=SGD, opt_state=SGD.init(state.params))
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2),
+                                  stage_option=al.UniformStageOption(num_stages=2, show_progress=False))
+    with pytest.warns(UserWarning, match="every micro-batch draws the same"):
+        got = al.parallelize(step, method=method)(state, batches[0], jax.random.key(1))
+    assert_trees_close(got, jax.jit(shared_loop)(state, batches[0], jax.random.key(1)), rtol=1e-5, atol=1e-6)
 
 
 def wide_mlp_loss(params, batch):

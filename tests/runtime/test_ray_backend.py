@@ -17,7 +17,7 @@ from alpa_like.runtime.instructions import Op
 from alpa_like.runtime.ray_backend import RayStepError, RemoteArray, held_at_end, worker_programs
 from alpa_like.runtime.ray_worker import MeshInfo
 from tests.helpers import assert_trees_close, reference_on_one_device, run_steps
-from tests.runtime.test_pipeshard_runtime import (assert_matches_dropout_loop, dropout_step, gpt_case, mlp_case, stages,
+from tests.runtime.test_pipeshard_runtime import (assert_matches_dropout_loop, dropout_key_step, gpt_case, mlp_case, stages,
                                                  train_step_for)
 
 pytestmark = pytest.mark.ray
@@ -84,10 +84,11 @@ def test_gpt_matches_local_backend_and_jit(ray_backend, meshes, schedule):
 
 def test_each_micro_batch_draws_its_own_dropout_mask(ray_backend):
     """The shipped pieces take the micro-batch's index for their draws from per-step keys (typed keys cross
-    jax.export), as on the local backend."""
+    jax.export), as on the local backend. Typed keys also travel: from the driver, from mesh to mesh (the key
+    split off on mesh 0 for mesh 1's dropout), and back as the step's output."""
     method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=4),
                                   stage_option=MESHES["2_meshes"])
-    assert_matches_dropout_loop(al.parallelize(dropout_step, method=method), num_micro_batches=2)
+    assert_matches_dropout_loop(al.parallelize(dropout_key_step, method=method), num_micro_batches=2)
 
 
 @pytest.mark.slow
