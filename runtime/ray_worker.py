@@ -463,7 +463,7 @@ class _StepRun:
     def _send_now(self, dst: int, items: list) -> None:
         try:
             self._send_parcel(dst, items)
-        except BaseException as e:  # fail this worker's step now (its RECV waits, or its next instruction)
+        except BaseException as e:  # its next wait for a parcel raises it (else finish_sends, at the step's end)
             worker = self.worker
             with worker._cond:
                 worker._send_failures[(self.exe_id, self.step)] = e

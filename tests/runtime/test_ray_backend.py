@@ -17,8 +17,8 @@ from alpa_like.runtime.instructions import Op
 from alpa_like.runtime.ray_backend import RayStepError, RemoteArray, held_at_end, worker_programs
 from alpa_like.runtime.ray_worker import MeshInfo
 from tests.helpers import assert_trees_close, reference_on_one_device, run_steps
-from tests.runtime.test_pipeshard_runtime import (assert_matches_dropout_loop, dropout_key_step, gpt_case, mlp_case, stages,
-                                                 train_step_for)
+from tests.runtime.test_pipeshard_runtime import (assert_matches_dropout_loop, dropout_key_step, gpt_case, mlp_case,
+                                                 stages, train_step_for)
 
 pytestmark = pytest.mark.ray
 
