@@ -217,6 +217,14 @@ def _live_bytes_before(jaxpr: Jaxpr) -> np.ndarray:
     return np.cumsum(delta)[:n + 1]
 
 
+def _loop_hint(jaxpr: Jaxpr) -> str:
+    """Why a loss with its layers in a loop clusters badly, or "" when it has no loop."""
+    loops = sorted({e.primitive.name for e in jaxpr.eqns if e.primitive.name in ("scan", "while", "cond")})
+    return (f"; its {'/'.join(loops)} loop counts as one operator (layers stacked in a lax.scan or nn.scan "
+            "cannot be split into pipeline layers: unroll them, or use ShardParallel, which shards inside the "
+            "scan)") if loops else ""
+
+
 def auto_layers(layer_num: int, delta: float | None, recompute_aware: bool = False) -> LayerAssignment:
     """The assignment of operator clustering (Eq. 3.6) into ``layer_num`` layers with slack ``delta``
     (None: Alpa's default slack :data:`DEFAULT_DELTA`, or the smallest slack that admits a clustering when
@@ -228,12 +236,8 @@ def auto_layers(layer_num: int, delta: float | None, recompute_aware: bool = Fal
         segments = operator_segments(jaxpr)
         num_segments = segments[-1] + 1 if segments else 0
         if num_segments < layer_num:
-            loops = sorted({e.primitive.name for e in jaxpr.eqns if e.primitive.name in ("scan", "while", "cond")})
-            hint = (f"; its {'/'.join(loops)} loop counts as one operator (layers stacked in a lax.scan or "
-                    "nn.scan cannot be split into pipeline layers: unroll them, or use ShardParallel, which "
-                    "shards inside the scan)") if loops else ""
             raise ValueError(f"AutoLayerOption(layer_num={layer_num}): the loss has only {num_segments} "
-                             f"matmul/convolution operators to cluster; use a smaller layer_num{hint}")
+                             f"matmul/convolution operators to cluster; use a smaller layer_num{_loop_hint(jaxpr)}")
         flops = [0.0] * num_segments
         for eqn, seg in zip(jaxpr.eqns, segments, strict=True):
             flops[seg] += eqn_flops(eqn)
@@ -251,7 +255,7 @@ def auto_layers(layer_num: int, delta: float | None, recompute_aware: bool = Fal
             clustering = cluster_layers(flops, incoming_bytes(num_segments, edges), layer_num, slack, saving)
         except ValueError as e:  # the option is AutoLayerOption.eps; pass eps=None for the least that works
             raise ValueError(f"AutoLayerOption(layer_num={layer_num}, eps={delta}): {e} (delta is eps; eps=None "
-                             "takes the least slack that admits a clustering)") from None
+                             f"takes the least slack that admits a clustering){_loop_hint(jaxpr)}") from None
         layer_of_segment = np.zeros(num_segments, dtype=int)
         for layer, ops in enumerate(clustering.layers):
             layer_of_segment[list(ops)] = layer

@@ -81,6 +81,13 @@ def test_layers_stacked_in_a_scan_are_a_clear_error_naming_the_scan():
     with pytest.raises(ValueError, match="its scan loop counts as one operator"):
         auto_layers(2, delta=0.6)(jaxpr)
 
+    def loss_with_head(ws, head, x):  # enough operators, but the scan holds nearly every FLOP (outside probe)
+        h = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+        return jnp.mean((h @ head) ** 2)
+    jaxpr = jax.make_jaxpr(loss_with_head)(jnp.ones((4, 8, 8)), jnp.ones((8, 1)), jnp.ones((2, 8))).jaxpr
+    with pytest.raises(ValueError, match="needs delta >= .*its scan loop counts as one operator"):
+        auto_layers(2, delta=0.1)(jaxpr)
+
 
 def test_a_checkpointed_block_or_a_scan_is_one_operator():
     """Blocks the user wrapped in jax.checkpoint (what nn.remat emits) are one operator each, not zero: their
