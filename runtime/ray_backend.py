@@ -362,10 +362,10 @@ def worker_programs(program: StageProgram, programs: MeshPrograms, meshes: Seque
             if ins.mesh not in dsts:
                 sends[ins.src_mesh][ins.key] = dsts + (ins.mesh,)
     out = []
+    draws = micro_batch_key_draws(program, num_micro_batches)
     for k in range(len(meshes)):
         instructions = programs.program(k)
         stages = {ins.stage for ins in instructions if ins.op is Op.RUN}
-        draws = micro_batch_key_draws(program, num_micro_batches)
         pieces = {key: ShippedPiece(exported=shipped[key], inputs=p.inputs, outputs=p.outputs,
                                     takes_micro_batch_index=key in draws)
                   for key, p in program.pieces.items() if key[0] in stages}
