@@ -168,7 +168,7 @@ def draws_inside_a_call(eqn: JaxprEqn) -> bool:
 
 
 def _is_key(var) -> bool:
-    return isinstance(var, Var) and jax.dtypes.issubdtype(var.aval.dtype, jax.dtypes.prng_key)
+    return isinstance(var, Var) and jax_compat.is_prng_key(var.aval.dtype)
 
 
 def per_step_key_draws(eqns: Sequence[JaxprEqn], per_micro_batch: set[Var]) -> KeyDraws:

@@ -27,6 +27,16 @@ def numpy_dtype(dtype) -> np.dtype:
     return np.dtype(dtype)
 
 
+def is_prng_key(dtype) -> bool:
+    """True for a typed PRNG key dtype (``jax.random.key``'s ``key<fry>``), which NumPy cannot hold."""
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def key_data_and_impl(key) -> tuple[np.ndarray, str]:
+    """A typed PRNG key array as NumPy key data and its impl's name, for ``jax.random.wrap_key_data``."""
+    return np.asarray(jax.random.key_data(key)), str(jax.random.key_impl(key))
+
+
 def is_call(eqn: JaxprEqn) -> bool:
     """True when ``eqn`` is a nested ``jit``-like call that can be inlined."""
     return eqn.primitive.name in CALL_PRIMITIVES and isinstance(eqn.params.get("jaxpr"), ClosedJaxpr)

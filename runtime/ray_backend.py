@@ -41,6 +41,7 @@ import numpy as np
 
 from alpa_like.cluster import ClusterSpec
 from alpa_like.compiler.sharding_spec import ShardingSpec
+from alpa_like.compiler import jax_compat
 from alpa_like.compiler.grad_accumulation import KeyDraws
 from alpa_like.compiler.stage_construction import StageProgram, micro_batch_key_draws
 from alpa_like.runtime.instructions import MeshPrograms, Op
@@ -98,7 +99,7 @@ class RemoteArray:
     __slots__ = ("shape", "dtype", "replicas", "_cluster", "_value", "__weakref__")
 
     def __init__(self, shape, dtype, replicas: Sequence[tuple[Any, int]], cluster: RayCluster):
-        self.shape, self.dtype = tuple(shape), dtype if _is_typed_key_dtype(dtype) else np.dtype(dtype)
+        self.shape, self.dtype = tuple(shape), dtype if jax_compat.is_prng_key(dtype) else np.dtype(dtype)
         self.replicas = tuple(replicas)
         """(worker actor, handle id) of each copy."""
         self._cluster, self._value = cluster, None
@@ -323,20 +324,6 @@ class RayCluster:
             ray.shutdown()
 
 
-def _is_typed_key_dtype(dtype) -> bool:
-    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def _is_typed_key(x) -> bool:
-    return _is_typed_key_dtype(getattr(x, "dtype", np.float32))
-
-
-def _key_payload(key) -> list:
-    """A typed PRNG key (``jax.random.key``), which NumPy cannot hold, as its key data and its impl's name:
-    the worker re-wraps it (``jax.random.wrap_key_data``)."""
-    return [np.asarray(jax.random.key_data(key)), str(jax.random.key_impl(key))]
-
-
 EXPORT_PLATFORMS = {"cpu": ("cpu",), "gpu": ("cuda",)}
 
 
@@ -505,7 +492,8 @@ class RayPipeshardExecutable:
                 if not here:  # made by an executable on other workers: goes through the driver
                     x = x.fetch()
             if not here:
-                payload = _key_payload(x) if _is_typed_key(x) else [np.asarray(x)]
+                is_key = jax_compat.is_prng_key(getattr(x, "dtype", np.float32))  # sent as data + impl name
+                payload = list(jax_compat.key_data_and_impl(x)) if is_key else [np.asarray(x)]
                 ref = ray.put(payload[0])
                 sent += payload[0].nbytes
                 for k in loaders:

@@ -148,11 +148,9 @@ class MeshWorker:
 
     def fetch(self, handle: int) -> np.ndarray | tuple[np.ndarray, str]:
         """The stored array; a typed PRNG key, which NumPy cannot hold, as (key data, impl name)."""
-        import jax
+        from alpa_like.compiler import jax_compat
         x = self._store[handle]
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            return np.asarray(jax.random.key_data(x)), str(jax.random.key_impl(x))
-        return np.asarray(x)
+        return jax_compat.key_data_and_impl(x) if jax_compat.is_prng_key(x.dtype) else np.asarray(x)
 
     def free(self, handles: Sequence[int]) -> None:
         for h in handles:
@@ -421,7 +419,7 @@ class _StepRun:
             if kind == "ref":
                 import ray
                 value = ray.get(payload[0])
-                if len(payload) > 1:  # a typed PRNG key's data and impl (ray_backend._key_payload)
+                if len(payload) > 1:  # a typed PRNG key's data and impl (jax_compat.key_data_and_impl)
                     value = jax.random.wrap_key_data(value, impl=payload[1])
                 inputs[v] = ("value", value)
             elif kind == "handle":
@@ -479,10 +477,11 @@ class _StepRun:
     def _pieces(self, x, dst: int, dst_spec: ShardingSpec, is_input: bool) -> dict:
         """One buffer cut into the pieces its resharding plan sends to mesh ``dst``."""
         import jax
+        from alpa_like.compiler import jax_compat
         from alpa_like.runtime.resharding import pieces_to_send
         src_spec = _spec_of(x, self.loaded)
         key_impl = None
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # typed keys travel as their key data
+        if jax_compat.is_prng_key(x.dtype):  # typed keys travel as their key data
             key_impl = str(jax.random.key_impl(x))
             x = jax.random.key_data(x)
             src_spec, dst_spec = (ShardingSpec(axes=spec.axes + ((),)) for spec in (src_spec, dst_spec))
