@@ -7,8 +7,9 @@ equations of the flat step jaxpr:
 
 * ``hoisted``: before the marker and independent of the batch (run once per step);
 * ``per_micro_batch``: the batch-dependent ancestors of the marker's inputs (run once per micro-batch),
-  and the draws of random numbers that only they read (a dropout mask): each micro-batch draws its own,
-  from the draw's key with the micro-batch's index folded in (:func:`fold_micro_batch_index`);
+  and what they read that the step computes from its random keys (a dropout mask, a key split off the
+  step's key): each micro-batch computes those again from the key roots with its index folded in
+  (:mod:`~alpa_like.compiler.micro_batch_keys`), so micro-batches draw their own masks;
 * ``apply``: everything else (run once, after the marker; must not read the batch).
 
 The jaxpr is traced for one micro-batch (``trace_step(..., num_micro_batches=m)``), so the per-micro-batch
@@ -33,10 +34,11 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.flops import eqn_flops
 from alpa_like.compiler.markers import is_marker
+from alpa_like.compiler.micro_batch_keys import (DERIVED, KeyDraws, draws_random_numbers,
+                                                 fold_micro_batch_index, fold_points, key_data, key_origins,
+                                                 key_roots, unfoldable_draws)
 
 ValuesFn = Callable[[list[Any]], list[Any]]
-KeyDraws = tuple[tuple[JaxprEqn, tuple[int, ...]], ...]
-"""Equations that draw random numbers, each with the positions of its per-step key operands."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +50,8 @@ class GradSplit:
     marker: JaxprEqn
     apply: tuple[JaxprEqn, ...]
     folded_keys: KeyDraws = ()
-    """Per-micro-batch equations that draw random numbers from a per-step PRNG key, with the positions of
-    those key operands: each micro-batch folds its index into them (:func:`fold_micro_batch_index`)."""
+    """The per-micro-batch equations that read key roots, with those operands: each micro-batch folds its
+    index into them (:func:`~alpa_like.compiler.micro_batch_keys.fold_micro_batch_index`)."""
 
 
 def grad_markers(closed: ClosedJaxpr) -> list[JaxprEqn]:
@@ -98,15 +100,6 @@ def split_at_grad_marker(closed: ClosedJaxpr, batch_mask: Sequence[bool]) -> Gra
     dependent = batch_dependent(eqns[:k], batch_vars)
     _check_no_per_example_results(eqns, marker, dependent, {v.aval.shape[0] for v in batch_vars if v.aval.shape})
     hoisted, per_micro, apply = _phases(eqns, k, live, effectful, dependent)
-    # draws moved into the loop: each micro-batch draws its own, from the key with its index folded in
-    drawing_calls = sorted({eqns[i].primitive.name for i in per_micro if draws_inside_a_call(eqns[i])})
-    per_micro_values = batch_vars
-    if not drawing_calls:
-        per_micro_values = batch_vars | {v for i in _per_step_draws(eqns, hoisted, per_micro, apply,
-                                                                    closed.jaxpr.outvars) for v in eqns[i].outvars}
-    if per_micro_values != batch_vars:
-        hoisted, per_micro, apply = _phases(eqns, k, live, effectful, batch_dependent(eqns[:k], per_micro_values))
-    _warn_shared_random_draws([eqns[i] for i in hoisted], [eqns[i] for i in per_micro], drawing_calls)
     dependent = batch_dependent([eqns[i] for i in apply], dependent)
     for i in apply:
         if any(v in dependent for v in jax_compat.eqn_inputs(eqns[i])):
@@ -114,12 +107,26 @@ def split_at_grad_marker(closed: ClosedJaxpr, batch_mask: Sequence[bool]) -> Gra
                 f"with num_micro_batches > 1, `{eqns[i].primitive.name}` outside al.grad uses the batch or a "
                 "value computed from it; compute it inside the loss and return it as aux "
                 "(al.value_and_grad(..., has_aux=True)) so that it is averaged over micro-batches")
-    if any(v in dependent for v in closed.jaxpr.outvars if isinstance(v, Var)):
+    outvars = [v for v in closed.jaxpr.outvars if isinstance(v, Var)]
+    if any(v in dependent for v in outvars):
         raise ValueError("with num_micro_batches > 1 the step returns a value computed per micro-batch; "
                          "return it from the loss as aux (al.value_and_grad(..., has_aux=True))")
-    folded = () if drawing_calls else per_step_key_draws([eqns[i] for i in per_micro], per_micro_values)
-    return GradSplit(hoisted=tuple(eqns[i] for i in hoisted), per_micro_batch=tuple(eqns[i] for i in per_micro),
-                     marker=marker, apply=tuple(eqns[i] for i in apply), folded_keys=folded)
+    # each micro-batch computes what the step computes from its keys again, from the keys with its index folded in
+    data = key_data(closed.jaxpr)
+    origins = key_origins(eqns[:k], {**key_roots(closed.jaxpr.constvars + closed.jaxpr.invars, data),
+                                     **{v: DERIVED for v in batch_vars}}, data)
+    read_after = [v for i in apply for v in jax_compat.eqn_inputs(eqns[i])] + outvars
+    rerun, kept = _rerun_in_loop(eqns, hoisted, per_micro, set(read_after), origins)
+    loop = sorted(set(per_micro) | set(rerun))
+    unfoldable = unfoldable_draws([eqns[i] for i in loop], origins, data)
+    if unfoldable:  # nothing folded: every micro-batch computes what the step computes, consistently
+        loop, kept = per_micro, []
+    hoisted = _needed_before_loop(eqns, hoisted, loop, read_after + jax_compat.eqn_inputs(marker))
+    loop_eqns = [eqns[i] for i in loop]
+    _warn_shared_random_draws(eqns, kept, loop, unfoldable)
+    folded = () if unfoldable else fold_points(loop_eqns, origins, data)
+    return GradSplit(hoisted=tuple(eqns[i] for i in hoisted), per_micro_batch=tuple(loop_eqns), marker=marker,
+                     apply=tuple(eqns[i] for i in apply), folded_keys=folded)
 
 
 def _phases(eqns: Sequence[JaxprEqn], k: int, live: set[int], effectful: set[int],
@@ -152,112 +159,53 @@ def _check_no_per_example_results(eqns: Sequence[JaxprEqn], marker: JaxprEqn, de
                 "over the examples (e.g. their mean) as aux, or use num_micro_batches=1")
 
 
-_RANDOM_PRIMITIVES = frozenset({"random_bits", "threefry2x32"})
-
-
-def draws_random_numbers(eqn: JaxprEqn) -> bool:
-    """True when ``eqn`` draws random numbers: a random primitive, or a call (``checkpoint``, ``cond``, ...)
-    whose body draws."""
-    return eqn.primitive.name in _RANDOM_PRIMITIVES or any(
-        draws_random_numbers(inner) for body in jax_compat.nested_jaxprs(eqn) for inner in body.eqns)
-
-
-def draws_inside_a_call(eqn: JaxprEqn) -> bool:
-    """True when ``eqn`` is a call (``checkpoint``, ``scan``, ``cond``, ...) whose body draws random numbers."""
-    return eqn.primitive.name not in _RANDOM_PRIMITIVES and draws_random_numbers(eqn)
-
-
-def _is_key(var) -> bool:
-    return isinstance(var, Var) and jax_compat.is_prng_key(var.aval.dtype)
-
-
-def per_step_key_draws(eqns: Sequence[JaxprEqn], per_micro_batch: set[Var]) -> KeyDraws:
-    """The equations of a micro-batch's computation that draw random numbers from a typed PRNG key computed
-    once per step, with the positions of those key operands (what :func:`fold_micro_batch_index` folds).
-
-    Args:
-      eqns: equations run once per micro-batch, in order.
-      per_micro_batch: the values that differ from micro-batch to micro-batch when ``eqns`` start (the batch;
-        numbers already drawn per micro-batch); what ``eqns`` compute from them differs too.
-    """
-    differs = batch_dependent(eqns, set(per_micro_batch))
-    drawn = []
-    for eqn in eqns:
-        keys = tuple(k for k, v in enumerate(eqn.invars) if _is_key(v) and v not in differs)
-        if keys and draws_random_numbers(eqn):
-            drawn.append((eqn, keys))
-    return tuple(drawn)
-
-
-def _per_step_draws(eqns: Sequence[JaxprEqn], hoisted: Sequence[int], per_micro: Sequence[int],
-                    apply: Sequence[int], outvars: Sequence[Any]) -> list[int]:
-    """The hoisted draws from a typed key whose numbers only the per-micro-batch equations read (through
-    hoisted equations or directly), e.g. a dropout mask: they move into the micro-batch loop, which draws
-    them from the key with the micro-batch's index folded in. A draw that is also read after al.grad, or
-    returned, stays once per step (its numbers must be one value)."""
-    read = {v for i in per_micro for v in jax_compat.eqn_inputs(eqns[i])}
-    read_later = ({v for i in apply for v in jax_compat.eqn_inputs(eqns[i])}
-                  | {v for v in outvars if isinstance(v, Var)})
+def _rerun_in_loop(eqns: Sequence[JaxprEqn], hoisted: Sequence[int], per_micro: Sequence[int],
+                   read_later: set[Var], origins: dict[Var, str]) -> tuple[list[int], list[int]]:
+    """The hoisted equations computed from keys that the micro-batch computation reads (a dropout mask from
+    the step's key, a key split off it): they run again in the micro-batch loop, from the folded key roots
+    (:mod:`~alpa_like.compiler.micro_batch_keys`). Also, second, the hoisted draws whose numbers are read
+    after al.grad or returned: they stay once per step (their numbers must be one value) and the loop reads
+    them as they are."""
     hoisted_eqns = [eqns[i] for i in hoisted]
-    moved = []
-    for i in hoisted:
-        if not (draws_random_numbers(eqns[i]) and any(_is_key(v) for v in eqns[i].invars)):
-            continue
-        reach = batch_dependent(hoisted_eqns, set(eqns[i].outvars))
-        if reach & read and not reach & read_later:
-            moved.append(i)
-    return moved
+    kept = [i for i in hoisted if draws_random_numbers(eqns[i])
+            and batch_dependent(hoisted_eqns, set(eqns[i].outvars)) & read_later]
+    derived = [i for i in hoisted if i not in kept and any(origins.get(v) == DERIVED for v in eqns[i].outvars)]
+    read = [v for i in per_micro for v in jax_compat.eqn_inputs(eqns[i])]
+    return [derived[j] for j in sorted(jax_compat.ancestors([eqns[i] for i in derived], read))], kept
 
 
-def fold_micro_batch_index(folded_keys: KeyDraws, index,
-                           operand_hook: jax_compat.EqnHook | None = None) -> jax_compat.EqnHook | None:
-    """An operand hook that gives each equation of ``folded_keys`` its per-step keys with the micro-batch
-    ``index`` folded in (`jax.random.fold_in`), after ``operand_hook``: every micro-batch draws its own
-    numbers (its own dropout mask), as consecutive steps of a loop over micro-batches would."""
-    positions = {id(eqn): keys for eqn, keys in folded_keys}
-    if not positions:
-        return operand_hook
-
-    def hook(eqn, invals):
-        if operand_hook is not None:
-            invals = operand_hook(eqn, invals)
-        keys = positions.get(id(eqn))
-        if keys:
-            invals = list(invals)
-            for k in keys:
-                invals[k] = _fold_in(invals[k], index)
-        return invals
-    return hook
+def _needed_before_loop(eqns: Sequence[JaxprEqn], hoisted: Sequence[int], loop: Sequence[int],
+                        read_after: Sequence[Any]) -> list[int]:
+    """The hoisted equations still needed once ``loop`` runs its own copies: those the loop's other inputs,
+    ``read_after`` (the marker's inputs, what runs after it) and the effects depend on."""
+    made_in_loop = {v for i in loop for v in eqns[i].outvars}
+    effects = [j for j, i in enumerate(hoisted) if eqns[i].effects]
+    wanted = [v for i in loop for v in jax_compat.eqn_inputs(eqns[i]) if v not in made_in_loop]
+    wanted += list(read_after) + [v for j in effects for v in jax_compat.eqn_inputs(eqns[hoisted[j]])]
+    kept = jax_compat.ancestors([eqns[i] for i in hoisted], wanted) | set(effects)
+    return [hoisted[j] for j in sorted(kept)]
 
 
-def _fold_in(keys, index):
-    """`jax.random.fold_in` on every key of a key array of any shape."""
-    flat = jnp.reshape(keys, (-1,))
-    return jnp.reshape(jax.vmap(jax.random.fold_in, in_axes=(0, None))(flat, index), keys.shape)
-
-
-def _warn_shared_random_draws(hoisted: Sequence[JaxprEqn], per_micro_batch: Sequence[JaxprEqn],
-                              drawing_calls: Sequence[str] = ()) -> None:
-    """Random numbers every micro-batch reads the same of: drawn once per step because :func:`_per_step_draws`
-    could not move them into the micro-batch loop (also read after al.grad), or because the micro-batch
-    computation also draws inside a call body (``drawing_calls``: ``jax.checkpoint``/``nn.remat``, ``scan``,
-    ``cond``). There, JAX draws the forward's numbers outside the body and recomputes them inside it for the
-    backward; folding the micro-batch's index into the draws' keys would give the two different masks, so
-    nothing is folded and a dropout mask repeats in every micro-batch: a warning says so."""
-    read = {v for e in per_micro_batch for v in jax_compat.eqn_inputs(e)}
-    draws = [e for e in hoisted if draws_random_numbers(e) and batch_dependent(hoisted, set(e.outvars)) & read]
-    if drawing_calls:
-        warnings.warn(f"with num_micro_batches > 1, the step draws random numbers inside {', '.join(drawing_calls)} "
-                      "(jax.checkpoint / nn.remat, scan or cond) bodies: every micro-batch draws the same ones "
-                      "(a dropout mask repeats in each micro-batch), because giving each micro-batch its own "
-                      "would not yet keep the forward's and the recomputed backward's draws equal",
-                      stacklevel=3)
-    elif draws:
-        shapes = ", ".join(sorted({str(tuple(v.aval.shape)) for e in draws for v in e.outvars}))
+def _warn_shared_random_draws(eqns: Sequence[JaxprEqn], kept: Sequence[int], loop: Sequence[int],
+                              unknown: Sequence[JaxprEqn]) -> None:
+    """Random numbers every micro-batch reads the same of: drawn once per step (``kept``: also read after
+    al.grad) and read in the ``loop``; or all of them, when some are drawn from keys the micro-batch's index
+    cannot be folded into (``unknown``: a key made from a seed inside a call body)."""
+    read = {v for i in loop for v in jax_compat.eqn_inputs(eqns[i])}
+    shared = [eqns[i] for i in kept if set(eqns[i].outvars) & read]
+    if shared:
+        shapes = ", ".join(sorted({str(tuple(v.aval.shape)) for e in shared for v in e.outvars}))
         warnings.warn(f"with num_micro_batches > 1, the random numbers drawn in the step (shapes {shapes}) are "
                       "drawn once per step and every micro-batch reads the same ones (they are also used after "
                       "al.grad): a dropout mask repeats in each micro-batch. Draw them inside the loss",
                       stacklevel=3)
+    if unknown:
+        names = ", ".join(sorted({e.primitive.name for e in unknown}))
+        warnings.warn(f"with num_micro_batches > 1, `{names}` draws random numbers from a key that is neither an "
+                      "argument of the step nor made from one outside a jax.checkpoint, scan or cond body (a "
+                      "seed inside the body, or key data of an unknown layout): the micro-batch's index cannot "
+                      "be folded into it, so every micro-batch draws the same random numbers, all of them. "
+                      "Make the key outside the body and pass it in", stacklevel=3)
 
 
 def split_total(split: GradSplit, num_micro_batches: int, cost: Callable[[JaxprEqn], float] = eqn_flops) -> float:
@@ -297,7 +245,7 @@ def make_step_fn(closed: ClosedJaxpr, batch_mask: Sequence[bool], *, num_micro_b
       micro_batch_eval: ``eval(eqns, env, operand_hook)`` evaluates the per-micro-batch equations into ``env``
         instead of :func:`~alpa_like.compiler.jax_compat.eval_eqns` with the hooks (e.g. keeping gradients as
         stacks of per-shard partial sums, :mod:`~alpa_like.compiler.gradient_sync`); the ``operand_hook`` it
-        is given also folds the micro-batch's index into per-step random keys (:func:`fold_micro_batch_index`).
+        is given also folds the micro-batch's index into the step's key roots (:func:`fold_micro_batch_index`).
       stack_sizes: the grad marker's inputs that ``micro_batch_eval`` computes as stacks ``(d, *shape)`` ->
         ``d``; they are accumulated as stacks and summed over the stack once, after the last micro-batch.
     """

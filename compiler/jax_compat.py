@@ -161,6 +161,24 @@ def nested_jaxprs(eqn: JaxprEqn) -> list[Jaxpr]:
     return subs
 
 
+def body_operands(eqn: JaxprEqn) -> list[tuple[Jaxpr, list[Any], list[Any]]]:
+    """Each nested program of a call, loop or cond ``eqn``, with what its invars read (per invar: the eqn's
+    operand, a Var or Literal) and what its outvars become (per outvar: the eqn's outvar, or None: a while
+    loop's condition). Empty for primitives it does not know (a body then stays opaque)."""
+    name, operands, outs = eqn.primitive.name, list(eqn.invars), list(eqn.outvars)
+    if name == "while":
+        nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+        carry = operands[nc + nb:]
+        return [(eqn.params["body_jaxpr"].jaxpr, operands[nc:], outs),
+                (eqn.params["cond_jaxpr"].jaxpr, operands[:nc] + carry, [None])]
+    if name == "cond":
+        return [(branch.jaxpr, operands[1:], outs) for branch in eqn.params["branches"]]
+    if name == "scan":  # operands and outvars in the body's order (consts, carry, xs -> carry, ys)
+        return [(eqn.params["jaxpr"].jaxpr, operands, outs)]
+    body = inlinable_body(eqn)
+    return [] if body is None else [(body.jaxpr, operands, outs)]
+
+
 def name_stack(eqn: JaxprEqn) -> str:
     """The eqn's source name stack as text, e.g. ``transpose(jvp(GPTModel))/block_0/attn``."""
     return str(eqn.source_info.name_stack)

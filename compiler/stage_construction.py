@@ -25,11 +25,12 @@ from typing import NewType
 from jax.extend.core import ClosedJaxpr, Literal, Var
 
 from alpa_like.compiler import jax_compat
-from alpa_like.compiler.grad_accumulation import (KeyDraws, batch_dependent, draws_inside_a_call,
-                                                  draws_random_numbers, fold_micro_batch_index, per_step_key_draws,
-                                                  to_micro_batches)
+from alpa_like.compiler.grad_accumulation import batch_dependent, to_micro_batches
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD, Piece
 from alpa_like.compiler.markers import is_marker
+from alpa_like.compiler.micro_batch_keys import (DERIVED, ROOT, KeyDraws, draws_random_numbers,
+                                                 fold_micro_batch_index, fold_points, foldable, key_data,
+                                                 key_origins, unfoldable_draws)
 
 ValueId = NewType("ValueId", int)
 PHASES = (FORWARD, BACKWARD, APPLY)
@@ -246,40 +247,60 @@ def updating_stages(program: StageProgram) -> dict[ValueId, frozenset[int]]:
 
 
 def micro_batch_key_draws(program: StageProgram, num_micro_batches: int) -> dict[tuple[int, str], KeyDraws]:
-    """Per forward and backward piece, its draws of random numbers from keys computed once per step (a
-    dropout mask from the step's key), as :func:`~alpa_like.compiler.grad_accumulation.per_step_key_draws`
-    finds them: the runtimes fold the micro-batch's index into those keys, as gradient accumulation does, so
-    that micro-batches do not share a mask. Pieces without such draws are left out, and every piece when
-    there is one micro-batch (the step's own draws, as under jax.jit).
+    """Per forward and backward piece, its equations that read key roots (the step's key, a key made from a
+    seed) and those operands: the runtimes fold the micro-batch's index into them
+    (:mod:`~alpa_like.compiler.micro_batch_keys`), as gradient accumulation does, so that micro-batches
+    do not share a dropout mask. Pieces without any are left out, and every piece when there is one
+    micro-batch (the step's own draws, as under jax.jit).
 
-    Nothing is folded (every micro-batch draws the same numbers, as ``split_at_grad_marker`` warns) when a
-    piece draws inside a call body (``jax.checkpoint``, ``scan``, ``cond``: the forward's draws and the
-    backward's recomputed ones would get different keys), or when drawn numbers reach an apply piece or the
-    step's outputs (they must be one value)."""
+    Nothing is folded (every micro-batch draws the same numbers, as ``split_at_grad_marker`` warns) when
+    drawn numbers reach an apply piece or the step's outputs (they must be one value, and the pieces that
+    draw them run per micro-batch), or when a piece draws from keys the fold cannot reach
+    (:func:`~alpa_like.compiler.micro_batch_keys.unfoldable_draws`)."""
     if num_micro_batches == 1:
         return {}
-    computed = [piece for (_, phase), piece in sorted(program.pieces.items()) if phase != APPLY]
+    stages = range(program.num_stages)
+    computed = [program.piece(q, FORWARD) for q in stages] + [program.piece(q, BACKWARD) for q in reversed(stages)]
     read_later = {v for (_, phase), piece in program.pieces.items() if phase == APPLY for v in piece.inputs}
     read_later |= {v for v in program.step_outputs if v is not None}
     for piece in computed:
         inner = piece.jaxpr.jaxpr
-        if any(draws_inside_a_call(e) for e in inner.eqns):
-            return {}
         drawn = batch_dependent(inner.eqns, {v for e in inner.eqns if draws_random_numbers(e) for v in e.outvars})
         if any(out in drawn and v in read_later for v, out in zip(piece.outputs, inner.outvars, strict=True)):
             return {}
-    differs = set(program.batch_inputs)  # ValueIds that differ per micro-batch
-    while True:  # what the pieces compute from the batch, through every stage (in any piece order)
-        size = len(differs)
-        for piece in computed:
-            inner = piece.jaxpr.jaxpr
-            values = batch_dependent(inner.eqns, _invars_in(piece, differs))
-            differs.update(v for v, out in zip(piece.outputs, inner.outvars, strict=True) if out in values)
-        if len(differs) == size:
-            break
-    found = {(piece.stage, piece.phase): per_step_key_draws(piece.jaxpr.jaxpr.eqns, _invars_in(piece, differs))
-             for piece in computed}
-    return {key: draws for key, draws in found.items() if draws}
+    data = _key_data(computed)
+    origins: dict[ValueId, str] = {v: DERIVED for v in program.batch_inputs}
+    given_to_step = set(program.step_inputs) | set(program.constants)
+    found = {}
+    for piece in computed:  # in an order that computes every value before its readers
+        inner = piece.jaxpr.jaxpr
+        local_data = key_data(inner, [data.get(v) for v in piece.outputs])
+        local_data.update((var, data[v]) for var, v in zip(inner.invars, piece.inputs, strict=True) if v in data)
+        given = {var: origins.get(v, ROOT) for var, v in zip(inner.invars, piece.inputs, strict=True)
+                 if v in origins or (v in given_to_step and foldable(var, local_data))}
+        local = key_origins(inner.eqns, given, local_data)
+        if unfoldable_draws(inner.eqns, local, local_data):
+            return {}
+        origins.update((v, local[var]) for var, v in zip(inner.outvars, piece.outputs, strict=True) if var in local)
+        draws = fold_points(inner.eqns, local, local_data)
+        if draws:
+            found[(piece.stage, piece.phase)] = draws
+    return found
+
+
+def _key_data(pieces: Sequence[StagePiece]) -> dict[ValueId, object]:
+    """The values (across pieces) that are PRNG key data, with their impls
+    (:func:`~alpa_like.compiler.micro_batch_keys.key_data` followed through every piece)."""
+    data: dict[ValueId, object] = {}
+    while True:
+        size = len(data)
+        for piece in pieces:
+            inner = key_data(piece.jaxpr.jaxpr, [data.get(v) for v in piece.outputs])
+            for var, v in zip(piece.jaxpr.jaxpr.invars, piece.inputs, strict=True):
+                if var in inner:
+                    data.setdefault(v, inner[var])
+        if len(data) == size:
+            return data
 
 
 def _invars_in(piece: StagePiece, values: set[ValueId]) -> set[Var]:

@@ -25,7 +25,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from alpa_like.compiler import jax_compat
-from alpa_like.compiler.grad_accumulation import KeyDraws, fold_micro_batch_index, to_micro_batches
+from alpa_like.compiler.grad_accumulation import to_micro_batches
+from alpa_like.compiler.micro_batch_keys import KeyDraws, fold_micro_batch_index
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.gradient_sync import NONE, DeferredGradients, deferrable_gradients
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD

@@ -42,7 +42,7 @@ import numpy as np
 from alpa_like.cluster import ClusterSpec
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler import jax_compat
-from alpa_like.compiler.grad_accumulation import KeyDraws
+from alpa_like.compiler.micro_batch_keys import KeyDraws
 from alpa_like.compiler.stage_construction import StageProgram, micro_batch_key_draws
 from alpa_like.runtime.instructions import MeshPrograms, Op
 from alpa_like.runtime.pipeshard_runtime import _piece_fn

@@ -85,3 +85,9 @@ def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
     for (path, a), e in zip(a_leaves, e_leaves, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol,
                                    err_msg=jax.tree_util.keystr(path))
+
+
+def micro_batch_key(key, j: int):
+    """The step's key as micro-batch ``j`` of a step split into micro-batches sees it
+    (``alpa_like.compiler.micro_batch_keys``): itself for micro-batch 0, ``fold_in(key, j)`` for the others."""
+    return key if j == 0 else jax.random.fold_in(key, j)

@@ -6,14 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import linen as nn
 from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
 import alpa_like as al
 from alpa_like import models
 from alpa_like.models import gpt, wide_resnet
-from tests.helpers import (assert_trees_close, make_train_step, mlp_batch, mlp_loss, mlp_state,
-                           reference_on_one_device, run_steps, wresnet_tiny)
+from tests.helpers import (assert_trees_close, make_train_step, micro_batch_key, mlp_batch, mlp_loss,
+                           mlp_state, reference_on_one_device, run_steps, wresnet_tiny)
 
 # One table: every method under test, crossed with the models below (optax alias_test style).
 MANUAL_2D = al.ManualShardParallel(
@@ -138,10 +139,8 @@ def test_micro_batches_synchronise_the_gradients_once_per_step(method_name):
     assert "all-reduce" in {c.kind for c in collectives if not c.in_loop_body}
 
 
-def _dropout_loss(params, batch, key, micro_batch=None):
-    key = jax.random.fold_in(key, 7)  # the key of the draw, into which micro-batch j's index is folded
-    if micro_batch is not None:
-        key = jax.random.fold_in(key, micro_batch)
+def _dropout_loss(params, batch, key):
+    key = jax.random.fold_in(key, 7)
     keep = jax.random.bernoulli(key, 0.7, (batch["x"].shape[0], 32))
     h = jnp.where(keep, jnp.tanh(batch["x"] @ params["dense_0"]["kernel"] + params["dense_0"]["bias"]) / 0.7, 0.0)
     return jnp.mean((h @ params["dense_1"]["kernel"] + params["dense_1"]["bias"] - batch["y"]) ** 2)
@@ -152,8 +151,8 @@ def _dropout_loss(params, batch, key, micro_batch=None):
     al.ManualShardParallel(mesh_shape=(2, 4), mesh_axis_names=("data", "model"), in_specs=(None, P("data"), None),
                            num_micro_batches=2)], ids=lambda m: type(m).__name__)
 def test_each_micro_batch_draws_its_own_dropout_mask(method):
-    """The step with a per-step key equals, on one device under jax.jit, the loop over micro-batches that
-    draws micro-batch j's mask (rows j, j + m, ...) from its draw's key with ``j`` folded in."""
+    """The step with a per-step key equals, on one device under jax.jit, the loop over micro-batches whose
+    micro-batch j (rows j, j + m, ...) computes from the step's key as it sees it (``fold_in(key, j)``, j > 0)."""
     m = method.num_micro_batches
 
     def step(state, batch, key):
@@ -162,7 +161,8 @@ def test_each_micro_batch_draws_its_own_dropout_mask(method):
 
     def loop(state, batch, key):
         rows = [jax.tree.map(lambda x, j=j: x[j::m], batch) for j in range(m)]
-        parts = [jax.value_and_grad(_dropout_loss)(state.params, b, key, j) for j, b in enumerate(rows)]
+        parts = [jax.value_and_grad(_dropout_loss)(state.params, b, micro_batch_key(key, j))
+                 for j, b in enumerate(rows)]
         loss, grads = jax.tree.map(lambda *xs: sum(xs) / m, *parts)
         return state.apply_gradients(grads=grads), loss
 
@@ -175,6 +175,59 @@ def test_each_micro_batch_draws_its_own_dropout_mask(method):
         expected, expected_loss = reference(expected, batch, jax.random.fold_in(key, i))
         assert_trees_close(got_loss, expected_loss, rtol=1e-5, atol=1e-6)
     assert_trees_close(got.params, expected.params, rtol=1e-5, atol=1e-6)
+
+
+class _RematDropoutBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dropout(0.3, deterministic=False)(jnp.tanh(nn.Dense(x.shape[-1])(x)))
+
+
+class _RematDropoutNet(nn.Module):
+    """Flax's common case: nn.remat blocks with nn.Dropout, which splits its key inside the block."""
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(2):
+            x = nn.remat(_RematDropoutBlock)(name=f"block_{i}")(x)
+        return nn.Dense(8)(x)
+
+
+@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey], ids=["typed", "raw"])
+@pytest.mark.parametrize("method", [
+    al.DataParallel(num_micro_batches=2),
+    al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2),
+                         stage_option=al.UniformStageOption(num_stages=2, show_progress=False))],
+    ids=lambda m: type(m).__name__)
+def test_flax_remat_blocks_with_dropout_draw_their_own_masks_per_micro_batch(method, make_key):
+    model = _RematDropoutNet()
+    batch = mlp_batch(np.random.default_rng(3))
+    params = model.init(jax.random.PRNGKey(0), batch["x"])["params"]
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1))
+
+    def loss_fn(params, batch, key):
+        out = model.apply({"params": params}, batch["x"], rngs={"dropout": key})
+        return jnp.mean((out - batch["y"]) ** 2)
+
+    def step(state, batch, key):
+        loss, grads = al.value_and_grad(loss_fn)(state.params, batch, key)
+        return state.apply_gradients(grads=grads), loss
+
+    def loop(key_of):
+        def run(state, batch, key):
+            parts = [jax.value_and_grad(loss_fn)(state.params, jax.tree.map(lambda x, j=j: x[j::2], batch),
+                                                 key_of(key, j)) for j in range(2)]
+            loss, grads = jax.tree.map(lambda *xs: sum(xs) / 2, *parts)
+            return state.apply_gradients(grads=grads), loss
+        return jax.jit(run)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no micro-batches share a mask
+        got = al.parallelize(step, method=method)(state, batch, make_key(9))
+    state, batch = jax.device_put((state, batch), jax.devices()[0])
+    assert_trees_close(got, loop(micro_batch_key)(state, batch, make_key(9)), rtol=1e-5, atol=1e-6)
+    shared = loop(lambda key, j: key)(state, batch, make_key(9))[0].params
+    assert not np.allclose(got[0].params["Dense_0"]["kernel"], shared["Dense_0"]["kernel"], atol=1e-5)
 
 
 def test_convolution_weight_gradients_are_synchronised_once_per_step():

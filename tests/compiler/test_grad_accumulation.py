@@ -10,7 +10,7 @@ import pytest
 import alpa_like as al
 from alpa_like.compiler.grad_accumulation import make_step_fn, split_at_grad_marker, to_micro_batches
 from alpa_like.compiler.trace import trace_step
-from tests.helpers import assert_trees_close, make_train_step, mlp_batch, mlp_loss, mlp_state
+from tests.helpers import assert_trees_close, make_train_step, micro_batch_key, mlp_batch, mlp_loss, mlp_state
 
 
 def _trace(step, m=2):
@@ -76,39 +76,46 @@ def dropout_step(state, batch, key):
     return state.apply_gradients(grads=al.grad(dropout_loss)(state.params, batch, key))
 
 
+def _loop(loss_fn, state, batch, key_of, m=2):
+    """The step as a loop over its ``m`` strided micro-batches, micro-batch j with the key ``key_of(j)``."""
+    grads = [al.grad(loss_fn)(state.params, jax.tree.map(lambda x, j=j: x[j::m], batch), key_of(j)) for j in range(m)]
+    return state.apply_gradients(grads=jax.tree.map(lambda *g: sum(g) / m, *grads))
+
+
+def _split_and_run(step, state, batch, key, m=2):
+    traced = trace_step(step, (state, batch, key), batch_argnums=(1,), num_micro_batches=m)
+    mask = [leaf.is_batch for leaf in traced.in_leaves]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning of shared random numbers
+        split = split_at_grad_marker(traced.closed_jaxpr, mask)
+        step_fn = make_step_fn(traced.closed_jaxpr, mask, num_micro_batches=m)
+    got = jax.tree.unflatten(traced.out_tree, jax.jit(step_fn)(*jax.tree.leaves((state, batch, key))))
+    return traced, split, got
+
+
 @pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey], ids=["typed", "raw"])
 def test_random_numbers_drawn_from_a_per_step_key_are_drawn_per_micro_batch(make_key):
     """A mask drawn from a key alone does not depend on the batch; it is drawn in the micro-batch loop, from
-    the key with the micro-batch's index folded in, so that micro-batches do not share a mask. The step then
-    equals the loop a user would write: micro-batch j (rows j, j + m, ...) with ``fold_in(key, j)``."""
+    the key as the micro-batch sees it, so that micro-batches do not share a mask. The step then equals the
+    loop a user would write: micro-batch j (rows j, j + m, ...) with the key ``fold_in(key, j)`` (j > 0)."""
     state, batch, key = mlp_state(tx=optax.sgd(0.1)), mlp_batch(np.random.default_rng(0)), make_key(3)
-    traced = trace_step(dropout_step, (state, batch, key), batch_argnums=(1,), num_micro_batches=2)
-    mask = [leaf.is_batch for leaf in traced.in_leaves]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        split = split_at_grad_marker(traced.closed_jaxpr, mask)
+    traced, split, got = _split_and_run(dropout_step, state, batch, key)
     assert "random_bits" in {e.primitive.name for e in split.per_micro_batch}
     assert "random_bits" not in {e.primitive.name for e in split.hoisted}
-    assert [e.primitive.name for e, _ in split.folded_keys] == ["random_bits"]
-
-    got = jax.tree.unflatten(traced.out_tree, jax.jit(make_step_fn(traced.closed_jaxpr, mask, num_micro_batches=2))(
-        *jax.tree.leaves((state, batch, key))))
-
-    def loop(key_of):  # the step as a loop over the two strided micro-batches
-        grads = [al.grad(dropout_loss)(state.params, jax.tree.map(lambda x, j=j: x[j::2], batch), key_of(j))
-                 for j in range(2)]
-        return state.apply_gradients(grads=jax.tree.map(lambda a, b: (a + b) / 2, *grads))
-    assert_trees_close(got.params, loop(lambda j: jax.random.fold_in(key, j)).params, rtol=1e-5, atol=1e-6)
-    shared = loop(lambda j: key).params  # one mask for both micro-batches: what the step must not compute
+    key_var = traced.closed_jaxpr.jaxpr.invars[-1]
+    assert {e.invars[k] for e, folds in split.folded_keys for k, _ in folds} == {key_var}  # folded where it enters
+    assert_trees_close(got.params, _loop(dropout_loss, state, batch, lambda j: micro_batch_key(key, j)).params,
+                       rtol=1e-5, atol=1e-6)
+    shared = _loop(dropout_loss, state, batch, lambda j: key).params  # one mask for both micro-batches
     assert not np.allclose(got.params["dense_0"]["kernel"], shared["dense_0"]["kernel"], atol=1e-4)
 
 
 @pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey], ids=["typed", "raw"])
-def test_draws_inside_a_checkpointed_block_are_shared_by_the_micro_batches_with_a_warning(make_key):
+def test_draws_inside_a_checkpointed_block_are_drawn_per_micro_batch(make_key):
     """jax.checkpoint / nn.remat: JAX draws the forward's mask outside the block and recomputes it inside it
-    for the backward, from the block's key operand. Folding the index into the draw's key would give the
-    backward another mask (a key split inside the block): nothing is folded, the micro-batches share the
-    mask (a warning says so), and the gradients are those of one consistent mask per micro-batch."""
+    for the backward, from the block's key operand (here split inside the block). Both start from the step's
+    key as the micro-batch sees it, so each micro-batch has its own mask and the gradient of that mask
+    (folding at the draw's key gave the recomputed backward another mask: an outside probe's wrong gradients)."""
     def loss_fn(params, batch, key):
         return dropout_loss(params, batch, jax.random.split(key)[1])
 
@@ -116,18 +123,66 @@ def test_draws_inside_a_checkpointed_block_are_shared_by_the_micro_batches_with_
         return state.apply_gradients(grads=al.grad(jax.checkpoint(loss_fn))(state.params, batch, key))
 
     state, batch, key = mlp_state(tx=optax.sgd(0.1)), mlp_batch(np.random.default_rng(0)), make_key(3)
-    traced = trace_step(step, (state, batch, key), batch_argnums=(1,), num_micro_batches=2)
+    _, split, got = _split_and_run(step, state, batch, key)
+    assert {"checkpoint", "remat2"} & {e.primitive.name for e, _ in split.folded_keys}  # the backward's block
+    assert_trees_close(got.params, _loop(loss_fn, state, batch, lambda j: micro_batch_key(key, j)).params,
+                       rtol=1e-5, atol=1e-6)
+    shared = _loop(loss_fn, state, batch, lambda j: key).params
+    assert not np.allclose(got.params["dense_0"]["kernel"], shared["dense_0"]["kernel"], atol=1e-4)
+
+
+@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey], ids=["typed", "raw"])
+def test_draws_in_a_scan_over_layers_with_the_key_split_per_layer_are_drawn_per_micro_batch(make_key):
+    """A scan over layers (nn.scan), each layer remat'd and drawing from a key it splits off the carry."""
+    def loss_fn(params, batch, key):
+        def layer(carry, _):
+            h, k = carry
+            k, sub = jax.random.split(k)
+            keep = jax.random.bernoulli(sub, 0.8, h.shape)
+            return (jnp.where(keep, jnp.tanh(h @ params["w"]) / 0.8, 0.0), k), None
+        (h, _), _ = jax.lax.scan(jax.checkpoint(layer), (batch["x"], key), None, length=3)
+        return jnp.mean((h - batch["x"]) ** 2)
+
+    def step(state, batch, key):
+        return state.apply_gradients(grads=al.grad(loss_fn)(state.params, batch, key))
+
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(16, 16)) / 4, jnp.float32)}
+    state = mlp_state(tx=optax.sgd(0.1)).replace(params=params, opt_state=optax.sgd(0.1).init(params))
+    batch, key = {"x": jnp.asarray(rng.normal(size=(8, 16)), jnp.float32)}, make_key(5)
+    _, _, got = _split_and_run(step, state, batch, key)
+    assert_trees_close(got.params, _loop(loss_fn, state, batch, lambda j: micro_batch_key(key, j)).params,
+                       rtol=1e-5, atol=1e-6)
+    shared = _loop(loss_fn, state, batch, lambda j: key).params
+    assert not np.allclose(got.params["w"], shared["w"], atol=1e-5)
+
+
+def test_a_key_made_from_a_seed_in_the_step_is_folded_and_one_from_a_seed_inside_a_body_warns():
+    def loss_fn(params, batch, seed):
+        return dropout_loss(params, batch, jax.random.key(seed))
+
+    def step(state, batch, seed):
+        return state.apply_gradients(grads=al.grad(loss_fn)(state.params, batch, seed))
+
+    state, batch, seed = mlp_state(tx=optax.sgd(0.1)), mlp_batch(np.random.default_rng(0)), jnp.uint32(4)
+    _, split, got = _split_and_run(step, state, batch, seed)
+    assert [e.primitive.name for e, _ in split.folded_keys] == ["random_bits"]  # reads random_seed's key
+    want = _loop(loss_fn, state, batch, lambda j: seed)  # every micro-batch draws the step's masks
+    want_folded = _loop(dropout_loss, state, batch, lambda j: micro_batch_key(jax.random.key(seed), j))
+    assert_trees_close(got.params, want_folded.params, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(got.params["dense_0"]["kernel"], want.params["dense_0"]["kernel"], atol=1e-4)
+
+    def seeded_inside(state, batch, seed):  # the key is made inside a checkpoint body: nothing is folded
+        return state.apply_gradients(grads=al.grad(jax.checkpoint(loss_fn))(state.params, batch, seed))
+    traced = trace_step(seeded_inside, (state, batch, seed), batch_argnums=(1,), num_micro_batches=2)
     mask = [leaf.is_batch for leaf in traced.in_leaves]
-    with pytest.warns(UserWarning, match="inside .*checkpoint.* bodies: every micro-batch draws the same"):
-        split = split_at_grad_marker(traced.closed_jaxpr, mask)
-    assert not split.folded_keys
-    with warnings.catch_warnings():  # make_step_fn splits again: the same warning
+    with pytest.warns(UserWarning, match="draws random numbers from a key that is neither an argument"):
+        assert not split_at_grad_marker(traced.closed_jaxpr, mask).folded_keys
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         step_fn = make_step_fn(traced.closed_jaxpr, mask, num_micro_batches=2)
-    got = jax.tree.unflatten(traced.out_tree, jax.jit(step_fn)(*jax.tree.leaves((state, batch, key))))
-    grads = [al.grad(loss_fn)(state.params, jax.tree.map(lambda x, j=j: x[j::2], batch), key) for j in range(2)]
-    expected = state.apply_gradients(grads=jax.tree.map(lambda a, b: (a + b) / 2, *grads))
-    assert_trees_close(got.params, expected.params, rtol=1e-5, atol=1e-6)
+    got = jax.tree.unflatten(traced.out_tree, jax.jit(step_fn)(*jax.tree.leaves((state, batch, seed))))
+    assert_trees_close(got.params, want.params, rtol=1e-5, atol=1e-6)  # forward and backward: the same masks
 
 
 def test_random_numbers_also_read_after_the_gradient_stay_per_step_with_a_warning():

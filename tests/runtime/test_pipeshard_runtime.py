@@ -14,7 +14,7 @@ from alpa_like import models
 from alpa_like.models import gpt, moe
 from alpa_like.runtime import hlo_stats
 from alpa_like.runtime.instructions import PER_STEP, Op
-from tests.helpers import assert_trees_close, reference_on_one_device, run_steps
+from tests.helpers import assert_trees_close, micro_batch_key, reference_on_one_device, run_steps
 
 SGD = optax.sgd(0.1, momentum=0.9)  # linear in the gradient: see tests/alpa_like/test_methods.py
 
@@ -113,16 +113,12 @@ def checkpointed_blocks_loss(params, batch):
     return jnp.mean((h - batch["y"]) ** 2)
 
 
-def dropout_loss(params, batch, key, micro_batch=None):
-    """Dropout after each layer; ``micro_batch`` j: the masks the pipeline draws for micro-batch j, whose
-    index it folds into each draw's key."""
+def dropout_loss(params, batch, key):
+    """Dropout after each layer."""
     h = batch["x"]
     for i in range(4):
         h = jnp.tanh(h @ params[f"w{i}"] + params[f"b{i}"])
-        draw_key = jax.random.fold_in(key, i)
-        if micro_batch is not None:
-            draw_key = jax.random.fold_in(draw_key, micro_batch)
-        h = jnp.where(jax.random.bernoulli(draw_key, 0.7, h.shape), h / 0.7, 0.0)
+        h = jnp.where(jax.random.bernoulli(jax.random.fold_in(key, i), 0.7, h.shape), h / 0.7, 0.0)
     return jnp.mean((h - batch["y"]) ** 2)
 
 
@@ -140,15 +136,16 @@ def dropout_key_step(state, batch, key):
 
 
 def dropout_loop(num_micro_batches):
-    """The reference of :func:`dropout_key_step` with micro-batches: a loop over them (rows j, j + m, ...)."""
+    """The reference of :func:`dropout_key_step` with micro-batches: a loop over them (rows j, j + m, ...),
+    micro-batch j computing from the step's key as it sees it; the step returns the key it splits off."""
     m = num_micro_batches
 
     def loop(state, batch, key):
-        key, sub = jax.random.split(key)
-        parts = [jax.value_and_grad(dropout_loss)(state.params, jax.tree.map(lambda x, j=j: x[j::m], batch), sub, j)
+        parts = [jax.value_and_grad(dropout_loss)(state.params, jax.tree.map(lambda x, j=j: x[j::m], batch),
+                                                  jax.random.split(micro_batch_key(key, j))[1])
                  for j in range(m)]
         loss, grads = jax.tree.map(lambda *xs: sum(xs) / m, *parts)
-        return state.apply_gradients(grads=grads), loss, key
+        return state.apply_gradients(grads=grads), loss, jax.random.split(key)[0]
     return loop
 
 
@@ -244,10 +241,11 @@ def test_a_python_float_argument_of_the_loss_is_accepted():
                        rtol=1e-5, atol=1e-6)
 
 
-def test_dropout_inside_checkpointed_blocks_is_shared_by_the_micro_batches():
-    """Draws inside jax.checkpoint bodies are not folded (see split_at_grad_marker's warning): every
-    micro-batch draws the same masks, and forward and backward agree on them (folding at the draw gave the
-    recomputed backward another mask: an outside probe's silent wrong gradients)."""
+@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey], ids=["typed", "raw"])
+def test_dropout_inside_checkpointed_blocks_is_drawn_per_micro_batch(make_key):
+    """Draws inside jax.checkpoint bodies, from a key made in the block: forward and recomputed backward start
+    from the step's key as the micro-batch sees it, so each micro-batch has its own masks and the gradients
+    are those masks' (folding at the draw gave the backward another mask: an outside probe's wrong gradients)."""
     def block(w, b, h, key):
         keep = jax.random.bernoulli(jax.random.split(key)[1], 0.7, h.shape)  # the draw's key made in the block
         return jnp.where(keep, jnp.tanh(h @ w + b) / 0.7, 0.0)
@@ -262,19 +260,24 @@ def test_dropout_inside_checkpointed_blocks_is_shared_by_the_micro_batches():
         loss, grads = al.value_and_grad(loss_fn)(state.params, batch, key)
         return state.apply_gradients(grads=grads), loss
 
-    def shared_loop(state, batch, key):
-        parts = [jax.value_and_grad(loss_fn)(state.params, jax.tree.map(lambda x, j=j: x[j::2], batch), key)
-                 for j in range(2)]
-        loss, grads = jax.tree.map(lambda *xs: sum(xs) / 2, *parts)
-        return state.apply_gradients(grads=grads), loss
+    def loop(key_of):
+        def run(state, batch, key):
+            parts = [jax.value_and_grad(loss_fn)(state.params, jax.tree.map(lambda x, j=j: x[j::2], batch),
+                                                 key_of(key, j)) for j in range(2)]
+            loss, grads = jax.tree.map(lambda *xs: sum(xs) / 2, *parts)
+            return state.apply_gradients(grads=grads), loss
+        return jax.jit(run)
 
     _, state, batches = mlp_case()
     state = state.replace(tx=SGD, opt_state=SGD.init(state.params))
     method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2),
                                   stage_option=al.UniformStageOption(num_stages=2, show_progress=False))
-    with pytest.warns(UserWarning, match="every micro-batch draws the same"):
-        got = al.parallelize(step, method=method)(state, batches[0], jax.random.key(1))
-    assert_trees_close(got, jax.jit(shared_loop)(state, batches[0], jax.random.key(1)), rtol=1e-5, atol=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no micro-batches share a mask
+        got = al.parallelize(step, method=method)(state, batches[0], make_key(1))
+    assert_trees_close(got, loop(micro_batch_key)(state, batches[0], make_key(1)), rtol=1e-5, atol=1e-6)
+    shared = loop(lambda key, j: key)(state, batches[0], make_key(1))[0].params["w0"]
+    assert not np.allclose(got[0].params["w0"], shared, atol=1e-5)
 
 
 def wide_mlp_loss(params, batch):
