@@ -336,14 +336,18 @@ class SlicedStep:
         return ClosedJaxpr(self.jaxpr, self.traced.closed_jaxpr.consts)
 
 
-def _warn_dropped_effects(traced: TracedStep) -> None:
-    """The pipeline's stage programs hold the equations that compute values; an effect (``jax.debug.print``,
-    ``jax.debug.callback``) computes none and would be dropped without a word: a warning names it."""
-    effects = sorted({e.primitive.name for e in traced.closed_jaxpr.jaxpr.eqns if e.effects})
-    if effects:
-        warnings.warn(f"PipeshardParallel does not run the step's {', '.join(effects)} (jax.debug.print / "
-                      "jax.debug.callback): its stage programs drop effects; debug the step with DataParallel or "
-                      "ShardParallel, which run them", stacklevel=4)
+def _without_effects(sliced: SlicedStep, where: str) -> SlicedStep:
+    """``sliced`` with its effects (``jax.debug.print``, ``jax.debug.callback``) out of the pieces, for a
+    runtime that cannot run them (``where``); a warning names them. The local backend runs them."""
+    eqns = sliced.jaxpr.eqns
+    effects = sorted({e.primitive.name for e in eqns if e.effects})
+    if not effects:
+        return sliced
+    warnings.warn(f"PipeshardParallel does not run the step's {', '.join(effects)} (jax.debug.print / "
+                  f"jax.debug.callback) {where}; the local backend (al.init('local')) and the SPMD methods "
+                  "run them", stacklevel=4)
+    return dataclasses.replace(sliced, pieces=tuple(None if e.effects else p
+                                                    for e, p in zip(eqns, sliced.pieces, strict=True)))
 
 
 def slice_step(method: PipeshardParallel, fun: Callable, args: Sequence[Any], *, static_argnums: Sequence[int],
@@ -357,7 +361,6 @@ def slice_step(method: PipeshardParallel, fun: Callable, args: Sequence[Any], *,
     with layering(method.layer_option.layering()):
         traced = trace_step(fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums,
                             num_micro_batches=method.num_micro_batches)
-    _warn_dropped_effects(traced)
     if any(is_marker(e, "boundary") for e in traced.closed_jaxpr.jaxpr.eqns):
         raise ValueError("al.mark_pipeline_boundary() was called outside the function al.grad differentiates, "
                          "where it cuts nothing: call it inside the loss, between two layers' forward code")
@@ -756,7 +759,10 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
     method, sliced, plan, profile, solution = (planned.method, planned.sliced, planned.plan, planned.profile,
                                                planned.solution)
     if method.pipeline_schedule == "terapipe":
-        return _compile_terapipe(method, fun, args, sliced, plan, devices)
+        return _compile_terapipe(method, fun, args, _without_effects(sliced, "under the TeraPipe schedule"),
+                                 plan, devices)
+    if make_executable is not PipeshardExecutable:
+        sliced = _without_effects(sliced, "on the Ray backend (jax.export ships no host callbacks)")
     stage_layers, stage_to_mesh = [s.layer_ids for s in plan.stages], list(range(len(plan.stages)))
     if method.virtual_stages > 1:
         plan, stage_layers, stage_to_mesh = _loop_layers(plan, len(sliced.summaries), method.virtual_stages)

@@ -68,7 +68,9 @@ def _region_pieces(eqns: Sequence[JaxprEqn]) -> list[Piece | None]:
 
 
 def slice_layers(jaxpr: Jaxpr) -> list[Piece | None]:
-    """The :class:`Piece` of every equation (None for equations that feed nothing, i.e. dead code).
+    """The :class:`Piece` of every equation (None for equations that feed nothing, i.e. dead code). An effect
+    (``jax.debug.print``, ``jax.debug.callback``) and what it reads are live: it runs in the piece of its
+    region, or, outside the layers, with the values it reads.
 
     Raises:
       ValueError: the jaxpr has no layer markers (the step did not call al.grad under a pipeline method).
@@ -77,7 +79,9 @@ def slice_layers(jaxpr: Jaxpr) -> list[Piece | None]:
     if not any(is_marker(e, "fwd_start") for e in eqns):
         raise ValueError("the step has no pipeline layers: call al.grad / al.value_and_grad in it (plain "
                          "jax.grad cannot be cut into layers)")
-    live = jax_compat.ancestors(eqns, jaxpr.outvars)
+    effects = {i for i, e in enumerate(eqns) if e.effects}
+    live = jax_compat.ancestors(eqns, [*jaxpr.outvars, *(v for i in effects for v in jax_compat.eqn_inputs(eqns[i]))])
+    live |= effects
     pieces = _region_pieces(eqns)
     grad_index = next((i for i, e in enumerate(eqns) if is_marker(e, "grad")), len(eqns))
     consumers: dict[Var, list[int]] = {}

@@ -246,8 +246,14 @@ def test_convolution_weight_gradients_are_synchronised_once_per_step():
     assert sum(c.result_bytes for c in exe.collectives() if not c.in_loop_body) >= kernel_bytes
 
 
-@pytest.mark.parametrize("method", [al.DataParallel(num_micro_batches=2), al.ShardParallel(num_micro_batches=2)])
+@pytest.mark.parametrize("method", [
+    al.DataParallel(num_micro_batches=2), al.ShardParallel(num_micro_batches=2),
+    al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2),
+                         stage_option=al.UniformStageOption(num_stages=2, show_progress=False))],
+    ids=lambda m: type(m).__name__)
 def test_debug_callbacks_fire_with_micro_batches(method):
+    """In the loss once per micro-batch, after al.grad once per step (the pipeline: in the stage pieces of
+    the values they read, on the local backend)."""
     seen = []
 
     def loss_fn(params, batch):

@@ -191,16 +191,28 @@ def test_bad_options_are_named():
     assert al.UniformStageOption(num_stages=2, submesh_logical_shape=[2, 2]).submesh_logical_shape == (2, 2)
 
 
-def test_a_debug_callback_the_pipeline_drops_is_a_warning():
+def test_debug_callbacks_run_on_the_local_backend_and_the_ray_backend_drops_them_with_a_warning():
+    """The local backend's stage pieces run effects (tests/alpa_like/test_methods.py checks that they fire);
+    pieces shipped to Ray workers as jax.export StableHLO cannot hold host callbacks: they leave them out,
+    and a warning names them."""
     step, state, batch = uneven_case()
 
     def printing(state, batch):
         new_state, loss = step(state, batch)
         jax.debug.print("loss {}", loss)
         return new_state, loss
-    method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.ManualLayerOption(), stage_option=QUIET)
-    with pytest.warns(UserWarning, match="does not run the step's debug_print"):
-        al.plan(printing, state, batch, method=method, cluster=al.ClusterSpec.preset("p3.16xlarge", num_nodes=1))
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.ManualLayerOption(),
+                                  stage_option=al.UniformStageOption(num_stages=2, show_progress=False))
+    built = {}
+
+    def capture(**parts):  # stands in for the Ray executable: what it would be given
+        built.update(parts)
+    compile_args = dict(static_argnums=(), batch_argnums=(1,), devices=jax.devices())
+    with pytest.warns(UserWarning, match="does not run the step's debug_print .* on the Ray backend"):
+        pipeshard.compile_pipeshard(method, printing, (state, batch), make_executable=capture, **compile_args)
+    assert not any(piece.jaxpr.effects for piece in built["program"].pieces.values())
+    local = pipeshard.compile_pipeshard(method, printing, (state, batch), **compile_args)
+    assert [key for key, piece in local.program.pieces.items() if piece.jaxpr.effects] == [(1, "apply")]
 
 
 def test_steps_a_pipeline_cannot_run_are_named_errors():
