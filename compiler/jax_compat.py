@@ -96,6 +96,34 @@ def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
     return jax.make_jaxpr(lambda *xs: eval_closed_jaxpr(closed, *xs, inline_calls=True))(*avals)
 
 
+REMAT_PRIMITIVES = frozenset({"checkpoint", "remat", "remat2"})
+
+
+def inline_remat(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """An equivalent ClosedJaxpr with every top-level ``jax.checkpoint`` / ``nn.remat`` call inlined the way
+    JAX lowers one (by re-tracing): an optimization barrier on its operands (unless ``prevent_cse=False``),
+    so that XLA does not merge the recomputation with the forward, then its body. Passes that read
+    top-level equations then see the body's (the weight gradients of a checkpointed block's backward)."""
+    if not any(e.primitive.name in REMAT_PRIMITIVES for e in closed.jaxpr.eqns):
+        return closed
+    jaxpr = closed.jaxpr
+
+    def run(*args):
+        env: dict[Var, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+        for eqn in jaxpr.eqns:
+            body = inlinable_body(eqn) if eqn.primitive.name in REMAT_PRIMITIVES else None
+            if body is None:
+                eval_eqns([eqn], env)
+                continue
+            invals = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
+            if invals and eqn.params.get("prevent_cse", True):
+                invals = list(jax.lax.optimization_barrier(invals))
+            env.update(zip(eqn.outvars, eval_closed_jaxpr(body, *invals), strict=True))
+        return [v.val if isinstance(v, Literal) else env[v] for v in jaxpr.outvars]
+    return jax.make_jaxpr(run)(*[v.aval for v in jaxpr.invars])
+
+
 def debug_info(name: str, num_in: int, num_out: int) -> DebugInfo:
     """A DebugInfo for a jaxpr the compiler builds itself."""
     return DebugInfo("alpa_like", name, tuple(f"in{i}" for i in range(num_in)),

@@ -337,6 +337,9 @@ def follow_forward(eqns: Sequence[JaxprEqn], known: Mapping[Var, ShardingSpec],
                    if isinstance(v, Var) and v in specs and any(specs[v].axes)}
         if not sharded:
             continue
+        if eqn.primitive.name == "optimization_barrier":  # each value passes through as it is
+            specs.update((out, sharded[k]) for k, out in enumerate(eqn.outvars) if k in sharded)
+            continue
         body = jax_compat.inlinable_body(eqn)
         if body is not None:  # a call (custom_jvp's relu, a checkpointed block): the layouts its body gives
             inner = body.jaxpr

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.extend.core import Var
+from jax.extend.core import ClosedJaxpr, Var
 from jax.sharding import NamedSharding
 
 from alpa_like.compiler import jax_compat
@@ -69,7 +69,7 @@ def _chain_hooks(hooks: Sequence[jax_compat.EqnHook]) -> jax_compat.EqnHook | No
     return hook
 
 
-def deferred_gradients(traced: TracedStep, layout: SpmdLayout, batch_mask: Sequence[bool]) -> DeferredGradients:
+def deferred_gradients(closed: ClosedJaxpr, layout: SpmdLayout, batch_mask: Sequence[bool]) -> DeferredGradients:
     """The results of al.grad (gradients, a mean loss) whose all-reduce over the mesh can wait for the last
     micro-batch: the per-micro-batch equations keep them as stacks of per-shard partial sums
     (:func:`~alpa_like.compiler.gradient_sync.deferrable_gradients`), summed once per step. Exact algebra;
@@ -81,8 +81,8 @@ def deferred_gradients(traced: TracedStep, layout: SpmdLayout, batch_mask: Seque
     """
     if len(layout.mesh_shape) > 2:  # the strategies behind follow_forward know 1-D and 2-D meshes
         return NONE
-    split = split_at_grad_marker(traced.closed_jaxpr, batch_mask)
-    jaxpr = traced.closed_jaxpr.jaxpr
+    split = split_at_grad_marker(closed, batch_mask)
+    jaxpr = closed.jaxpr
     eqns = jaxpr.eqns
     var_specs = {v: spec for v, spec, role in zip(jaxpr.invars, layout.in_specs, layout.roles, strict=True)
                  if role not in layout.gathered_roles}
@@ -132,7 +132,12 @@ def compile_spmd(traced: TracedStep, layout: SpmdLayout, devices: Sequence[Any],
     data_axes = batch_axes(layout)
     if layout.shard_grads and data_axes:
         hooks.append(_pin_grads_hook(mesh, data_axes))
-    deferred = deferred_gradients(traced, layout, batch_mask) if num_micro_batches > 1 else NONE
+    closed = traced.closed_jaxpr
+    if num_micro_batches > 1 and not (layout.eqn_constraints or layout.operand_constraints):
+        # the gradients a checkpointed block's backward computes are deferred too (the ILP's pins, when there
+        # are any, name the traced equations: ShardParallel keeps the blocks)
+        closed = jax_compat.inline_remat(closed)
+    deferred = deferred_gradients(closed, layout, batch_mask) if num_micro_batches > 1 else NONE
     if layout.eqn_constraints:  # values computed as stacks of partial sums are pinned to stacked layouts
         value_pins = [(eqns[i], k, spec) for i, k, spec in layout.eqn_constraints]
         hooks.append(pin_hook(mesh, partial_sums.stacked_pins(value_pins, deferred)))
@@ -144,7 +149,7 @@ def compile_spmd(traced: TracedStep, layout: SpmdLayout, devices: Sequence[Any],
         def micro_batch_eval(micro_eqns, env, micro_operand_hook):
             partial_sums.eval_eqns(micro_eqns, env, deferred, mesh, hook=hook, operand_hook=micro_operand_hook)
     stack_sizes = {v: math.prod(layout.mesh_shape[a] for a in axes) for v, axes in deferred.outputs.items()}
-    step = make_step_fn(traced.closed_jaxpr, batch_mask, num_micro_batches=num_micro_batches, eqn_hook=hook,
+    step = make_step_fn(closed, batch_mask, num_micro_batches=num_micro_batches, eqn_hook=hook,
                         operand_hook=operand_hook,
                         on_micro_batch=_micro_batch_pin(mesh, batch_specs) if num_micro_batches > 1 else None,
                         micro_batch_eval=micro_batch_eval, stack_sizes=stack_sizes)

@@ -230,6 +230,34 @@ def test_flax_remat_blocks_with_dropout_draw_their_own_masks_per_micro_batch(met
     assert not np.allclose(got[0].params["Dense_0"]["kernel"], shared["Dense_0"]["kernel"], atol=1e-5)
 
 
+@pytest.mark.parametrize("method", [al.DataParallel(num_micro_batches=2), al.Zero2Parallel(num_micro_batches=2)],
+                         ids=lambda m: type(m).__name__)
+def test_weight_gradients_inside_checkpointed_blocks_are_synchronised_once_per_step(method):
+    """A jax.checkpoint / nn.remat block's backward computes its weight gradients inside the block: the
+    block is inlined as JAX lowers it (an optimization barrier on its operands, then its body: see
+    tests/compiler/test_jax_compat.py), so those gradients are kept as partial sums in the loop too."""
+    def block(w, h):
+        return jnp.tanh(h @ w)
+
+    def loss_fn(params, batch):
+        h = batch["x"]
+        for i in range(3):
+            h = jax.checkpoint(block)(params[f"w{i}"], h)
+        return jnp.mean((h - batch["y"]) ** 2)
+
+    rng = np.random.default_rng(0)
+    params = {f"w{i}": jnp.asarray(rng.normal(size=(16, 16)) / 4, jnp.float32) for i in range(3)}
+    batch = {k: jnp.asarray(rng.normal(size=(16, 16)), jnp.float32) for k in ("x", "y")}
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+    step = make_train_step(loss_fn)
+    parallel = al.parallelize(step, method=method)
+    got = parallel(state, batch)
+    assert_trees_close(got, jax.jit(step)(*jax.device_put((state, batch), jax.devices()[0])), rtol=1e-5, atol=1e-6)
+    exe = parallel.get_executable(state, batch)
+    assert not [c for c in exe.collectives() if c.in_loop_body]
+    assert sum(c.result_bytes for c in exe.collectives()) >= 3 * 16 * 16 * 4  # the gradients, once per step
+
+
 def test_convolution_weight_gradients_are_synchronised_once_per_step():
     # (their partial sums are checked against the whole gradient in tests/compiler/test_gradient_sync.py)
     config, variables, loss_fn = wresnet_tiny()

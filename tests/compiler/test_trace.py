@@ -50,6 +50,24 @@ def test_nested_jit_is_inlined_and_evaluates_the_same():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("prevent_cse", [True, False])
+def test_checkpointed_blocks_inline_as_jax_lowers_them(prevent_cse):
+    """jax_compat.inline_remat: an optimization barrier on the block's operands (JAX's lowering of a remat
+    call with prevent_cse), then its body; the same values."""
+    def loss(w, x):
+        return jnp.sum(jax.checkpoint(lambda w, x: jnp.tanh(x @ w) @ w, prevent_cse=prevent_cse)(w, x))
+
+    w, x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 4, 4)), jnp.float32)
+    closed = jax.make_jaxpr(jax.grad(loss))(w, x)
+    assert {"checkpoint", "remat2"} & {e.primitive.name for e in closed.jaxpr.eqns}
+    inlined = jax_compat.inline_remat(closed)
+    names = [e.primitive.name for e in inlined.jaxpr.eqns]
+    assert not {"checkpoint", "remat2"} & set(names)
+    assert names.count("optimization_barrier") == (1 if prevent_cse else 0)
+    assert names.count("dot_general") > [e.primitive.name for e in closed.jaxpr.eqns].count("dot_general")
+    np.testing.assert_allclose(jax_compat.eval_closed_jaxpr(inlined, w, x)[0], jax.grad(loss)(w, x), rtol=1e-6)
+
+
 def test_what_the_outputs_do_not_need_is_dropped_and_effects_are_kept():
     def step(state, batch):
         grads = al.grad(mlp_loss)(state.params, batch)
