@@ -4,6 +4,7 @@ Everything else in the compiler goes through these functions, so a JAX upgrade c
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -99,29 +100,70 @@ def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
 REMAT_PRIMITIVES = frozenset({"checkpoint", "remat", "remat2"})
 
 
-def inline_remat(closed: ClosedJaxpr) -> ClosedJaxpr:
-    """An equivalent ClosedJaxpr with every top-level ``jax.checkpoint`` / ``nn.remat`` call inlined the way
-    JAX lowers one (by re-tracing): an optimization barrier on its operands (unless ``prevent_cse=False``),
-    so that XLA does not merge the recomputation with the forward, then its body. Passes that read
-    top-level equations then see the body's (the weight gradients of a checkpointed block's backward)."""
-    if not any(e.primitive.name in REMAT_PRIMITIVES for e in closed.jaxpr.eqns):
-        return closed
-    jaxpr = closed.jaxpr
+def inline_remat(jaxpr: Jaxpr) -> Jaxpr:
+    """``jaxpr`` with every top-level ``jax.checkpoint`` / ``nn.remat`` call inlined the way JAX lowers one:
+    an optimization barrier on its operands (unless ``prevent_cse=False``), so that XLA does not merge the
+    recomputation with the forward, then its body with fresh variables. The call's results keep their
+    variables, and every other equation stays the same object (pins made by ``id(eqn)`` still apply).
+    Passes that read top-level equations then see the body's (the weight gradients of a checkpointed block's
+    backward)."""
+    if not any(e.primitive.name in REMAT_PRIMITIVES for e in jaxpr.eqns):
+        return jaxpr
+    alias: dict[Var, Any] = {}  # a call's result that its body passes through -> what it passes
 
-    def run(*args):
-        env: dict[Var, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
-        env.update(zip(jaxpr.invars, args, strict=True))
-        for eqn in jaxpr.eqns:
-            body = inlinable_body(eqn) if eqn.primitive.name in REMAT_PRIMITIVES else None
-            if body is None:
-                eval_eqns([eqn], env)
-                continue
-            invals = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
-            if invals and eqn.params.get("prevent_cse", True):
-                invals = list(jax.lax.optimization_barrier(invals))
-            env.update(zip(eqn.outvars, eval_closed_jaxpr(body, *invals), strict=True))
-        return [v.val if isinstance(v, Literal) else env[v] for v in jaxpr.outvars]
-    return jax.make_jaxpr(run)(*[v.aval for v in jaxpr.invars])
+    def read(v):
+        return alias.get(v, v) if isinstance(v, Var) else v
+
+    eqns = []
+    for eqn in jaxpr.eqns:
+        if alias and any(isinstance(v, Var) and v in alias for v in eqn.invars):
+            eqn = eqn.replace(invars=[read(v) for v in eqn.invars])
+        body = inlinable_body(eqn) if eqn.primitive.name in REMAT_PRIMITIVES else None
+        if body is None or body.consts or body.jaxpr.constvars:
+            eqns.append(eqn)
+            continue
+        operands = list(eqn.invars)
+        variables = [k for k, v in enumerate(operands) if isinstance(v, Var)]
+        if variables and eqn.params.get("prevent_cse", True):
+            fenced = [Var(operands[k].aval) for k in variables]
+            eqns.append(eqn.replace(primitive=_optimization_barrier(), params={}, effects=frozenset(),
+                                    invars=[operands[k] for k in variables], outvars=fenced))
+            for k, v in zip(variables, fenced, strict=True):
+                operands[k] = v
+        eqns.extend(_body_eqns(body.jaxpr, operands, eqn.outvars, alias))
+    return jaxpr.replace(eqns=eqns, outvars=[read(v) for v in jaxpr.outvars])
+
+
+def _body_eqns(body: Jaxpr, operands: Sequence[Any], results: Sequence[Var], alias: dict[Var, Any]) -> list:
+    """The equations of ``body`` reading ``operands`` for its invars, with fresh variables for its own values
+    and ``results`` for its outputs (a body may be shared by several calls); ``alias`` gets the results the
+    body passes through from its operands or literals."""
+    names: dict[Var, Any] = dict(zip(body.invars, operands, strict=True))
+    named_result: dict[Var, Var] = {}
+    for out, result in zip(body.outvars, results, strict=True):
+        if isinstance(out, Var) and out not in names and out not in named_result and not _is_dropped(result):
+            named_result[out] = result
+    eqns = []
+    for inner in body.eqns:
+        outvars = [named_result[v] if v in named_result else Var(v.aval) for v in inner.outvars]
+        eqns.append(inner.replace(invars=[names.get(v, v) if isinstance(v, Var) else v for v in inner.invars],
+                                  outvars=outvars))
+        names.update(zip(inner.outvars, outvars, strict=True))
+    for out, result in zip(body.outvars, results, strict=True):
+        value = names.get(out, out) if isinstance(out, Var) else out
+        if value is not result and not _is_dropped(result):
+            alias[result] = value
+    return eqns
+
+
+def _is_dropped(var) -> bool:
+    """True for the ``_`` of a result nothing reads (JAX's DropVar)."""
+    return type(var).__name__ == "DropVar"
+
+
+@functools.cache
+def _optimization_barrier():
+    return jax.make_jaxpr(jax.lax.optimization_barrier)(0.0).jaxpr.eqns[0].primitive
 
 
 def debug_info(name: str, num_in: int, num_out: int) -> DebugInfo:

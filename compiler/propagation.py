@@ -22,6 +22,7 @@ from typing import NamedTuple
 from jax.extend.core import JaxprEqn, Literal, Var
 
 from alpa_like.compiler import jax_compat
+from alpa_like.compiler.markers import is_marker
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.strategies import (
     ROOT_LOOPS,
@@ -337,7 +338,7 @@ def follow_forward(eqns: Sequence[JaxprEqn], known: Mapping[Var, ShardingSpec],
                    if isinstance(v, Var) and v in specs and any(specs[v].axes)}
         if not sharded:
             continue
-        if eqn.primitive.name == "optimization_barrier":  # each value passes through as it is
+        if eqn.primitive.name == "optimization_barrier" or is_marker(eqn):  # each value passes through as it is
             specs.update((out, sharded[k]) for k, out in enumerate(eqn.outvars) if k in sharded)
             continue
         body = jax_compat.inlinable_body(eqn)

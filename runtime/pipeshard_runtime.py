@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.extend.core import Literal
 from jax.sharding import NamedSharding
 
 from alpa_like.compiler import jax_compat
@@ -30,8 +31,11 @@ from alpa_like.compiler.micro_batch_keys import KeyDraws, fold_micro_batch_index
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.gradient_sync import NONE, DeferredGradients, deferrable_gradients
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
+from alpa_like.compiler.logical_mesh import LogicalMesh
+from alpa_like.compiler.propagation import follow_forward
 from alpa_like.compiler.stage_construction import StageProgram, ValueId, micro_batch_key_draws
 from alpa_like.compiler.stage_sharding import StageSharding
+from alpa_like.compiler.strategies import StrategyContext
 from alpa_like.runtime.instructions import PER_STEP, Instruction, MeshPrograms, Op, buffer_key
 from alpa_like.runtime.mesh import make_mesh, named_sharding
 from alpa_like.runtime.resharding import layout_of, plan_resharding, reshard
@@ -93,6 +97,9 @@ class PipeshardExecutable:
         (:mod:`alpa_like.compiler.gradient_sync`)."""
         self.traced = traced
         self.plan = plan
+        unpinned: frozenset = frozenset()
+        if defer_gradient_sync and stage_shardings:
+            program, unpinned = inline_backward_remat(program)
         self.program = program
         self.programs = programs
         self.num_micro_batches = plan.num_micro_batches
@@ -109,8 +116,10 @@ class PipeshardExecutable:
         """Accumulators of stacks -> the sharding of their step mean (None: XLA's choice)."""
         for q, sharding in enumerate(stage_shardings or ()):
             mesh = self.meshes[programs.stage_to_mesh[q]]
-            deferred = (deferred_gradients(program, q, sharding, tuple(mesh.devices.shape)) if defer_gradient_sync
-                        else NONE)
+            deferred = NONE
+            if defer_gradient_sync:
+                deferred = deferred_gradients(program, q, sharding, tuple(mesh.devices.shape), unpinned,
+                                              self._arrival_specs(q) if unpinned else {})
             self.deferred[q] = deferred
             for phase in (FORWARD, BACKWARD, APPLY):
                 mine = deferred if phase == BACKWARD else NONE
@@ -299,6 +308,23 @@ class PipeshardExecutable:
         else:
             raise AssertionError(f"unexpected instruction {ins}")
 
+    def _arrival_specs(self, stage: int) -> dict[ValueId, ShardingSpec]:
+        """The layouts of the values ``stage``'s forward and backward pieces read from other stages' meshes or
+        from the step's inputs, as :meth:`_load_sharding` and :meth:`_move` lay them out."""
+        mesh_index = self.programs.stage_to_mesh[stage]
+        shape = tuple(self.meshes[mesh_index].devices.shape)
+        out = {}
+        for phase in (FORWARD, BACKWARD):
+            piece = self.program.piece(stage, phase)
+            for var, v in zip(piece.jaxpr.jaxpr.invars, piece.inputs, strict=True):
+                home = self.program.home.get(v)
+                if home is not None and self.programs.stage_to_mesh[home] == mesh_index:
+                    continue  # made on this mesh: laid out as its producer's pin says, or as XLA chose
+                spec = self.value_specs.get((v, mesh_index), self._input_specs.get(v))
+                usable = spec is not None and spec.ndim == len(var.aval.shape)
+                out[v] = spec if usable else activation_spec(var.aval.shape, shape)
+        return out
+
     def _load_sharding(self, value_id, shape, mesh_index: int) -> NamedSharding:
         mesh = self.meshes[mesh_index]
         spec = self.value_specs.get((value_id, mesh_index), self._input_specs.get(value_id))
@@ -386,13 +412,45 @@ def _piece_fn(piece, hook=None, operand_hook=None, deferred=NONE, mesh=None, *, 
     return run
 
 
-def deferred_gradients(program: StageProgram, stage: int, sharding: StageSharding,
-                       mesh_shape: tuple[int, ...]) -> DeferredGradients:
+def inline_backward_remat(program: StageProgram) -> tuple[StageProgram, frozenset]:
+    """``program`` with the ``jax.checkpoint`` blocks of its backward pieces inlined as JAX lowers them
+    (:func:`~alpa_like.compiler.jax_compat.inline_remat`: ``remat_layer=True``'s and the user's), so that
+    :func:`deferred_gradients` sees the weight gradients their bodies compute; and the values the bodies
+    compute, which the ILP gave no layout (it pins a block at its results)."""
+    pieces, unpinned = dict(program.pieces), set()
+    for key, piece in program.pieces.items():
+        jaxpr = piece.jaxpr.jaxpr
+        inlined = jax_compat.inline_remat(jaxpr) if key[1] == BACKWARD else jaxpr
+        if inlined is not jaxpr:
+            pieces[key] = dataclasses.replace(piece, jaxpr=piece.jaxpr.replace(jaxpr=inlined))
+            kept = {id(e) for e in jaxpr.eqns}
+            unpinned.update(v for e in inlined.eqns if id(e) not in kept for v in e.outvars)
+    return dataclasses.replace(program, pieces=pieces), frozenset(unpinned)
+
+
+def deferred_gradients(program: StageProgram, stage: int, sharding: StageSharding, mesh_shape: tuple[int, ...],
+                       unpinned: frozenset = frozenset(), arrivals: dict | None = None) -> DeferredGradients:
     """The gradients of ``stage``'s backward piece whose mesh all-reduce can wait for the step's mean:
-    accumulated values that no piece reads (:func:`~alpa_like.compiler.gradient_sync.deferrable_gradients`)."""
+    accumulated values that no piece reads (:func:`~alpa_like.compiler.gradient_sync.deferrable_gradients`).
+    The layouts are the ILP's; ``unpinned`` values (inside inlined checkpoint blocks) get those that follow
+    (:func:`~alpa_like.compiler.propagation.follow_forward`) from them and from the ``arrivals``' (the
+    stage's inputs from other meshes and the step, as they are laid out there) through the stage's forward,
+    whose outputs the backward reads, and its backward."""
     piece = program.piece(stage, BACKWARD)
     read = {v for p in program.pieces.values() for v in p.inputs}
     gradients = [program.values[src] for src, _ in program.accumulated if src in piece.outputs and src not in read]
     operand_specs = {(id(eqn), k): spec for eqn, k, spec in sharding.operand_pins}
-    return deferrable_gradients(piece.jaxpr.jaxpr.eqns, gradients, piece.jaxpr.jaxpr.outvars,
-                                {**sharding.input_specs, **sharding.output_specs}, operand_specs, mesh_shape)
+    specs = {**sharding.input_specs, **sharding.output_specs}
+    if unpinned and len(mesh_shape) <= 2:  # the strategies behind follow_forward know 1-D and 2-D meshes
+        mesh = LogicalMesh(shape=mesh_shape, alpha=(0.0,) * len(mesh_shape), beta=(1.0,) * len(mesh_shape))
+        known = dict(arrivals or {})
+        for phase in (FORWARD, BACKWARD):  # the forward's outputs are the backward's residuals
+            part = program.piece(stage, phase)
+            jaxpr = part.jaxpr.jaxpr
+            given = {var: known[v] for var, v in zip(jaxpr.invars, part.inputs, strict=True) if v in known}
+            followed = follow_forward(jaxpr.eqns, {**given, **specs}, StrategyContext(mesh=mesh))
+            known.update((v, followed[var]) for var, v in zip(jaxpr.outvars, part.outputs, strict=True)
+                         if not isinstance(var, Literal) and var in followed)
+        specs = {**{v: spec for v, spec in followed.items() if v in unpinned}, **specs}
+    return deferrable_gradients(piece.jaxpr.jaxpr.eqns, gradients, piece.jaxpr.jaxpr.outvars, specs, operand_specs,
+                                mesh_shape)

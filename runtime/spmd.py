@@ -136,7 +136,7 @@ def compile_spmd(traced: TracedStep, layout: SpmdLayout, devices: Sequence[Any],
     if num_micro_batches > 1 and not (layout.eqn_constraints or layout.operand_constraints):
         # the gradients a checkpointed block's backward computes are deferred too (the ILP's pins, when there
         # are any, name the traced equations: ShardParallel keeps the blocks)
-        closed = jax_compat.inline_remat(closed)
+        closed = closed.replace(jaxpr=jax_compat.inline_remat(closed.jaxpr))
     deferred = deferred_gradients(closed, layout, batch_mask) if num_micro_batches > 1 else NONE
     if layout.eqn_constraints:  # values computed as stacks of partial sums are pinned to stacked layouts
         value_pins = [(eqns[i], k, spec) for i, k, spec in layout.eqn_constraints]

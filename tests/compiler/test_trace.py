@@ -54,16 +54,23 @@ def test_nested_jit_is_inlined_and_evaluates_the_same():
 def test_checkpointed_blocks_inline_as_jax_lowers_them(prevent_cse):
     """jax_compat.inline_remat: an optimization barrier on the block's operands (JAX's lowering of a remat
     call with prevent_cse), then its body; the same values."""
+    def block(w, x):  # called twice (its body may be one jaxpr shared by both calls); passes x through
+        return jnp.tanh(x @ w) @ w, x
+
     def loss(w, x):
-        return jnp.sum(jax.checkpoint(lambda w, x: jnp.tanh(x @ w) @ w, prevent_cse=prevent_cse)(w, x))
+        h, x0 = jax.checkpoint(block, prevent_cse=prevent_cse)(w, x)
+        h, _ = jax.checkpoint(block, prevent_cse=prevent_cse)(w, h)
+        return jnp.sum(h * x0)
 
     w, x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 4, 4)), jnp.float32)
     closed = jax.make_jaxpr(jax.grad(loss))(w, x)
     assert {"checkpoint", "remat2"} & {e.primitive.name for e in closed.jaxpr.eqns}
-    inlined = jax_compat.inline_remat(closed)
+    inlined = closed.replace(jaxpr=jax_compat.inline_remat(closed.jaxpr))
+    kept = [e for e in closed.jaxpr.eqns if e.primitive.name not in ("checkpoint", "remat2")]
+    assert all(any(e is f for f in inlined.jaxpr.eqns) for e in kept)  # the same objects: pins still apply
     names = [e.primitive.name for e in inlined.jaxpr.eqns]
     assert not {"checkpoint", "remat2"} & set(names)
-    assert names.count("optimization_barrier") == (1 if prevent_cse else 0)
+    assert names.count("optimization_barrier") == (2 if prevent_cse else 0)
     assert names.count("dot_general") > [e.primitive.name for e in closed.jaxpr.eqns].count("dot_general")
     np.testing.assert_allclose(jax_compat.eval_closed_jaxpr(inlined, w, x)[0], jax.grad(loss)(w, x), rtol=1e-6)
 

@@ -320,16 +320,19 @@ def test_stage_pieces_compile_the_collectives_their_layers_ilp_chose(fixed_clust
     assert [b * method.num_micro_batches for b in all_reduced] == predicted
 
 
-@pytest.mark.parametrize("defer", [True, False])
-def test_data_parallel_stages_reduce_gradients_once_per_step(defer, fixed_cluster):
+@pytest.mark.parametrize("defer, remat", [(True, False), (False, False), (True, True)],
+                         ids=["deferred", "every micro-batch", "deferred, remat layers"])
+def test_data_parallel_stages_reduce_gradients_once_per_step(defer, remat, fixed_cluster):
     # 64 rows per micro-batch against 16 x 16 weights: the ILP splits the batch over each stage's 4 devices
     # (on the fixed cluster: under load, this machine's measured latency once made it keep the batch whole).
+    # remat_layer=True: each layer's backward is a jax.checkpoint call computing its weight gradients inside,
+    # inlined as JAX lowers it (pipeshard_runtime.inline_backward_remat) so that they are deferred too.
     loss_fn, state, _ = mlp_case()
     rng = np.random.default_rng(1)
     batches = [{"x": jnp.asarray(rng.normal(size=(256, 16)), jnp.float32),
                 "y": jnp.asarray(rng.normal(size=(256, 16)), jnp.float32)} for _ in range(2)]
     state = state.replace(tx=SGD, opt_state=SGD.init(state.params))
-    method = al.PipeshardParallel(num_micro_batches=4, layer_option=al.ManualLayerOption(),
+    method = al.PipeshardParallel(num_micro_batches=4, layer_option=al.ManualLayerOption(remat_layer=remat),
                                   stage_option=stages(((0, 1), (2, 3)), ((1, 4), (1, 4)), ((1, 4), (4, 1))),
                                   defer_gradient_sync=defer)
     step = train_step_for(loss_fn)
