@@ -116,7 +116,7 @@ def split_at_grad_marker(closed: ClosedJaxpr, batch_mask: Sequence[bool]) -> Gra
     origins = key_origins(eqns[:k], {**key_roots(closed.jaxpr.constvars + closed.jaxpr.invars, data),
                                      **{v: DERIVED for v in batch_vars}}, data)
     read_after = [v for i in apply for v in jax_compat.eqn_inputs(eqns[i])] + outvars
-    rerun, kept = _rerun_in_loop(eqns, hoisted, per_micro, set(read_after), origins)
+    rerun, kept = _rerun_in_loop(eqns, hoisted, per_micro, marker.invars, set(read_after), origins)
     loop = sorted(set(per_micro) | set(rerun))
     unfoldable = unfoldable_draws([eqns[i] for i in loop], origins, data)
     if unfoldable:  # nothing folded: every micro-batch computes what the step computes, consistently
@@ -160,9 +160,11 @@ def _check_no_per_example_results(eqns: Sequence[JaxprEqn], marker: JaxprEqn, de
 
 
 def _rerun_in_loop(eqns: Sequence[JaxprEqn], hoisted: Sequence[int], per_micro: Sequence[int],
-                   read_later: set[Var], origins: dict[Var, str]) -> tuple[list[int], list[int]]:
-    """The hoisted equations computed from keys that the micro-batch computation reads (a dropout mask from
-    the step's key, a key split off it): they run again in the micro-batch loop, from the folded key roots
+                   marker_inputs: Sequence[Any], read_later: set[Var],
+                   origins: dict[Var, str]) -> tuple[list[int], list[int]]:
+    """The hoisted equations computed from keys that the micro-batch computation reads, or al.grad returns
+    (a dropout mask from the step's key, a key split off it, an aux of the mask): they run again in the
+    micro-batch loop, from the folded key roots
     (:mod:`~alpa_like.compiler.micro_batch_keys`). Also, second, the hoisted draws whose numbers are read
     after al.grad or returned: they stay once per step (their numbers must be one value) and the loop reads
     them as they are."""
@@ -170,7 +172,7 @@ def _rerun_in_loop(eqns: Sequence[JaxprEqn], hoisted: Sequence[int], per_micro: 
     kept = [i for i in hoisted if draws_random_numbers(eqns[i])
             and batch_dependent(hoisted_eqns, set(eqns[i].outvars)) & read_later]
     derived = [i for i in hoisted if i not in kept and any(origins.get(v) == DERIVED for v in eqns[i].outvars)]
-    read = [v for i in per_micro for v in jax_compat.eqn_inputs(eqns[i])]
+    read = [v for i in per_micro for v in jax_compat.eqn_inputs(eqns[i])] + list(marker_inputs)
     return [derived[j] for j in sorted(jax_compat.ancestors([eqns[i] for i in derived], read))], kept
 
 
@@ -197,7 +199,7 @@ def _warn_shared_random_draws(eqns: Sequence[JaxprEqn], kept: Sequence[int], loo
         shapes = ", ".join(sorted({str(tuple(v.aval.shape)) for e in shared for v in e.outvars}))
         warnings.warn(f"with num_micro_batches > 1, the random numbers drawn in the step (shapes {shapes}) are "
                       "drawn once per step and every micro-batch reads the same ones (they are also used after "
-                      "al.grad): a dropout mask repeats in each micro-batch. Draw them inside the loss",
+                      "al.grad, or returned): a dropout mask repeats in each micro-batch. Draw them inside the loss",
                       stacklevel=3)
     if unknown:
         names = ", ".join(sorted({e.primitive.name for e in unknown}))

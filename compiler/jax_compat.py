@@ -100,13 +100,13 @@ def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
 REMAT_PRIMITIVES = frozenset({"checkpoint", "remat", "remat2"})
 
 
-def inline_remat(jaxpr: Jaxpr) -> Jaxpr:
+def inline_remat(jaxpr: Jaxpr, keep: Callable[[JaxprEqn], bool] = lambda eqn: False) -> Jaxpr:
     """``jaxpr`` with every top-level ``jax.checkpoint`` / ``nn.remat`` call inlined the way JAX lowers one:
     an optimization barrier on its operands (unless ``prevent_cse=False``), so that XLA does not merge the
     recomputation with the forward, then its body with fresh variables. The call's results keep their
     variables, and every other equation stays the same object (pins made by ``id(eqn)`` still apply).
     Passes that read top-level equations then see the body's (the weight gradients of a checkpointed block's
-    backward)."""
+    backward). Calls that ``keep`` names stay calls."""
     if not any(e.primitive.name in REMAT_PRIMITIVES for e in jaxpr.eqns):
         return jaxpr
     alias: dict[Var, Any] = {}  # a call's result that its body passes through -> what it passes
@@ -118,7 +118,7 @@ def inline_remat(jaxpr: Jaxpr) -> Jaxpr:
     for eqn in jaxpr.eqns:
         if alias and any(isinstance(v, Var) and v in alias for v in eqn.invars):
             eqn = eqn.replace(invars=[read(v) for v in eqn.invars])
-        body = inlinable_body(eqn) if eqn.primitive.name in REMAT_PRIMITIVES else None
+        body = inlinable_body(eqn) if eqn.primitive.name in REMAT_PRIMITIVES and not keep(eqn) else None
         if body is None or body.consts or body.jaxpr.constvars:
             eqns.append(eqn)
             continue

@@ -218,11 +218,18 @@ def _live_bytes_before(jaxpr: Jaxpr) -> np.ndarray:
 
 
 def _loop_hint(jaxpr: Jaxpr) -> str:
-    """Why a loss with its layers in a loop clusters badly, or "" when it has no loop."""
-    loops = sorted({e.primitive.name for e in jaxpr.eqns if e.primitive.name in ("scan", "while", "cond")})
-    return (f"; its {'/'.join(loops)} loop counts as one operator (layers stacked in a lax.scan or nn.scan "
-            "cannot be split into pipeline layers: unroll them, or use ShardParallel, which shards inside the "
-            "scan)") if loops else ""
+    """Why a loss with its layers in a loop or a checkpointed block clusters badly, or "" when it has none."""
+    names = {e.primitive.name for e in jaxpr.eqns}
+    loops = sorted(names & {"scan", "while", "cond"})
+    hints = []
+    if loops:
+        hints.append(f"its {'/'.join(loops)} loop counts as one operator (layers stacked in a lax.scan or nn.scan "
+                     "cannot be split into pipeline layers: unroll them, or use ShardParallel, which shards inside "
+                     "the scan)")
+    if names & jax_compat.REMAT_PRIMITIVES:
+        hints.append("a jax.checkpoint / nn.remat block counts as one operator (checkpoint smaller blocks, such as "
+                     "each layer, or drop it and pass remat_layer=True, which checkpoints each pipeline layer)")
+    return "".join(f"; {h}" for h in hints)
 
 
 def auto_layers(layer_num: int, delta: float | None, recompute_aware: bool = False) -> LayerAssignment:

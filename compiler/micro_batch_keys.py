@@ -26,6 +26,7 @@ import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn, Var
 
 from alpa_like.compiler import jax_compat
+from alpa_like.compiler.markers import is_marker
 
 ROOT, DERIVED = "root", "derived"
 """Key origins (:func:`key_origins`): a key root, or a value computed from a root (or from the batch)."""
@@ -66,6 +67,10 @@ def key_data(jaxpr: Jaxpr, outputs: Sequence[Any] = ()) -> dict[Var, Any]:
     for eqn in reversed(jaxpr.eqns):
         if eqn.primitive.name == "random_wrap":
             _mark_key_data(found, eqn.invars[0], eqn.params["impl"])
+        elif _passes_through(eqn):
+            for var, out in zip(eqn.invars, eqn.outvars, strict=True):
+                if out in found:
+                    _mark_key_data(found, var, found[out])
         elif eqn.primitive.name in _DATA_MOVEMENT:
             impl = next((found[v] for v in eqn.outvars if v in found), None)
             if impl is not None:
@@ -78,6 +83,18 @@ def key_data(jaxpr: Jaxpr, outputs: Sequence[Any] = ()) -> dict[Var, Any]:
                     if var in inner:
                         _mark_key_data(found, operand, inner[var])
     return found
+
+
+def _passes_through(eqn: JaxprEqn) -> bool:
+    """True for an equation whose outputs are its operands, position by position (an optimization barrier,
+    a marker)."""
+    return eqn.primitive.name == "optimization_barrier" or is_marker(eqn)
+
+
+def seeds_keys(eqn: JaxprEqn) -> bool:
+    """True when ``eqn`` runs, in a body, a ``random_seed``: a key made inside it from a seed."""
+    return any(inner.primitive.name == "random_seed" or seeds_keys(inner)
+               for body in jax_compat.nested_jaxprs(eqn) for inner in body.eqns)
 
 
 def _mark_key_data(found: dict[Var, Any], var, impl) -> None:
@@ -109,7 +126,10 @@ def key_origins(eqns: Sequence[JaxprEqn], origins: Mapping[Var, str], data: Mapp
     neither makes a root of each foldable key it returns (a key from a seed)."""
     origins = dict(origins)
     for eqn in eqns:
-        if any(v in origins for v in jax_compat.eqn_inputs(eqn)):
+        if _passes_through(eqn):  # value by value: a seed through an optimization barrier is still a seed
+            origins.update((out, DERIVED) for v, out in zip(eqn.invars, eqn.outvars, strict=True)
+                           if isinstance(v, Var) and v in origins)  # a root is folded where it is read: here
+        elif any(v in origins for v in jax_compat.eqn_inputs(eqn)):
             origins.update((v, DERIVED) for v in eqn.outvars)
         else:
             origins.update((v, ROOT) for v in eqn.outvars if foldable(v, data))

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.grad_accumulation import to_micro_batches
-from alpa_like.compiler.micro_batch_keys import KeyDraws, fold_micro_batch_index
+from alpa_like.compiler.micro_batch_keys import KeyDraws, fold_micro_batch_index, seeds_keys
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.gradient_sync import NONE, DeferredGradients, deferrable_gradients
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
@@ -416,11 +416,12 @@ def inline_backward_remat(program: StageProgram) -> tuple[StageProgram, frozense
     """``program`` with the ``jax.checkpoint`` blocks of its backward pieces inlined as JAX lowers them
     (:func:`~alpa_like.compiler.jax_compat.inline_remat`: ``remat_layer=True``'s and the user's), so that
     :func:`deferred_gradients` sees the weight gradients their bodies compute; and the values the bodies
-    compute, which the ILP gave no layout (it pins a block at its results)."""
+    compute, which the ILP gave no layout (it pins a block at its results). A block that makes a key from a
+    seed stays a call (see :mod:`~alpa_like.runtime.spmd`)."""
     pieces, unpinned = dict(program.pieces), set()
     for key, piece in program.pieces.items():
         jaxpr = piece.jaxpr.jaxpr
-        inlined = jax_compat.inline_remat(jaxpr) if key[1] == BACKWARD else jaxpr
+        inlined = jax_compat.inline_remat(jaxpr, keep=seeds_keys) if key[1] == BACKWARD else jaxpr
         if inlined is not jaxpr:
             pieces[key] = dataclasses.replace(piece, jaxpr=piece.jaxpr.replace(jaxpr=inlined))
             kept = {id(e) for e in jaxpr.eqns}

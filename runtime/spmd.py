@@ -16,6 +16,7 @@ from alpa_like.compiler.grad_accumulation import make_step_fn, split_at_grad_mar
 from alpa_like.compiler.gradient_sync import NONE, DeferredGradients, deferrable_gradients
 from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.compiler.markers import is_marker
+from alpa_like.compiler.micro_batch_keys import seeds_keys
 from alpa_like.compiler.propagation import follow_forward
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.strategies import StrategyContext
@@ -135,8 +136,9 @@ def compile_spmd(traced: TracedStep, layout: SpmdLayout, devices: Sequence[Any],
     closed = traced.closed_jaxpr
     if num_micro_batches > 1 and not (layout.eqn_constraints or layout.operand_constraints):
         # the gradients a checkpointed block's backward computes are deferred too (the ILP's pins, when there
-        # are any, name the traced equations: ShardParallel keeps the blocks)
-        closed = closed.replace(jaxpr=jax_compat.inline_remat(closed.jaxpr))
+        # are any, name the traced equations: ShardParallel keeps the blocks); a block that makes a key from a
+        # seed stays a call, so that every method folds the same keys (micro_batch_keys.unfoldable_draws)
+        closed = closed.replace(jaxpr=jax_compat.inline_remat(closed.jaxpr, keep=seeds_keys))
     deferred = deferred_gradients(closed, layout, batch_mask) if num_micro_batches > 1 else NONE
     if layout.eqn_constraints:  # values computed as stacks of partial sums are pinned to stacked layouts
         value_pins = [(eqns[i], k, spec) for i, k, spec in layout.eqn_constraints]

@@ -31,6 +31,9 @@ METHODS = {
     "manual_2d_mb2": al.ManualShardParallel(mesh_shape=(2, 4), mesh_axis_names=("data", "model"),
                                             in_specs=(None, P("data")), num_micro_batches=2),
 }
+PIPESHARD_MB2 = al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2),
+                                     stage_option=al.UniformStageOption(num_stages=2, show_progress=False))
+"""Two stages of one layer each, two micro-batches: the pipeline in the tests of random numbers and effects."""
 
 
 def _mlp_case():
@@ -194,11 +197,8 @@ class _RematDropoutNet(nn.Module):
 
 
 @pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey], ids=["typed", "raw"])
-@pytest.mark.parametrize("method", [
-    al.DataParallel(num_micro_batches=2),
-    al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2),
-                         stage_option=al.UniformStageOption(num_stages=2, show_progress=False))],
-    ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("method", [al.DataParallel(num_micro_batches=2), PIPESHARD_MB2],
+                         ids=lambda m: type(m).__name__)
 def test_flax_remat_blocks_with_dropout_draw_their_own_masks_per_micro_batch(method, make_key):
     model = _RematDropoutNet()
     batch = mlp_batch(np.random.default_rng(3))
@@ -258,6 +258,57 @@ def test_weight_gradients_inside_checkpointed_blocks_are_synchronised_once_per_s
     assert sum(c.result_bytes for c in exe.collectives()) >= 3 * 16 * 16 * 4  # the gradients, once per step
 
 
+@pytest.mark.parametrize("method", [al.DataParallel(num_micro_batches=2), al.ShardParallel(num_micro_batches=2),
+                                    PIPESHARD_MB2], ids=lambda m: type(m).__name__)
+def test_an_aux_of_the_masks_is_averaged_over_the_micro_batches(method):
+    """An aux computed from the key alone (the mask's keep rate) comes from each micro-batch's own mask and is
+    averaged like the loss (an outside probe found micro-batch 0's returned by the SPMD methods)."""
+    def loss_fn(params, batch, key):
+        keep = jax.random.bernoulli(key, 0.7, (32,))
+        h = jnp.where(keep, jnp.tanh(batch["x"] @ params["dense_0"]["kernel"]) / 0.7, 0.0)
+        loss = jnp.mean((h @ params["dense_1"]["kernel"] - batch["y"]) ** 2)
+        return loss, jnp.mean(keep.astype(jnp.float32))
+
+    def step(params, batch, key):
+        return al.value_and_grad(loss_fn, has_aux=True)(params, batch, key)
+
+    params, batch, key = mlp_state().params, mlp_batch(np.random.default_rng(0)), jax.random.key(8)
+    (loss, rate), _ = al.parallelize(step, method=method)(params, batch, key)
+    parts = [loss_fn(params, jax.tree.map(lambda x, j=j: x[j::2], batch), micro_batch_key(key, j)) for j in range(2)]
+    assert parts[0][1] != parts[1][1]
+    np.testing.assert_allclose(float(rate), (parts[0][1] + parts[1][1]) / 2, rtol=1e-6)
+    np.testing.assert_allclose(float(loss), (parts[0][0] + parts[1][0]) / 2, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", [al.DataParallel(num_micro_batches=2), PIPESHARD_MB2],
+                         ids=lambda m: type(m).__name__)
+def test_a_key_seeded_inside_a_checkpointed_block_folds_nothing_in_every_method(method):
+    """A key made from a seed inside a jax.checkpoint body: the forward's copy of it is made outside the
+    block, the backward's inside, where no fold can reach it; so nothing is folded (a warning says so), and
+    the methods that inline checkpointed blocks to defer their gradients keep such a block a call (an outside
+    probe found forward and backward with different masks: wrong gradients)."""
+    def seeded_dropout(h, seed):
+        return jnp.where(jax.random.bernoulli(jax.random.key(seed), 0.7, h.shape), h / 0.7, 0.0)
+
+    def loss_fn(params, batch, key, seed):
+        h = jax.checkpoint(seeded_dropout)(jnp.tanh(batch["x"] @ params["dense_0"]["kernel"]), seed)
+        h = jnp.where(jax.random.bernoulli(key, 0.8, h.shape), h / 0.8, 0.0)
+        return jnp.mean((h @ params["dense_1"]["kernel"] - batch["y"]) ** 2)
+
+    def step(state, batch, key, seed):
+        loss, grads = al.value_and_grad(loss_fn)(state.params, batch, key, seed)
+        return state.apply_gradients(grads=grads), loss
+
+    state, batch = mlp_state(tx=optax.sgd(0.1)), mlp_batch(np.random.default_rng(0))
+    args = (jax.random.key(3), jnp.uint32(5))
+    with pytest.warns(UserWarning, match="draws random numbers from a key that is neither"):
+        got = al.parallelize(step, method=method)(state, batch, *args)
+    parts = [jax.value_and_grad(loss_fn)(state.params, jax.tree.map(lambda x, j=j: x[j::2], batch), *args)
+             for j in range(2)]
+    loss, grads = jax.tree.map(lambda *xs: sum(xs) / 2, *parts)
+    assert_trees_close(got, (state.apply_gradients(grads=grads), loss), rtol=1e-5, atol=1e-6)
+
+
 def test_convolution_weight_gradients_are_synchronised_once_per_step():
     # (their partial sums are checked against the whole gradient in tests/compiler/test_gradient_sync.py)
     config, variables, loss_fn = wresnet_tiny()
@@ -274,11 +325,8 @@ def test_convolution_weight_gradients_are_synchronised_once_per_step():
     assert sum(c.result_bytes for c in exe.collectives() if not c.in_loop_body) >= kernel_bytes
 
 
-@pytest.mark.parametrize("method", [
-    al.DataParallel(num_micro_batches=2), al.ShardParallel(num_micro_batches=2),
-    al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2),
-                         stage_option=al.UniformStageOption(num_stages=2, show_progress=False))],
-    ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("method", [al.DataParallel(num_micro_batches=2), al.ShardParallel(num_micro_batches=2),
+                                    PIPESHARD_MB2], ids=lambda m: type(m).__name__)
 def test_debug_callbacks_fire_with_micro_batches(method):
     """In the loss once per micro-batch, after al.grad once per step (the pipeline: in the stage pieces of
     the values they read, on the local backend)."""

@@ -72,7 +72,7 @@ def test_auto_layers_can_find_the_least_slack():
     assert least_delta([1.0, 1.0, 1.0, 5.0], 2) == pytest.approx(5 / 4 - 1)  # the heavy op alone: 5 of 8
 
 
-def test_layers_stacked_in_a_scan_are_a_clear_error_naming_the_scan():
+def test_layers_stacked_in_a_scan_or_one_checkpoint_are_a_clear_error_naming_it():
     from alpa_like.compiler.layer_construction import auto_layers
 
     def loss(ws, x):
@@ -87,6 +87,11 @@ def test_layers_stacked_in_a_scan_are_a_clear_error_naming_the_scan():
     jaxpr = jax.make_jaxpr(loss_with_head)(jnp.ones((4, 8, 8)), jnp.ones((8, 1)), jnp.ones((2, 8))).jaxpr
     with pytest.raises(ValueError, match="needs delta >= .*its scan loop counts as one operator"):
         auto_layers(2, delta=0.1)(jaxpr)
+
+    checkpointed = jax.checkpoint(lambda w, x: jnp.mean(jnp.tanh(x @ w) @ w))  # the whole loss: one operator
+    jaxpr = jax.make_jaxpr(checkpointed)(jnp.ones((8, 8)), jnp.ones((2, 8))).jaxpr
+    with pytest.raises(ValueError, match="a jax.checkpoint / nn.remat block counts as one operator"):
+        auto_layers(2, delta=0.6)(jaxpr)
 
 
 def test_a_checkpointed_block_or_a_scan_is_one_operator():

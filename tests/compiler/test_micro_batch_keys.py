@@ -68,3 +68,20 @@ def test_micro_batch_zero_sees_the_key_itself_and_the_others_fold_their_index_in
         np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(want))
         raw = jax.jit(fold_key, static_argnums=2)(data, jnp.uint32(j), impl)  # key data folds as its keys
         np.testing.assert_array_equal(raw, jax.random.key_data(want))
+
+
+def test_an_optimization_barrier_passes_keys_seeds_and_key_data_through_value_by_value():
+    """How JAX lowers a remat call (jax_compat.inline_remat): a seed fenced by the barrier still makes a root
+    key where it is seeded, and a raw key fenced with a uint32 counter is key data while the counter is not."""
+    def fn(seed, raw, counter):
+        seed_, raw_, counter_ = jax.lax.optimization_barrier((seed, raw, counter))
+        a = jax.random.normal(jax.random.key(seed_), (2,))
+        b = jax.random.normal(jax.random.wrap_key_data(raw_), (2,))
+        return a + b + counter_.astype(jnp.float32)
+
+    jaxpr, data, origins = _analyse(fn, jnp.uint32(1), jax.random.key_data(jax.random.key(2)), jnp.uint32(3))
+    seed, raw, counter = jaxpr.invars
+    assert raw in data and counter not in data
+    assert origins[raw] == ROOT and seed not in origins and counter not in origins
+    seeded = next(e for e in jaxpr.eqns if e.primitive.name == "random_seed")
+    assert origins[seeded.outvars[0]] == ROOT  # made from the fenced seed: folded where it is read
