@@ -101,9 +101,10 @@ REMAT_PRIMITIVES = frozenset({"checkpoint", "remat", "remat2"})
 
 
 def inline_remat(jaxpr: Jaxpr, keep: Callable[[JaxprEqn], bool] = lambda eqn: False) -> Jaxpr:
-    """``jaxpr`` with every top-level ``jax.checkpoint`` / ``nn.remat`` call inlined the way JAX lowers one:
-    an optimization barrier on its operands (unless ``prevent_cse=False``), so that XLA does not merge the
-    recomputation with the forward, then its body with fresh variables. The call's results keep their
+    """``jaxpr`` with every ``jax.checkpoint`` / ``nn.remat`` call (nested ones too, not those in a loop or a
+    cond) inlined the way JAX lowers one: an optimization barrier on its operands (unless
+    ``prevent_cse=False``), so that XLA does not merge the recomputation with the forward, then its body with
+    fresh variables. The call's results keep their
     variables, and every other equation stays the same object (pins made by ``id(eqn)`` still apply).
     Passes that read top-level equations then see the body's (the weight gradients of a checkpointed block's
     backward). Calls that ``keep`` names stay calls."""
@@ -130,7 +131,7 @@ def inline_remat(jaxpr: Jaxpr, keep: Callable[[JaxprEqn], bool] = lambda eqn: Fa
                                     invars=[operands[k] for k in variables], outvars=fenced))
             for k, v in zip(variables, fenced, strict=True):
                 operands[k] = v
-        eqns.extend(_body_eqns(body.jaxpr, operands, eqn.outvars, alias))
+        eqns.extend(_body_eqns(inline_remat(body.jaxpr, keep), operands, eqn.outvars, alias))  # nested blocks too
     return jaxpr.replace(eqns=eqns, outvars=[read(v) for v in jaxpr.outvars])
 
 

@@ -19,6 +19,8 @@ _ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _WHILE_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
+_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
+                     r"|\bbranch_computations=\{([^}]*)\}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,12 +30,13 @@ class HloCollective:
     """Bytes of the collective's result (per device)."""
     line: str
     in_loop_body: bool = False
-    """Whether it is in the body computation of a ``while`` (runs once per iteration, e.g. per micro-batch)."""
+    """Whether it runs in the body of a ``while`` (once per iteration, e.g. per micro-batch): in the body
+    computation or in one it calls (a conditional's branch, a call)."""
 
 
 def collectives(hlo_text: str) -> list[HloCollective]:
     """Every collective op in an HLO module text, in program order (async pairs counted once)."""
-    bodies = set(_WHILE_BODY.findall(hlo_text))
+    bodies = _called_from(set(_WHILE_BODY.findall(hlo_text)), hlo_text)
     found = []
     computation = None
     for line in hlo_text.splitlines():
@@ -51,6 +54,26 @@ def collectives(hlo_text: str) -> list[HloCollective]:
         found.append(HloCollective(kind=m.group("op"), result_bytes=nbytes, line=line.strip(),
                                    in_loop_body=computation in bodies))
     return found
+
+
+def _called_from(roots: set[str], hlo_text: str) -> set[str]:
+    """``roots`` and the computations they call, directly or through others."""
+    calls: dict[str, set[str]] = {}
+    computation = None
+    for line in hlo_text.splitlines():
+        start = _COMPUTATION.match(line)
+        if start:
+            computation = start.group(1)
+        for name, branches in _CALLED.findall(line):
+            names = [name] if name else [b.strip().lstrip("%") for b in branches.split(",")]
+            calls.setdefault(computation, set()).update(names)
+    reached, stack = set(roots), list(roots)
+    while stack:
+        for callee in calls.get(stack.pop(), ()):
+            if callee not in reached:
+                reached.add(callee)
+                stack.append(callee)
+    return reached
 
 
 def count_by_kind(hlo_text: str) -> dict[str, int]:

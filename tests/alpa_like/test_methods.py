@@ -239,10 +239,12 @@ def test_weight_gradients_inside_checkpointed_blocks_are_synchronised_once_per_s
     def block(w, h):
         return jnp.tanh(h @ w)
 
+    def outer_block(w0, w1, h):  # a checkpointed block with another inside (an outside probe: not deferred)
+        return jax.checkpoint(block)(w1, jnp.tanh(h @ w0))
+
     def loss_fn(params, batch):
-        h = batch["x"]
-        for i in range(3):
-            h = jax.checkpoint(block)(params[f"w{i}"], h)
+        h = jax.checkpoint(block)(params["w0"], batch["x"])
+        h = jax.checkpoint(outer_block)(params["w1"], params["w2"], h)
         return jnp.mean((h - batch["y"]) ** 2)
 
     rng = np.random.default_rng(0)

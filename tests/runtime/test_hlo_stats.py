@@ -18,3 +18,31 @@ def test_collectives_are_found_with_their_result_bytes():
         ("all-reduce", 128 * 64 * 4), ("all-gather", 8 * 16 * 2), ("all-reduce", 24), ("reduce-scatter", 64),
         ("all-reduce", 48)]
     assert count_by_kind(HLO)["all-reduce"] == 3 and count_by_kind(HLO)["all-to-all"] == 0
+
+
+LOOP_HLO = """
+%branch_a (p: f32[16]) -> f32[16] {
+  %ar = f32[16]{0} all-reduce(f32[16]{0} %p), to_apply=%add
+}
+
+%branch_b (p: f32[16]) -> f32[16] {
+  ROOT %p = f32[16]{0} parameter(0)
+}
+
+%body (t: (s32[], f32[16])) -> (s32[], f32[16]) {
+  %c = f32[16]{0} conditional(s32[] %i, f32[16]{0} %x, f32[16]{0} %x), branch_computations={%branch_a, %branch_b}
+  %ag = f32[32]{0} all-gather(f32[16]{0} %c), dimensions={0}
+}
+
+ENTRY %main (x: f32[16]) -> f32[16] {
+  %w = (s32[], f32[16]) while((s32[], f32[16]) %t), condition=%cond, body=%body
+  %rs = f32[8]{0} reduce-scatter(f32[16]{0} %y), dimensions={0}
+}
+"""
+
+
+def test_collectives_in_computations_a_loop_body_calls_are_in_the_loop():
+    """An all-reduce in a conditional's branch inside a while body runs once per iteration (an outside probe
+    found such gradient all-reduces reported outside the loop)."""
+    assert [(c.kind, c.in_loop_body) for c in collectives(LOOP_HLO)] == [
+        ("all-reduce", True), ("all-gather", True), ("reduce-scatter", False)]
