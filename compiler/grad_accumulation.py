@@ -164,10 +164,9 @@ def _rerun_in_loop(eqns: Sequence[JaxprEqn], hoisted: Sequence[int], per_micro: 
                    origins: dict[Var, str]) -> tuple[list[int], list[int]]:
     """The hoisted equations computed from keys that the micro-batch computation reads, or al.grad returns
     (a dropout mask from the step's key, a key split off it, an aux of the mask): they run again in the
-    micro-batch loop, from the folded key roots
-    (:mod:`~alpa_like.compiler.micro_batch_keys`). Also, second, the hoisted draws whose numbers are read
-    after al.grad or returned: they stay once per step (their numbers must be one value) and the loop reads
-    them as they are."""
+    micro-batch loop, from the folded key roots (:mod:`~alpa_like.compiler.micro_batch_keys`). Second, the
+    hoisted draws whose numbers are read after al.grad or returned: they stay once per step (their numbers
+    must be one value) and the loop reads them as they are."""
     hoisted_eqns = [eqns[i] for i in hoisted]
     kept = [i for i in hoisted if draws_random_numbers(eqns[i])
             and batch_dependent(hoisted_eqns, set(eqns[i].outvars)) & read_later]

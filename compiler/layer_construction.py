@@ -54,13 +54,28 @@ def active_layering() -> Layering | None:
 
 
 def manual_layers(jaxpr: Jaxpr) -> list[int]:
-    """Layer of each equation: the number of pipeline-boundary markers before it."""
+    """Layer of each equation: the number of pipeline-boundary markers before it.
+
+    Raises:
+      ValueError: a boundary is marked inside a call's body (a ``jax.checkpoint`` block, a ``scan``), where
+        it cuts nothing.
+    """
+    inside = sorted({e.primitive.name for e in jaxpr.eqns if _marks_boundary_inside(e)})
+    if inside:
+        raise ValueError(f"al.mark_pipeline_boundary() is called inside a {'/'.join(inside)} body (jax.checkpoint "
+                         "or nn.remat block, scan, cond), where it cuts nothing: mark the boundaries between "
+                         "the blocks, outside them (ManualLayerOption(remat_layer=True) checkpoints each layer)")
     layer, out = 0, []
     for eqn in jaxpr.eqns:
         out.append(layer)
         if is_marker(eqn, "boundary"):
             layer += 1
     return out
+
+
+def _marks_boundary_inside(eqn) -> bool:
+    return any(is_marker(inner, "boundary") or _marks_boundary_inside(inner)
+               for body in jax_compat.nested_jaxprs(eqn) for inner in body.eqns)
 
 
 def check_assignment(jaxpr: Jaxpr, layers: Sequence[int]) -> int:

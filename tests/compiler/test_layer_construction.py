@@ -172,3 +172,17 @@ def _all_eqns(jaxpr):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
                     yield from _all_eqns(inner)
+
+
+def test_a_boundary_marked_inside_a_checkpointed_block_is_a_clear_error():
+    """It cuts nothing there (an outside probe got "the step has 1 layers" from UniformStageOption)."""
+    def block(w, h):
+        h = jnp.tanh(h @ w)
+        mark_pipeline_boundary()
+        return h
+
+    def loss(w, x):
+        return jnp.mean(jax.checkpoint(block)(w, jax.checkpoint(block)(w, x)))
+    jaxpr = jax.make_jaxpr(loss)(jnp.ones((8, 8)), jnp.ones((2, 8))).jaxpr
+    with pytest.raises(ValueError, match=r"mark_pipeline_boundary\(\) is called inside a (checkpoint|remat2) body"):
+        manual_layers(jaxpr)
