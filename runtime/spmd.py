@@ -70,33 +70,63 @@ def _chain_hooks(hooks: Sequence[jax_compat.EqnHook]) -> jax_compat.EqnHook | No
     return hook
 
 
-def deferred_gradients(closed: ClosedJaxpr, layout: SpmdLayout, batch_mask: Sequence[bool]) -> DeferredGradients:
+def deferred_gradients(closed: ClosedJaxpr, layout: SpmdLayout, batch_mask: Sequence[bool],
+                       value_pins: Sequence = (), operand_pins: Sequence = (),
+                       inlined: frozenset = frozenset()) -> DeferredGradients:
     """The results of al.grad (gradients, a mean loss) whose all-reduce over the mesh can wait for the last
     micro-batch: the per-micro-batch equations keep them as stacks of per-shard partial sums
     (:func:`~alpa_like.compiler.gradient_sync.deferrable_gradients`), summed once per step. Exact algebra;
     only the order of float additions changes.
 
-    The analysis reads the layouts of values: the intra-op pass's pins when it made them, otherwise the
-    layouts that follow from the leaves' (:func:`~alpa_like.compiler.propagation.follow_forward`: data
-    parallelism's batch split), leaving out the leaves gathered whole for compute (ZeRO-3's parameters).
+    The analysis reads the layouts of values: the intra-op pass's pins (``value_pins``, ``operand_pins``:
+    ``(eqn, k, spec)`` on ``closed``'s equations) when it made them, with the layouts that follow from them
+    for the ``inlined`` values (computed in checkpoint blocks, which the ILP pins only at their results);
+    otherwise the layouts that follow from the leaves' (:func:`~alpa_like.compiler.propagation.follow_forward`:
+    data parallelism's batch split), leaving out the leaves gathered whole for compute (ZeRO-3's parameters).
     """
     if len(layout.mesh_shape) > 2:  # the strategies behind follow_forward know 1-D and 2-D meshes
         return NONE
     split = split_at_grad_marker(closed, batch_mask)
-    jaxpr = closed.jaxpr
-    eqns = jaxpr.eqns
-    var_specs = {v: spec for v, spec, role in zip(jaxpr.invars, layout.in_specs, layout.roles, strict=True)
+    eqns = closed.jaxpr.eqns
+    var_specs = {v: spec for v, spec, role in zip(closed.jaxpr.invars, layout.in_specs, layout.roles, strict=True)
                  if role not in layout.gathered_roles}
-    if layout.eqn_constraints:
-        var_specs.update({eqns[i].outvars[k]: spec for i, k, spec in layout.eqn_constraints})
+    ctx = StrategyContext(mesh=LogicalMesh(shape=layout.mesh_shape, alpha=(0.0,) * len(layout.mesh_shape),
+                                           beta=(1.0,) * len(layout.mesh_shape)))
+    if value_pins:
+        var_specs.update({eqn.outvars[k]: spec for eqn, k, spec in value_pins})
+        if inlined:
+            followed = follow_forward(eqns, var_specs, ctx)
+            var_specs.update({v: spec for v, spec in followed.items() if v in inlined and v not in var_specs})
     else:
-        mesh = LogicalMesh(shape=layout.mesh_shape, alpha=(0.0,) * len(layout.mesh_shape),
-                           beta=(1.0,) * len(layout.mesh_shape))
-        var_specs = follow_forward(eqns, var_specs, StrategyContext(mesh=mesh))
-    operand_specs = {(id(eqns[i]), k): spec for i, k, spec in layout.operand_constraints}
+        var_specs = follow_forward(eqns, var_specs, ctx)
+    operand_specs = {(id(eqn), k): spec for eqn, k, spec in operand_pins}
     results = [v for v in split.marker.invars if isinstance(v, Var)]
     return deferrable_gradients(split.per_micro_batch, results, results, var_specs, operand_specs,
                                 tuple(layout.mesh_shape), before=split.hoisted)
+
+
+def _pins_after_inlining(pins: Sequence, inlined_eqns: Sequence, operands: bool) -> list:
+    """``pins`` ``(eqn, k, spec)`` on a jaxpr's equations moved onto ``inlined_eqns`` (:func:`jax_compat.inline_remat`):
+    a pin on an inlined checkpoint call's result goes to the equation of its body that now computes it; one on
+    its operand goes to its optimization barrier (dropped without one: ``prevent_cse=False``)."""
+    kept = {id(e) for e in inlined_eqns}
+    producer = {v: (e, k) for e in inlined_eqns for k, v in enumerate(e.outvars)}
+    barrier_of = {}
+    for e in inlined_eqns:
+        if e.primitive.name == "optimization_barrier":
+            barrier_of[tuple(id(v) for v in e.invars)] = e
+    out = []
+    for eqn, k, spec in pins:
+        if id(eqn) in kept:
+            out.append((eqn, k, spec))
+        elif not operands and eqn.outvars[k] in producer:
+            out.append((*producer[eqn.outvars[k]], spec))
+        elif operands and isinstance(eqn.invars[k], Var):
+            variables = [v for v in eqn.invars if isinstance(v, Var)]
+            barrier = barrier_of.get(tuple(id(v) for v in variables))
+            if barrier is not None:
+                out.append((barrier, variables.index(eqn.invars[k]), spec))
+    return out
 
 
 def _micro_batch_pin(mesh, batch_specs: Sequence[ShardingSpec]) -> Callable:
@@ -134,18 +164,24 @@ def compile_spmd(traced: TracedStep, layout: SpmdLayout, devices: Sequence[Any],
     if layout.shard_grads and data_axes:
         hooks.append(_pin_grads_hook(mesh, data_axes))
     closed = traced.closed_jaxpr
-    if num_micro_batches > 1 and not (layout.eqn_constraints or layout.operand_constraints):
-        # the gradients a checkpointed block's backward computes are deferred too (the ILP's pins, when there
-        # are any, name the traced equations: ShardParallel keeps the blocks); a block that makes a key from a
-        # seed stays a call, so that every method folds the same keys (micro_batch_keys.unfoldable_draws)
+    value_pins = [(eqns[i], k, spec) for i, k, spec in layout.eqn_constraints]
+    operand_pins = [(eqns[i], k, spec) for i, k, spec in layout.operand_constraints]
+    inlined = frozenset()
+    if num_micro_batches > 1:
+        # the gradients a checkpointed block's backward computes are deferred too; a block that makes a key
+        # from a seed stays a call, so that every method folds the same keys (micro_batch_keys.unfoldable_draws)
         closed = closed.replace(jaxpr=jax_compat.inline_remat(closed.jaxpr, keep=seeds_keys))
-    deferred = deferred_gradients(closed, layout, batch_mask) if num_micro_batches > 1 else NONE
-    if layout.eqn_constraints:  # values computed as stacks of partial sums are pinned to stacked layouts
-        value_pins = [(eqns[i], k, spec) for i, k, spec in layout.eqn_constraints]
+        now = closed.jaxpr.eqns
+        value_pins = _pins_after_inlining(value_pins, now, operands=False)
+        operand_pins = _pins_after_inlining(operand_pins, now, operands=True)
+        traced_ids = {id(e) for e in eqns}
+        inlined = frozenset(v for e in now if id(e) not in traced_ids for v in e.outvars)
+    deferred = (deferred_gradients(closed, layout, batch_mask, value_pins, operand_pins, inlined)
+                if num_micro_batches > 1 else NONE)
+    if value_pins:  # values computed as stacks of partial sums are pinned to stacked layouts
         hooks.append(pin_hook(mesh, partial_sums.stacked_pins(value_pins, deferred)))
     hook = _chain_hooks(hooks)
-    operand_hook = (pin_hook(mesh, [(eqns[i], k, spec) for i, k, spec in layout.operand_constraints])
-                    if layout.operand_constraints else None)
+    operand_hook = pin_hook(mesh, operand_pins) if operand_pins else None
     micro_batch_eval = None
     if deferred:
         def micro_batch_eval(micro_eqns, env, micro_operand_hook):

@@ -230,8 +230,8 @@ def test_flax_remat_blocks_with_dropout_draw_their_own_masks_per_micro_batch(met
     assert not np.allclose(got[0].params["Dense_0"]["kernel"], shared["Dense_0"]["kernel"], atol=1e-5)
 
 
-@pytest.mark.parametrize("method", [al.DataParallel(num_micro_batches=2), al.Zero2Parallel(num_micro_batches=2)],
-                         ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("method", [al.DataParallel(num_micro_batches=2), al.Zero2Parallel(num_micro_batches=2),
+                                    al.ShardParallel(num_micro_batches=2)], ids=lambda m: type(m).__name__)
 def test_weight_gradients_inside_checkpointed_blocks_are_synchronised_once_per_step(method):
     """A jax.checkpoint / nn.remat block's backward computes its weight gradients inside the block: the
     block is inlined as JAX lowers it (an optimization barrier on its operands, then its body: see
