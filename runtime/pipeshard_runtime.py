@@ -40,7 +40,7 @@ from alpa_like.runtime.instructions import PER_STEP, Instruction, MeshPrograms, 
 from alpa_like.runtime.mesh import make_mesh, named_sharding
 from alpa_like.runtime.resharding import layout_of, plan_resharding, reshard
 from alpa_like.runtime.partial_sums import eval_piece, stacked_pins, step_means
-from alpa_like.runtime.spmd import pin_hook
+from alpa_like.runtime.spmd import pin_hook, pins_after_inlining
 
 MESH_AXES = ("x", "y")
 
@@ -100,6 +100,7 @@ class PipeshardExecutable:
         unpinned: frozenset = frozenset()
         if defer_gradient_sync and stage_shardings:
             program, unpinned = inline_backward_remat(program)
+            stage_shardings = [_pins_moved(program, q, sharding) for q, sharding in enumerate(stage_shardings)]
         self.program = program
         self.programs = programs
         self.num_micro_batches = plan.num_micro_batches
@@ -427,6 +428,15 @@ def inline_backward_remat(program: StageProgram) -> tuple[StageProgram, frozense
             kept = {id(e) for e in jaxpr.eqns}
             unpinned.update(v for e in inlined.eqns if id(e) not in kept for v in e.outvars)
     return dataclasses.replace(program, pieces=pieces), frozenset(unpinned)
+
+
+def _pins_moved(program: StageProgram, stage: int, sharding: StageSharding) -> StageSharding:
+    """``sharding`` with its pins moved onto ``stage``'s pieces once their checkpoint blocks are inlined
+    (:func:`~alpa_like.runtime.spmd.pins_after_inlining`)."""
+    eqns = [e for phase in (FORWARD, BACKWARD, APPLY) for e in program.piece(stage, phase).jaxpr.jaxpr.eqns]
+    return dataclasses.replace(sharding,
+                               value_pins=tuple(pins_after_inlining(sharding.value_pins, eqns, operands=False)),
+                               operand_pins=tuple(pins_after_inlining(sharding.operand_pins, eqns, operands=True)))
 
 
 def deferred_gradients(program: StageProgram, stage: int, sharding: StageSharding, mesh_shape: tuple[int, ...],

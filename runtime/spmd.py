@@ -105,10 +105,11 @@ def deferred_gradients(closed: ClosedJaxpr, layout: SpmdLayout, batch_mask: Sequ
                                 tuple(layout.mesh_shape), before=split.hoisted)
 
 
-def _pins_after_inlining(pins: Sequence, inlined_eqns: Sequence, operands: bool) -> list:
-    """``pins`` ``(eqn, k, spec)`` on a jaxpr's equations moved onto ``inlined_eqns`` (:func:`jax_compat.inline_remat`):
-    a pin on an inlined checkpoint call's result goes to the equation of its body that now computes it; one on
-    its operand goes to its optimization barrier (dropped without one: ``prevent_cse=False``)."""
+def pins_after_inlining(pins: Sequence, inlined_eqns: Sequence, operands: bool) -> list:
+    """``pins`` ``(eqn, k, spec)`` on a jaxpr's equations moved onto ``inlined_eqns``, the equations once
+    :func:`~alpa_like.compiler.jax_compat.inline_remat` inlined its checkpoint calls: a pin on a call's result
+    goes to the equation of its body that now computes it; one on its operand goes to its optimization
+    barrier (dropped without one: ``prevent_cse=False``); pins on equations of neither are dropped."""
     kept = {id(e) for e in inlined_eqns}
     producer = {v: (e, k) for e in inlined_eqns for k, v in enumerate(e.outvars)}
     barrier_of = {}
@@ -172,8 +173,8 @@ def compile_spmd(traced: TracedStep, layout: SpmdLayout, devices: Sequence[Any],
         # from a seed stays a call, so that every method folds the same keys (micro_batch_keys.unfoldable_draws)
         closed = closed.replace(jaxpr=jax_compat.inline_remat(closed.jaxpr, keep=seeds_keys))
         now = closed.jaxpr.eqns
-        value_pins = _pins_after_inlining(value_pins, now, operands=False)
-        operand_pins = _pins_after_inlining(operand_pins, now, operands=True)
+        value_pins = pins_after_inlining(value_pins, now, operands=False)
+        operand_pins = pins_after_inlining(operand_pins, now, operands=True)
         traced_ids = {id(e) for e in eqns}
         inlined = frozenset(v for e in now if id(e) not in traced_ids for v in e.outvars)
     deferred = (deferred_gradients(closed, layout, batch_mask, value_pins, operand_pins, inlined)

@@ -349,6 +349,9 @@ def test_data_parallel_stages_reduce_gradients_once_per_step(defer, remat, fixed
             reduced[int(stage)] = sum(c.result_bytes for c in hlo_stats.collectives(part)
                                       if c.kind in ("all-reduce", "reduce-scatter"))
     grad_bytes = 2 * (16 * 16 + 16) * 4  # two layers' weight and bias per stage
+    if remat:  # the ILP's pins on the checkpoint calls moved onto the inlined pieces' equations
+        run = {id(e) for piece in exe.program.pieces.values() for e in piece.jaxpr.jaxpr.eqns}
+        assert all(id(e) in run for s in exe.stage_shardings for e, _, _ in (*s.value_pins, *s.operand_pins))
     if defer:  # every weight and bias gradient leaves the backward as per-device partial sums
         assert {q: len(d.outputs) for q, d in exe.deferred.items()} == {0: 4, 1: 4}
         assert reduced == {0: 0, 1: 0}
