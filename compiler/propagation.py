@@ -22,6 +22,7 @@ from typing import NamedTuple
 from jax.extend.core import JaxprEqn, Literal, Var
 
 from alpa_like.compiler import jax_compat
+from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.compiler.markers import is_marker
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.strategies import (
@@ -352,6 +353,14 @@ def follow_forward(eqns: Sequence[JaxprEqn], known: Mapping[Var, ShardingSpec],
         if strategy is not None:
             specs.update(zip(eqn.outvars, strategy.out_specs, strict=True))
     return specs
+
+
+def follow_layouts(eqns: Sequence[JaxprEqn], known: Mapping[Var, ShardingSpec],
+                   mesh_shape: Sequence[int]) -> dict[Var, ShardingSpec]:
+    """:func:`follow_forward` on a logical mesh of ``mesh_shape``, for the layouts alone (no link costs)."""
+    n = len(mesh_shape)
+    mesh = LogicalMesh(shape=tuple(mesh_shape), alpha=(0.0,) * n, beta=(1.0,) * n)
+    return follow_forward(eqns, known, StrategyContext(mesh=mesh))
 
 
 def _strategy_reading(eqn: JaxprEqn, sharded: Mapping[int, ShardingSpec], ctx: StrategyContext) -> Strategy | None:

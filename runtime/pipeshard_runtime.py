@@ -31,11 +31,9 @@ from alpa_like.compiler.micro_batch_keys import KeyDraws, fold_micro_batch_index
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.gradient_sync import NONE, DeferredGradients, deferrable_gradients
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
-from alpa_like.compiler.logical_mesh import LogicalMesh
-from alpa_like.compiler.propagation import follow_forward
+from alpa_like.compiler.propagation import follow_layouts
 from alpa_like.compiler.stage_construction import StageProgram, ValueId, micro_batch_key_draws
 from alpa_like.compiler.stage_sharding import StageSharding
-from alpa_like.compiler.strategies import StrategyContext
 from alpa_like.runtime.instructions import PER_STEP, Instruction, MeshPrograms, Op, buffer_key
 from alpa_like.runtime.mesh import make_mesh, named_sharding
 from alpa_like.runtime.resharding import layout_of, plan_resharding, reshard
@@ -311,9 +309,9 @@ class PipeshardExecutable:
 
     def _arrival_specs(self, stage: int) -> dict[ValueId, ShardingSpec]:
         """The layouts of the values ``stage``'s forward and backward pieces read from other stages' meshes or
-        from the step's inputs, as :meth:`_load_sharding` and :meth:`_move` lay them out."""
+        from the step's inputs, as :meth:`_load_spec` lays them out (a received value: as :meth:`_move` does,
+        when the ILP gave it a layout)."""
         mesh_index = self.programs.stage_to_mesh[stage]
-        shape = tuple(self.meshes[mesh_index].devices.shape)
         out = {}
         for phase in (FORWARD, BACKWARD):
             piece = self.program.piece(stage, phase)
@@ -321,17 +319,17 @@ class PipeshardExecutable:
                 home = self.program.home.get(v)
                 if home is not None and self.programs.stage_to_mesh[home] == mesh_index:
                     continue  # made on this mesh: laid out as its producer's pin says, or as XLA chose
-                spec = self.value_specs.get((v, mesh_index), self._input_specs.get(v))
-                usable = spec is not None and spec.ndim == len(var.aval.shape)
-                out[v] = spec if usable else activation_spec(var.aval.shape, shape)
+                out[v] = self._load_spec(v, var.aval.shape, mesh_index)
         return out
 
-    def _load_sharding(self, value_id, shape, mesh_index: int) -> NamedSharding:
-        mesh = self.meshes[mesh_index]
+    def _load_spec(self, value_id, shape, mesh_index: int) -> ShardingSpec:
         spec = self.value_specs.get((value_id, mesh_index), self._input_specs.get(value_id))
         if spec is None or spec.ndim != len(shape):
-            spec = activation_spec(shape, tuple(mesh.devices.shape))
-        return named_sharding(mesh, spec)
+            spec = activation_spec(shape, tuple(self.meshes[mesh_index].devices.shape))
+        return spec
+
+    def _load_sharding(self, value_id, shape, mesh_index: int) -> NamedSharding:
+        return named_sharding(self.meshes[mesh_index], self._load_spec(value_id, shape, mesh_index))
 
     def _move(self, x: jax.Array, value_id: ValueId, mesh_index: int, stats: StepStats) -> jax.Array:
         mesh = self.meshes[mesh_index]
@@ -453,13 +451,12 @@ def deferred_gradients(program: StageProgram, stage: int, sharding: StageShardin
     operand_specs = {(id(eqn), k): spec for eqn, k, spec in sharding.operand_pins}
     specs = {**sharding.input_specs, **sharding.output_specs}
     if unpinned and len(mesh_shape) <= 2:  # the strategies behind follow_forward know 1-D and 2-D meshes
-        mesh = LogicalMesh(shape=mesh_shape, alpha=(0.0,) * len(mesh_shape), beta=(1.0,) * len(mesh_shape))
         known = dict(arrivals or {})
         for phase in (FORWARD, BACKWARD):  # the forward's outputs are the backward's residuals
             part = program.piece(stage, phase)
             jaxpr = part.jaxpr.jaxpr
             given = {var: known[v] for var, v in zip(jaxpr.invars, part.inputs, strict=True) if v in known}
-            followed = follow_forward(jaxpr.eqns, {**given, **specs}, StrategyContext(mesh=mesh))
+            followed = follow_layouts(jaxpr.eqns, {**given, **specs}, mesh_shape)
             known.update((v, followed[var]) for var, v in zip(jaxpr.outvars, part.outputs, strict=True)
                          if not isinstance(var, Literal) and var in followed)
         specs = {**{v: spec for v, spec in followed.items() if v in unpinned}, **specs}

@@ -14,12 +14,10 @@ from jax.sharding import NamedSharding
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.grad_accumulation import make_step_fn, split_at_grad_marker
 from alpa_like.compiler.gradient_sync import NONE, DeferredGradients, deferrable_gradients
-from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.compiler.markers import is_marker
 from alpa_like.compiler.micro_batch_keys import seeds_keys
-from alpa_like.compiler.propagation import follow_forward
+from alpa_like.compiler.propagation import follow_layouts
 from alpa_like.compiler.sharding_spec import ShardingSpec
-from alpa_like.compiler.strategies import StrategyContext
 from alpa_like.compiler.trace import TracedStep
 from alpa_like.methods import SpmdLayout, largest_dim_spec
 from alpa_like.planning import batch_axes
@@ -90,15 +88,13 @@ def deferred_gradients(closed: ClosedJaxpr, layout: SpmdLayout, batch_mask: Sequ
     eqns = closed.jaxpr.eqns
     var_specs = {v: spec for v, spec, role in zip(closed.jaxpr.invars, layout.in_specs, layout.roles, strict=True)
                  if role not in layout.gathered_roles}
-    ctx = StrategyContext(mesh=LogicalMesh(shape=layout.mesh_shape, alpha=(0.0,) * len(layout.mesh_shape),
-                                           beta=(1.0,) * len(layout.mesh_shape)))
     if value_pins:
         var_specs.update({eqn.outvars[k]: spec for eqn, k, spec in value_pins})
         if inlined:
-            followed = follow_forward(eqns, var_specs, ctx)
+            followed = follow_layouts(eqns, var_specs, layout.mesh_shape)
             var_specs.update({v: spec for v, spec in followed.items() if v in inlined and v not in var_specs})
     else:
-        var_specs = follow_forward(eqns, var_specs, ctx)
+        var_specs = follow_layouts(eqns, var_specs, layout.mesh_shape)
     operand_specs = {(id(eqn), k): spec for eqn, k, spec in operand_pins}
     results = [v for v in split.marker.invars if isinstance(v, Var)]
     return deferrable_gradients(split.per_micro_batch, results, results, var_specs, operand_specs,

@@ -91,3 +91,22 @@ def micro_batch_key(key, j: int):
     """The step's key as micro-batch ``j`` of a step split into micro-batches sees it
     (``alpa_like.compiler.micro_batch_keys``): itself for micro-batch 0, ``fold_in(key, j)`` for the others."""
     return key if j == 0 else jax.random.fold_in(key, j)
+
+
+def same_key(key, j: int):
+    """Every micro-batch with the step's own key: the shared-mask loop a folded step must not equal."""
+    return key
+
+
+def micro_batch_loop(loss_fn, num_micro_batches: int, key_of=micro_batch_key):
+    """The step ``al.value_and_grad(loss_fn)`` + ``apply_gradients`` written as the loop over its micro-batches
+    (micro-batch j: rows j, j + m, ..., and the key ``key_of(key, j)``), the reference of the micro-batched
+    methods: ``(state, batch, key, *rest) -> (next state, mean loss)``; ``rest`` goes to ``loss_fn`` as it is."""
+    m = num_micro_batches
+
+    def run(state, batch, key, *rest):
+        parts = [jax.value_and_grad(loss_fn)(state.params, jax.tree.map(lambda x, j=j: x[j::m], batch),
+                                             key_of(key, j), *rest) for j in range(m)]
+        loss, grads = jax.tree.map(lambda *xs: sum(xs) / m, *parts)
+        return state.apply_gradients(grads=grads), loss
+    return run

@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 import alpa_like as al
 from alpa_like import models
 from alpa_like.models import gpt, wide_resnet
-from tests.helpers import (assert_trees_close, make_train_step, micro_batch_key, mlp_batch, mlp_loss,
-                           mlp_state, reference_on_one_device, run_steps, wresnet_tiny)
+from tests.helpers import (assert_trees_close, make_train_step, micro_batch_key, micro_batch_loop, mlp_batch,
+                           mlp_loss, mlp_state, reference_on_one_device, run_steps, same_key, wresnet_tiny)
 
 # One table: every method under test, crossed with the models below (optax alias_test style).
 MANUAL_2D = al.ManualShardParallel(
@@ -162,16 +162,9 @@ def test_each_micro_batch_draws_its_own_dropout_mask(method):
         loss, grads = al.value_and_grad(_dropout_loss)(state.params, batch, key)
         return state.apply_gradients(grads=grads), loss
 
-    def loop(state, batch, key):
-        rows = [jax.tree.map(lambda x, j=j: x[j::m], batch) for j in range(m)]
-        parts = [jax.value_and_grad(_dropout_loss)(state.params, b, micro_batch_key(key, j))
-                 for j, b in enumerate(rows)]
-        loss, grads = jax.tree.map(lambda *xs: sum(xs) / m, *parts)
-        return state.apply_gradients(grads=grads), loss
-
     state, key = jax.device_put((mlp_state(tx=optax.sgd(0.1)), jax.random.key(5)), jax.devices()[0])
     batches = [jax.device_put(mlp_batch(np.random.default_rng(i)), jax.devices()[0]) for i in range(2)]
-    parallel, reference = al.parallelize(step, method=method), jax.jit(loop)
+    parallel, reference = al.parallelize(step, method=method), jax.jit(micro_batch_loop(_dropout_loss, m))
     got, expected = state, state
     for i, batch in enumerate(batches):
         got, got_loss = parallel(got, batch, jax.random.fold_in(key, i))
@@ -213,20 +206,13 @@ def test_flax_remat_blocks_with_dropout_draw_their_own_masks_per_micro_batch(met
         loss, grads = al.value_and_grad(loss_fn)(state.params, batch, key)
         return state.apply_gradients(grads=grads), loss
 
-    def loop(key_of):
-        def run(state, batch, key):
-            parts = [jax.value_and_grad(loss_fn)(state.params, jax.tree.map(lambda x, j=j: x[j::2], batch),
-                                                 key_of(key, j)) for j in range(2)]
-            loss, grads = jax.tree.map(lambda *xs: sum(xs) / 2, *parts)
-            return state.apply_gradients(grads=grads), loss
-        return jax.jit(run)
-
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no micro-batches share a mask
         got = al.parallelize(step, method=method)(state, batch, make_key(9))
     state, batch = jax.device_put((state, batch), jax.devices()[0])
-    assert_trees_close(got, loop(micro_batch_key)(state, batch, make_key(9)), rtol=1e-5, atol=1e-6)
-    shared = loop(lambda key, j: key)(state, batch, make_key(9))[0].params
+    want = jax.jit(micro_batch_loop(loss_fn, 2))(state, batch, make_key(9))
+    assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
+    shared = jax.jit(micro_batch_loop(loss_fn, 2, same_key))(state, batch, make_key(9))[0].params
     assert not np.allclose(got[0].params["Dense_0"]["kernel"], shared["Dense_0"]["kernel"], atol=1e-5)
 
 
@@ -305,10 +291,7 @@ def test_a_key_seeded_inside_a_checkpointed_block_folds_nothing_in_every_method(
     args = (jax.random.key(3), jnp.uint32(5))
     with pytest.warns(UserWarning, match="draws random numbers from a key that is neither"):
         got = al.parallelize(step, method=method)(state, batch, *args)
-    parts = [jax.value_and_grad(loss_fn)(state.params, jax.tree.map(lambda x, j=j: x[j::2], batch), *args)
-             for j in range(2)]
-    loss, grads = jax.tree.map(lambda *xs: sum(xs) / 2, *parts)
-    assert_trees_close(got, (state.apply_gradients(grads=grads), loss), rtol=1e-5, atol=1e-6)
+    assert_trees_close(got, micro_batch_loop(loss_fn, 2, same_key)(state, batch, *args), rtol=1e-5, atol=1e-6)
 
 
 def test_convolution_weight_gradients_are_synchronised_once_per_step():

@@ -10,7 +10,8 @@ import pytest
 import alpa_like as al
 from alpa_like.compiler.grad_accumulation import make_step_fn, split_at_grad_marker, to_micro_batches
 from alpa_like.compiler.trace import trace_step
-from tests.helpers import assert_trees_close, make_train_step, micro_batch_key, mlp_batch, mlp_loss, mlp_state
+from tests.helpers import (assert_trees_close, make_train_step, micro_batch_key, micro_batch_loop, mlp_batch,
+                           mlp_loss, mlp_state, same_key)
 
 
 def _trace(step, m=2):
@@ -76,10 +77,9 @@ def dropout_step(state, batch, key):
     return state.apply_gradients(grads=al.grad(dropout_loss)(state.params, batch, key))
 
 
-def _loop(loss_fn, state, batch, key_of, m=2):
-    """The step as a loop over its ``m`` strided micro-batches, micro-batch j with the key ``key_of(j)``."""
-    grads = [al.grad(loss_fn)(state.params, jax.tree.map(lambda x, j=j: x[j::m], batch), key_of(j)) for j in range(m)]
-    return state.apply_gradients(grads=jax.tree.map(lambda *g: sum(g) / m, *grads))
+def _loop(loss_fn, state, batch, key, key_of=micro_batch_key):
+    """The next state of the step as the loop over its two strided micro-batches (``micro_batch_loop``)."""
+    return micro_batch_loop(loss_fn, 2, key_of)(state, batch, key)[0]
 
 
 def _split_and_run(step, state, batch, key, m=2):
@@ -104,9 +104,9 @@ def test_random_numbers_drawn_from_a_per_step_key_are_drawn_per_micro_batch(make
     assert "random_bits" not in {e.primitive.name for e in split.hoisted}
     key_var = traced.closed_jaxpr.jaxpr.invars[-1]
     assert {e.invars[k] for e, folds in split.folded_keys for k, _ in folds} == {key_var}  # folded where it enters
-    assert_trees_close(got.params, _loop(dropout_loss, state, batch, lambda j: micro_batch_key(key, j)).params,
+    assert_trees_close(got.params, _loop(dropout_loss, state, batch, key).params,
                        rtol=1e-5, atol=1e-6)
-    shared = _loop(dropout_loss, state, batch, lambda j: key).params  # one mask for both micro-batches
+    shared = _loop(dropout_loss, state, batch, key, same_key).params  # one mask for both micro-batches
     assert not np.allclose(got.params["dense_0"]["kernel"], shared["dense_0"]["kernel"], atol=1e-4)
 
 
@@ -125,9 +125,9 @@ def test_draws_inside_a_checkpointed_block_are_drawn_per_micro_batch(make_key):
     state, batch, key = mlp_state(tx=optax.sgd(0.1)), mlp_batch(np.random.default_rng(0)), make_key(3)
     _, split, got = _split_and_run(step, state, batch, key)
     assert {"checkpoint", "remat2"} & {e.primitive.name for e, _ in split.folded_keys}  # the backward's block
-    assert_trees_close(got.params, _loop(loss_fn, state, batch, lambda j: micro_batch_key(key, j)).params,
+    assert_trees_close(got.params, _loop(loss_fn, state, batch, key).params,
                        rtol=1e-5, atol=1e-6)
-    shared = _loop(loss_fn, state, batch, lambda j: key).params
+    shared = _loop(loss_fn, state, batch, key, same_key).params
     assert not np.allclose(got.params["dense_0"]["kernel"], shared["dense_0"]["kernel"], atol=1e-4)
 
 
@@ -151,9 +151,9 @@ def test_draws_in_a_scan_over_layers_with_the_key_split_per_layer_are_drawn_per_
     state = mlp_state(tx=optax.sgd(0.1)).replace(params=params, opt_state=optax.sgd(0.1).init(params))
     batch, key = {"x": jnp.asarray(rng.normal(size=(8, 16)), jnp.float32)}, make_key(5)
     _, _, got = _split_and_run(step, state, batch, key)
-    assert_trees_close(got.params, _loop(loss_fn, state, batch, lambda j: micro_batch_key(key, j)).params,
+    assert_trees_close(got.params, _loop(loss_fn, state, batch, key).params,
                        rtol=1e-5, atol=1e-6)
-    shared = _loop(loss_fn, state, batch, lambda j: key).params
+    shared = _loop(loss_fn, state, batch, key, same_key).params
     assert not np.allclose(got.params["w"], shared["w"], atol=1e-5)
 
 
@@ -167,8 +167,8 @@ def test_a_key_made_from_a_seed_in_the_step_is_folded_and_one_from_a_seed_inside
     state, batch, seed = mlp_state(tx=optax.sgd(0.1)), mlp_batch(np.random.default_rng(0)), jnp.uint32(4)
     _, split, got = _split_and_run(step, state, batch, seed)
     assert [e.primitive.name for e, _ in split.folded_keys] == ["random_bits"]  # reads random_seed's key
-    want = _loop(loss_fn, state, batch, lambda j: seed)  # every micro-batch draws the step's masks
-    want_folded = _loop(dropout_loss, state, batch, lambda j: micro_batch_key(jax.random.key(seed), j))
+    want = _loop(loss_fn, state, batch, seed, same_key)  # every micro-batch draws the step's masks
+    want_folded = _loop(dropout_loss, state, batch, jax.random.key(seed))
     assert_trees_close(got.params, want_folded.params, rtol=1e-5, atol=1e-6)
     assert not np.allclose(got.params["dense_0"]["kernel"], want.params["dense_0"]["kernel"], atol=1e-4)
 

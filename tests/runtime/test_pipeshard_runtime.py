@@ -14,7 +14,8 @@ from alpa_like import models
 from alpa_like.models import gpt, moe
 from alpa_like.runtime import hlo_stats
 from alpa_like.runtime.instructions import PER_STEP, Op
-from tests.helpers import assert_trees_close, micro_batch_key, reference_on_one_device, run_steps
+from tests.helpers import (assert_trees_close, micro_batch_key, micro_batch_loop, reference_on_one_device, run_steps,
+                           same_key)
 
 SGD = optax.sgd(0.1, momentum=0.9)  # linear in the gradient: see tests/alpa_like/test_methods.py
 
@@ -138,15 +139,12 @@ def dropout_key_step(state, batch, key):
 def dropout_loop(num_micro_batches):
     """The reference of :func:`dropout_key_step` with micro-batches: a loop over them (rows j, j + m, ...),
     micro-batch j computing from the step's key as it sees it; the step returns the key it splits off."""
-    m = num_micro_batches
+    loop = micro_batch_loop(dropout_loss, num_micro_batches,
+                            lambda key, j: jax.random.split(micro_batch_key(key, j))[1])
 
-    def loop(state, batch, key):
-        parts = [jax.value_and_grad(dropout_loss)(state.params, jax.tree.map(lambda x, j=j: x[j::m], batch),
-                                                  jax.random.split(micro_batch_key(key, j))[1])
-                 for j in range(m)]
-        loss, grads = jax.tree.map(lambda *xs: sum(xs) / m, *parts)
-        return state.apply_gradients(grads=grads), loss, jax.random.split(key)[0]
-    return loop
+    def step(state, batch, key):
+        return *loop(state, batch, key), jax.random.split(key)[0]
+    return step
 
 
 def assert_matches_dropout_loop(parallel, num_micro_batches):
@@ -260,14 +258,6 @@ def test_dropout_inside_checkpointed_blocks_is_drawn_per_micro_batch(make_key):
         loss, grads = al.value_and_grad(loss_fn)(state.params, batch, key)
         return state.apply_gradients(grads=grads), loss
 
-    def loop(key_of):
-        def run(state, batch, key):
-            parts = [jax.value_and_grad(loss_fn)(state.params, jax.tree.map(lambda x, j=j: x[j::2], batch),
-                                                 key_of(key, j)) for j in range(2)]
-            loss, grads = jax.tree.map(lambda *xs: sum(xs) / 2, *parts)
-            return state.apply_gradients(grads=grads), loss
-        return jax.jit(run)
-
     _, state, batches = mlp_case()
     state = state.replace(tx=SGD, opt_state=SGD.init(state.params))
     method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2),
@@ -275,8 +265,9 @@ def test_dropout_inside_checkpointed_blocks_is_drawn_per_micro_batch(make_key):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no micro-batches share a mask
         got = al.parallelize(step, method=method)(state, batches[0], make_key(1))
-    assert_trees_close(got, loop(micro_batch_key)(state, batches[0], make_key(1)), rtol=1e-5, atol=1e-6)
-    shared = loop(lambda key, j: key)(state, batches[0], make_key(1))[0].params["w0"]
+    want = jax.jit(micro_batch_loop(loss_fn, 2))(state, batches[0], make_key(1))
+    assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
+    shared = jax.jit(micro_batch_loop(loss_fn, 2, same_key))(state, batches[0], make_key(1))[0].params["w0"]
     assert not np.allclose(got[0].params["w0"], shared, atol=1e-5)
 
 
