@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -69,10 +70,36 @@ def init(cluster: str = "local", *, devices: Sequence[Any] | None = None, addres
         _backend = _Backend(kind=cluster, devices=(), ray=RayCluster(
             address=address, num_nodes=num_nodes, num_devices_per_node=num_devices_per_node, **ray_options))
         return
-    devices = tuple(jax.devices() if devices is None else devices)
+    _backend = _Backend(kind=cluster, devices=jax.devices() if devices is None else check_devices(devices))
+
+
+def check_devices(devices: Sequence[Any]) -> tuple[Any, ...]:
+    """``devices`` as a tuple, checked: JAX devices of this process, each once, of one platform.
+
+    Raises:
+      TypeError: ``devices`` is not a sequence of ``jax.Device``.
+      ValueError: it is empty, repeats a device, or mixes platforms.
+    """
+    if isinstance(devices, (str, bytes)) or not isinstance(devices, Sequence):
+        raise TypeError(f"al.init: devices must be a sequence of jax devices (e.g. jax.devices()[:4]), "
+                        f"got {type(devices).__name__}")
+    devices = tuple(devices)
     if not devices:
         raise ValueError("al.init: devices must not be empty")
-    _backend = _Backend(kind=cluster, devices=devices)
+    for k, d in enumerate(devices):
+        if not isinstance(d, jax.Device):
+            raise TypeError(f"al.init: devices[{k}] must be a jax device (an element of jax.devices()), "
+                            f"got {type(d).__name__} {d!r:.60}")
+    seen: dict[Any, int] = {}
+    for k, d in enumerate(devices):
+        if d in seen:
+            raise ValueError(f"al.init: devices[{k}] repeats devices[{seen[d]}] ({d}); each device may be "
+                             "given once")
+        seen[d] = k
+    platforms = sorted({d.platform for d in devices})
+    if len(platforms) > 1:
+        raise ValueError(f"al.init: devices must share one platform, got {platforms}")
+    return devices
 
 
 def shutdown() -> None:
@@ -103,10 +130,30 @@ def _check_method(method: Any) -> Any:
 
 
 def _check_argnums(name: str, argnums: int | Sequence[int]) -> tuple[int, ...]:
+    """``argnums`` as a tuple of non-negative ints (a bool is not an argument number)."""
+    if isinstance(argnums, bool) or not isinstance(argnums, (int, Sequence)) or isinstance(argnums, str):
+        raise TypeError(f"{name} must be an int or a sequence of ints, got {argnums!r}")
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    if any(not isinstance(i, int) or i < 0 for i in nums):
-        raise ValueError(f"{name} must be non-negative ints, got {argnums!r}")
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in nums):
+        raise ValueError(f"{name} must be non-negative ints (not bools), got {argnums!r}")
     return nums
+
+
+def as_cluster(cluster: ClusterSpec | str | os.PathLike | None) -> ClusterSpec | None:
+    """A ``cluster`` argument as a :class:`ClusterSpec` (loading a saved one from its path), or None."""
+    if cluster is None or isinstance(cluster, ClusterSpec):
+        return cluster
+    if isinstance(cluster, (str, os.PathLike)):
+        return ClusterSpec.load(cluster)
+    raise TypeError(f"cluster must be an al.ClusterSpec or the path of a saved one (ClusterSpec.save), got "
+                    f"{type(cluster).__name__}")
+
+
+def _check_cluster_devices(cluster: ClusterSpec, num_devices: int, where: str) -> None:
+    if cluster.num_devices != num_devices:
+        raise ValueError(f"cluster {cluster.name!r} has {cluster.num_devices} devices ({cluster.num_nodes} x "
+                         f"{cluster.num_devices_per_node}), but {where} are {num_devices}: a plan runs on the "
+                         "devices it was made for (use al.plan to plan for another cluster)")
 
 
 def _signature(fun: Callable, args: Sequence[Any], static_argnums: Sequence[int]) -> Hashable:
@@ -132,7 +179,7 @@ class ParallelizedFunc:
     """A training step under ``@al.parallelize``: compiles once per input signature and caches."""
 
     def __init__(self, fun: Callable, *, method: Any, static_argnums: tuple[int, ...],
-                 donate_argnums: tuple[int, ...], batch_argnums: tuple[int, ...]):
+                 donate_argnums: tuple[int, ...], batch_argnums: tuple[int, ...], cluster: ClusterSpec | None = None):
         overlap = set(static_argnums) & set(donate_argnums)
         if overlap:
             raise ValueError(f"arguments {sorted(overlap)} are in both static_argnums and donate_argnums")
@@ -141,6 +188,9 @@ class ParallelizedFunc:
         self.static_argnums = static_argnums
         self.donate_argnums = donate_argnums
         self.batch_argnums = batch_argnums
+        self.cluster = cluster
+        """The cost model's cluster (None: :meth:`ClusterSpec.local` of the backend's devices, or the Ray
+        cluster's spec)."""
         self._cache: dict[Hashable, Executable] = {}
         functools.update_wrapper(self, fun)
 
@@ -177,11 +227,12 @@ class ParallelizedFunc:
         devices = backend_devices()
         if _backend.ray is not None:
             return self._compile_ray(args)
+        cluster = self.cluster or ClusterSpec.local(devices)
+        _check_cluster_devices(cluster, len(devices), "the local backend's devices (al.init)")
         if isinstance(self.method, PipeshardParallel):
             return compile_pipeshard(self.method, self.fun, args, static_argnums=self.static_argnums,
-                                     batch_argnums=self.batch_argnums, devices=devices)
+                                     batch_argnums=self.batch_argnums, devices=devices, cluster=cluster)
         traced = self._trace(args)
-        cluster = ClusterSpec.local(devices)
         layout = (self.method.layout(traced, cluster, devices=devices) if isinstance(self.method, ShardParallel)
                   else self.method.layout(traced, cluster))  # ShardParallel may time its candidate plans
         donate_flat = [k for k, leaf in enumerate(traced.in_leaves) if leaf.arg_index in self.donate_argnums]
@@ -197,13 +248,16 @@ class ParallelizedFunc:
             raise NotImplementedError(f"al.init(cluster='ray') runs PipeshardParallel steps; got "
                                       f"{type(self.method).__name__} (use al.init('local') for SPMD methods)")
         cluster = _backend.ray
+        spec = self.cluster or cluster.spec()
+        _check_cluster_devices(spec, cluster.spec().num_devices, "the Ray cluster's devices")
         return compile_pipeshard(self.method, self.fun, args, static_argnums=self.static_argnums,
-                                 batch_argnums=self.batch_argnums, devices=None, cluster=cluster.spec(),
+                                 batch_argnums=self.batch_argnums, devices=None, cluster=spec,
                                  make_executable=functools.partial(RayPipeshardExecutable, cluster=cluster))
 
 
 def parallelize(fun: Callable | None = None, *, method: Any = None, static_argnums: int | Sequence[int] = (),
-                donate_argnums: int | Sequence[int] = (), batch_argnums: int | Sequence[int] = (1,)):
+                donate_argnums: int | Sequence[int] = (), batch_argnums: int | Sequence[int] = (1,),
+                cluster: ClusterSpec | str | os.PathLike | None = None):
     """Parallelizes a training step; use as ``@al.parallelize`` or ``@al.parallelize(method=...)``.
 
     Args:
@@ -212,8 +266,13 @@ def parallelize(fun: Callable | None = None, *, method: Any = None, static_argnu
       static_argnums: arguments that are hashable Python values, compiled into the step.
       donate_argnums: arguments whose buffers the step may reuse for its outputs (e.g. the state).
       batch_argnums: arguments whose leaves share a batch dim 0 (split over devices and micro-batches).
+      cluster: the cluster the cost model plans for: a :class:`ClusterSpec` or the path of one saved with
+        :meth:`ClusterSpec.save`; it must have as many devices as the backend. Default:
+        ``ClusterSpec.local()`` of the backend's devices (measured once per machine and stored), or the Ray
+        cluster's spec.
     """
     static = _check_argnums("static_argnums", static_argnums)
+    cluster = as_cluster(cluster)
     donate = _check_argnums("donate_argnums", donate_argnums)
     batch = _check_argnums("batch_argnums", batch_argnums)
     method = _check_method(method)
@@ -222,26 +281,26 @@ def parallelize(fun: Callable | None = None, *, method: Any = None, static_argnu
         if not callable(f):
             raise TypeError(f"parallelize needs a function, got {type(f).__name__}")
         return ParallelizedFunc(f, method=method, static_argnums=static, donate_argnums=donate,
-                                batch_argnums=batch)
+                                batch_argnums=batch, cluster=cluster)
 
     return wrap if fun is None else wrap(fun)
 
 
-def plan(fun: Callable, *args, method: Any = None, cluster: ClusterSpec | None = None,
+def plan(fun: Callable, *args, method: Any = None, cluster: ClusterSpec | str | os.PathLike | None = None,
          static_argnums: int | Sequence[int] = (), batch_argnums: int | Sequence[int] = (1,)) -> ParallelPlan:
     """Plans ``fun(*args)`` for ``cluster`` without allocating or running anything.
 
     ``args`` may be arrays or ``jax.ShapeDtypeStruct`` pytrees. ``cluster`` defaults to the devices of this
-    process; pass ``ClusterSpec.preset("p3.16xlarge", num_nodes=8)`` to plan for 64 GPUs on a laptop.
+    process; pass ``ClusterSpec.preset("p3.16xlarge", num_nodes=8)`` to plan for 64 GPUs on a laptop (or
+    the path of a spec saved with :meth:`ClusterSpec.save`).
     """
     if isinstance(fun, ParallelizedFunc):
         fun = fun.fun
     method = _check_method(method)
+    cluster = as_cluster(cluster)
     if cluster is None:
         cluster = (_backend.ray.spec() if _backend is not None and _backend.ray is not None
                    else ClusterSpec.local(backend_devices()))
-    if not isinstance(cluster, ClusterSpec):
-        raise TypeError(f"cluster must be an al.ClusterSpec, got {type(cluster).__name__}")
     if isinstance(method, PipeshardParallel):
         return plan_pipeshard(method, fun, args, static_argnums=_check_argnums("static_argnums", static_argnums),
                               batch_argnums=_check_argnums("batch_argnums", batch_argnums), cluster=cluster)

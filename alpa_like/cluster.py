@@ -9,10 +9,16 @@ measures the devices of this process instead.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import hashlib
+import json
 import os
+import platform
+import tempfile
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +69,9 @@ class ClusterSpec:
     launch_overhead: float = 0.0
     """Seconds the host spends launching one compiled executable on the devices (dispatch, argument
     handling, the runtime's thunk start-up), paid once per RUN instruction by the simulated backend."""
+    measured_at: str | None = None
+    """When the speed fields were measured (:meth:`local`), as an ISO 8601 UTC time, e.g.
+    ``"2026-11-26T07:30:00Z"``; None for presets and specs written by hand."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -102,8 +111,14 @@ class ClusterSpec:
         return _PRESETS[name](num_nodes)
 
     @classmethod
-    def local(cls, devices: Sequence[Any] | None = None) -> ClusterSpec:
+    def local(cls, devices: Sequence[Any] | None = None, *, remeasure: bool = False) -> ClusterSpec:
         """The devices of this process (default ``jax.local_devices()``) as one node, with measured speed.
+
+        The measurement is stored per machine and device set in the user's cache directory
+        (:func:`cache_dir`) and read back by later calls and later processes, so that plans made on this
+        machine stay the same from run to run; ``measured_at`` says when it was taken (the plan prints it).
+        ``remeasure=True`` measures again and replaces the stored spec. Where the cache directory cannot be
+        written, the spec is measured once per process.
 
         ``peak_flops`` is the best of a few timed float32 matmuls run on every device at once, per device
         (not a datasheet peak): devices that share host cores (virtual CPU devices) slow each other down,
@@ -125,6 +140,18 @@ class ClusterSpec:
         devices = tuple(jax.local_devices() if devices is None else devices)
         if not devices:
             raise ValueError("devices must not be empty")
+        path = _local_cache_path(devices)
+        if not remeasure:
+            stored = _read_stored_spec(path)
+            if stored is not None:
+                return stored
+        spec = cls._measure(devices)
+        _store_spec(path, spec)
+        return spec
+
+    @classmethod
+    def _measure(cls, devices: tuple[Any, ...]) -> ClusterSpec:
+        """Measures ``devices`` now (see :meth:`local`)."""
         first = devices[0]
         peer = devices[1] if len(devices) > 1 else None
         bandwidth, latency = _measure_all_reduce(devices) if peer is not None else _measure_copy(first, None)
@@ -143,6 +170,7 @@ class ClusterSpec:
             shared_host_compute=first.platform == "cpu",
             memory_bandwidth=memory_bandwidth,
             launch_overhead=launch_overhead,
+            measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -160,6 +188,39 @@ class ClusterSpec:
             raise ValueError(f"ClusterSpec.from_dict: unknown keys {unknown}, missing keys {missing}")
         return cls(**data)
 
+    def to_json(self) -> str:
+        """The spec as JSON text; ``ClusterSpec.from_json(spec.to_json()) == spec``."""
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> ClusterSpec:
+        """Inverse of :meth:`to_json`; text that is not a JSON object of valid fields raises ``ValueError``."""
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise ValueError(f"ClusterSpec.from_json: text is not JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"ClusterSpec.from_json: expected a JSON object, got {type(data).__name__}")
+        return cls.from_dict(data)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes :meth:`to_json` to ``path`` (atomically: a reader sees the old file or the new one)."""
+        _write_atomically(os.fspath(path), self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> ClusterSpec:
+        """A spec written by :meth:`save` (e.g. a measured ``ClusterSpec.local()`` kept with a project, so
+        that every run plans with the same cost model)."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ValueError(f"ClusterSpec.load: cannot read {os.fspath(path)!r} ({e.strerror})") from None
+        try:
+            return cls.from_json(text)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"ClusterSpec.load: {os.fspath(path)!r} is not a saved ClusterSpec: {e}") from None
+
     def __str__(self) -> str:
         return (
             f"{self.name}: {self.num_nodes} node(s) x {self.num_devices_per_node} {self.device_name} "
@@ -168,6 +229,7 @@ class ClusterSpec:
             f"inter-node {self.inter_node_bandwidth / 1e9:.4g} GB/s, {self.inter_node_latency * 1e6:.3g} us"
             + ("" if self.memory_bandwidth is None else
                f"; memory {self.memory_bandwidth / 1e9:.4g} GB/s, launch {self.launch_overhead * 1e6:.3g} us")
+            + ("" if self.measured_at is None else f"; measured {self.measured_at}")
         )
 
 
@@ -177,6 +239,8 @@ def _validate(spec: ClusterSpec) -> None:
         raise ValueError(f"name must be a non-empty str, got {spec.name!r}")
     if not isinstance(spec.device_name, str):
         raise ValueError(f"device_name must be a str, got {spec.device_name!r}")
+    if spec.measured_at is not None and not isinstance(spec.measured_at, str):
+        raise ValueError(f"measured_at must be None or an ISO 8601 time str, got {spec.measured_at!r}")
     if not isinstance(spec.shared_host_compute, bool):
         raise ValueError(f"shared_host_compute must be a bool, got {spec.shared_host_compute!r}")
     for field in ("num_nodes", "num_devices_per_node", "device_memory"):
@@ -421,6 +485,73 @@ def _measure_copy(src: Any, dst: Any | None) -> tuple[float, float]:
     latency = _best_time(lambda: jax.device_put(small, target).block_until_ready())
     seconds = _best_time(lambda: jax.device_put(big, target).block_until_ready())
     return _COPY_BYTES / max(seconds - latency, seconds / 2), latency
+
+
+# ---------------------------------------------------------------------------------------------------
+# The stored measurements of ClusterSpec.local(), one JSON file per machine and device set.
+# ---------------------------------------------------------------------------------------------------
+
+_CACHE_ENV = "ALPA_LIKE_CACHE_DIR"
+
+
+def cache_dir() -> str:
+    """Where alpa-like keeps what it measures on this machine: ``$ALPA_LIKE_CACHE_DIR`` if set, else
+    ``$XDG_CACHE_HOME/alpa_like``, else ``~/.cache/alpa_like``."""
+    if os.environ.get(_CACHE_ENV):
+        return os.environ[_CACHE_ENV]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "alpa_like")
+
+
+def _local_cache_path(devices: Sequence[Any]) -> str:
+    """The file of one device set's measurement: keyed by the host, the devices (platform, kind, ids), the
+    JAX version and the XLA flags (which set, e.g., the number of virtual CPU devices)."""
+    import jax
+
+    key = json.dumps([platform.node(), jax.__version__, os.environ.get("XLA_FLAGS", ""),
+                      [(d.platform, str(getattr(d, "device_kind", "")), d.id) for d in devices]])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return os.path.join(cache_dir(), "clusters", f"local-{devices[0].platform}-{len(devices)}-{digest}.json")
+
+
+_stored: dict[str, ClusterSpec] = {}
+"""This process's specs by cache file: a file that cannot be written still gives one spec per process."""
+
+
+def _read_stored_spec(path: str) -> ClusterSpec | None:
+    """The spec stored at ``path``; None when there is none or it does not load (it is then measured again)."""
+    if path in _stored:
+        return _stored[path]
+    try:
+        spec = ClusterSpec.load(path)
+    except ValueError:
+        return None
+    _stored[path] = spec
+    return spec
+
+
+def _store_spec(path: str, spec: ClusterSpec) -> None:
+    _stored[path] = spec
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        spec.save(path)
+    except OSError as e:
+        warnings.warn(f"ClusterSpec.local: cannot store the measured cluster in {path} ({e.strerror}); plans "
+                      f"in another process may differ (set {_CACHE_ENV} to a writable directory)", stacklevel=3)
+
+
+def _write_atomically(path: str, text: str) -> None:
+    """Writes ``text`` to a temporary file beside ``path``, then renames it over ``path``."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _device_memory(device: Any, num_devices: int) -> int:

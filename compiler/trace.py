@@ -61,13 +61,36 @@ class TracedStep:
     """Per input leaf: True when an ``al.grad`` call differentiates with respect to it."""
 
     def flatten_args(self, args: Sequence[Any]) -> list[Any]:
-        """The leaves of the dynamic arguments of a call, in ``in_leaves`` order; ValueError if their pytree
-        structure is not the one this step was traced with."""
+        """The leaves of the dynamic arguments of a call, in ``in_leaves`` order.
+
+        Raises:
+          ValueError: the pytree structure is not the one this step was traced with, or a leaf's shape or
+            dtype differs from the traced one (the message names the leaf and both).
+        """
+        if len(args) <= max(self.dynamic_argnums, default=-1):
+            raise ValueError(f"the executable takes {max(self.dynamic_argnums) + 1} positional arguments, "
+                             f"got {len(args)}")
         flat, tree = jax.tree_util.tree_flatten(tuple(args[i] for i in self.dynamic_argnums))
         if tree != self.in_tree:
             raise ValueError(f"arguments have pytree structure {tree}, but this executable was compiled for "
                              f"{self.in_tree}")
+        for leaf, info in zip(flat, self.in_leaves, strict=True):
+            if _differs(leaf, info):
+                raise ValueError(
+                    f"argument leaf {info.path} has shape {tuple(np.shape(leaf))} and dtype "
+                    f"{getattr(leaf, 'dtype', type(leaf).__name__)}, but this executable was compiled for "
+                    f"shape {info.shape} and dtype {info.dtype}; call the parallelized function itself "
+                    "(it compiles once per input signature) or get an executable for these shapes")
         return flat
+
+
+def _differs(leaf: Any, info: LeafInfo) -> bool:
+    """Whether an argument leaf's shape or dtype is not the traced ``info``'s. Python scalars are checked by
+    shape only (their dtype follows JAX's weak typing)."""
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None:
+        return info.shape != ()
+    return tuple(leaf.shape) != info.shape or str(dtype) != info.dtype
 
 
 def key_to_str(key) -> str:

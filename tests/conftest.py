@@ -21,6 +21,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _CACHE = tempfile.mkdtemp(prefix="alpa-like-tests-jax-cache-")
     atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+# ClusterSpec.local() stores its measurement in the user's cache directory; the tests keep theirs in one
+# directory of their own, shared by the xdist workers in the same way, so that every test of a session plans
+# with the same measured cluster and nothing is left in the user's cache.
+if "ALPA_LIKE_CACHE_DIR" not in os.environ:
+    _CLUSTER_CACHE = tempfile.mkdtemp(prefix="alpa-like-tests-cache-")
+    atexit.register(shutil.rmtree, _CLUSTER_CACHE, ignore_errors=True)
+    os.environ["ALPA_LIKE_CACHE_DIR"] = _CLUSTER_CACHE
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 

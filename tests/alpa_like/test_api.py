@@ -143,6 +143,69 @@ def test_init_rejects_unknown_cluster_kinds():
         al.shutdown()
 
 
+@pytest.mark.parametrize("name", ["static_argnums", "donate_argnums", "batch_argnums"])
+@pytest.mark.parametrize("argnums", [True, False, (True,), (0, False), "1", 1.0])
+def test_argnums_reject_bools_and_non_ints(name, argnums):
+    with pytest.raises((TypeError, ValueError), match=name):
+        al.parallelize(make_train_step(mlp_loss), **{name: argnums})
+
+
+@pytest.mark.parametrize("devices, error, match", [
+    (["a", "b"], TypeError, r"devices\[0\] must be a jax device .*got str 'a'"),
+    ("cpu", TypeError, "devices must be a sequence of jax devices"),
+    ([jax.devices()[0]] * 8, ValueError, r"devices\[1\] repeats devices\[0\]"),
+    ([jax.devices()[0], jax.devices()[1], jax.devices()[0]], ValueError, r"devices\[2\] repeats devices\[0\]"),
+    ([], ValueError, "devices must not be empty"),
+])
+def test_init_checks_the_devices(devices, error, match):
+    try:
+        with pytest.raises(error, match=match):
+            al.init("local", devices=devices)
+    finally:
+        al.shutdown()
+
+
+@pytest.mark.parametrize("method", [al.DataParallel(), al.PipeshardParallel(
+    num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2),
+    stage_option=al.UniformStageOption(num_stages=2))], ids=["data", "pipeshard"])
+def test_executable_called_with_other_shapes_names_the_leaf(args, method):
+    state, batch = args
+    exe = al.parallelize(make_train_step(mlp_loss), method=method).get_executable(state, batch)
+    wider = {**batch, "x": jnp.zeros((16, 16), jnp.float32)}
+    with pytest.raises(ValueError, match=r"argument leaf batch\.x has shape \(16, 16\) and dtype float32, but "
+                                         r"this executable was compiled for shape \(32, 16\)"):
+        exe(state, wider)
+    retyped = {**batch, "y": batch["y"].astype(jnp.float16)}
+    with pytest.raises(ValueError, match=r"batch\.y has shape \(32, 8\) and dtype float16, .*dtype float32"):
+        exe(state, retyped)
+
+
+def test_parallelize_plans_for_the_given_cluster(args, tmp_path):
+    """A pinned cluster makes the cost model, and so the plan, the same from run to run; a saved one loads
+    from its path; one of another size is an error naming both device counts."""
+    state, batch = args
+    cluster = al.ClusterSpec.preset("p3.16xlarge")
+    for method in (al.ShardParallel(), al.DataParallel()):
+        exe = al.parallelize(make_train_step(mlp_loss), method=method, cluster=cluster).get_executable(state, batch)
+        assert exe.plan.cluster == cluster
+    cluster.save(tmp_path / "cluster.json")
+    exe = al.parallelize(make_train_step(mlp_loss), cluster=tmp_path / "cluster.json").get_executable(state, batch)
+    assert exe.plan.cluster == cluster
+    pipe = al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2),
+                                stage_option=al.UniformStageOption(num_stages=2))
+    exe = al.parallelize(make_train_step(mlp_loss), method=pipe, cluster=str(tmp_path / "cluster.json")
+                         ).get_executable(state, batch)
+    assert exe.plan.cluster == cluster
+    with pytest.raises(ValueError, match=r"cluster 'p3.16xlarge' has 16 devices \(2 x 8\), but the local "
+                                         r"backend's devices \(al.init\) are 8"):
+        al.parallelize(make_train_step(mlp_loss), cluster=al.ClusterSpec.preset("p3.16xlarge", num_nodes=2))(
+            state, batch)
+    with pytest.raises(TypeError, match="cluster must be an al.ClusterSpec or the path"):
+        al.parallelize(make_train_step(mlp_loss), cluster=8)
+    with pytest.raises(ValueError, match="cannot read"):
+        al.parallelize(make_train_step(mlp_loss), cluster=tmp_path / "missing.json")
+
+
 def test_executable_reports_hlo_costs_and_memory(args):
     exe = al.parallelize(make_train_step(mlp_loss)).get_executable(*args)
     assert "all-reduce" in exe.get_hlo_text()

@@ -14,7 +14,7 @@ GIB = 2**30
 # Public fields: adding one is an API change (and needs a docstring with units).
 FIELDS = ("name", "num_nodes", "num_devices_per_node", "device_name", "peak_flops", "device_memory",
           "intra_node_bandwidth", "inter_node_bandwidth", "intra_node_latency", "inter_node_latency",
-          "shared_host_compute", "memory_bandwidth", "fp32_peak_flops", "launch_overhead")
+          "shared_host_compute", "memory_bandwidth", "fp32_peak_flops", "launch_overhead", "measured_at")
 
 PRESETS = {
     # name: (device_name, peak_flops, fp32_peak_flops, device_memory, intra bytes/s, inter bytes/s per device)
@@ -128,6 +128,57 @@ def test_local_with_a_device_subset():
     assert ClusterSpec.local(jax.local_devices()[:2]).num_devices == 2
     with pytest.raises(ValueError, match="devices"):
         ClusterSpec.local([])
+
+
+def test_local_is_stored_and_read_back_by_a_new_process(tmp_path, monkeypatch):
+    """A measured cluster is kept per machine: a fresh process (here: the in-process memo and the
+    measurements' caches cleared) reads the same spec back instead of measuring again, so plans made
+    from it do not move from run to run; ``remeasure=True`` measures again and replaces it."""
+    monkeypatch.setenv("ALPA_LIKE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cluster_module, "_stored", {})
+    devices = tuple(jax.local_devices()[:2])
+    first = ClusterSpec.local(devices)
+    assert first.measured_at is not None and first.measured_at.endswith("Z")
+    assert f"measured {first.measured_at}" in str(first)
+    [stored] = (tmp_path / "clusters").iterdir()
+    assert ClusterSpec.load(stored) == first
+
+    measured = []
+    monkeypatch.setattr(cluster_module, "_stored", {})
+    monkeypatch.setattr(ClusterSpec, "_measure", classmethod(lambda cls, d: measured.append(d) or first))
+    assert ClusterSpec.local(devices) == first and not measured  # read back, not measured
+    other = dataclasses.replace(first, peak_flops=first.peak_flops * 2)
+    monkeypatch.setattr(ClusterSpec, "_measure", classmethod(lambda cls, d: measured.append(d) or other))
+    assert ClusterSpec.local(devices, remeasure=True) == other and measured == [devices]
+    monkeypatch.setattr(cluster_module, "_stored", {})
+    assert ClusterSpec.local(devices) == other  # the new measurement replaced the stored one
+
+
+def test_a_damaged_stored_cluster_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("ALPA_LIKE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cluster_module, "_stored", {})
+    devices = tuple(jax.local_devices()[:1])
+    path = cluster_module._local_cache_path(devices)
+    (tmp_path / "clusters").mkdir()
+    with open(path, "w") as f:
+        f.write('{"name": "local-cpu", "num_nodes": "x"')
+    spec = ClusterSpec.local(devices)
+    assert spec.num_devices == 1 and ClusterSpec.load(path) == spec
+
+
+def test_save_and_load(tmp_path):
+    spec = ClusterSpec.preset("dgx-a100", num_nodes=2)
+    spec.save(tmp_path / "c.json")
+    assert ClusterSpec.load(tmp_path / "c.json") == spec
+    assert ClusterSpec.from_json(spec.to_json()) == spec
+    with pytest.raises(ValueError, match="cannot read"):
+        ClusterSpec.load(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="is not a saved ClusterSpec: .*expected a JSON object"):
+        ClusterSpec.load(tmp_path / "bad.json")
+    (tmp_path / "bad.json").write_text('{"name": "x"}')
+    with pytest.raises(ValueError, match="missing keys"):
+        ClusterSpec.load(tmp_path / "bad.json")
 
 
 def test_doctests():
