@@ -2,7 +2,10 @@
 
 One process drives every mesh. Stage pieces are jitted once per mesh (XLA compiles them on the first step);
 buffers live on their mesh as ``jax.Array``s; a RUN donates the per-micro-batch buffers whose last use it is
-(the ``FREE`` that follows it in the program), so XLA may reuse their memory for the piece's outputs;
+(the ``FREE`` that follows it in the program), so XLA may reuse their memory for the piece's outputs, unless a
+buffer is shared: a LOAD's ``device_put`` keeps the source's buffer on a device where the source already holds
+the shard the layout asks for (a replicated batch slice on the slice's own device, for one), and that buffer
+belongs to the micro-batch slice that other meshes still LOAD;
 ``RECV`` moves a buffer between meshes with the resharding plan of :mod:`alpa_like.runtime.resharding`. JAX's asynchronous dispatch lets meshes compute concurrently
 while the driver walks the global instruction order. When the program replicates an update on several meshes
 (a tied embedding: :func:`~alpa_like.compiler.stage_construction.replicated_updates`), the step returns one
@@ -139,6 +142,10 @@ class PipeshardExecutable:
         self._indices: dict[tuple[int, int], jax.Array] = {}
         self._own_copies: dict[int, tuple[Any, dict[int, Any]]] = {}
         """id of an array the last step returned -> (that array, {mesh: the same value on that mesh})."""
+        self._shared_loads: list[jax.Array] = []
+        """This step's LOADed micro-batch buffers that share a device buffer with their source: never donated
+        (held, so that their ids are not recycled while the step runs)."""
+        self._input_names = {v: leaf.path for v, leaf in zip(program.step_inputs, traced.in_leaves, strict=True)}
         self.last_step = StepStats()
 
     def __call__(self, *args):
@@ -160,7 +167,6 @@ class PipeshardExecutable:
         inputs = dict(zip(self.program.step_inputs, flat, strict=True))
         inputs.update(self.program.constants)
         micro = {}
-        self._step_values = (inputs, micro)  # held by the caller or this step: never donated
         instructions = self.programs.instructions
         i = 0
         while i < len(instructions):
@@ -191,7 +197,7 @@ class PipeshardExecutable:
                 t1 = time.perf_counter()
                 stats.op_seconds[str(ins.op)] = stats.op_seconds.get(str(ins.op), 0.0) + t1 - t0
                 stats.spans.append((ins.mesh, str(ins), t0 - start, t1 - start))
-        self._step_values = ({}, {})  # the step's micro-batch slices are not kept past the step
+        self._shared_loads = []  # not kept past the step, like its micro-batch slices
         outputs = []
         copies = self.programs.output_copies or ((),) * len(self.programs.outputs)
         self._own_copies = {}
@@ -249,13 +255,11 @@ class PipeshardExecutable:
         return len(donate)
 
     def _held_elsewhere(self, accumulators: dict) -> set[int]:
-        """Ids of the arrays a RUN must not donate: the step's inputs and micro-batch slices (a LOAD's
-        ``device_put`` returns the value itself when it is already in place) and ``accumulators``' values.
-        Every one is alive while the set is used, so no id is a recycled one (donation, and with it the
-        executable a RUN uses, stays the same from step to step)."""
-        inputs, micro = self._step_values
-        return ({id(x) for x in inputs.values()} | {id(x) for parts in micro.values() for x in parts}
-                | {id(x) for x in accumulators.values()})
+        """Ids of the arrays a RUN must not donate: LOADed micro-batch buffers that share a device buffer with
+        the slice they were put from (:func:`shares_buffers`: the slice itself when it is already in place)
+        and ``accumulators``' values. Every one is alive while the set is used, so no id is a recycled one
+        (donation, and with it the executable a RUN uses, stays the same from step to step)."""
+        return {id(x) for x in self._shared_loads} | {id(x) for x in accumulators.values()}
 
     def _piece_executable(self, stage: int, phase: str, donate: tuple[int, ...] = ()):
         fn = self._jitted.get((stage, phase, donate))
@@ -291,14 +295,24 @@ class PipeshardExecutable:
         if ins.op is Op.LOAD:
             v, mb = ins.key
             value = inputs[v]
+            name = self._input_names.get(v, str(v))
+            if _is_deleted(value):
+                raise ValueError(f"step input {name} is a deleted array (donated to or deleted by an earlier "
+                                 "call?): pass a live array")
             if mb != PER_STEP:
                 if v not in micro:
                     micro[v] = _split_micro_batches(jax.numpy.asarray(value), self.num_micro_batches)
                 value = micro[v][mb]
+                if _is_deleted(value):
+                    raise RuntimeError(f"micro-batch {mb} of step input {name} was deleted before mesh {ins.mesh} "
+                                       "loaded it: a RUN donated a buffer the slice shares")
             elif (own := self._own_copies.get(id(value))) is not None and own[0] is value and ins.mesh in own[1]:
                 value = own[1][ins.mesh]
                 stats.own_copy_loads += 1
-            mesh_buffers[ins.key] = jax.device_put(value, self._load_sharding(v, np.shape(value), ins.mesh))
+            loaded = jax.device_put(value, self._load_sharding(v, np.shape(value), ins.mesh))
+            if mb != PER_STEP and shares_buffers(loaded, value):
+                self._shared_loads.append(loaded)
+            mesh_buffers[ins.key] = loaded
         elif ins.op is Op.RECV:
             x = buffers[ins.src_mesh][ins.key]
             mesh_buffers[ins.key] = self._move(x, ins.key[0], ins.mesh, stats)
@@ -366,6 +380,25 @@ def donated_positions(keys: Sequence[tuple], freed, shared: Sequence[bool]) -> t
     """
     return tuple(k for k, key in enumerate(keys)
                  if key[1] != PER_STEP and key in freed and not shared[k] and keys.count(key) == 1)
+
+
+def shares_buffers(a: jax.Array, b: jax.Array) -> bool:
+    """Whether the arrays hold a device buffer in common. ``jax.device_put`` returns a new array around the
+    source's own buffer on every device where the source already holds the shard the new layout asks for, so
+    two distinct arrays may share memory, and donating one deletes the other.
+
+    >>> x = jax.device_put(jax.numpy.ones(3), jax.devices()[0])
+    >>> mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+    >>> y = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    >>> y is x, shares_buffers(y, x), shares_buffers(y + 0, x)
+    (False, True, False)
+    """
+    mine = {s.data.unsafe_buffer_pointer() for s in a.addressable_shards}
+    return any(s.data.unsafe_buffer_pointer() in mine for s in b.addressable_shards)
+
+
+def _is_deleted(x) -> bool:
+    return isinstance(x, jax.Array) and x.is_deleted()
 
 
 @contextlib.contextmanager
