@@ -22,18 +22,26 @@ static instruction programs, resharding plans), then builds a :class:`RayPipesha
 Faults: the driver waits on the workers' object refs with ``ray.wait`` timeouts; a worker that raises or dies
 becomes a :class:`RayStepError` naming the mesh and the instruction; the other workers are aborted, so the
 call never hangs. The executable is then unusable: ``al.shutdown()`` and ``al.init(...)`` start afresh.
+
+The local Ray (``address=None`` and no Ray running): :func:`start_local_ray` starts a new single-node cluster
+whose every server listens on loopback only (node IP 127.0.0.1, no dashboard), with Ray's token authentication
+as Ray sets it for a new local cluster, and retries a start that timed out (see ``docs/ray.md``).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
+import math
+import numbers
 import os
 import pickle
+import shutil
 import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -61,6 +69,118 @@ _CONSEQUENCES = {"StepAborted", "OwnerDiedError", "ObjectLostError", "ObjectFetc
 
 class RayStepError(RuntimeError):
     """A step failed on the Ray backend (the message names the mesh and the instruction)."""
+
+
+# ------------------------------------------------------------------------------------------- the local Ray
+
+LOOPBACK = "127.0.0.1"
+GCS_PORT_WAIT_VARIABLE = "RAY_gcs_server_port_wait_time_s"
+"""Ray's limit (seconds, default 30) on waiting for the GCS server to bind its port."""
+
+
+def local_ray_options(num_cpus: int) -> dict[str, Any]:
+    """The ``ray.init`` arguments of the local Ray the backend starts: always a new cluster (``"local"``, never
+    one ``ray start`` left on the machine), node IP loopback, no dashboard, worker logs kept off the driver."""
+    return dict(address="local", _node_ip_address=LOOPBACK, include_dashboard=False, num_cpus=num_cpus,
+                log_to_driver=False)
+
+
+@contextlib.contextmanager
+def _loopback_node_ip():
+    """Lets ``ray.init(_node_ip_address="127.0.0.1")`` keep loopback as the node IP.
+
+    On Linux Ray swaps a loopback node IP for the machine's address (``services.resolve_ip_for_localhost``)
+    unless its multi-node mode is off, a flag it reads once at import (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``
+    into ``ray_constants.ENABLE_RAY_CLUSTER``). Given 127.0.0.1, the GCS, raylet, object manager, worker and
+    agent servers all bind loopback. Later lookups read the started node, so the flag is put back after.
+    """
+    from ray._private import ray_constants
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+@contextlib.contextmanager
+def _gcs_port_wait(seconds: float):
+    """Ray's GCS port wait raised to ``seconds`` for the duration of a start, unless the user set it."""
+    if GCS_PORT_WAIT_VARIABLE in os.environ:
+        yield
+        return
+    os.environ[GCS_PORT_WAIT_VARIABLE] = str(max(1, math.ceil(seconds)))
+    try:
+        yield
+    finally:
+        os.environ.pop(GCS_PORT_WAIT_VARIABLE, None)
+
+
+def is_startup_timeout(error: BaseException) -> bool:
+    """Whether ``ray.init`` failed because a piece of Ray did not come up in time (Ray raises a bare
+    ``Exception("The current node timed out during startup...")`` when its raylet does not register within a
+    fixed 30 s)."""
+    return isinstance(error, TimeoutError) or "timed out" in str(error).lower()
+
+
+def _stop_half_started_node(error: BaseException) -> None:
+    """Stops the processes of the Ray node whose start raised ``error``: ``ray.init`` leaves them running (the
+    node never became the global node that ``ray.shutdown`` stops). The node is the ``self`` of a frame of
+    ``Node.__init__`` in the traceback; nothing happens when there is none."""
+    from ray._private.node import Node
+    tb = error.__traceback__
+    while tb is not None:
+        node = tb.tb_frame.f_locals.get("self")
+        if isinstance(node, Node):
+            node.kill_all_processes(check_alive=False, wait=True)
+            return
+        tb = tb.tb_next
+
+
+def start_local_ray(*, num_cpus: int, startup_timeout: float, init: Callable[..., Any] | None = None,
+                    clock: Callable[[], float] = time.monotonic):
+    """Starts the backend's local Ray (:func:`local_ray_options`) and returns ``init``'s context.
+
+    A start that times out (:func:`is_startup_timeout`; Ray's raylet wait is a fixed 30 s that a loaded
+    machine can exceed) has its half-started processes stopped and is tried again while ``startup_timeout``
+    seconds have not passed since the first try; Ray's GCS port wait is given what is left of them.
+
+    Args:
+      num_cpus: the CPUs the node offers to tasks and actors.
+      startup_timeout: seconds all tries together may take before the start fails.
+      init: ``ray.init`` (a stand-in in tests); ``clock``: seconds, monotonic.
+
+    Raises:
+      RuntimeError: every try timed out and ``startup_timeout`` is spent (the message says how to allow
+        longer), or the started node's IP is not loopback (Ray is then shut down).
+    """
+    import ray
+    init = init or ray.init
+    start, tries = clock(), 0
+    while True:
+        tries += 1
+        try:
+            with _loopback_node_ip(), _gcs_port_wait(startup_timeout - (clock() - start)):
+                context = init(**local_ray_options(num_cpus))
+            break
+        except Exception as e:  # noqa: BLE001  (Ray raises a bare Exception on a startup timeout)
+            if not is_startup_timeout(e):
+                raise
+            _stop_half_started_node(e)
+            elapsed = clock() - start
+            if elapsed >= startup_timeout:
+                raise RuntimeError(
+                    f"Ray backend: the local Ray's startup timed out ({tries} tries in {elapsed:.0f} s, "
+                    f"startup_timeout={startup_timeout:g} s; Ray said: {e}). The machine may be loaded: allow "
+                    "longer with al.init(cluster='ray', startup_timeout=...), or start Ray yourself "
+                    "(ray.init(...)) before al.init") from e
+    node_ip = context.address_info["node_ip_address"]
+    if node_ip != LOOPBACK:
+        ray.shutdown()
+        raise RuntimeError(f"Ray backend: the local Ray started with node IP {node_ip}, not {LOOPBACK}, so its "
+                           "servers would listen beyond this machine; it was shut down. Start Ray yourself "
+                           "(ray.init(...)) before al.init to choose its addresses")
+    return context
 
 
 @dataclasses.dataclass
@@ -156,7 +276,18 @@ def _actor_id(actor) -> str:
 
 
 class RayCluster:
-    """A connection to a Ray cluster and the worker actors the backend made on it."""
+    """A connection to a Ray cluster and the worker actors the backend made on it.
+
+    Args:
+      address: ``None``: the Ray this process is connected to, else ``RAY_ADDRESS``, else a new local Ray
+        (:func:`start_local_ray`: loopback only); ``"host:port"`` or ``"auto"``: that running cluster, as its
+        owner started it.
+      num_nodes, num_devices_per_node: the cluster plans are made for.
+      platform: ``"cpu"`` or ``"gpu"`` (default: JAX's default backend).
+      step_timeout: seconds a step may take (``None``: no limit).
+      startup_timeout: seconds starting the local Ray, a worker actor or an executable's programs may take.
+      compilation_cache_dir: JAX's persistent compilation cache for the workers.
+    """
 
     def __init__(self, *, address: str | None = None, num_nodes: int | None = None,
                  num_devices_per_node: int | None = None, platform: str | None = None,
@@ -169,13 +300,16 @@ class RayCluster:
         platform = platform or ("gpu" if jax.default_backend() == "gpu" else "cpu")
         if platform not in PLATFORMS:
             raise ValueError(f"al.init(cluster='ray'): platform must be one of {PLATFORMS}, got {platform!r}")
-        if step_timeout is not None and not step_timeout > 0:
+        if step_timeout is not None and not _is_positive_seconds(step_timeout):
             raise ValueError(f"al.init(cluster='ray'): step_timeout must be > 0 seconds or None, got {step_timeout!r}")
+        if not (_is_positive_seconds(startup_timeout) and math.isfinite(startup_timeout)):
+            raise ValueError(f"al.init(cluster='ray'): startup_timeout must be a finite number of seconds > 0, got "
+                             f"{startup_timeout!r}")
         self.started_ray = False
         address = address or os.environ.get("RAY_ADDRESS")
         if not ray.is_initialized():
             if address is None:
-                ray.init(include_dashboard=False, num_cpus=max(2, os.cpu_count() or 2), log_to_driver=False)
+                start_local_ray(num_cpus=max(2, os.cpu_count() or 2), startup_timeout=startup_timeout)
             else:
                 ray.init(address=address, include_dashboard=False, log_to_driver=False)
             self.started_ray = True
@@ -196,7 +330,9 @@ class RayCluster:
         self._lock = threading.Lock()
         self._handles = itertools.count()
         self._exe_ids = itertools.count()
-        self._tmp = tempfile.mkdtemp(prefix="alpa_like_ray_")
+        self.temp_dir = tempfile.mkdtemp(prefix="alpa_like_ray_")
+        """The workers' progress files; removed by :meth:`shutdown` (or when the backend is collected)."""
+        self._remove_temp_dir = weakref.finalize(self, shutil.rmtree, self.temp_dir, ignore_errors=True)
         self.closed = False
 
     def spec(self) -> ClusterSpec:
@@ -249,7 +385,7 @@ class RayCluster:
         if len(self.ray_nodes) > 1:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.ray_nodes[node]["NodeID"], soft=False)
-        progress = os.path.join(self._tmp, f"worker{number}.progress")
+        progress = os.path.join(self.temp_dir, f"worker{number}.progress")
         config = {"jax_default_matmul_precision": jax.config.jax_default_matmul_precision,
                   "jax_enable_x64": jax.config.jax_enable_x64}
         if self.compilation_cache_dir:  # JAX's persistent cache: workers skip XLA compiles seen before
@@ -311,7 +447,8 @@ class RayCluster:
         return ray.get(actor.fetch.remote(handle))
 
     def shutdown(self) -> None:
-        """Kills every actor this backend made (and Ray itself when this backend started it)."""
+        """Kills every actor this backend made, removes its :attr:`temp_dir`, and shuts Ray down in this process
+        when this backend started or connected it (a cluster started elsewhere keeps running)."""
         import ray
         self.closed = True
         for actor in self._actors.values():
@@ -320,8 +457,14 @@ class RayCluster:
             except Exception:  # noqa: BLE001  (already dead)
                 pass
         self._actors.clear()
+        self._remove_temp_dir()
         if self.started_ray:
             ray.shutdown()
+
+
+def _is_positive_seconds(value) -> bool:
+    """Whether ``value`` is a real number of seconds > 0 (not a bool)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0
 
 
 EXPORT_PLATFORMS = {"cpu": ("cpu",), "gpu": ("cuda",)}
