@@ -8,6 +8,7 @@
         return state.apply_gradients(grads=grads)
 """
 from alpa_like.api import ParallelizedFunc, init, parallelize, plan, shutdown
+from alpa_like.checkpoint import checkpoint_steps, restore_checkpoint, save_checkpoint
 from alpa_like.cluster import ClusterSpec
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.markers import mark_pipeline_boundary
@@ -25,5 +26,6 @@ __all__ = [
     "ClusterSpec", "CommEstimate", "DataParallel", "ManualShardParallel", "ParallelPlan", "ParallelizedFunc",
     "ShardingSpec", "StagePlan", "TensorPlan", "Zero2Parallel", "Zero3Parallel", "grad", "init", "mark_pipeline_boundary", "parallelize",
     "plan", "shutdown", "value_and_grad",
+    "checkpoint_steps", "restore_checkpoint", "save_checkpoint",
 ]
 __version__ = "0.1.0"

@@ -41,7 +41,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -239,6 +239,11 @@ class RemoteArray:
     @property
     def aval(self) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(self.shape, self.dtype)
+
+    @property
+    def is_alive(self) -> bool:
+        """Whether the data still exists on the workers (false once its Ray backend is shut down)."""
+        return not self._cluster.closed
 
     def fetch(self) -> np.ndarray | jax.Array:
         """The value (a typed PRNG key comes back as a ``jax.random.key`` array)."""
@@ -739,6 +744,40 @@ class RayPipeshardExecutable:
         import ray
         return ray.get([w.num_handles.remote() for w in self.workers])
 
+    def restore_inputs(self, leaves: Mapping[int, tuple[str, str, Any]]) -> dict[int, RemoteArray]:
+        """Reads step inputs from checkpoint files straight onto the workers whose meshes LOAD them, each in the
+        layout its LOAD puts it in (so the next step moves nothing); the driver sees no data.
+
+        Args:
+          leaves: flat input index -> (orbax checkpoint path, orbax key,
+            :class:`~alpa_like.runtime.checkpoint_io.Target` without a sharding).
+
+        Returns:
+          flat input index -> the input as a :class:`RemoteArray` with a replica on each loading mesh; inputs
+          that no mesh loads are left out.
+        """
+        from alpa_like.runtime.ray_worker import load_spec
+        if self.cluster.closed:
+            raise RuntimeError("this executable's Ray backend was shut down; restore into an executable of the "
+                               "running backend")
+        items: list[list] = [[] for _ in self.workers]
+        replicas: dict[int, list] = {}
+        for k, (path, key, target) in leaves.items():
+            v = self.program.step_inputs[k]
+            for mesh in self._loaders.get(v, ()):
+                spec = load_spec(self.worker_programs[mesh].input_specs, v, target.shape,
+                                 self.meshes[mesh].logical_shape)
+                handle = self.cluster.new_handle()
+                items[mesh].append((handle, path, key, target, spec))
+                replicas.setdefault(k, []).append((self.workers[mesh], handle))
+        # made first: if a worker fails, dropping them frees what the others read
+        out = {k: RemoteArray(leaves[k][2].shape, self.program.values[self.program.step_inputs[k]].aval.dtype,
+                              reps, self.cluster) for k, reps in replicas.items()}
+        _get_all([w.restore_handles.remote(self.exe_id, mine) for w, mine in zip(self.workers, items) if mine],
+                 self.cluster.step_timeout, "reading the checkpoint")
+        return out
+
+
 
 def _unload(cluster, workers, exe_id: int) -> None:
     """Drops an executable's programs on its workers, unless the backend is shut down (a remote call would
@@ -751,3 +790,51 @@ def _unload(cluster, workers, exe_id: int) -> None:
             w.unload_program.remote(exe_id)
         except Exception:  # noqa: BLE001  (Ray is gone)
             pass
+
+
+# ------------------------------------------------------------------------------------------- checkpoints
+
+class RemoteWrite:
+    """Checkpoint writes running on the workers that hold the arrays (:func:`save_remote_arrays`)."""
+
+    def __init__(self, parts: dict[str, str], writers: list[tuple[Any, str]], timeout: float | None):
+        self.parts = parts
+        """Orbax key -> the part (subdirectory) its worker writes."""
+        self._writers, self._timeout = writers, timeout
+
+    def wait(self) -> dict[str, str]:
+        """Waits for every worker's files; returns ``{orbax key: impl name}`` of the typed PRNG keys written."""
+        impls: dict[str, str] = {}
+        for written in _get_all([actor.finish_save.remote(path) for actor, path in self._writers], self._timeout,
+                                "writing the checkpoint"):
+            impls.update(written)
+        return impls
+
+
+def _get_all(refs: list, timeout: float | None, what: str) -> list:
+    """``ray.get`` of every ref, or a RuntimeError when some are not ready within ``timeout`` seconds."""
+    import ray
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    if pending:
+        raise RuntimeError(f"Ray backend: {len(pending)} worker(s) did not finish {what} within {timeout:.0f} s")
+    return ray.get(refs)
+
+
+def save_remote_arrays(arrays: Mapping[str, RemoteArray], directory: str) -> RemoteWrite:
+    """Starts writing ``arrays`` (orbax key -> RemoteArray) where they live: each worker holding some writes
+    them from its own devices as one orbax checkpoint, ``directory/worker_<n>`` (n numbers the workers of this
+    call). Returns once every worker has copied its arrays off its devices. No data passes through the driver;
+    ``directory`` must be reachable from every worker's node."""
+    by_actor: dict[str, tuple[Any, dict[str, int]]] = {}
+    for key, x in arrays.items():
+        actor, handle = x.replicas[0]
+        by_actor.setdefault(_actor_id(actor), (actor, {}))[1][key] = handle
+    parts, writers = {}, []
+    for n, (actor, handles) in enumerate(by_actor.values()):
+        path = os.path.join(directory, f"worker_{n}")
+        parts.update(dict.fromkeys(handles, f"worker_{n}"))
+        writers.append((actor, path))
+    timeout = next(iter(arrays.values()))._cluster.step_timeout
+    _get_all([actor.start_save.remote(path, handles) for (actor, path), (_, handles)
+              in zip(writers, by_actor.values(), strict=True)], timeout, "copying the checkpoint's arrays")
+    return RemoteWrite(parts, writers, timeout)

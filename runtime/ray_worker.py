@@ -126,6 +126,8 @@ class MeshWorker:
         self._cond = threading.Condition()
         self._sender = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sender")
         self._fault: tuple[int, str] | None = None
+        self._saves: dict[str, Any] = {}
+        """Checkpoint path -> its write in progress (:meth:`start_save`)."""
         self._where = "idle"
         self._progress = None
         if progress_path:
@@ -169,6 +171,35 @@ class MeshWorker:
         if kind not in ("raise", "exit", "stall"):
             raise ValueError(f"set_fault: kind must be 'raise', 'exit' or 'stall', got {kind!r}")
         self._fault = None if instruction_index is None else (instruction_index, kind)
+
+    # ---------------------------------------------------------------------------------------- checkpoints
+
+    def start_save(self, path: str, handles: dict[str, int]) -> None:
+        """Starts writing the stored arrays ``handles`` (orbax key -> handle) from this worker's devices as one
+        orbax checkpoint at ``path``; returns once they are copied off the devices (a later step may then drop
+        or donate them). :meth:`finish_save` waits for the files."""
+        from alpa_like.runtime.checkpoint_io import start_write
+        self._saves[path] = start_write(path, {key: self._store[h] for key, h in handles.items()})
+
+    def finish_save(self, path: str) -> dict[str, str]:
+        """Waits for the files of :meth:`start_save` at ``path``; returns the typed PRNG keys' impl names."""
+        return self._saves.pop(path).wait()
+
+    def restore_handles(self, exe_id: int, items: Sequence[tuple]) -> int:
+        """Reads checkpointed arrays into this worker's store, each in its layout on executable ``exe_id``'s
+        mesh: ``items`` are (new handle, checkpoint path, orbax key, Target without a sharding, ShardingSpec).
+        Returns how many it read."""
+        from alpa_like.runtime.checkpoint_io import read_arrays
+        loaded = self._loaded[exe_id]
+        by_path: dict[str, list] = {}
+        for handle, path, key, target, spec in items:
+            target = dataclasses.replace(target, sharding=loaded.sharding(spec))
+            by_path.setdefault(path, []).append((handle, key, target))
+        for path, group in by_path.items():
+            read = read_arrays(path, {key: target for _, key, target in group})
+            for handle, key, _ in group:
+                self._store[handle] = read[key]
+        return len(items)
 
     # ----------------------------------------------------------------------------------- worker to worker
 
