@@ -17,7 +17,10 @@ static instruction programs, resharding plans), then builds a :class:`RayPipesha
 * A step is one ``run_step`` call per worker. Tensors move worker to worker through the Ray object store
   (see :mod:`alpa_like.runtime.ray_worker`); the driver sends only the batch (and step inputs that are
   still driver arrays, e.g. the first step's state) and receives small reports.
-* Step outputs stay on the workers as :class:`RemoteArray` handles.
+* Step outputs that are new values of step inputs (the state) stay on the workers as :class:`RemoteArray`
+  handles; the others (metrics, the loss) come back as NumPy arrays in the workers' step reports.
+* ``donate_argnums``: a worker donates a donated step input at the last RUN that reads it on its mesh and
+  drops its stored copy (:func:`~alpa_like.runtime.pipeshard_runtime.input_donations`).
 
 Faults: the driver waits on the workers' object refs with ``ray.wait`` timeouts; a worker that raises or dies
 becomes a :class:`RayStepError` naming the mesh and the instruction; the other workers are aborted, so the
@@ -52,8 +55,9 @@ from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.micro_batch_keys import KeyDraws
 from alpa_like.compiler.stage_construction import StageProgram, micro_batch_key_draws
+from alpa_like.compiler.trace import updated_inputs
 from alpa_like.runtime.instructions import MeshPrograms, Op
-from alpa_like.runtime.pipeshard_runtime import _piece_fn
+from alpa_like.runtime.pipeshard_runtime import _piece_fn, input_donations
 from alpa_like.runtime.ray_worker import MeshInfo, MeshWorker, ShippedPiece, WorkerProgram, WorkerStepError
 
 PLATFORMS = ("cpu", "gpu")
@@ -195,7 +199,8 @@ class RayStepStats:
     driver_received_bytes: int = 0
     """Bytes the driver received: the pickled worker reports."""
     driver_received_types: tuple[str, ...] = ()
-    """Type names of every value inside the received reports (no arrays: outputs stay on the workers)."""
+    """Type names of the numbers in the received reports (arrays come back only as the step's metric
+    outputs, under ``"outputs"``)."""
     worker_bytes: int = 0
     """Bytes the RECVs moved between workers (the resharding plans' cross-mesh bytes; the local backend's
     ``bytes_moved``)."""
@@ -205,6 +210,8 @@ class RayStepStats:
     """Step inputs sent as ``ref`` (a driver array), ``handle`` (already on the loading worker) or ``peer``
     (sent by the worker holding it)."""
     worker_seconds: tuple[float, ...] = ()
+    donated_buffers: int = 0
+    """Buffers of donated step inputs (``donate_argnums``) the workers' RUNs donated."""
 
 
 class RemoteArray:
@@ -216,13 +223,15 @@ class RemoteArray:
     each, so every one of them can load it in place.
     """
 
-    __slots__ = ("shape", "dtype", "replicas", "_cluster", "_value", "__weakref__")
+    __slots__ = ("shape", "dtype", "replicas", "_cluster", "_value", "donated", "__weakref__")
 
     def __init__(self, shape, dtype, replicas: Sequence[tuple[Any, int]], cluster: RayCluster):
         self.shape, self.dtype = tuple(shape), dtype if jax_compat.is_prng_key(dtype) else np.dtype(dtype)
         self.replicas = tuple(replicas)
         """(worker actor, handle id) of each copy."""
         self._cluster, self._value = cluster, None
+        self.donated = False
+        """Given to a step that donates it (``donate_argnums``): its data on the workers is gone."""
 
     @property
     def ndim(self) -> int:
@@ -247,10 +256,10 @@ class RemoteArray:
 
     def fetch(self) -> np.ndarray | jax.Array:
         """The value (a typed PRNG key comes back as a ``jax.random.key`` array)."""
+        if self.donated:
+            raise RuntimeError(f"{self!r} was donated to a step (donate_argnums): its data is gone")
         if self._value is None:
-            value = self._cluster.fetch(*self.replicas[0])
-            self._value = (jax.random.wrap_key_data(value[0], impl=value[1]) if isinstance(value, tuple)
-                           else value)
+            self._value = from_host(self._cluster.fetch(*self.replicas[0]))
         return self._value
 
     def __array__(self, dtype=None, copy=None):
@@ -319,11 +328,16 @@ class RayCluster:
                 ray.init(address=address, include_dashboard=False, log_to_driver=False)
             self.started_ray = True
         self.platform = platform
-        self.ray_nodes = sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n["NodeID"])
-        self.num_nodes = num_nodes or (len(self.ray_nodes) if address else 1)
-        if self.num_nodes > len(self.ray_nodes) and len(self.ray_nodes) > 1:
-            raise ValueError(f"al.init(cluster='ray'): num_nodes={self.num_nodes}, but the Ray cluster has "
-                             f"{len(self.ray_nodes)} alive nodes")
+        try:
+            self.ray_nodes = sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n["NodeID"])
+            self.num_nodes = num_nodes or (len(self.ray_nodes) if address else 1)
+            if self.num_nodes > len(self.ray_nodes) and len(self.ray_nodes) > 1:
+                raise ValueError(f"al.init(cluster='ray'): num_nodes={self.num_nodes}, but the Ray cluster has "
+                                 f"{len(self.ray_nodes)} alive nodes")
+        except BaseException:  # no backend object owns the Ray it started: stop it here
+            if self.started_ray:
+                ray.shutdown()
+            raise
         self.num_devices_per_node = num_devices_per_node or len(jax.devices())
         self.step_timeout = step_timeout
         self.compilation_cache_dir = compilation_cache_dir
@@ -488,8 +502,15 @@ def export_piece(piece, platform: str = "cpu", draws: KeyDraws = ()) -> bytes:
 
 def worker_programs(program: StageProgram, programs: MeshPrograms, meshes: Sequence[MeshInfo],
                     input_specs: dict, shipped: dict[tuple[int, str], bytes],
-                    num_micro_batches: int) -> list[WorkerProgram]:
-    """Each mesh's :class:`WorkerProgram`: its instructions, the pieces of its stages, what it sends."""
+                    num_micro_batches: int, returned: frozenset[int] = frozenset(),
+                    donations: dict[int, frozenset] | None = None) -> list[WorkerProgram]:
+    """Each mesh's :class:`WorkerProgram`: its instructions, the pieces of its stages, what it sends.
+
+    ``returned``: the step outputs that come back to the driver as values, each from the mesh that holds it
+    in ``programs.outputs`` (the others stay in the workers' stores). ``donations``: index of a RUN in
+    ``programs.instructions`` -> the donated inputs' buffers it donates
+    (:func:`~alpa_like.runtime.pipeshard_runtime.input_donations`); a buffer the mesh also sends to another
+    mesh is not donated (a background thread may still be reading it)."""
     sends: list[dict] = [dict() for _ in meshes]
     for ins in programs.instructions:
         if ins.op is Op.RECV:
@@ -507,10 +528,15 @@ def worker_programs(program: StageProgram, programs: MeshPrograms, meshes: Seque
         loaded = {ins.key[0] for ins in instructions if ins.op is Op.LOAD}
         constants = {v: np.asarray(c) for v, c in program.constants.items() if v in loaded}
         held = held_at_end(program, instructions)
-        outputs = tuple((i, o[0]) for i, o in enumerate(programs.outputs) if o is not None and o[0] in held)
+        outputs = tuple((i, o[0]) for i, o in enumerate(programs.outputs)
+                        if o is not None and o[0] in held and i not in returned)
+        mine = tuple((i, o[0]) for i, o in enumerate(programs.outputs) if i in returned and o is not None and o[1] == k)
+        local = {g: j for j, g in enumerate(g for g, ins in enumerate(programs.instructions) if ins.mesh == k)}
+        donated = {local[g]: frozenset(keys - sends[k].keys()) for g, keys in (donations or {}).items() if g in local}
         out.append(WorkerProgram(mesh=k, meshes=tuple(meshes), instructions=instructions, pieces=pieces,
                                  sends=sends[k], input_specs=dict(input_specs), constants=constants,
-                                 num_micro_batches=num_micro_batches, outputs=outputs))
+                                 num_micro_batches=num_micro_batches, outputs=outputs, returned=mine,
+                                 donations={j: keys for j, keys in donated.items() if keys}))
     return out
 
 
@@ -528,10 +554,17 @@ def held_at_end(program: StageProgram, instructions: Sequence) -> set:
 
 
 class RayPipeshardExecutable:
-    """A compiled pipeline step on the Ray backend: call it like the original function."""
+    """A compiled pipeline step on the Ray backend: call it like the original function.
+
+    A step returns the new values of its inputs (the state) as :class:`RemoteArray` s that stay on the
+    workers, and its other outputs (metrics, the loss, aux values) as NumPy arrays the workers send back in
+    their step reports. ``donate_flat``: the flat input leaves the step may donate (``donate_argnums``): each
+    is donated by the last RUN that reads it on the mesh that loads it, and a :class:`RemoteArray` given for
+    it is then :attr:`RemoteArray.donated` (a driver array was copied to the workers and stays valid).
+    """
 
     def __init__(self, *, traced, plan, program: StageProgram, programs: MeshPrograms, input_specs: dict,
-                 cluster: RayCluster, devices=None):
+                 cluster: RayCluster, devices=None, donate_flat: Sequence[int] = ()):
         import ray
         del devices  # The workers own the devices.
         self.traced, self.plan, self.program, self.programs = traced, plan, program, programs
@@ -555,8 +588,15 @@ class RayPipeshardExecutable:
         draws = micro_batch_key_draws(program, self.num_micro_batches)
         shipped = {key: export_piece(piece, cluster.platform, draws.get(key, ()))
                    for key, piece in program.pieces.items()}
+        self._returned = frozenset(k for k, source in enumerate(updated_inputs(traced.in_leaves, traced.out_leaves))
+                                   if source is None and programs.outputs[k] is not None)
+        """The outputs that update no input: sent back in the step reports."""
+        donations = input_donations(programs, program, [program.step_inputs[k] for k in donate_flat])
         self.worker_programs = worker_programs(program, programs, self.meshes, input_specs, shipped,
-                                               self.num_micro_batches)
+                                               self.num_micro_batches, self._returned, donations)
+        self._donated_on = {key[0]: p.mesh for p in self.worker_programs for keys in p.donations.values()
+                            for key in keys}
+        """Donated step input -> the mesh that donates it."""
         self.shipped_bytes = sum(len(pickle.dumps(p)) for p in self.worker_programs)
         refs = [w.load_program.remote(self.exe_id, p, self.workers)
                 for w, p in zip(self.workers, self.worker_programs, strict=True)]
@@ -588,6 +628,10 @@ class RayPipeshardExecutable:
                                "al.init(cluster='ray') to start new workers")
         start = time.perf_counter()
         flat = self.traced.flatten_args(args)
+        for x, leaf in zip(flat, self.traced.in_leaves, strict=True):
+            if isinstance(x, RemoteArray) and x.donated:
+                raise ValueError(f"argument leaf {leaf.path} is a RemoteArray donated to an earlier step "
+                                 "(donate_argnums): its data is gone; pass the value that step returned")
         stats = RayStepStats()
         step = next(self._steps)
         inputs, handle_sends, sent = self._route_inputs(flat, stats)
@@ -606,17 +650,34 @@ class RayPipeshardExecutable:
         stats.driver_calls = len(refs)
         reports = self._wait(refs, f"step {step}", timeout=self.cluster.step_timeout, step=step)
         stats.driver_received_bytes = sum(len(pickle.dumps(r)) for r in reports)
-        stats.driver_received_types = tuple(sorted({type(v).__name__ for r in reports for v in r.values()}))
+        stats.driver_received_types = tuple(sorted({type(v).__name__ for r in reports
+                                                    for key, v in r.items() if key != "outputs"}))
         stats.driver_sent_bytes = sent
         stats.worker_bytes = sum(r["bytes_sent"] for r in reports)
         stats.input_bytes = sum(r["input_bytes_sent"] for r in reports)
         stats.worker_seconds = tuple(r["seconds"] for r in reports)
-        results = [self.program.literal_outputs[k] if k not in remote else
+        stats.donated_buffers = sum(r["donated_buffers"] for r in reports)
+        self._mark_donated(flat, inputs)
+        values = {k: from_host(v) for r in reports for k, v in r["outputs"].items()}
+        results = [values[k] if k in values else self.program.literal_outputs[k] if k not in remote else
                    RemoteArray(self._out_avals[k].shape, self._out_avals[k].dtype, remote[k], self.cluster)
                    for k in range(len(self.programs.outputs))]
         stats.seconds = time.perf_counter() - start
         self.last_step = stats
         return jax.tree_util.tree_unflatten(self.traced.out_tree, results)
+
+    def _mark_donated(self, flat: Sequence[Any], inputs: list[dict]) -> None:
+        """Marks the RemoteArrays this step donated and frees their replicas (the donating worker dropped the
+        one it loaded in place)."""
+        for v, x in zip(self.program.step_inputs, flat, strict=True):
+            mesh = self._donated_on.get(v)
+            if mesh is None or not isinstance(x, RemoteArray):
+                continue
+            consumed = inputs[mesh].get(v)
+            for actor, handle in x.replicas:
+                if consumed != ("handle", handle) or self._mesh_of_actor.get(_actor_id(actor)) != mesh:
+                    self.cluster.release(actor, handle)
+            x.replicas, x.donated, x._value = (), True, None
 
     def _route_inputs(self, flat: Sequence[Any], stats: RayStepStats):
         """Per worker: how it gets each input it LOADs; per worker: the stored arrays it sends to peers."""
@@ -777,6 +838,13 @@ class RayPipeshardExecutable:
                  self.cluster.step_timeout, "reading the checkpoint")
         return out
 
+
+def from_host(value) -> np.ndarray | jax.Array:
+    """A value a worker sent (:func:`~alpa_like.runtime.ray_worker.host_value`) as the driver returns it: a
+    writable NumPy array, or a ``jax.random.key`` array for a typed PRNG key."""
+    if isinstance(value, tuple):
+        return jax.random.wrap_key_data(value[0], impl=value[1])
+    return np.array(value)
 
 
 def _unload(cluster, workers, exe_id: int) -> None:

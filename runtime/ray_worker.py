@@ -81,6 +81,12 @@ class WorkerProgram:
     num_micro_batches: int
     outputs: tuple[tuple[int, Key], ...]
     """(step output index, buffer) of the outputs this mesh holds at the end of a step."""
+    returned: tuple[tuple[int, Key], ...] = ()
+    """(step output index, buffer) of the outputs this mesh returns in its step report as host values (the
+    step's metrics: outputs that are the new value of no input)."""
+    donations: dict[int, frozenset] = dataclasses.field(default_factory=dict)
+    """Index of a RUN in ``instructions`` -> the donated step inputs' buffers it reads for the last time:
+    the RUN donates them and the worker drops them (and the stored handle they were loaded from)."""
 
 
 class WorkerStepError(RuntimeError):
@@ -96,6 +102,13 @@ class WorkerStepError(RuntimeError):
 
 class StepAborted(RuntimeError):
     """The driver aborted the step (another mesh failed)."""
+
+
+def host_value(x) -> np.ndarray | tuple[np.ndarray, str]:
+    """An array as the driver receives it: a NumPy array; a typed PRNG key, which NumPy cannot hold, as
+    (key data, impl name)."""
+    from alpa_like.compiler import jax_compat
+    return jax_compat.key_data_and_impl(x) if jax_compat.is_prng_key(x.dtype) else np.asarray(x)
 
 
 def load_spec(input_specs: dict[ValueId, ShardingSpec], value: ValueId, shape: Sequence[int],
@@ -149,10 +162,11 @@ class MeshWorker:
         self._loaded.pop(exe_id, None)
 
     def fetch(self, handle: int) -> np.ndarray | tuple[np.ndarray, str]:
-        """The stored array; a typed PRNG key, which NumPy cannot hold, as (key data, impl name)."""
-        from alpa_like.compiler import jax_compat
-        x = self._store[handle]
-        return jax_compat.key_data_and_impl(x) if jax_compat.is_prng_key(x.dtype) else np.asarray(x)
+        """The stored array, as :func:`host_value` gives it."""
+        if handle not in self._store:
+            raise KeyError(f"handle {handle} is not stored on this worker: its array was freed or donated to a "
+                           "step (donate_argnums)")
+        return host_value(self._store[handle])
 
     def free(self, handles: Sequence[int]) -> None:
         for h in handles:
@@ -243,7 +257,8 @@ class MeshWorker:
           frees: handles the driver dropped.
 
         Returns:
-          A small report (numbers only): seconds, bytes sent to peers, instructions run.
+          A small report: seconds, bytes sent to peers, instructions run, buffers donated, and under
+          ``"outputs"`` the values of this mesh's ``WorkerProgram.returned`` outputs (:func:`host_value`).
         """
         import jax
         start = time.perf_counter()
@@ -257,6 +272,7 @@ class MeshWorker:
             run.execute(inputs)
             outputs = [run.buffers[key] for _, key in loaded.program.outputs]
             jax.block_until_ready(outputs)
+            returned = {k: host_value(run.buffers[key]) for k, key in loaded.program.returned}
             run.finish_sends()
         except WorkerStepError:
             raise
@@ -269,7 +285,8 @@ class MeshWorker:
                 self._send_failures.pop((exe_id, step), None)
         self._store.update(zip(out_handles, outputs, strict=True))
         return {"mesh": loaded.program.mesh, "seconds": time.perf_counter() - start,
-                "bytes_sent": run.bytes_sent, "input_bytes_sent": run.input_bytes_sent, "instructions": run.count}
+                "bytes_sent": run.bytes_sent, "input_bytes_sent": run.input_bytes_sent, "instructions": run.count,
+                "donated_buffers": run.donated, "outputs": returned}
 
 
 class _Parcel:
@@ -303,6 +320,7 @@ class _LoadedProgram:
         self.global_id = {d.id: g for g, d in self.device_of.items()}
         self.exported = {key: jax.export.deserialize(bytearray(p.exported)) for key, p in program.pieces.items()}
         self.jitted = {key: jax.jit(e.call) for key, e in self.exported.items()}
+        self.donating: dict[tuple, Any] = {}
         self.fused: dict[tuple, Any] = {}
         self.plans: dict[tuple, Any] = {}
 
@@ -310,8 +328,20 @@ class _LoadedProgram:
         from alpa_like.runtime.mesh import named_sharding
         return named_sharding(self.mesh, spec)
 
-    def accumulating(self, key: tuple[int, str], slots: tuple[int, ...]):
-        fn = self.fused.get((key, slots))
+    def call(self, key: tuple[int, str], donate: tuple[int, ...] = ()):
+        """The piece ``key`` jitted, donating its inputs at positions ``donate``."""
+        if not donate:
+            return self.jitted[key]
+        fn = self.donating.get((key, donate))
+        if fn is None:
+            import jax
+            fn = self.donating[(key, donate)] = jax.jit(self.exported[key].call, donate_argnums=donate)
+        return fn
+
+    def accumulating(self, key: tuple[int, str], slots: tuple[int, ...], donate: tuple[int, ...] = ()):
+        """The piece ``key`` and the sums of its outputs at ``slots`` into running totals, in one jitted call
+        ``(totals, *inputs)``, donating the inputs at positions ``donate``."""
+        fn = self.fused.get((key, slots, donate))
         if fn is None:
             import jax
             call = self.exported[key].call
@@ -319,7 +349,7 @@ class _LoadedProgram:
             def run(totals, *args):
                 outs = call(*args)
                 return outs, [t + outs[k] for t, k in zip(totals, slots, strict=True)]
-            fn = self.fused[(key, slots)] = jax.jit(run)
+            fn = self.fused[(key, slots, donate)] = jax.jit(run, donate_argnums=tuple(d + 1 for d in donate))
         return fn
 
     def plan(self, shape, dtype, src_mesh: int, src_spec: ShardingSpec, dst_mesh: int, dst_spec: ShardingSpec):
@@ -347,6 +377,8 @@ class _StepRun:
         """Cross-mesh bytes of the RECVs this mesh serves (the local backend's ``bytes_moved``)."""
         self.input_bytes_sent = 0
         """Cross-mesh bytes of stored step inputs (handles) sent to the meshes that LOAD them."""
+        self.donated = 0
+        """Buffers of donated step inputs the RUNs donated (``WorkerProgram.donations``)."""
         self.index, self.current, self.count = -1, "(before the first instruction)", 0
 
     # ---------------------------------------------------------------------------------------- the program
@@ -358,15 +390,17 @@ class _StepRun:
             self.flush()
             ins = instructions[i]
             self._enter(i, ins)
+            donated = self.program.donations.get(i, frozenset())
             i += 1
             if ins.op is Op.RUN:  # fused with the ACC/FREE instructions that follow it, as in the local backend
                 accs, frees = [], []
                 while i < len(instructions) and instructions[i].op in (Op.ACC, Op.FREE):
                     (accs if instructions[i].op is Op.ACC else frees).append(instructions[i])
                     i += 1
-                self._run(ins, accs)
+                self._run(ins, accs, donated)
                 for free in frees:
                     self.buffers.pop(free.key, None)
+                self._drop_donated(donated, inputs)
                 self.count += 1 + len(accs) + len(frees)
                 continue
             if ins.op is Op.MEAN:
@@ -409,20 +443,27 @@ class _StepRun:
             x = self.buffers[key]
             self.outbox.setdefault(dst, []).append((key, x, activation_spec(x.shape, self.program.meshes[dst].logical_shape)))
 
-    def _run(self, ins: Instruction, accs: list[Instruction]) -> None:
+    def _run(self, ins: Instruction, accs: list[Instruction], donated=frozenset()) -> None:
+        """RUN (with the ACCs of its outputs fused in once the totals exist), donating the inputs whose
+        buffers are in ``donated``."""
+        from alpa_like.runtime.pipeshard_runtime import donated_positions
         piece = self.program.pieces[(ins.stage, ins.phase)]
         buffers, acc = self.buffers, self.accumulators
-        args = [buffers[buffer_key(buffers, v, ins.micro_batch)] for v in piece.inputs]
+        keys = [buffer_key(buffers, v, ins.micro_batch) for v in piece.inputs]
+        args = [buffers[key] for key in keys]
+        donate = donated_positions(keys, (), [False] * len(keys), donated) if donated else ()
+        self.donated += len(donate)
         if piece.takes_micro_batch_index:
             args.append(np.uint32(ins.micro_batch))
         position = {v: k for k, v in enumerate(piece.outputs)}
         fused = [a for a in accs if a.target in acc]
         if fused:
             slots = tuple(position[a.key[0]] for a in fused)
-            outs, sums = self.loaded.accumulating((ins.stage, ins.phase), slots)([acc[a.target] for a in fused], *args)
+            outs, sums = self.loaded.accumulating((ins.stage, ins.phase), slots, donate)(
+                [acc[a.target] for a in fused], *args)
             acc.update({a.target: x for a, x in zip(fused, sums, strict=True)})
         else:
-            outs = self.loaded.jitted[(ins.stage, ins.phase)](*args)
+            outs = self.loaded.call((ins.stage, ins.phase), donate)(*args)
         for v, x in zip(piece.outputs, outs, strict=True):
             buffers[(v, ins.micro_batch)] = x
         for a in accs:
@@ -430,6 +471,17 @@ class _StepRun:
                 acc[a.target] = buffers[a.key]
         for v in piece.outputs:
             self._wrote((v, ins.micro_batch))
+
+    def _drop_donated(self, donated, inputs: dict) -> None:
+        """Forgets the donated step inputs' buffers ``donated``: this step's, and the stored handle or
+        received value each was loaded from."""
+        for key in donated:
+            self.buffers.pop(key, None)
+            kind, payload = inputs.get(key[0], (None, None))
+            if kind == "handle":
+                self.worker._store.pop(payload, None)
+            if kind is not None:
+                inputs[key[0]] = ("donated", None)
 
     def _mean(self, group: list[Instruction]) -> None:
         from alpa_like.runtime.partial_sums import step_means
