@@ -2,7 +2,8 @@
 
 Nothing here plans or measures: every number comes from ``results/bench_*.json`` as the suites wrote it,
 with the command that produced it, so the page can be regenerated after rerunning any one suite. A section
-whose results file is absent (``results/`` is not in git) is kept as the existing page has it.
+whose results file is absent (``results/`` is not in git) is kept as the existing page has it, and so are
+the hand-written sections (any other ``## `` heading), after the generated ones.
 """
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ peak (a matmul or convolution with a float32 operand at the FP32 rate: 15.7 TFLO
 Wide-ResNet trains in FP32), alpha-beta collectives, the pipeline schedule replayed. TFLOP/s per GPU divides
 one FLOP count per row (Megatron-LM Eq. 3 for GPT/OPT, the traced step for MoE and Wide-ResNet) by each
 system's step time, so a ratio of TFLOP/s is a ratio of step times. "no plan" means the planner found nothing
-that fits in device memory (its message is in the JSON).
+that fits in device memory (its message is in the JSON). The sections after the reproductions are written by
+hand and kept when the page is regenerated.
 """
 
 
@@ -125,7 +127,14 @@ def build(results_dir: str, previous: str = "") -> str:
         out += results_text(data["rows"][0], markdown=True) + [""]
     elif REPRO_HEADING in kept:
         out.append(kept[REPRO_HEADING])
+    out += [text for heading, text in kept.items() if not _is_generated(heading)]
     return "\n".join(out)
+
+
+def _is_generated(heading: str) -> bool:
+    """Whether a ``## `` heading line is one that :func:`build` writes from results."""
+    return (heading in {f"## {title}" for title in SUITE_TITLES.values()} or heading == REPRO_HEADING
+            or heading.startswith(MEASURED_HEADING))
 
 
 def main(args) -> int:

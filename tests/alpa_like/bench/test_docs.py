@@ -20,3 +20,18 @@ def test_a_suite_with_results_is_rebuilt_and_the_others_kept(tmp_path):
     assert "old moe table" not in page
     assert "| moe-tiny | 2 |" in page and "`python -m alpa_like.bench moe --models moe-tiny`" in page
     assert page.index(docs.SUITE_TITLES["gpt"]) < page.index(docs.SUITE_TITLES["moe"])
+
+
+def test_hand_written_sections_are_kept_after_the_generated_ones(tmp_path):
+    notes = "## Notes on the suite\n\n### GPT\n\nwhy the plans win\n"
+    scripts = "## Scripts in examples/benchmarks\n\n| a | b |\n"
+    old_gpt = "## " + docs.SUITE_TITLES["gpt"] + "\n\nold gpt table\n"
+    page = docs.HEADER + "\n" + old_gpt + "\n" + notes + "\n" + scripts
+    case = suites.Case(suite="moe", model="moe-tiny", gpus=2, global_batch=8, num_micro_batches=2)
+    row = dict(suites.run_case(case, "p3.16xlarge"), command="python -m alpa_like.bench moe --models moe-tiny")
+    report.write_json(tmp_path / "bench_moe.json", [row], suite="moe", cluster="p3.16xlarge", backend="simulate")
+    for results in ("/nonexistent-results-dir", str(tmp_path)):
+        rebuilt = docs.build(results, page)
+        assert notes in rebuilt and scripts in rebuilt
+        assert rebuilt.index(docs.SUITE_TITLES["gpt"]) < rebuilt.index(notes) < rebuilt.index(scripts)
+        assert docs.build(results, rebuilt) == rebuilt
