@@ -345,7 +345,7 @@ _PRESETS: dict[str, Callable[[int], ClusterSpec]] = {
 # ---------------------------------------------------------------------------------------------------
 
 _MATMUL_N = 256  # 2 * 256^3 = 34 MFLOP per call: milliseconds on a CPU core, microseconds on a GPU.
-_COPY_BYTES = 4 * 2**20  # "a few MB" for the bandwidth probe.
+_COPY_BYTES = 4 * 2**20  # "a few MB" for the bandwidth measurement.
 _REPEATS = 5
 
 

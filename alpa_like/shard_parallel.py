@@ -226,7 +226,7 @@ COST_MODELS: dict[str, Callable[[LogicalMesh, PassOptions], tuple[LogicalMesh, P
     "no all-to-all": lambda mesh, options: (mesh, dataclasses.replace(options, allow_all_to_all=False)),
 }
 """The cost models ``plan_selection="measured"`` solves every view under: Eq. 3.1 on the cluster's
-alpha-beta costs; with every latency 0 (the latency a local probe measures between programs is the least
+alpha-beta costs; with every latency 0 (the latency ClusterSpec.local() measures between programs is the least
 certain parameter on one host); and with every resharding priced as all-gathers then a slice (the
 all-to-alls of Table 3.2 cost far more than modelled on CPU devices). Each plan is then priced on the first."""
 

@@ -227,7 +227,7 @@ def test_weight_gradients_inside_checkpointed_blocks_are_synchronised_once_per_s
     def block(w, h):
         return jnp.tanh(h @ w)
 
-    def outer_block(w0, w1, h):  # a checkpointed block with another inside (an outside probe: not deferred)
+    def outer_block(w0, w1, h):  # a checkpointed block with another inside: deferred too
         return jax.checkpoint(block)(w1, jnp.tanh(h @ w0))
 
     def loss_fn(params, batch):
@@ -252,7 +252,7 @@ def test_weight_gradients_inside_checkpointed_blocks_are_synchronised_once_per_s
                                     PIPESHARD_MB2], ids=lambda m: type(m).__name__)
 def test_an_aux_of_the_masks_is_averaged_over_the_micro_batches(method):
     """An aux computed from the key alone (the mask's keep rate) comes from each micro-batch's own mask and is
-    averaged like the loss (an outside probe found micro-batch 0's returned by the SPMD methods)."""
+    averaged like the loss by every method, not taken from micro-batch 0."""
     def loss_fn(params, batch, key):
         keep = jax.random.bernoulli(key, 0.7, (32,))
         h = jnp.where(keep, jnp.tanh(batch["x"] @ params["dense_0"]["kernel"]) / 0.7, 0.0)
@@ -275,8 +275,8 @@ def test_an_aux_of_the_masks_is_averaged_over_the_micro_batches(method):
 def test_a_key_seeded_inside_a_checkpointed_block_folds_nothing_in_every_method(method):
     """A key made from a seed inside a jax.checkpoint body: the forward's copy of it is made outside the
     block, the backward's inside, where no fold can reach it; so nothing is folded (a warning says so), and
-    the methods that inline checkpointed blocks to defer their gradients keep such a block a call (an outside
-    probe found forward and backward with different masks: wrong gradients)."""
+    the methods that inline checkpointed blocks to defer their gradients keep such a block a call (inlined,
+    its forward and backward would draw different masks: wrong gradients)."""
     def seeded_dropout(h, seed):
         return jnp.where(jax.random.bernoulli(jax.random.key(seed), 0.7, h.shape), h / 0.7, 0.0)
 

@@ -115,7 +115,7 @@ def test_draws_inside_a_checkpointed_block_are_drawn_per_micro_batch(make_key):
     """jax.checkpoint / nn.remat: JAX draws the forward's mask outside the block and recomputes it inside it
     for the backward, from the block's key operand (here split inside the block). Both start from the step's
     key as the micro-batch sees it, so each micro-batch has its own mask and the gradient of that mask
-    (folding at the draw's key gave the recomputed backward another mask: an outside probe's wrong gradients)."""
+    (folding at the draw's key instead would give the recomputed backward another mask)."""
     def loss_fn(params, batch, key):
         return dropout_loss(params, batch, jax.random.split(key)[1])
 

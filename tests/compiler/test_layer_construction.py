@@ -81,7 +81,7 @@ def test_layers_stacked_in_a_scan_or_one_checkpoint_are_a_clear_error_naming_it(
     with pytest.raises(ValueError, match="its scan loop counts as one operator"):
         auto_layers(2, delta=0.6)(jaxpr)
 
-    def loss_with_head(ws, head, x):  # enough operators, but the scan holds nearly every FLOP (outside probe)
+    def loss_with_head(ws, head, x):  # enough operators, but the scan holds nearly every FLOP
         h = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
         return jnp.mean((h @ head) ** 2)
     jaxpr = jax.make_jaxpr(loss_with_head)(jnp.ones((4, 8, 8)), jnp.ones((8, 1)), jnp.ones((2, 8))).jaxpr
@@ -175,7 +175,7 @@ def _all_eqns(jaxpr):
 
 
 def test_a_boundary_marked_inside_a_checkpointed_block_is_a_clear_error():
-    """It cuts nothing there (an outside probe got "the step has 1 layers" from UniformStageOption)."""
+    """It would cut nothing there (UniformStageOption would then see "the step has 1 layers")."""
     def block(w, h):
         h = jnp.tanh(h @ w)
         mark_pipeline_boundary()

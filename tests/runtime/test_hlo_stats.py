@@ -42,7 +42,7 @@ ENTRY %main (x: f32[16]) -> f32[16] {
 
 
 def test_collectives_in_computations_a_loop_body_calls_are_in_the_loop():
-    """An all-reduce in a conditional's branch inside a while body runs once per iteration (an outside probe
-    found such gradient all-reduces reported outside the loop)."""
+    """An all-reduce in a conditional's branch inside a while body runs once per iteration, so it is reported
+    in the loop."""
     assert [(c.kind, c.in_loop_body) for c in collectives(LOOP_HLO)] == [
         ("all-reduce", True), ("all-gather", True), ("reduce-scatter", False)]

@@ -207,7 +207,7 @@ def test_each_micro_batch_draws_its_own_dropout_mask(schedule):
 def test_a_value_made_before_al_grad_and_read_after_it_runs(num_micro_batches):
     """A value the step computes before al.grad without the batch, read in the loss and after al.grad (here a
     scale), is computed by a forward piece with every micro-batch; the update and the output read micro-batch
-    0's (found by an outside probe: "read on mesh 0 before it is computed")."""
+    0's, so no mesh reads it before it is computed."""
     _, state, batches = mlp_case()
     state = state.replace(tx=SGD, opt_state=SGD.init(state.params))
 
@@ -224,8 +224,8 @@ def test_a_value_made_before_al_grad_and_read_after_it_runs(num_micro_batches):
 
 
 def test_a_python_float_argument_of_the_loss_is_accepted():
-    """al.value_and_grad(loss)(params, batch, 0.5): the layer markers skip it like any non-float value (an
-    outside probe found an AttributeError on its missing dtype)."""
+    """al.value_and_grad(loss)(params, batch, 0.5): the layer markers skip it like any non-float value (it has
+    no dtype)."""
     _, state, batches = mlp_case()
     state = state.replace(tx=SGD, opt_state=SGD.init(state.params))
 
@@ -243,7 +243,7 @@ def test_a_python_float_argument_of_the_loss_is_accepted():
 def test_dropout_inside_checkpointed_blocks_is_drawn_per_micro_batch(make_key):
     """Draws inside jax.checkpoint bodies, from a key made in the block: forward and recomputed backward start
     from the step's key as the micro-batch sees it, so each micro-batch has its own masks and the gradients
-    are those masks' (folding at the draw gave the backward another mask: an outside probe's wrong gradients)."""
+    are those masks' (folding at the draw instead would give the backward another mask)."""
     def block(w, b, h, key):
         keep = jax.random.bernoulli(jax.random.split(key)[1], 0.7, h.shape)  # the draw's key made in the block
         return jnp.where(keep, jnp.tanh(h @ w + b) / 0.7, 0.0)
