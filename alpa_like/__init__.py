@@ -18,12 +18,13 @@ from alpa_like.pipeshard import (AutoLayerOption, AutoStageOption, ManualLayerOp
                                  PipeshardParallel, UniformStageOption)
 from alpa_like.plan import CommEstimate, ParallelPlan, StagePlan, TensorPlan
 from alpa_like.shard_parallel import AutoShardingOption, ShardParallel
+from alpa_like.training import CreateStateParallel, FollowParallel
 
 __all__ = [
     "AutoLayerOption", "AutoStageOption", "ManualLayerOption", "ManualStageOption", "PipeshardParallel",
     "UniformStageOption",
     "AutoShardingOption", "ShardParallel",
-    "ClusterSpec", "CommEstimate", "DataParallel", "ManualShardParallel", "ParallelPlan", "ParallelizedFunc",
+    "ClusterSpec", "CommEstimate", "CreateStateParallel", "DataParallel", "FollowParallel", "ManualShardParallel", "ParallelPlan", "ParallelizedFunc",
     "ShardingSpec", "StagePlan", "TensorPlan", "Zero2Parallel", "Zero3Parallel", "grad", "init", "mark_pipeline_boundary", "parallelize",
     "plan", "shutdown", "value_and_grad",
     "checkpoint_steps", "restore_checkpoint", "save_checkpoint",

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -12,17 +13,17 @@ import jax
 from alpa_like.cluster import ClusterSpec
 from alpa_like.compiler.trace import TracedStep, argument_names, leaf_aval, path_to_str, trace_step
 from alpa_like.methods import DataParallel, ManualShardParallel, Zero2Parallel, Zero3Parallel
-from alpa_like.plan import ParallelPlan
+from alpa_like.plan import ParallelPlan, memory_message
 from alpa_like.planning import spmd_plan
 from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable
 from alpa_like.runtime.spmd import SpmdExecutable, compile_spmd
 from alpa_like.pipeshard import PipeshardParallel, compile_pipeshard, plan_pipeshard
 from alpa_like.shard_parallel import ShardParallel
+from alpa_like.training import CreateStateExecutable, CreateStateParallel, FollowParallel, compile_follow
 
 CLUSTER_KINDS = ("local", "ray")
 Executable = SpmdExecutable | PipeshardExecutable
-"""What ``get_executable`` returns: one SPMD program, or a pipeline's stage programs (donation is not
-applied to pipeline steps yet)."""
+"""What ``get_executable`` returns: one SPMD program, or a pipeline's stage programs."""
 SPMD_METHODS = (DataParallel, Zero2Parallel, Zero3Parallel, ManualShardParallel, ShardParallel)
 
 
@@ -122,8 +123,9 @@ def backend_devices() -> tuple[Any, ...]:
 def _check_method(method: Any) -> Any:
     if method is None:
         return DataParallel()
-    if not isinstance(method, (*SPMD_METHODS, PipeshardParallel)):
-        names = ", ".join(m.__name__ for m in (*SPMD_METHODS, PipeshardParallel))
+    if not isinstance(method, (*SPMD_METHODS, PipeshardParallel, CreateStateParallel, FollowParallel)):
+        names = ", ".join(m.__name__ for m in (*SPMD_METHODS, PipeshardParallel, CreateStateParallel,
+                                                FollowParallel))
         raise TypeError(f"method must be one of {names} (an instance, e.g. al.DataParallel()), "
                         f"got {method!r}")
     return method
@@ -225,21 +227,30 @@ class ParallelizedFunc:
             if i >= len(args):
                 raise ValueError(f"donate_argnums contains {i}, but the step has {len(args)} arguments")
         devices = backend_devices()
+        if isinstance(self.method, CreateStateParallel):
+            return CreateStateExecutable(self.fun, args, self.method)
+        if isinstance(self.method, FollowParallel):
+            return compile_follow(self.fun, args, self.method, static_argnums=self.static_argnums,
+                                  batch_argnums=self.batch_argnums)
         if _backend.ray is not None:
             return self._compile_ray(args)
         cluster = self.cluster or ClusterSpec.local(devices)
         _check_cluster_devices(cluster, len(devices), "the local backend's devices (al.init)")
         if isinstance(self.method, PipeshardParallel):
-            return compile_pipeshard(self.method, self.fun, args, static_argnums=self.static_argnums,
-                                     batch_argnums=self.batch_argnums, devices=devices, cluster=cluster)
+            exe = compile_pipeshard(self.method, self.fun, args, static_argnums=self.static_argnums,
+                                    batch_argnums=self.batch_argnums, devices=devices, cluster=cluster,
+                                    donate_argnums=self.donate_argnums)
+            exe.plan.check_fits()  # the stage pieces compile on the first step: nothing has run
+            return exe
         traced = self._trace(args)
         layout = (self.method.layout(traced, cluster, devices=devices) if isinstance(self.method, ShardParallel)
                   else self.method.layout(traced, cluster))  # ShardParallel may time its candidate plans
+        device_ids = [d.id for d in devices]
+        spmd_plan(self.method, traced, layout, cluster, device_ids=device_ids).check_fits()
         donate_flat = [k for k, leaf in enumerate(traced.in_leaves) if leaf.arg_index in self.donate_argnums]
         compiled = compile_spmd(traced, layout, devices, num_micro_batches=self.method.num_micro_batches,
                                 donate_flat=donate_flat)
-        plan = spmd_plan(self.method, traced, layout, cluster,
-                         device_ids=[d.id for d in devices], out_specs=compiled.out_specs)
+        plan = spmd_plan(self.method, traced, layout, cluster, device_ids=device_ids, out_specs=compiled.out_specs)
         return SpmdExecutable(traced=traced, plan=plan, compiled=compiled)
 
     def _compile_ray(self, args):
@@ -250,9 +261,12 @@ class ParallelizedFunc:
         cluster = _backend.ray
         spec = self.cluster or cluster.spec()
         _check_cluster_devices(spec, cluster.spec().num_devices, "the Ray cluster's devices")
-        return compile_pipeshard(self.method, self.fun, args, static_argnums=self.static_argnums,
-                                 batch_argnums=self.batch_argnums, devices=None, cluster=spec,
-                                 make_executable=functools.partial(RayPipeshardExecutable, cluster=cluster))
+        exe = compile_pipeshard(self.method, self.fun, args, static_argnums=self.static_argnums,
+                                batch_argnums=self.batch_argnums, devices=None, cluster=spec,
+                                make_executable=functools.partial(RayPipeshardExecutable, cluster=cluster),
+                                donate_argnums=self.donate_argnums)
+        exe.plan.check_fits()
+        return exe
 
 
 def parallelize(fun: Callable | None = None, *, method: Any = None, static_argnums: int | Sequence[int] = (),
@@ -270,6 +284,9 @@ def parallelize(fun: Callable | None = None, *, method: Any = None, static_argnu
         :meth:`ClusterSpec.save`; it must have as many devices as the backend. Default:
         ``ClusterSpec.local()`` of the backend's devices (measured once per machine and stored), or the Ray
         cluster's spec.
+
+    A step whose plan does not fit in the cluster's device memory (``plan.fits``) raises ``ValueError`` when it
+    is compiled, naming the bytes missing per device, before anything runs.
     """
     static = _check_argnums("static_argnums", static_argnums)
     cluster = as_cluster(cluster)
@@ -292,7 +309,9 @@ def plan(fun: Callable, *args, method: Any = None, cluster: ClusterSpec | str | 
 
     ``args`` may be arrays or ``jax.ShapeDtypeStruct`` pytrees. ``cluster`` defaults to the devices of this
     process; pass ``ClusterSpec.preset("p3.16xlarge", num_nodes=8)`` to plan for 64 GPUs on a laptop (or
-    the path of a spec saved with :meth:`ClusterSpec.save`).
+    the path of a spec saved with :meth:`ClusterSpec.save`). The plan says whether its estimated peak memory
+    fits the cluster's devices (``plan.fits``, printed with the plan); when it does not, a warning says how
+    much is missing.
     """
     if isinstance(fun, ParallelizedFunc):
         fun = fun.fun
@@ -302,10 +321,13 @@ def plan(fun: Callable, *args, method: Any = None, cluster: ClusterSpec | str | 
         cluster = (_backend.ray.spec() if _backend is not None and _backend.ray is not None
                    else ClusterSpec.local(backend_devices()))
     if isinstance(method, PipeshardParallel):
-        return plan_pipeshard(method, fun, args, static_argnums=_check_argnums("static_argnums", static_argnums),
-                              batch_argnums=_check_argnums("batch_argnums", batch_argnums), cluster=cluster)
-    traced = trace_step(fun, args, static_argnums=_check_argnums("static_argnums", static_argnums),
-                        batch_argnums=_check_argnums("batch_argnums", batch_argnums),
-                        num_micro_batches=method.num_micro_batches)
-    layout = method.layout(traced, cluster)
-    return spmd_plan(method, traced, layout, cluster)
+        result = plan_pipeshard(method, fun, args, static_argnums=_check_argnums("static_argnums", static_argnums),
+                                batch_argnums=_check_argnums("batch_argnums", batch_argnums), cluster=cluster)
+    else:
+        traced = trace_step(fun, args, static_argnums=_check_argnums("static_argnums", static_argnums),
+                            batch_argnums=_check_argnums("batch_argnums", batch_argnums),
+                            num_micro_batches=method.num_micro_batches)
+        result = spmd_plan(method, traced, method.layout(traced, cluster), cluster)
+    if not result.fits:
+        warnings.warn(f"al.plan: {memory_message(result)}", stacklevel=2)
+    return result

@@ -742,14 +742,17 @@ def _stage_plan(q: int, choice: StageChoice, device_ids, traced: TracedStep, sum
     return StagePlan(stage_id=q, layer_ids=tuple(range(first, last + 1)), submesh_shape=tuple(choice.submesh),
                      logical_mesh_shape=tuple(mesh_shape), mesh_axis_names=("x", "y"),
                      device_ids=tuple(device_ids), inputs=tuple(inputs), outputs=(), communication=communication,
-                     flops=flops, compute_seconds=compute, memory_per_device=int(choice.memory_per_device))
+                     flops=flops, compute_seconds=compute, memory_per_device=int(choice.memory_per_device),
+                     peak_memory_per_device=int(choice.memory_per_device))
 
 
 def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[Any], *, static_argnums: Sequence[int],
                       batch_argnums: Sequence[int], devices: Sequence[Any] | None, cluster: ClusterSpec | None = None,
-                      make_executable: Callable = PipeshardExecutable):
+                      make_executable: Callable = PipeshardExecutable, donate_argnums: Sequence[int] = ()):
     """Plans ``fun(*args)`` on ``devices`` (or ``cluster``) and builds the executable that runs the plan:
-    the local MPMD backend's by default, another backend's through ``make_executable`` (same arguments)."""
+    the local MPMD backend's by default, another backend's through ``make_executable`` (same arguments).
+    ``donate_argnums``' leaves are donated by the pipeline schedules of both backends; the TeraPipe schedule
+    does not donate (with a warning)."""
     if method.pipeline_schedule == "terapipe" and make_executable is not PipeshardExecutable:
         raise NotImplementedError("pipeline_schedule='terapipe' runs on the local backend only (al.init('local'))")
     if make_executable is not PipeshardExecutable:  # other backends all-reduce gradients in every backward
@@ -758,6 +761,9 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
                               cluster=cluster or ClusterSpec.local(devices))
     method, sliced, plan, profile, solution = (planned.method, planned.sliced, planned.plan, planned.profile,
                                                planned.solution)
+    if donate_argnums and method.pipeline_schedule == "terapipe":
+        warnings.warn("donate_argnums is not applied under the TeraPipe schedule: the step's inputs stay "
+                      "allocated while it runs", stacklevel=3)
     if method.pipeline_schedule == "terapipe":
         return _compile_terapipe(method, fun, args, _without_effects(sliced, "under the TeraPipe schedule"),
                                  plan, devices)
@@ -779,9 +785,9 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
     path_to_input = {leaf.path: program.step_inputs[k] for k, leaf in enumerate(sliced.traced.in_leaves)}
     input_specs = {path_to_input[t.path]: t.spec for s in plan.stages for t in s.inputs
                    if t.spec is not None and t.path in path_to_input}
-    extra = {}
+    extra = dict(donate_flat=[k for k, leaf in enumerate(sliced.traced.in_leaves) if leaf.arg_index in donate_argnums])
     if make_executable is PipeshardExecutable:
-        extra = dict(stage_shardings=shardings, value_specs=value_specs(program, shardings, stage_to_mesh),
+        extra.update(stage_shardings=shardings, value_specs=value_specs(program, shardings, stage_to_mesh),
                      defer_gradient_sync=method.defer_gradient_sync)
     return make_executable(traced=sliced.traced, plan=plan, program=program, programs=programs,
                            devices=devices, input_specs=input_specs, **extra)

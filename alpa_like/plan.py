@@ -202,11 +202,15 @@ class StagePlan:
     """FLOPs of one training step on this stage, all devices together."""
     compute_seconds: float
     memory_per_device: int
-    """Bytes per device of the stage's inputs (parameters, optimizer state, batch); activations excluded."""
+    """Bytes per device of the stage's inputs (parameters, optimizer state, batch); activations excluded (a
+    pipeline stage: Eq. 3.5's estimate, activations in flight included)."""
     ops: tuple[OpPlan, ...] = ()
     """The intra-op pass's choice per parameter and heavy operator (empty for hand-written methods)."""
     solver: SolverReport | None = None
     """How the intra-op ILP was solved (None for hand-written methods)."""
+    peak_memory_per_device: int | None = None
+    """Bytes one device of the stage needs at the step's peak, estimated
+    (:mod:`~alpa_like.compiler.memory_estimate`: Eq. 3.5 for a pipeline stage); None: not estimated."""
 
     @property
     def communication_seconds(self) -> float:
@@ -220,7 +224,8 @@ class StagePlan:
                 "communication": [c.to_dict() for c in self.communication], "flops": self.flops,
                 "compute_seconds": self.compute_seconds, "memory_per_device": self.memory_per_device,
                 "ops": [o.to_dict() for o in self.ops],
-                "solver": None if self.solver is None else self.solver.to_dict()}
+                "solver": None if self.solver is None else self.solver.to_dict(),
+                "peak_memory_per_device": self.peak_memory_per_device}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StagePlan:
@@ -233,7 +238,8 @@ class StagePlan:
                    flops=d["flops"], compute_seconds=d["compute_seconds"],
                    memory_per_device=d["memory_per_device"],
                    ops=tuple(OpPlan.from_dict(o) for o in d.get("ops", ())),
-                   solver=None if d.get("solver") is None else SolverReport.from_dict(d["solver"]))
+                   solver=None if d.get("solver") is None else SolverReport.from_dict(d["solver"]),
+                   peak_memory_per_device=d.get("peak_memory_per_device"))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -261,6 +267,23 @@ class ParallelPlan:
     @property
     def num_devices(self) -> int:
         return sum(s.submesh_shape[0] * s.submesh_shape[1] for s in self.stages)
+
+    @property
+    def memory_shortfall(self) -> int:
+        """Bytes per device the most memory-hungry stage needs beyond ``cluster.device_memory`` (0: the
+        plan fits, or no stage's memory was estimated)."""
+        peaks = [s.peak_memory_per_device for s in self.stages if s.peak_memory_per_device is not None]
+        return max([0, *(p - self.cluster.device_memory for p in peaks)])
+
+    @property
+    def fits(self) -> bool:
+        """Whether every stage's estimated peak memory fits in one device of ``cluster``."""
+        return self.memory_shortfall == 0
+
+    def check_fits(self) -> None:
+        """Raises ``ValueError`` naming the missing bytes per device when the plan does not fit."""
+        if not self.fits:
+            raise ValueError(memory_message(self))
 
     def tensor(self, path: str) -> TensorPlan:
         """The TensorPlan of the input or output leaf at ``path``."""
@@ -417,13 +440,31 @@ def _op_rows(ops: Sequence[OpPlan], group_layers: bool) -> list[OpPlan]:
     return rows
 
 
+def memory_message(plan: ParallelPlan) -> str:
+    """One line on the plan's peak memory per device against the cluster's device memory."""
+    peaks = [s.peak_memory_per_device for s in plan.stages if s.peak_memory_per_device is not None]
+    if not peaks:
+        return "memory per device not estimated"
+    capacity = plan.cluster.device_memory
+    head = (f"peak memory per device {format_bytes(max(peaks))} (estimated) of {format_bytes(capacity)}")
+    if plan.fits:
+        return f"{head}: fits"
+    worst = max(range(len(plan.stages)), key=lambda q: plan.stages[q].peak_memory_per_device or -1)
+    where = f" on stage {worst}" if len(plan.stages) > 1 else ""
+    return (f"{head}: does NOT fit; {format_bytes(plan.memory_shortfall)} ({plan.memory_shortfall} bytes) "
+            f"more per device needed{where} (use more devices, more micro-batches, a sharding method such as "
+            "Zero3Parallel or ShardParallel, or a cluster with more memory per device)")
+
+
 def format_plan(plan: ParallelPlan, *, group_layers: bool = True) -> str:
     c = plan.cluster
     lines = [f"ParallelPlan  {plan.method}",
-             f"  cluster: {c.name}, {c.num_nodes} node(s) x {c.num_devices_per_node} {c.device_name}",
+             f"  cluster: {c.name}, {c.num_nodes} node(s) x {c.num_devices_per_node} {c.device_name}"
+             + (f", measured {c.measured_at}" if c.measured_at else ""),
              f"  schedule: {plan.pipeline_schedule or 'none (single stage)'}, "
              f"micro-batches: {plan.num_micro_batches}, stages: {len(plan.stages)}",
-             f"  estimated iteration time: {format_seconds(plan.estimated_iteration_time)}"]
+             f"  estimated iteration time: {format_seconds(plan.estimated_iteration_time)}",
+             f"  memory: {memory_message(plan)}"]
     if plan.compile_times:
         total = sum(seconds for _, seconds in plan.compile_times)
         parts = ", ".join(f"{name} {format_seconds(seconds)}" for name, seconds in plan.compile_times)

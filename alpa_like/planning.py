@@ -22,8 +22,9 @@ import numpy as np
 
 from alpa_like.cluster import ClusterSpec
 from alpa_like.compiler.flops import equation_seconds, jaxpr_flops, jaxpr_seconds
-from alpa_like.compiler.grad_accumulation import split_at_grad_marker, split_total
+from alpa_like.compiler.grad_accumulation import batch_dependent, split_at_grad_marker, split_total
 from alpa_like.compiler.logical_mesh import LogicalMesh
+from alpa_like.compiler.memory_estimate import peak_live_bytes
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.trace import LeafInfo, TracedStep
 from alpa_like.methods import SpmdLayout, largest_dim_spec
@@ -100,6 +101,22 @@ def gradient_communication(layout: SpmdLayout, in_leaves: Sequence[LeafInfo], me
     return estimates
 
 
+def spmd_peak_memory(traced: TracedStep, inputs: Sequence[TensorPlan], num_devices: int) -> int:
+    """Bytes per device the step needs (:mod:`~alpa_like.compiler.memory_estimate`): its inputs as laid out,
+    a gradient per parameter laid out like it, and the peak of its live activations (values computed from
+    the batch with the (micro-)batch's rows in dim 0, traced per micro-batch) spread over the devices."""
+    jaxpr = traced.closed_jaxpr.jaxpr
+    batch_vars = {v for v, leaf in zip(jaxpr.invars, traced.in_leaves, strict=True) if leaf.is_batch}
+    rows = {v.aval.shape[0] for v in batch_vars if v.aval.shape}
+    param_shapes = {leaf.shape for leaf, is_param in zip(traced.in_leaves, traced.param_mask, strict=True)
+                    if is_param}
+    activations = peak_live_bytes(jaxpr, {v for v in batch_dependent(jaxpr.eqns, batch_vars) - batch_vars
+                                          if v.aval.shape[:1] and v.aval.shape[0] in rows
+                                          and v.aval.shape not in param_shapes})
+    held = sum(t.bytes_per_device * (2 if t.role == "param" else 1) for t in inputs)
+    return int(held + math.ceil(activations / num_devices))
+
+
 def spmd_plan(method, traced: TracedStep, layout: SpmdLayout, cluster: ClusterSpec,
               device_ids: Sequence[int] = (), out_specs: Sequence[ShardingSpec | None] | None = None) -> ParallelPlan:
     """The one-stage plan of an SPMD method on ``cluster``. Its compute time is the traced step's roofline
@@ -134,6 +151,7 @@ def spmd_plan(method, traced: TracedStep, layout: SpmdLayout, cluster: ClusterSp
                       device_ids=tuple(int(d) for d in device_ids), inputs=inputs, outputs=outputs,
                       communication=comm, flops=flops, compute_seconds=compute,
                       memory_per_device=int(np.sum([t.bytes_per_device for t in inputs], dtype=np.int64)),
+                      peak_memory_per_device=spmd_peak_memory(traced, inputs, math.prod(mesh_shape)),
                       ops=tuple(layout.op_plans), solver=layout.solver)
     return ParallelPlan(method=repr(method), num_micro_batches=method.num_micro_batches, cluster=cluster,
                         stages=(stage,), pipeline_schedule=None,

@@ -66,6 +66,7 @@ class TracedStep:
         Raises:
           ValueError: the pytree structure is not the one this step was traced with, or a leaf's shape or
             dtype differs from the traced one (the message names the leaf and both).
+          TypeError: a leaf is a ``jax.ShapeDtypeStruct`` (a step runs on arrays).
         """
         if len(args) <= max(self.dynamic_argnums, default=-1):
             raise ValueError(f"the executable takes {max(self.dynamic_argnums) + 1} positional arguments, "
@@ -75,6 +76,9 @@ class TracedStep:
             raise ValueError(f"arguments have pytree structure {tree}, but this executable was compiled for "
                              f"{self.in_tree}")
         for leaf, info in zip(flat, self.in_leaves, strict=True):
+            if isinstance(leaf, jax.ShapeDtypeStruct):
+                raise TypeError(f"argument leaf {info.path} is a jax.ShapeDtypeStruct: running a step needs arrays "
+                                "(shapes are enough to plan and compile it: al.plan, get_executable)")
             if _differs(leaf, info):
                 raise ValueError(
                     f"argument leaf {info.path} has shape {tuple(np.shape(leaf))} and dtype "
@@ -82,6 +86,30 @@ class TracedStep:
                     f"shape {info.shape} and dtype {info.dtype}; call the parallelized function itself "
                     "(it compiles once per input signature) or get an executable for these shapes")
         return flat
+
+
+def updated_inputs(in_leaves: Sequence[LeafInfo], out_leaves: Sequence[LeafInfo]) -> list[int | None]:
+    """Per output leaf, the input leaf it is the new value of, or None (a metric, a loss, an aux).
+
+    An output updates an input when their paths agree below the root (``out.0.params.w`` and
+    ``state.params.w``; ``out.params.w`` for a step returning only the state) and so do their shapes and
+    dtypes.
+
+    >>> leaf = lambda path: LeafInfo(path=path, shape=(2,), dtype="float32", itemsize=4, arg_index=0)
+    >>> updated_inputs([leaf("state.params.w"), leaf("batch.x")],
+    ...                [leaf("out.0.params.w"), leaf("out.1.loss"), leaf("out.params.w")])
+    [0, None, 0]
+    """
+    by_rest = {}
+    for k, leaf in enumerate(in_leaves):
+        by_rest.setdefault((leaf.path.split(".", 1)[-1], leaf.shape, leaf.dtype), k)
+    found = []
+    for leaf in out_leaves:
+        parts = leaf.path.split(".")[1:]
+        rests = [".".join(parts)] + ([".".join(parts[1:])] if len(parts) > 1 and parts[0].isdigit() else [])
+        found.append(next((by_rest[key] for rest in rests if (key := (rest, leaf.shape, leaf.dtype)) in by_rest),
+                          None))
+    return found
 
 
 def _differs(leaf: Any, info: LeafInfo) -> bool:

@@ -37,6 +37,7 @@ from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
 from alpa_like.compiler.propagation import follow_layouts
 from alpa_like.compiler.stage_construction import StageProgram, ValueId, micro_batch_key_draws
 from alpa_like.compiler.stage_sharding import StageSharding
+from alpa_like.compiler.trace import updated_inputs
 from alpa_like.runtime.instructions import PER_STEP, Instruction, MeshPrograms, Op, buffer_key
 from alpa_like.runtime.mesh import make_mesh, named_sharding
 from alpa_like.runtime.resharding import layout_of, plan_resharding, reshard
@@ -77,6 +78,9 @@ class StepStats:
     ``seconds`` is the driver's own work)."""
     spans: list[tuple[int, str, float, float]] = dataclasses.field(default_factory=list)
     """With ``profile=True``: (mesh, instruction, start, end) in seconds from the start of the step."""
+    peak_live_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
+    """With ``profile=True``: per mesh, the most bytes of live arrays (``jax.live_arrays()``: the caller's
+    too, e.g. the state it passed in) one of its devices held after any instruction."""
 
     @property
     def driver_seconds(self) -> float:
@@ -89,13 +93,15 @@ class PipeshardExecutable:
     def __init__(self, *, traced, plan, program: StageProgram, programs: MeshPrograms, devices: Sequence[Any],
                  input_specs: dict[int, ShardingSpec], stage_shardings: Sequence[StageSharding] | None = None,
                  value_specs: dict[tuple[ValueId, int], ShardingSpec] | None = None,
-                 defer_gradient_sync: bool = False):
+                 defer_gradient_sync: bool = False, donate_flat: Sequence[int] = ()):
         """``input_specs``: the layout of step inputs (parameters) on every mesh that loads them;
         ``stage_shardings``: per stage, the ILP's layouts pinned inside its pieces (None: XLA propagates from
         the inputs' layouts); ``value_specs``: ``(value, mesh) -> spec`` of what a mesh loads or receives
         (default: :func:`activation_spec`); ``defer_gradient_sync`` (needs ``stage_shardings``): gradients
         whose all-reduce can wait are accumulated as stacks of partial sums and reduced once per step
-        (:mod:`alpa_like.compiler.gradient_sync`)."""
+        (:mod:`alpa_like.compiler.gradient_sync`); ``donate_flat``: the flat input leaves the step may donate
+        (``donate_argnums``): each is donated to the last RUN that reads it on its mesh
+        (:func:`input_donations`)."""
         self.traced = traced
         self.plan = plan
         unpinned: frozenset = frozenset()
@@ -146,6 +152,14 @@ class PipeshardExecutable:
         """This step's LOADed micro-batch buffers that share a device buffer with their source: never donated
         (held, so that their ids are not recycled while the step runs)."""
         self._input_names = {v: leaf.path for v, leaf in zip(program.step_inputs, traced.in_leaves, strict=True)}
+        self._input_donations = input_donations(programs, program, [program.step_inputs[k] for k in donate_flat])
+        """Instruction index of a RUN -> the step inputs' per-step buffers it donates."""
+        self._output_shardings = self._return_layouts(updated_inputs(traced.in_leaves, traced.out_leaves))
+        """Output index -> the sharding the step returns it in."""
+        self._out_pins = self._output_pins()
+        """(stage, phase) -> per piece output, the layout it is made in (None: XLA's choice): the new value of a
+        step input in the layout its mesh loads the input in, so that donation reuses the input's buffers and
+        the next step loads it as it is."""
         self.last_step = StepStats()
 
     def __call__(self, *args):
@@ -171,6 +185,7 @@ class PipeshardExecutable:
         i = 0
         while i < len(instructions):
             ins = instructions[i]
+            donated_inputs = self._input_donations.get(i, frozenset())
             i += 1
             stats.instructions += 1
             t0 = time.perf_counter() if profile else 0.0
@@ -180,9 +195,10 @@ class PipeshardExecutable:
                     (accs if instructions[i].op is Op.ACC else frees).append(instructions[i])
                     i += 1
                 stats.instructions += len(accs) + len(frees)
-                stats.donated_buffers += self._run(ins, accs, buffers, accumulators, freed={f.key for f in frees})
-                for free in frees:
-                    buffers[free.mesh].pop(free.key, None)
+                stats.donated_buffers += self._run(ins, accs, buffers, accumulators, freed={f.key for f in frees},
+                                                   donated_inputs=donated_inputs)
+                for key in (*(f.key for f in frees), *donated_inputs):
+                    buffers[ins.mesh].pop(key, None)
             elif ins.op is Op.MEAN:
                 group = [ins]
                 while i < len(instructions) and instructions[i].op is Op.MEAN:
@@ -197,6 +213,8 @@ class PipeshardExecutable:
                 t1 = time.perf_counter()
                 stats.op_seconds[str(ins.op)] = stats.op_seconds.get(str(ins.op), 0.0) + t1 - t0
                 stats.spans.append((ins.mesh, str(ins), t0 - start, t1 - start))
+                for mesh, held in live_bytes_per_mesh(self.meshes).items():
+                    stats.peak_live_bytes[mesh] = max(stats.peak_live_bytes.get(mesh, 0), held)
         self._shared_loads = []  # not kept past the step, like its micro-batch slices
         outputs = []
         copies = self.programs.output_copies or ((),) * len(self.programs.outputs)
@@ -207,18 +225,70 @@ class PipeshardExecutable:
             else:
                 key, mesh = out
                 outputs.append(buffers[mesh][key])
+                if (target := self._output_shardings.get(k)) is not None and outputs[-1].sharding != target:
+                    outputs[-1] = jax.device_put(outputs[-1], target)
                 if others:  # kept (with the array, so its id is not recycled) for the next step's LOADs
                     self._own_copies[id(outputs[-1])] = (outputs[-1], {m: buffers[m][key] for m in others})
         stats.seconds = time.perf_counter() - start
         self.last_step = stats
         return jax.tree_util.tree_unflatten(self.traced.out_tree, outputs)
 
+    def input_placements(self) -> tuple[dict[int, NamedSharding], ...]:
+        """Per flat input leaf (``traced.in_leaves``), the meshes that load it, each with the layout it loads
+        it in (in the order of their first LOAD); empty for a leaf no mesh reads."""
+        meshes: dict[ValueId, list[int]] = {}
+        for ins in self.programs.instructions:
+            if ins.op is Op.LOAD and ins.mesh not in meshes.setdefault(ins.key[0], []):
+                meshes[ins.key[0]].append(ins.mesh)
+        return tuple({m: self._load_sharding(v, leaf.shape, m) for m in meshes.get(v, ())}
+                     for v, leaf in zip(self.program.step_inputs, self.traced.in_leaves, strict=True))
+
+    def input_shardings(self) -> tuple[NamedSharding | None, ...]:
+        """Per flat input leaf (``traced.in_leaves``), the layout the step loads it in on the first mesh that
+        loads it (an argument already laid out so is taken as it is there), or None when no mesh reads it."""
+        return tuple(next(iter(placed.values()), None) for placed in self.input_placements())
+
+    def _output_pins(self) -> dict[tuple[int, str], tuple[NamedSharding | None, ...]]:
+        made = {(v, self.programs.stage_to_mesh[stage]): (stage, phase)
+                for (stage, phase), piece in self.program.pieces.items() for v in piece.outputs}
+        pins: dict[tuple[int, str], list] = {}
+        for k, target in self._output_shardings.items():
+            (v, _), mesh = self.programs.outputs[k]
+            where = made.get((v, mesh))
+            if where is None or target.device_set != set(self.meshes[mesh].devices.flat):
+                continue
+            piece = self.program.piece(*where)
+            slots = pins.setdefault(where, [None] * len(piece.outputs))
+            slots[piece.outputs.index(v)] = target
+        return {where: tuple(slots) for where, slots in pins.items()}
+
+    def _return_layouts(self, sources: Sequence[int | None]) -> dict[int, NamedSharding]:
+        """Per output, given the input each one updates (:func:`~alpa_like.compiler.trace.updated_inputs`),
+        where the step returns it: the new value of an input in the layout its mesh loads the input in (so that
+        the next step, or a donation, takes it as it is); a value that updates no input (a metric, a loss, an
+        aux) replicated on the last stage's mesh, so that the outputs of one step can be combined."""
+        loaded = {(ins.key[0], ins.mesh) for ins in self.programs.instructions if ins.op is Op.LOAD}
+        metrics = NamedSharding(self.meshes[self.programs.stage_to_mesh[-1]], jax.sharding.PartitionSpec())
+        out = {}
+        for k, (where, source) in enumerate(zip(self.programs.outputs, sources, strict=True)):
+            if where is None:
+                continue
+            if source is None:
+                out[k] = metrics
+                continue
+            v, mesh = self.program.step_inputs[source], where[1]
+            if (v, mesh) in loaded:
+                out[k] = self._load_sharding(v, self.traced.out_leaves[k].shape, mesh)
+        return out
+
     # ------------------------------------------------------------------------------------------ execution
 
-    def _run(self, ins: Instruction, accs: list[Instruction], buffers, accumulators, freed=frozenset()) -> int:
+    def _run(self, ins: Instruction, accs: list[Instruction], buffers, accumulators, freed=frozenset(),
+             donated_inputs=frozenset()) -> int:
         """RUN, and the ACCs of its outputs inside the same jitted call once the accumulators exist.
 
-        ``freed``: keys the program frees right after this RUN; those among its inputs are donated.
+        ``freed``: keys the program frees right after this RUN; those among its inputs are donated, and so are
+        ``donated_inputs`` (donated step inputs read here for the last time on the mesh).
         Returns the number of donated buffers.
         """
         mesh_buffers, acc = buffers[ins.mesh], accumulators[ins.mesh]
@@ -228,7 +298,7 @@ class PipeshardExecutable:
         if (ins.stage, ins.phase) in self._draws:
             args.append(self._micro_batch_index(ins.mesh, ins.micro_batch))
         held = self._held_elsewhere(acc)
-        donate = donated_positions(keys, freed, [id(x) in held for x in args])
+        donate = donated_positions(keys, freed, [id(x) in held for x in args], donated_inputs)
         position = {v: k for k, v in enumerate(piece.outputs)}
         fused = [a for a in accs if a.target in acc]
         if fused:
@@ -237,7 +307,8 @@ class PipeshardExecutable:
             if fn is None:
                 fn = self._fused[(ins.stage, ins.phase, slots, donate)] = jax.jit(
                     _accumulating_fn(piece, slots, *self._hooks.get((ins.stage, ins.phase), ()),
-                                     draws=self._draws.get((ins.stage, ins.phase), ())),
+                                     draws=self._draws.get((ins.stage, ins.phase), ()),
+                                     out_pins=self._out_pins.get((ins.stage, ins.phase), ())),
                     donate_argnums=tuple(k + 1 for k in donate))
             with _quiet_unusable_donations():
                 outs, sums = fn([acc[a.target] for a in fused], *args)
@@ -266,7 +337,8 @@ class PipeshardExecutable:
         if fn is None:
             piece = self.program.piece(stage, phase)
             fn = self._jitted[(stage, phase, donate)] = jax.jit(
-                _piece_fn(piece, *self._hooks.get((stage, phase), ()), draws=self._draws.get((stage, phase), ())),
+                _piece_fn(piece, *self._hooks.get((stage, phase), ()), draws=self._draws.get((stage, phase), ()),
+                          out_pins=self._out_pins.get((stage, phase), ())),
                 donate_argnums=donate)
         return fn
 
@@ -369,17 +441,57 @@ class PipeshardExecutable:
         return "\n".join(texts)
 
 
-def donated_positions(keys: Sequence[tuple], freed, shared: Sequence[bool]) -> tuple[int, ...]:
-    """Positions of a RUN's inputs it may donate: per-micro-batch buffers (``keys[k][1] != PER_STEP``) that
-    the program frees right after the RUN (``freed``) and that nothing else holds (``shared[k]`` false),
-    each read once by the RUN.
+def donated_positions(keys: Sequence[tuple], freed, shared: Sequence[bool],
+                      donated_inputs=frozenset()) -> tuple[int, ...]:
+    """Positions of a RUN's inputs it may donate, each read once by the RUN: per-micro-batch buffers
+    (``keys[k][1] != PER_STEP``) that the program frees right after the RUN (``freed``) and that nothing else
+    holds (``shared[k]`` false), and the donated step inputs it reads for the last time (``donated_inputs``).
 
     >>> donated_positions([("a", 0), ("w", PER_STEP), ("b", 0), ("c", 0)], {("a", 0), ("c", 0)},
     ...                   [False, False, False, True])
     (0,)
+    >>> donated_positions([("a", 0), ("w", PER_STEP)], set(), [False, False], {("w", PER_STEP)})
+    (1,)
     """
-    return tuple(k for k, key in enumerate(keys)
-                 if key[1] != PER_STEP and key in freed and not shared[k] and keys.count(key) == 1)
+    return tuple(k for k, key in enumerate(keys) if keys.count(key) == 1 and (
+        key in donated_inputs or (key[1] != PER_STEP and key in freed and not shared[k])))
+
+
+def input_donations(programs: MeshPrograms, program: StageProgram,
+                    donated: Sequence[ValueId]) -> dict[int, frozenset]:
+    """Where a step donates its ``donated`` inputs (``donate_argnums``' leaves): instruction index of a RUN
+    -> the per-step buffers of those inputs it reads for the last time on its mesh. An input is donated
+    only where one mesh loads it (a copy other meshes load later must stay) and the step does not return it.
+    """
+    wanted = set(donated)
+    loads: dict[ValueId, set[int]] = {}
+    for ins in programs.instructions:
+        if ins.op is Op.LOAD and ins.key[1] == PER_STEP and ins.key[0] in wanted:
+            loads.setdefault(ins.key[0], set()).add(ins.mesh)
+    returned = {out[0] for out in programs.outputs if out is not None}
+    last: dict[tuple, int] = {}
+    for i, ins in enumerate(programs.instructions):
+        if ins.op is Op.RUN:
+            for v in program.piece(ins.stage, ins.phase).inputs:
+                if len(loads.get(v, ())) == 1:
+                    last[(v, PER_STEP)] = i
+        elif ins.op is Op.RECV and ins.key in last:  # sent on from this mesh: read later
+            last.pop(ins.key)
+    by_run: dict[int, set] = {}
+    for key, i in last.items():
+        if key not in returned:
+            by_run.setdefault(i, set()).add(key)
+    return {i: frozenset(keys) for i, keys in by_run.items()}
+
+
+def live_bytes_per_mesh(meshes: Sequence[Any]) -> dict[int, int]:
+    """Per mesh, the bytes of this process's live arrays on the mesh's device that holds the most (each
+    shard counted on its device: a replicated array on every device of its mesh)."""
+    per_device: dict[Any, int] = {}
+    for x in jax.live_arrays():
+        for shard in x.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return {k: max(per_device.get(d, 0) for d in mesh.devices.flat) for k, mesh in enumerate(meshes)}
 
 
 def shares_buffers(a: jax.Array, b: jax.Array) -> bool:
@@ -417,9 +529,9 @@ def _split_micro_batches(x, count: int):
 
 
 def _accumulating_fn(piece, slots: tuple[int, ...], hook=None, operand_hook=None, deferred=NONE, mesh=None, *,
-                     draws: KeyDraws = ()):
+                     draws: KeyDraws = (), out_pins: Sequence = ()):
     """The piece, also adding its outputs at ``slots`` to the given accumulators."""
-    body = _piece_fn(piece, hook, operand_hook, deferred, mesh, draws=draws)
+    body = _piece_fn(piece, hook, operand_hook, deferred, mesh, draws=draws, out_pins=out_pins)
 
     def run(totals, *args):
         outs = body(*args)
@@ -427,20 +539,27 @@ def _accumulating_fn(piece, slots: tuple[int, ...], hook=None, operand_hook=None
     return run
 
 
-def _piece_fn(piece, hook=None, operand_hook=None, deferred=NONE, mesh=None, *, draws: KeyDraws = ()):
+def _piece_fn(piece, hook=None, operand_hook=None, deferred=NONE, mesh=None, *, draws: KeyDraws = (),
+              out_pins: Sequence = ()):
     """The piece as a function of its inputs; ``hook`` / ``operand_hook`` pin layouts inside it
     (:func:`~alpa_like.runtime.spmd.pin_hook`); ``deferred`` gradients come out as stacks of partial sums
     (:func:`~alpa_like.runtime.partial_sums.eval_piece`). With ``draws`` (a piece's
     :func:`~alpa_like.compiler.stage_construction.micro_batch_key_draws`) it takes one more argument, the
-    micro-batch's index, folded into those draws' keys."""
+    micro-batch's index, folded into those draws' keys. ``out_pins``: per output, a sharding it is made in
+    (or None)."""
     def run(*args):
         operands = operand_hook
         if draws:
             *args, index = args
             operands = fold_micro_batch_index(draws, index, operand_hook)
         if deferred:
-            return eval_piece(piece.jaxpr, args, deferred, mesh, hook=hook, operand_hook=operands)
-        return jax_compat.eval_closed_jaxpr(piece.jaxpr, *args, hook=hook, operand_hook=operands)
+            outs = eval_piece(piece.jaxpr, args, deferred, mesh, hook=hook, operand_hook=operands)
+        else:
+            outs = jax_compat.eval_closed_jaxpr(piece.jaxpr, *args, hook=hook, operand_hook=operands)
+        if out_pins:
+            outs = [x if pin is None else jax.lax.with_sharding_constraint(x, pin)
+                    for x, pin in zip(outs, out_pins, strict=True)]
+        return outs
     return run
 
 

@@ -245,6 +245,11 @@ class SpmdExecutable:
         out = self._compiled.compiled(*flat)
         return jax.tree_util.tree_unflatten(self.traced.out_tree, out)
 
+    def input_shardings(self) -> tuple[NamedSharding, ...]:
+        """Per flat input leaf (``traced.in_leaves``), the layout the step takes it in: an argument already
+        laid out so is passed as it is."""
+        return tuple(self._compiled.in_shardings)
+
     def get_hlo_text(self) -> str:
         """The optimized, partitioned HLO that runs on each device."""
         return self._compiled.compiled.as_text()

@@ -54,8 +54,9 @@ def _eight_devices():
 def ray_session():
     """One small local Ray for the whole test session (tests marked ``ray`` use it)."""
     ray = pytest.importorskip("ray")
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    if not ray.is_initialized():  # as the backend starts one: loopback only
+        from alpa_like.runtime.ray_backend import start_local_ray
+        start_local_ray(num_cpus=2, startup_timeout=180)
     yield ray
     ray.shutdown()
 

@@ -1,0 +1,254 @@
+"""Methods for the rest of a training run: creating the state in the train step's layouts, and eval steps
+that read it there.
+
+``al.CreateStateParallel(train_step, batch)`` is the method of a function that makes the training state
+(``create_state() -> TrainState``): under ``al.parallelize`` it runs so that every leaf of the state is born
+in the layout the train step's plan loads it in, computed shard by shard on the devices that hold it (XLA
+partitions the initialisers, random ones included), a pipeline stage's leaves on that stage's mesh::
+
+    train_step = al.parallelize(train_step, method=al.PipeshardParallel(...))
+    create = al.parallelize(create_state, method=al.CreateStateParallel(train_step, batch))
+    state = create()              # no device or host holds the whole state of a sharded plan
+    state, metrics = train_step(state, batch)   # the state is taken as it is: nothing is resharded
+
+``al.FollowParallel(train_step, batch)`` is the method of an eval or inference step that reads the same
+state (``eval_step(state, eval_batch)``, forward only): the state's leaves are taken in the train step's
+layouts, so no parameter moves. Under an SPMD train step the eval step is one program on the same mesh, its
+other arguments split over the mesh along dim 0 where that divides; under a pipeline it is cut into one
+piece per stage mesh (:mod:`~alpa_like.runtime.follow`), run in stage order, and its outputs come back on the
+last stage's mesh.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CreateStateParallel:
+    """Creates a train step's state argument in the layouts that step's plan takes it in.
+
+    Args:
+      train_step: the ``al.parallelize``-d train step the state is made for.
+      batch: the train step's arguments after the state (arrays or ``jax.ShapeDtypeStruct`` s): its plan
+        depends on their shapes.
+      state_argnum: which argument of ``train_step`` the created value is (default 0).
+    """
+
+    train_step: Any
+    batch: Any
+    other_args: tuple = ()
+    """More arguments of ``train_step`` after ``batch``, as they will be passed."""
+    state_argnum: int = 0
+
+    num_micro_batches = 1  # what parallelize reads of every method
+
+    def __post_init__(self):
+        _check_train_step(self)
+
+    def train_args(self, state: Any) -> tuple:
+        """The train step's arguments with ``state`` in the state's position."""
+        return _train_args(self, state)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FollowParallel:
+    """Runs an eval / inference step in the layouts of a train step's state (see the module docstring).
+
+    Args:
+      train_step: the ``al.parallelize``-d train step whose state the step reads.
+      batch: the train step's arguments after the state (arrays or ``jax.ShapeDtypeStruct`` s), which pick
+        its plan; None: the train step's one compiled executable.
+      state_argnum: the position of the state in both steps' arguments (default 0).
+    """
+
+    train_step: Any
+    batch: Any = None
+    other_args: tuple = ()
+    """More arguments of ``train_step`` after ``batch``."""
+    state_argnum: int = 0
+
+    num_micro_batches = 1  # the eval step runs on the whole batch at once
+
+    def __post_init__(self):
+        _check_train_step(self)
+
+    def train_executable(self, state: Any):
+        """The train step's executable for ``state`` (and ``batch``)."""
+        if self.batch is not None:
+            return self.train_step.get_executable(*_train_args(self, abstract(state)))
+        compiled = list(self.train_step._cache.values())
+        if len(compiled) != 1:
+            raise ValueError(f"FollowParallel: the train step has {len(compiled)} compiled executables; pass its "
+                             "batch (al.FollowParallel(train_step, batch)) to say which plan to follow")
+        return compiled[0]
+
+
+def compile_follow(fun: Callable, args: Sequence[Any], method: FollowParallel, *, static_argnums=(),
+                   batch_argnums=(1,)):
+    """The executable of the eval step ``fun(*args)`` under ``method`` (see :class:`FollowParallel`)."""
+    from alpa_like.compiler.trace import trace_step
+    from alpa_like.runtime.follow import ForwardPipelineExecutable
+    from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable
+    from alpa_like.runtime.spmd import SpmdExecutable
+
+    argnum = method.state_argnum
+    if argnum >= len(args):
+        raise ValueError(f"FollowParallel: state_argnum={argnum}, but the step was called with {len(args)} "
+                         "arguments")
+    train = method.train_executable(args[argnum])
+    traced = trace_step(fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums)
+    state_leaves = [k for k, leaf in enumerate(traced.in_leaves) if leaf.arg_index == argnum]
+    train_leaves = [k for k, leaf in enumerate(train.traced.in_leaves) if leaf.arg_index == argnum]
+    if [traced.in_leaves[k].shape for k in state_leaves] != [train.traced.in_leaves[k].shape for k in train_leaves]:
+        raise ValueError("FollowParallel: the eval step's state argument does not have the train step's state's "
+                         "structure and shapes")
+    if isinstance(train, PipeshardExecutable):
+        train_placements = train.input_placements()
+        placements = [{}] * len(traced.in_leaves)
+        for k, j in zip(state_leaves, train_leaves, strict=True):
+            placements[k] = train_placements[j]
+        return ForwardPipelineExecutable(traced, train.meshes, placements)
+    if isinstance(train, SpmdExecutable):
+        return FollowSpmdExecutable(fun, traced, train, state_leaves, train_leaves, static_argnums)
+    raise NotImplementedError(f"FollowParallel follows train steps on the local backend; got "
+                              f"{type(train).__name__} (al.init('local'))")
+
+
+class FollowSpmdExecutable:
+    """The eval step as one program on the train step's mesh, reading the state in its layouts."""
+
+    def __init__(self, fun, traced, train, state_leaves, train_leaves, static_argnums):
+        from alpa_like.runtime.mesh import named_sharding
+
+        self.traced = traced
+        self.train_executable = train
+        mesh = train.mesh
+        train_shardings = train.input_shardings()
+        shardings = [named_sharding(mesh, batch_spec(leaf.shape, tuple(mesh.devices.shape)))
+                     for leaf in traced.in_leaves]
+        for k, j in zip(state_leaves, train_leaves, strict=True):
+            shardings[k] = train_shardings[j]
+        self.in_shardings = tuple(shardings)
+        self._state_leaves = frozenset(state_leaves)
+        self.moved_state_leaves = 0
+        """State leaves the last call had to move because they were not in the train step's layout."""
+        closed = traced.closed_jaxpr
+        self._compiled = jax.jit(lambda *flat: _eval(closed, flat), in_shardings=self.in_shardings)
+
+    def __call__(self, *args):
+        from alpa_like.runtime.spmd import place_args
+        flat = self.traced.flatten_args(args)
+        self.moved_state_leaves = sum(not (isinstance(flat[k], jax.Array) and flat[k].sharding == self.in_shardings[k])
+                                      for k in self._state_leaves)
+        out = self._compiled(*place_args(flat, self.in_shardings))
+        return jax.tree_util.tree_unflatten(self.traced.out_tree, out)
+
+
+def batch_spec(shape: Sequence[int], mesh_shape: Sequence[int]):
+    """Dim 0 split over every mesh axis, else over the one axis, that divides it; replicated otherwise.
+
+    >>> str(batch_spec((8, 3), (2, 4))), str(batch_spec((4, 3), (2, 4))), str(batch_spec((3,), (8,)))
+    ('S01R', 'S1R', 'R')
+    """
+    from alpa_like.compiler.sharding_spec import ShardingSpec
+    if not shape:
+        return ShardingSpec.replicated(0)
+    axes = tuple(range(len(mesh_shape)))
+    for group in (axes, *sorted(((a,) for a in axes), key=lambda g: -mesh_shape[g[0]])):
+        shards = int(np.prod([mesh_shape[a] for a in group]))
+        if shards > 1 and shape[0] % shards == 0:
+            return ShardingSpec(axes=(group,) + ((),) * (len(shape) - 1))
+    return ShardingSpec.replicated(len(shape))
+
+
+def _eval(closed, flat):
+    from alpa_like.compiler import jax_compat
+    return jax_compat.eval_closed_jaxpr(closed, *flat)
+
+
+def _check_train_step(method: CreateStateParallel | FollowParallel) -> None:
+    from alpa_like.api import ParallelizedFunc
+    who = type(method).__name__
+    if not isinstance(method.train_step, ParallelizedFunc):
+        raise TypeError(f"{who}: train_step must be an al.parallelize-d function, got "
+                        f"{type(method.train_step).__name__}")
+    argnum = method.state_argnum
+    if isinstance(argnum, bool) or not isinstance(argnum, int) or argnum < 0:
+        raise ValueError(f"{who}: state_argnum must be an int >= 0, got {argnum!r}")
+
+
+def _train_args(method: CreateStateParallel | FollowParallel, state: Any) -> tuple:
+    """The train step's arguments: ``method``'s batch and other arguments, ``state`` in the state's place."""
+    rest = [method.batch, *method.other_args]
+    return (*rest[:method.state_argnum], state, *rest[method.state_argnum:])
+
+
+def abstract(tree: Any) -> Any:
+    """``tree`` with every array leaf replaced by a ``jax.ShapeDtypeStruct`` (other leaves kept)."""
+    def shape_of(x):
+        if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+            return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+        return x
+    return jax.tree.map(shape_of, tree)
+
+
+def state_shardings(exe: Any, argnum: int) -> list[jax.sharding.Sharding | None]:
+    """The layouts the executable takes the leaves of its argument ``argnum`` in (flat, in pytree order)."""
+    shardings = exe.input_shardings()
+    return [s for s, leaf in zip(shardings, exe.traced.in_leaves, strict=True) if leaf.arg_index == argnum]
+
+
+class CreateStateExecutable:
+    """``create_state`` compiled to make each leaf in its layout: one jitted program per device set (a
+    pipeline stage's mesh), each computing only that set's leaves."""
+
+    def __init__(self, fun: Callable, args: Sequence[Any], method: CreateStateParallel):
+        out_shape = jax.eval_shape(fun, *args)
+        self.train_executable = method.train_step.get_executable(*method.train_args(abstract(out_shape)))
+        leaves, self.out_tree = jax.tree.flatten(out_shape)
+        shardings = state_shardings(self.train_executable, method.state_argnum)
+        if len(shardings) != len(leaves):
+            raise ValueError(f"CreateStateParallel: create_state returns {len(leaves)} array leaves, but the train "
+                             f"step's argument {method.state_argnum} has {len(shardings)}")
+        groups: dict[frozenset, list[int]] = {}
+        for k, sharding in enumerate(shardings):
+            if sharding is None:  # a leaf the step does not read: beside the first leaf that has a layout
+                sharding = next((s for s in shardings if s is not None), None)
+                shardings[k] = None if sharding is None else _replicated_like(sharding)
+            groups.setdefault(frozenset(() if shardings[k] is None else shardings[k].device_set), []).append(k)
+        self.shardings = tuple(shardings)
+        self._programs = [(members, jax.jit(_selecting(fun, members),
+                                            out_shardings=[shardings[k] for k in members]))
+                          for members in groups.values()]
+        self.fun = fun
+
+    def __call__(self, *args):
+        values: list[Any] = [None] * len(self.shardings)
+        for members, program in self._programs:
+            for k, x in zip(members, program(*args), strict=True):
+                values[k] = x
+        return jax.tree.unflatten(self.out_tree, values)
+
+    def memory_analysis(self, *args) -> list[Any]:
+        """XLA's per-device memory figures (argument, output, temp bytes) of each program, for these
+        arguments of ``create_state``."""
+        return [program.lower(*args).compile().memory_analysis() for _, program in self._programs]
+
+
+def _selecting(fun: Callable, members: Sequence[int]) -> Callable:
+    """``fun`` returning only its flat output leaves at ``members`` (XLA drops the others' work)."""
+    def run(*args):
+        leaves = jax.tree.leaves(fun(*args))
+        return [leaves[k] for k in members]
+    return run
+
+
+def _replicated_like(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return sharding
