@@ -22,6 +22,8 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from alpa_like import fields
+
 if TYPE_CHECKING:
     from alpa_like.compiler.flops import ComputeRates
 
@@ -234,31 +236,21 @@ class ClusterSpec:
 
 
 def _validate(spec: ClusterSpec) -> None:
-    """Raises ValueError naming the first field that is out of range."""
+    """Raises ValueError naming the first field that is out of range (speeds and sizes finite)."""
     if not isinstance(spec.name, str) or not spec.name:
-        raise ValueError(f"name must be a non-empty str, got {spec.name!r}")
-    if not isinstance(spec.device_name, str):
-        raise ValueError(f"device_name must be a str, got {spec.device_name!r}")
+        raise fields.invalid("name", "a non-empty string", spec.name)
+    fields.string(spec.device_name, "device_name")
     if spec.measured_at is not None and not isinstance(spec.measured_at, str):
-        raise ValueError(f"measured_at must be None or an ISO 8601 time str, got {spec.measured_at!r}")
-    if not isinstance(spec.shared_host_compute, bool):
-        raise ValueError(f"shared_host_compute must be a bool, got {spec.shared_host_compute!r}")
+        raise fields.invalid("measured_at", "null or an ISO 8601 time string", spec.measured_at)
+    fields.boolean(spec.shared_host_compute, "shared_host_compute")
     for field in ("num_nodes", "num_devices_per_node", "device_memory"):
-        value = getattr(spec, field)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{field} must be an int >= 1, got {value!r}")
+        fields.integer(getattr(spec, field), field, 1)
     for field in ("peak_flops", "intra_node_bandwidth", "inter_node_bandwidth"):
-        value = getattr(spec, field)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-            raise ValueError(f"{field} must be a number > 0, got {value!r}")
+        fields.number(getattr(spec, field), field, positive=True)
     for field in ("memory_bandwidth", "fp32_peak_flops"):
-        value = getattr(spec, field)
-        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0):
-            raise ValueError(f"{field} must be None or a number > 0, got {value!r}")
+        fields.optional(fields.number)(getattr(spec, field), field, positive=True)
     for field in ("intra_node_latency", "inter_node_latency", "launch_overhead"):
-        value = getattr(spec, field)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
-            raise ValueError(f"{field} must be a number >= 0, got {value!r}")
+        fields.number(getattr(spec, field), field)
 
 
 # ---------------------------------------------------------------------------------------------------

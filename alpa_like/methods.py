@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import warnings as python_warnings
 from collections.abc import Sequence
 from typing import Any
@@ -79,9 +80,24 @@ def largest_dim_spec(shape: Sequence[int], num_shards: int, axis: int = 0) -> Sh
     return ShardingSpec(axes=tuple(dims))
 
 
+_KEY_NAME = re.compile(r"rng|key|seed", re.IGNORECASE)
+
+
+def is_prng_key(leaf: LeafInfo) -> bool:
+    """Whether ``leaf`` holds PRNG keys: typed keys (dtype ``key<fry>``, ``jax.random.key``), or raw ``uint32``
+    key data (``jax.random.PRNGKey``: a last dim of 2, or 4 for ``rbg``) under a path component named like a
+    key (``dropout_rng``, ``rng_key``, ``rngs.dropout``, ``seed``)."""
+    if leaf.dtype.startswith("key<"):
+        return True
+    return (leaf.dtype == "uint32" and leaf.shape[-1:] in ((2,), (4,))
+            and any(_KEY_NAME.search(part) for part in leaf.path.split(".")[1:]))
+
+
 def input_roles(traced: TracedStep) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Role of every input leaf, and warnings. Parameters come from al.grad markers, else from the
-    flax convention of a ``params`` path component."""
+    """Role of every input leaf (one of :data:`alpa_like.plan.ROLES`), and warnings. Parameters come from
+    al.grad markers, else from the flax convention of a ``params`` path component. When parameters are
+    known, the other state leaves are ``optimizer_state`` (what ZeRO shards), except PRNG keys
+    (:func:`is_prng_key`), which are ``state``."""
     params = list(traced.param_mask)
     warnings = []
     if not any(params):
@@ -95,7 +111,7 @@ def input_roles(traced: TracedStep) -> tuple[tuple[str, ...], tuple[str, ...]]:
         elif is_param:
             roles.append("param")
         else:
-            roles.append("optimizer_state" if any(params) else "state")
+            roles.append("optimizer_state" if any(params) and not is_prng_key(leaf) else "state")
     return tuple(roles), tuple(warnings)
 
 

@@ -8,17 +8,37 @@ A :class:`ParallelPlan` is produced before anything runs (``al.plan``) or when a
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
 import json
+import math
 import re
+import warnings as python_warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
+from alpa_like import fields
 from alpa_like.cluster import ClusterSpec
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.token_slicing import format_scheme
+from alpa_like.runtime.schedules import ScheduleName
 
 ROLES = ("param", "optimizer_state", "state", "batch", "output")
+"""What an input or output leaf of the step is (:func:`alpa_like.methods.input_roles`):
+
+* ``param``: differentiated by ``al.grad`` (else: under a ``params`` path component, Flax's convention).
+* ``optimizer_state``: when parameters are known, every other leaf of the non-batch arguments that is not a
+  PRNG key: optax's states (``mu``/``nu`` shaped like the parameters, the ``count`` scalar) and counters the
+  update advances (Flax ``TrainState.step``). ZeRO-2 and ZeRO-3 shard these.
+* ``state``: PRNG keys (``TrainState`` subclasses' ``dropout_rng``, a user's ``rng``: read by the forward pass,
+  not the update; typed ``key<...>`` arrays or ``uint32`` key data named like a key), and every non-batch
+  leaf when no parameter is known.
+* ``batch``: leaves of ``batch_argnums``, split along dim 0.
+* ``output``: outputs of the step.
+"""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -30,8 +50,8 @@ class TensorPlan:
     shape: tuple[int, ...]
     dtype: str
     role: str
-    """One of ROLES: ``param`` (differentiated by al.grad), ``optimizer_state`` (other state leaves when
-    parameters are known), ``state`` (other non-batch inputs), ``batch``, ``output``."""
+    """One of :data:`ROLES`: ``param``, ``optimizer_state``, ``state`` (PRNG keys; every non-batch input when
+    no parameter is known), ``batch``, ``output``."""
     spec: ShardingSpec | None
     """Alpa notation per tensor dim (S0, S1, S01, R); None when XLA chooses (outputs only)."""
     bytes_per_device: int
@@ -41,11 +61,14 @@ class TensorPlan:
                 "spec": None if self.spec is None else str(self.spec), "bytes_per_device": self.bytes_per_device}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> TensorPlan:
-        shape = tuple(d["shape"])
-        spec = None if d["spec"] is None else ShardingSpec.from_str(d["spec"], ndim=len(shape))
-        return cls(path=d["path"], shape=shape, dtype=d["dtype"], role=d["role"], spec=spec,
-                   bytes_per_device=d["bytes_per_device"])
+    def from_dict(cls, d: Mapping[str, Any], at: str = "") -> TensorPlan:
+        """Inverse of :meth:`to_dict`; a field that is missing or invalid raises ``ValueError`` naming its path
+        below ``at``. The spec's mesh axes are checked against the stage by :meth:`StagePlan.from_dict`."""
+        get = fields.reader(cls, d, at)
+        shape = get("shape", fields.ints)
+        return cls(path=get("path", fields.string), shape=shape, dtype=get("dtype", _dtype),
+                   role=get("role", fields.choice, ROLES), spec=get("spec", fields.optional(_spec), len(shape)),
+                   bytes_per_device=get("bytes_per_device", fields.integer))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -66,9 +89,12 @@ class CommEstimate:
                 "seconds": self.seconds, "what": self.what}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> CommEstimate:
-        return cls(kind=d["kind"], mesh_axes=tuple(d["mesh_axes"]), num_bytes=d["num_bytes"],
-                   seconds=d["seconds"], what=d["what"])
+    def from_dict(cls, d: Mapping[str, Any], at: str = "") -> CommEstimate:
+        """Inverse of :meth:`to_dict`, checked like :meth:`TensorPlan.from_dict`."""
+        get = fields.reader(cls, d, at)
+        return cls(kind=get("kind", fields.string), mesh_axes=get("mesh_axes", _distinct_ints),
+                   num_bytes=get("num_bytes", fields.integer), seconds=get("seconds", fields.number),
+                   what=get("what", fields.string))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -95,10 +121,13 @@ class OpPlan:
                 "strategy": self.strategy, "communication": self.communication, "seconds": self.seconds}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> OpPlan:
-        shape = tuple(d["shape"])
-        return cls(name=d["name"], kind=d["kind"], shape=shape, spec=ShardingSpec.from_str(d["spec"], ndim=len(shape)),
-                   strategy=d["strategy"], communication=d["communication"], seconds=d["seconds"])
+    def from_dict(cls, d: Mapping[str, Any], at: str = "") -> OpPlan:
+        """Inverse of :meth:`to_dict`, checked like :meth:`TensorPlan.from_dict`."""
+        get = fields.reader(cls, d, at)
+        shape = get("shape", fields.ints)
+        return cls(name=get("name", fields.string), kind=get("kind", fields.string), shape=shape,
+                   spec=get("spec", _spec, len(shape)), strategy=get("strategy", fields.string),
+                   communication=get("communication", fields.string), seconds=get("seconds", fields.number))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -128,10 +157,15 @@ class PlanCandidate:
                 "chosen": self.chosen}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> PlanCandidate:
-        return cls(logical_mesh_shape=tuple(d["logical_mesh_shape"]), cost_model=d["cost_model"],
-                   weight_update_sharding=d["weight_update_sharding"], objective=d["objective"], measured_seconds=d["measured_seconds"], same_as=d["same_as"],
-                   chosen=d["chosen"])
+    def from_dict(cls, d: Mapping[str, Any], at: str = "") -> PlanCandidate:
+        """Inverse of :meth:`to_dict`, checked like :meth:`TensorPlan.from_dict`."""
+        get = fields.reader(cls, d, at)
+        return cls(logical_mesh_shape=get("logical_mesh_shape", _logical_mesh_shape),
+                   cost_model=get("cost_model", fields.string),
+                   weight_update_sharding=get("weight_update_sharding", fields.boolean),
+                   objective=get("objective", fields.number),
+                   measured_seconds=get("measured_seconds", fields.optional(fields.number)),
+                   same_as=get("same_as", fields.optional(fields.integer)), chosen=get("chosen", fields.boolean))
 
 
 SELECTIONS = ("objective", "measured")
@@ -173,14 +207,21 @@ class SolverReport:
                 "selection_seconds": self.selection_seconds}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> SolverReport:
-        return cls(status=d["status"], objective=d["objective"], solve_seconds=d["solve_seconds"],
-                   num_nodes=d["num_nodes"], num_edges=d["num_edges"], num_variables=d["num_variables"],
-                   num_constraints=d["num_constraints"],
-                   views=tuple((tuple(shape), objective) for shape, objective in d["views"]),
-                   selection=d.get("selection", "objective"),
-                   candidates=tuple(PlanCandidate.from_dict(c) for c in d.get("candidates", ())),
-                   selection_seconds=d.get("selection_seconds", 0.0))
+    def from_dict(cls, d: Mapping[str, Any], at: str = "") -> SolverReport:
+        """Inverse of :meth:`to_dict`, checked like :meth:`TensorPlan.from_dict`; ``same_as`` must name an
+        earlier candidate."""
+        get = fields.reader(cls, d, at)
+        candidates = get("candidates", fields.sequence, PlanCandidate.from_dict)
+        for i, c in enumerate(candidates):
+            if c.same_as is not None and c.same_as >= i:
+                raise fields.invalid(fields.join(at, f"candidates[{i}].same_as"),
+                                     f"null or the index of an earlier candidate (< {i})", c.same_as)
+        return cls(status=get("status", fields.string), objective=get("objective", fields.number),
+                   solve_seconds=get("solve_seconds", fields.number), num_nodes=get("num_nodes", fields.integer),
+                   num_edges=get("num_edges", fields.integer), num_variables=get("num_variables", fields.integer),
+                   num_constraints=get("num_constraints", fields.integer),
+                   views=get("views", fields.sequence, _view), selection=get("selection", fields.choice, SELECTIONS),
+                   candidates=candidates, selection_seconds=get("selection_seconds", fields.number))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -228,18 +269,26 @@ class StagePlan:
                 "peak_memory_per_device": self.peak_memory_per_device}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> StagePlan:
-        return cls(stage_id=d["stage_id"], layer_ids=tuple(d["layer_ids"]),
-                   submesh_shape=tuple(d["submesh_shape"]), logical_mesh_shape=tuple(d["logical_mesh_shape"]),
-                   mesh_axis_names=tuple(d["mesh_axis_names"]), device_ids=tuple(d["device_ids"]),
-                   inputs=tuple(TensorPlan.from_dict(t) for t in d["inputs"]),
-                   outputs=tuple(TensorPlan.from_dict(t) for t in d["outputs"]),
-                   communication=tuple(CommEstimate.from_dict(c) for c in d["communication"]),
-                   flops=d["flops"], compute_seconds=d["compute_seconds"],
-                   memory_per_device=d["memory_per_device"],
-                   ops=tuple(OpPlan.from_dict(o) for o in d.get("ops", ())),
-                   solver=None if d.get("solver") is None else SolverReport.from_dict(d["solver"]),
-                   peak_memory_per_device=d.get("peak_memory_per_device"))
+    def from_dict(cls, d: Mapping[str, Any], at: str = "") -> StagePlan:
+        """Inverse of :meth:`to_dict`, checked like :meth:`TensorPlan.from_dict`, and the fields against each
+        other: one axis name per logical mesh axis, as many devices in the logical mesh as in the submesh
+        (and in ``device_ids`` when listed), specs and collectives on the logical mesh's axes."""
+        get = fields.reader(cls, d, at)
+        stage = cls(stage_id=get("stage_id", fields.integer), layer_ids=get("layer_ids", _distinct_ints),
+                    submesh_shape=get("submesh_shape", fields.ints, 1, (2,)),
+                    logical_mesh_shape=get("logical_mesh_shape", _logical_mesh_shape),
+                    mesh_axis_names=get("mesh_axis_names", fields.sequence, fields.string),
+                    device_ids=get("device_ids", _distinct_ints),
+                    inputs=get("inputs", fields.sequence, TensorPlan.from_dict),
+                    outputs=get("outputs", fields.sequence, TensorPlan.from_dict),
+                    communication=get("communication", fields.sequence, CommEstimate.from_dict),
+                    flops=get("flops", fields.number), compute_seconds=get("compute_seconds", fields.number),
+                    memory_per_device=get("memory_per_device", fields.integer),
+                    ops=get("ops", fields.sequence, OpPlan.from_dict),
+                    solver=get("solver", fields.optional(SolverReport.from_dict)),
+                    peak_memory_per_device=get("peak_memory_per_device", fields.optional(fields.integer)))
+        _check_stage_mesh(stage, at)
+        return stage
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -247,7 +296,8 @@ class ParallelPlan:
     """Everything the compiler decided for one step and one input signature."""
 
     method: str
-    """The method's repr, e.g. ``DataParallel(num_micro_batches=2)``."""
+    """The method's repr, e.g. ``DataParallel(num_micro_batches=2)`` (the printed plan shows it without the
+    options left at their defaults: :func:`method_summary`)."""
     num_micro_batches: int
     """Micro-batches the step runs; under TeraPipe with token slicing, the scheme's batch slices
     (``len(token_slicing)``, which the joint DP of section 2.3.4 may make differ from the method's)."""
@@ -304,26 +354,38 @@ class ParallelPlan:
                 "iteration_time_without_token_slicing": self.iteration_time_without_token_slicing}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ParallelPlan:
-        return cls(method=d["method"], num_micro_batches=d["num_micro_batches"],
-                   cluster=ClusterSpec.from_dict(d["cluster"]),
-                   stages=tuple(StagePlan.from_dict(s) for s in d["stages"]),
-                   pipeline_schedule=d["pipeline_schedule"],
-                   estimated_iteration_time=d["estimated_iteration_time"], warnings=tuple(d["warnings"]),
-                   compile_times=tuple((name, seconds) for name, seconds in d.get("compile_times", ())),
-                   token_slicing=tuple((b, tuple(ls)) for b, ls in d.get("token_slicing", ())),
-                   iteration_time_without_token_slicing=d.get("iteration_time_without_token_slicing"))
+    def from_dict(cls, d: Mapping[str, Any], at: str = "") -> ParallelPlan:
+        """Inverse of :meth:`to_dict`. Every field, at every level, is checked: a missing, unknown or invalid
+        one raises ``ValueError`` naming its path, e.g. ``stages[1].inputs[3].shape: expected a list of ints
+        >= 0, got "abc"``. Fields added after a plan was saved take their defaults."""
+        get = fields.reader(cls, d, at)
+        stages = get("stages", fields.sequence, StagePlan.from_dict)
+        schedule = get("pipeline_schedule", fields.optional(fields.choice), _SCHEDULES)
+        _check_stages(stages, schedule, at)
+        return cls(method=get("method", fields.string), num_micro_batches=get("num_micro_batches", fields.integer, 1),
+                   cluster=get("cluster", _cluster), stages=stages, pipeline_schedule=schedule,
+                   estimated_iteration_time=get("estimated_iteration_time", fields.number),
+                   warnings=get("warnings", fields.sequence, fields.string),
+                   compile_times=get("compile_times", fields.sequence, _compile_time),
+                   token_slicing=get("token_slicing", fields.sequence, _batch_slice),
+                   iteration_time_without_token_slicing=get("iteration_time_without_token_slicing",
+                                                            fields.optional(fields.number)))
 
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
     def from_json(cls, text: str) -> ParallelPlan:
+        """Inverse of :meth:`to_json`; text that is not JSON, or not a valid plan (see :meth:`from_dict`),
+        raises ``ValueError``."""
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as e:
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, too deep, an int of over 4300 digits
             raise ValueError(f"ParallelPlan.from_json: text is not JSON ({e})") from None
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"ParallelPlan.from_json: {e}") from None
 
     def table(self, *, group_layers: bool = True) -> str:
         """The readable form; ``group_layers`` folds leaves that differ only in a layer number into one row."""
@@ -331,6 +393,129 @@ class ParallelPlan:
 
     def __str__(self) -> str:
         return self.table()
+
+
+# ------------------------------------------------------------------------------------------- validation
+
+_KEY_DTYPE = re.compile(r"key<\w+>")
+_SCHEDULES = tuple(name.value for name in ScheduleName)
+
+
+def _dtype(value: Any, at: str) -> str:
+    """The name of a dtype a JAX array has: numpy's and ml_dtypes' (``float32``, ``bfloat16``, ``int4``) or a
+    typed PRNG key's (``key<fry>``)."""
+    if isinstance(value, str) and (_KEY_DTYPE.fullmatch(value) or _is_array_dtype_name(value)):
+        return value
+    raise fields.invalid(at, "a dtype name such as float32, bfloat16 or key<fry>", value)
+
+
+def _is_array_dtype_name(name: str) -> bool:
+    """Whether ``name`` is the canonical name of a numeric or boolean dtype (not ``<f4``, ``object``, ``U``)."""
+    try:
+        with python_warnings.catch_warnings():
+            python_warnings.simplefilter("ignore")  # numpy warns about deprecated aliases such as "a"
+            dtype = np.dtype(name)
+    except (TypeError, ValueError):
+        return False
+    numeric = dtype.kind in "biufc" or (dtype.kind == "V" and not dtype.name.startswith("void"))  # ml_dtypes
+    return numeric and dtype.name == name
+
+
+def _spec(value: Any, at: str, ndim: int) -> ShardingSpec:
+    """A sharding spec string (``"S0R"``) of a tensor with ``ndim`` dims."""
+    if isinstance(value, str):
+        try:
+            return ShardingSpec.from_str(value, ndim=ndim)
+        except ValueError:
+            pass
+    example = "a scalar's is the empty string" if ndim == 0 else "e.g. " + json.dumps("S0" + "R" * (ndim - 1))
+    raise fields.invalid(at, f"a sharding spec of {ndim} dims ({example})", value)
+
+
+def _distinct_ints(value: Any, at: str) -> tuple[int, ...]:
+    """A list of distinct ints >= 0 (layer ids, device ids, mesh axes)."""
+    ids = fields.ints(value, at)
+    if len(set(ids)) != len(ids):
+        raise fields.invalid(at, "a list of distinct ints >= 0", value)
+    return ids
+
+
+def _logical_mesh_shape(value: Any, at: str) -> tuple[int, ...]:
+    """A 1-D or 2-D mesh shape of positive ints."""
+    return fields.ints(value, at, 1, (1, 2))
+
+
+def _pair(value: Any, at: str, what: str) -> Sequence[Any]:
+    """A JSON list of two elements, described as ``what`` in the error."""
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise fields.invalid(at, what, value)
+    return value
+
+
+def _view(value: Any, at: str) -> tuple[tuple[int, ...], float]:
+    """``[logical mesh shape, objective]`` of one view the intra-op pass tried."""
+    shape, objective = _pair(value, at, "a [logical mesh shape, objective] pair")
+    return _logical_mesh_shape(shape, f"{at}[0]"), fields.number(objective, f"{at}[1]")
+
+
+def _compile_time(value: Any, at: str) -> tuple[str, float]:
+    """``[planning step, seconds]``."""
+    name, seconds = _pair(value, at, "a [planning step, seconds] pair")
+    return fields.string(name, f"{at}[0]"), fields.number(seconds, f"{at}[1]")
+
+
+def _batch_slice(value: Any, at: str) -> tuple[int, tuple[int, ...]]:
+    """``[rows, token slice lengths]`` of one TeraPipe batch slice."""
+    rows, lengths = _pair(value, at, "a [rows, token slice lengths] pair")
+    rows, lengths = fields.integer(rows, f"{at}[0]", 1), fields.ints(lengths, f"{at}[1]", 1)
+    if not lengths:
+        raise fields.invalid(f"{at}[1]", "a non-empty list of ints >= 1", [])
+    return rows, lengths
+
+
+def _cluster(value: Any, at: str) -> ClusterSpec:
+    if not isinstance(value, Mapping):
+        raise fields.invalid(at, "a JSON object (a ClusterSpec)", value)
+    try:
+        return ClusterSpec.from_dict(value)
+    except ValueError as e:
+        raise ValueError(f"{at}: {e}") from None
+
+
+def _check_stage_mesh(stage: StagePlan, at: str) -> None:
+    """Raises ValueError naming the first field of ``stage`` that does not fit its meshes."""
+    mesh_ndim = len(stage.logical_mesh_shape)
+    if len(stage.mesh_axis_names) != mesh_ndim or len(set(stage.mesh_axis_names)) != mesh_ndim:
+        raise fields.invalid(fields.join(at, "mesh_axis_names"),
+                             f"{mesh_ndim} distinct names (one per logical mesh axis)", list(stage.mesh_axis_names))
+    num_devices = math.prod(stage.submesh_shape)
+    if math.prod(stage.logical_mesh_shape) != num_devices:
+        raise fields.invalid(fields.join(at, "logical_mesh_shape"),
+                             f"a view of the submesh's {num_devices} devices", list(stage.logical_mesh_shape))
+    if stage.device_ids and len(stage.device_ids) != num_devices:
+        raise fields.invalid(fields.join(at, "device_ids"), f"[] or the submesh's {num_devices} device ids",
+                             list(stage.device_ids))
+    for name, items in (("inputs", stage.inputs), ("outputs", stage.outputs), ("ops", stage.ops)):
+        for i, t in enumerate(items):
+            if t.spec is not None and not t.spec.is_valid(stage.logical_mesh_shape):
+                raise fields.invalid(fields.join(at, f"{name}[{i}].spec"),
+                                     f"a spec on the axes of the {mesh_ndim}-D logical mesh", str(t.spec))
+    for i, c in enumerate(stage.communication):
+        if any(a >= mesh_ndim for a in c.mesh_axes):
+            raise fields.invalid(fields.join(at, f"communication[{i}].mesh_axes"),
+                                 f"axes of the {mesh_ndim}-D logical mesh", list(c.mesh_axes))
+
+
+def _check_stages(stages: Sequence[StagePlan], schedule: str | None, at: str) -> None:
+    """Raises ValueError unless there are stages, numbered 0, 1, ..., with a schedule when there are several."""
+    if not stages:
+        raise fields.invalid(fields.join(at, "stages"), "at least one stage", [])
+    for i, s in enumerate(stages):
+        if s.stage_id != i:
+            raise fields.invalid(fields.join(at, f"stages[{i}].stage_id"), f"{i} (its position)", s.stage_id)
+    if schedule is None and len(stages) > 1:
+        raise fields.invalid(fields.join(at, "pipeline_schedule"), f"a schedule name for {len(stages)} stages",
+                             None)
 
 
 # ---------------------------------------------------------------------------------------------- printing
@@ -367,6 +552,69 @@ def _candidates_text(report: SolverReport) -> str:
                                         "measured step", ""], rows, indent="    ")
 
 
+_METHOD_CHARS = 200
+
+
+def method_summary(method: str, limit: int = _METHOD_CHARS) -> str:
+    """A method's repr without the options left at their defaults, at most ``limit`` characters (cut with
+    ``...``): the plan's header, while ``ParallelPlan.method`` keeps the whole repr.
+
+    An option is left out when its value reads as the summary of its field's default in the dataclass of
+    that name in ``alpa_like`` (nested options are summarised the same way); text that is not such a repr is
+    only cut.
+
+    >>> method_summary("ShardParallel(num_micro_batches=1, auto_sharding_option=AutoShardingOption("
+    ...                "solver_time_limit=60.0, solver='cbc'))")
+    "ShardParallel(auto_sharding_option=AutoShardingOption(solver='cbc'))"
+    """
+    try:
+        summary = _call_summary(method, ast.parse(method, mode="eval").body)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        summary = method
+    return summary if len(summary) <= limit else summary[:limit - 3] + "..."
+
+
+def _call_summary(text: str, node: ast.expr) -> str:
+    """The source of ``node`` in ``text``, a keyword-only call of an ``alpa_like`` dataclass without the
+    keywords at their defaults."""
+    source = ast.get_source_segment(text, node) or ""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+        return source
+    defaults = _option_defaults(node.func.id)
+    kept = []
+    for keyword in node.keywords:
+        value = _call_summary(text, keyword.value)
+        if keyword.arg is None:
+            kept.append(f"**{value}")
+        elif defaults.get(keyword.arg) != value:
+            kept.append(f"{keyword.arg}={value}")
+    return f"{node.func.id}({', '.join(kept)})"
+
+
+@functools.cache
+def _option_defaults(name: str) -> dict[str, str]:
+    """Summaries of the default of every field of the dataclass ``alpa_like.<name>`` that has one."""
+    import alpa_like  # Local import: the package imports this module.
+
+    cls = getattr(alpa_like, name, None)
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        return {}
+    defaults = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            continue
+        text = repr(default)
+        try:
+            defaults[f.name] = _call_summary(text, ast.parse(text, mode="eval").body)
+        except SyntaxError:  # a repr that is not an expression, e.g. <function ...>: always shown
+            continue
+    return defaults
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> str:
     """Left-aligned text columns separated by two spaces."""
     widths = [max(len(str(r[i])) for r in (headers, *rows)) for i in range(len(headers))]
@@ -383,24 +631,79 @@ def partition_spec_str(spec: ShardingSpec | None, axis_names: Sequence[str]) -> 
     return str(spec.to_partition_spec(tuple(axis_names)))
 
 
-_LAYER_NUMBER = re.compile(r"(?<=[A-Za-z]_)\d+(?=\.|$)")
-"""The number of a layer-like path component (``block_3`` -> ``block_*``); plain indices stay."""
+_NAMED_NUMBER = re.compile(r"(.*[A-Za-z]_)([0-9]+)")
+_SLOT = "\0"
+
+
+def layer_template(name: str) -> tuple[str, tuple[str, ...]]:
+    """``name`` with its layer numbers cut out, and the numbers, so that the layers of one model fold into one
+    row whatever their naming: the ``3`` of a ``block_3`` or ``layers_3`` component (Flax) anywhere, and a
+    whole numeric component (the ``0`` of ``h.0.attn``, Hugging Face's pytree paths and name stacks) below the
+    first level. A numeric component right under the root is an argument's or output's position (the ``1`` of
+    ``out.1.loss``), never a layer. Components are separated by ``.`` (paths) or ``/`` (name stacks). The
+    numbers' places in the template are marked by ``_SLOT``.
+    """
+    parts = re.split(r"([./])", name)  # components at even positions, separators between them
+    numbers = []
+    for i in range(0, len(parts), 2):
+        named = _NAMED_NUMBER.fullmatch(parts[i])
+        if named:
+            numbers.append(named.group(2))
+            parts[i] = named.group(1) + _SLOT
+        elif re.fullmatch(r"[0-9]+", parts[i]) and i >= 4:
+            numbers.append(parts[i])
+            parts[i] = _SLOT
+    return "".join(parts), tuple(numbers)
+
+
+def fold_names(names: Sequence[str]) -> list[tuple[str, list[int]]]:
+    """Groups of ``names`` that differ only in layer numbers (:func:`layer_template`): ``(shown name, indices of
+    the members)`` in order of first appearance. A group of two or more shows ``*`` where its members' numbers
+    differ and ``(xN)`` after the name; a name alone is shown as it is.
+
+    >>> fold_names(["p.h.0.w", "p.h.1.w", "p.layers_0", "p.layers_2", "out.1.loss", "out.2.loss"])
+    [('p.h.*.w (x2)', [0, 1]), ('p.layers_* (x2)', [2, 3]), ('out.1.loss', [4]), ('out.2.loss', [5])]
+    """
+    groups: dict[str, list[int]] = {}
+    templates = [layer_template(name) for name in names]
+    for i, (template, _) in enumerate(templates):
+        groups.setdefault(template, []).append(i)
+    folded = []
+    for template, members in groups.items():
+        if len(members) == 1:
+            folded.append((names[members[0]], members))
+            continue
+        columns = zip(*(templates[i][1] for i in members), strict=True)
+        shown = [numbers[0] if len(set(numbers)) == 1 else "*" for numbers in columns]
+        pieces = template.split(_SLOT)
+        name = pieces[0] + "".join(n + piece for n, piece in zip(shown, pieces[1:], strict=True))
+        folded.append((f"{name} (x{len(members)})", members))
+    return folded
+
+
+def _fold(items: Sequence[Any], name_of, key_of, group_layers: bool) -> list[tuple[str, list[Any]]]:
+    """``(shown name, members)`` of ``items`` folded by :func:`fold_names` among items of equal ``key_of``."""
+    if not group_layers:
+        return [(name_of(x), [x]) for x in items]
+    by_key: dict[Any, list[Any]] = {}
+    for x in items:
+        by_key.setdefault(key_of(x), []).append(x)
+    rows = []
+    for members in by_key.values():
+        rows += [(name, [members[i] for i in ids]) for name, ids in fold_names([name_of(m) for m in members])]
+    first = {id(x): i for i, x in enumerate(items)}
+    return sorted(rows, key=lambda row: first[id(row[1][0])])
 
 
 def _tensor_rows(tensors: Sequence[TensorPlan], axis_names: Sequence[str], group_layers: bool):
-    groups: dict[tuple, list[TensorPlan]] = {}
-    for t in tensors:
-        key_path = _LAYER_NUMBER.sub("*", t.path) if group_layers else t.path
-        key = (key_path, t.shape, t.dtype, t.role, None if t.spec is None else str(t.spec))
-        groups.setdefault(key, []).append(t)
+    """One row per tensor, leaves that differ only in a layer number and agree in shape, dtype, role and spec
+    folded into one (bytes summed)."""
+    def key(t: TensorPlan):
+        return t.shape, t.dtype, t.role, None if t.spec is None else str(t.spec)
     rows = []
-    for (path, shape, dtype, role, _), members in groups.items():
-        if len(members) == 1:
-            path = members[0].path
-        else:
-            path = f"{path} (x{len(members)})"
+    for path, members in _fold(tensors, lambda t: t.path, key, group_layers):
         t = members[0]
-        rows.append([path, "x".join(map(str, shape)) or "scalar", dtype, role,
+        rows.append([path, "x".join(map(str, t.shape)) or "scalar", t.dtype, t.role,
                      "-" if t.spec is None else (str(t.spec) or "scalar"),
                      partition_spec_str(t.spec, axis_names), format_bytes(t.bytes_per_device * len(members))])
     return rows
@@ -418,26 +721,13 @@ def mirrored_outputs(stage: StagePlan) -> list[TensorPlan]:
     return mirrored
 
 
-_OP_LAYER_NUMBER = re.compile(r"(?<=[A-Za-z]_)\d+(?=[./]|$)")
-
-
 def _op_rows(ops: Sequence[OpPlan], group_layers: bool) -> list[OpPlan]:
     """Ops that differ only in a layer number folded into one row (seconds summed, name marked ``xN``)."""
-    if not group_layers:
-        return list(ops)
-    groups: dict[tuple, list[OpPlan]] = {}
-    for o in ops:
-        key = (_OP_LAYER_NUMBER.sub("*", o.name), o.kind, o.shape, str(o.spec), o.strategy, o.communication)
-        groups.setdefault(key, []).append(o)
-    rows = []
-    for (name, *_), members in groups.items():
-        first = members[0]
-        if len(members) == 1:
-            rows.append(first)
-        else:
-            rows.append(dataclasses.replace(first, name=f"{name} (x{len(members)})",
-                                            seconds=sum(m.seconds for m in members)))
-    return rows
+    def key(o: OpPlan):
+        return o.kind, o.shape, str(o.spec), o.strategy, o.communication
+    return [members[0] if len(members) == 1 else
+            dataclasses.replace(members[0], name=name, seconds=sum(m.seconds for m in members))
+            for name, members in _fold(ops, lambda o: o.name, key, group_layers)]
 
 
 def memory_message(plan: ParallelPlan) -> str:
@@ -458,7 +748,7 @@ def memory_message(plan: ParallelPlan) -> str:
 
 def format_plan(plan: ParallelPlan, *, group_layers: bool = True) -> str:
     c = plan.cluster
-    lines = [f"ParallelPlan  {plan.method}",
+    lines = [f"ParallelPlan  {method_summary(plan.method)}",
              f"  cluster: {c.name}, {c.num_nodes} node(s) x {c.num_devices_per_node} {c.device_name}"
              + (f", measured {c.measured_at}" if c.measured_at else ""),
              f"  schedule: {plan.pipeline_schedule or 'none (single stage)'}, "
@@ -476,7 +766,7 @@ def format_plan(plan: ParallelPlan, *, group_layers: bool = True) -> str:
                      + (f"; without it: {format_seconds(without)}" if without is not None else ""))
     lines += [f"  warning: {w}" for w in plan.warnings]
     for s in plan.stages:
-        contiguous = list(s.layer_ids) == list(range(s.layer_ids[0], s.layer_ids[-1] + 1)) if s.layer_ids else True
+        contiguous = all(b == a + 1 for a, b in zip(s.layer_ids, s.layer_ids[1:]))
         layers = ("all" if not s.layer_ids else f"{s.layer_ids[0]}-{s.layer_ids[-1]}" if contiguous
                   else ",".join(map(str, s.layer_ids)))
         lines.append("")
