@@ -51,7 +51,9 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
 
     With ``num_micro_batches > 1`` the step runs everything up to this call once per micro-batch and
     averages what it returns (value, aux and gradients) over the micro-batches, as Alpa does: for a loss
-    that is a mean over the batch this equals the full-batch value and gradient.
+    that is a mean over the batch this equals the full-batch value and gradient; a loss that sums over the
+    batch comes out ``1/num_micro_batches`` of the full-batch sum (the compiler warns where it sees one).
+    The aux must be floating point and not per-example. See docs/micro-batches.md.
     """
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
@@ -59,9 +61,25 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
         if hook is not None:
             return hook(fun, args, kwargs, argnums=argnums, has_aux=has_aux, with_value=True, jax_kwargs=jax_kwargs)
         inner = jax.value_and_grad(_layered(fun), argnums=argnums, has_aux=has_aux, **jax_kwargs)
-        return mark(inner(*_mark_argnums(args, argnums), **kwargs), "grad")
+        out = inner(*_mark_argnums(args, argnums), **kwargs)
+        return mark(out, "grad", names=result_names(out, with_value=True, has_aux=has_aux))
 
     return wrapped
+
+
+def result_names(out, *, with_value: bool, has_aux: bool) -> tuple[str, ...]:
+    """The name of every leaf of what ``al.value_and_grad`` (``with_value``) or ``al.grad`` returns, as the
+    user unpacks it: ``value``, ``aux``, ``aux[1]``, ``aux['logits']``, ``grads['dense']['kernel']``."""
+    roots = {(True, True): {(0, 0): "value", (0, 1): "aux", (1,): "grads"},
+             (True, False): {(0,): "value", (1,): "grads"},
+             (False, True): {(0,): "grads", (1,): "aux"},
+             (False, False): {(): "grads"}}[with_value, has_aux]
+    names = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(out)[0]:
+        positions = tuple(getattr(key, "idx", None) for key in path)
+        prefix = next(p for p in roots if positions[:len(p)] == p)
+        names.append(roots[prefix] + jax.tree_util.keystr(path[len(prefix):]))
+    return tuple(names)
 
 
 def _layered(fun: Callable) -> Callable:
@@ -78,6 +96,7 @@ def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
         if hook is not None:
             return hook(fun, args, kwargs, argnums=argnums, has_aux=has_aux, with_value=False, jax_kwargs=jax_kwargs)
         inner = jax.grad(_layered(fun), argnums=argnums, has_aux=has_aux, **jax_kwargs)
-        return mark(inner(*_mark_argnums(args, argnums), **kwargs), "grad")
+        out = inner(*_mark_argnums(args, argnums), **kwargs)
+        return mark(out, "grad", names=result_names(out, with_value=False, has_aux=has_aux))
 
     return wrapped

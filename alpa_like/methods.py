@@ -26,6 +26,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from alpa_like.cluster import ClusterSpec
+from alpa_like.compiler.loss_reduction import batch_sum_warnings
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.trace import LeafInfo, TracedStep
 from alpa_like.plan import CommEstimate, OpPlan, SolverReport
@@ -112,6 +113,9 @@ def input_roles(traced: TracedStep) -> tuple[tuple[str, ...], tuple[str, ...]]:
             roles.append("param")
         else:
             roles.append("optimizer_state" if any(params) and not is_prng_key(leaf) else "state")
+    for message in batch_sum_warnings(traced):  # every method reads the roles once per compile
+        python_warnings.warn(message, stacklevel=3)
+        warnings.append(message)
     return tuple(roles), tuple(warnings)
 
 

@@ -17,7 +17,8 @@ equations have the right shapes; the values of the grad marker do not depend on 
 
 :func:`make_step_fn` evaluates the pieces; the micro-batch results are summed by a `lax.scan` and divided
 by the number of micro-batches, so for a loss that is a mean over the batch the step computes the same
-values as without accumulation (only the summation order differs).
+values as without accumulation (only the summation order differs); a loss that sums over the batch comes
+out 1/m of the full-batch sum (:mod:`~alpa_like.compiler.loss_reduction` finds it; docs/micro-batches.md).
 """
 from __future__ import annotations
 
@@ -58,6 +59,21 @@ def grad_markers(closed: ClosedJaxpr) -> list[JaxprEqn]:
     return [e for e in closed.jaxpr.eqns if is_marker(e, "grad")]
 
 
+def result_name(marker: JaxprEqn, position: int) -> str:
+    """The user's name of the grad marker's value at ``position`` (``aux['logits']``, ``grads['w']``), as
+    :func:`alpa_like.grad` names it; ``a value`` where the marker has no names."""
+    names = marker.params.get("names", ())
+    return names[position] if len(names) == len(marker.invars) else "a value"
+
+
+def grad_call(marker: JaxprEqn) -> str:
+    """``al.value_and_grad`` or ``al.grad``: the call that put the grad marker in the step."""
+    names = marker.params.get("names", ())
+    if not names:
+        return "al.grad / al.value_and_grad"
+    return "al.value_and_grad" if names[0] == "value" else "al.grad"
+
+
 def batch_dependent(eqns: Sequence[JaxprEqn], batch_vars: set[Var]) -> set[Var]:
     """``batch_vars`` and every value ``eqns`` compute from them (in order)."""
     dependent = set(batch_vars)
@@ -86,11 +102,11 @@ def split_at_grad_marker(closed: ClosedJaxpr, batch_mask: Sequence[bool]) -> Gra
     marker = markers[0]
     eqns = closed.jaxpr.eqns
     k = eqns.index(marker)
-    for var in marker.invars:
+    for position, var in enumerate(marker.invars):
         if not jnp.issubdtype(var.aval.dtype, jnp.inexact):
             raise ValueError(
-                f"a value returned by al.grad/al.value_and_grad has dtype {var.aval.dtype}; with "
-                "num_micro_batches > 1 these values are averaged over micro-batches, so they must be floating "
+                f"{grad_call(marker)} returns {result_name(marker, position)} of dtype {var.aval.dtype}; with "
+                "num_micro_batches > 1 what it returns is averaged over micro-batches, so it must be floating "
                 "point (return integer metrics from outside the grad call)")
     batch_vars = {v for v, b in zip(closed.jaxpr.invars, batch_mask, strict=True) if b}
     # dead code (e.g. jax.grad's unused loss) is dropped; effects (jax.debug.print) and what they read are not
@@ -149,14 +165,15 @@ def _check_no_per_example_results(eqns: Sequence[JaxprEqn], marker: JaxprEqn, de
     rows in dim 0, e.g. logits) would come back with one micro-batch's rows, averaged. Gradients have their
     parameters' shapes, so a result shaped like a parameter is taken for a gradient."""
     param_shapes = {tuple(v.aval.shape) for e in eqns if is_marker(e, "param") for v in e.outvars}
-    for var in marker.invars:
+    for position, var in enumerate(marker.invars):
         shape = tuple(var.aval.shape)
         if var in dependent and shape and shape[0] in rows and shape not in param_shapes:
             raise ValueError(
-                f"al.grad / al.value_and_grad returns a value of shape {shape} whose dim 0 is a micro-batch's "
-                f"{shape[0]} rows (a per-example aux, e.g. logits): with num_micro_batches > 1 what it returns "
-                "is averaged over micro-batches, so these rows would not be the batch's; return a reduction "
-                "over the examples (e.g. their mean) as aux, or use num_micro_batches=1")
+                f"{grad_call(marker)} returns {result_name(marker, position)} of shape {shape} whose dim 0 is a "
+                f"micro-batch's {shape[0]} rows (a per-example aux, e.g. logits): with num_micro_batches > 1 "
+                "what it returns is averaged over micro-batches, so these rows would not be the batch's; return "
+                "a reduction over the examples (e.g. their mean) as aux, or use num_micro_batches=1 "
+                "(docs/micro-batches.md)")
 
 
 def _rerun_in_loop(eqns: Sequence[JaxprEqn], hoisted: Sequence[int], per_micro: Sequence[int],

@@ -7,7 +7,8 @@
   shard the others as optimizer state).
 * ``"grad"``: the values :func:`alpa_like.grad` returns (gradients, and the value and aux of
   ``value_and_grad``). Everything before this marker is compute-grad (run once per micro-batch), everything
-  after it is apply-grad (Alpa dissertation 3.5, "the grad marker").
+  after it is apply-grad (Alpa dissertation 3.5, "the grad marker"). Its ``names`` parameter holds the
+  values' names as the user unpacks them (``value``, ``aux['logits']``, ``grads['w']``) for error messages.
 * ``"boundary"``: :func:`mark_pipeline_boundary`, a zero-operand marker between manual layers.
 * ``"fwd_start"`` / ``"fwd_end"``: the inputs and outputs of forward layer ``layer`` (layer construction).
   They are linear: their JVP marks the tangents too, and transposing gives the mirrored backward markers,
@@ -33,37 +34,42 @@ marker_p = Primitive("alpa_marker")
 marker_p.multiple_results = True
 
 
-def _marker_impl(*values, kind, layer):
-    del kind, layer  # Unused: the identity.
+def _params(kind: str, layer: int, names: tuple[str, ...] = ()) -> dict:
+    """A marker's parameters; ``names`` only where given (they show in every printed jaxpr)."""
+    return {"kind": kind, "layer": layer, **({"names": names} if names else {})}
+
+
+def _marker_impl(*values, kind, layer, names=()):
+    del kind, layer, names  # Unused: the identity.
     return values
 
 
-def _marker_abstract_eval(*avals, kind, layer):
-    del kind, layer  # Unused.
+def _marker_abstract_eval(*avals, kind, layer, names=()):
+    del kind, layer, names  # Unused.
     return avals
 
 
-def _marker_lowering(ctx, *values, kind, layer):
-    del ctx, kind, layer  # Unused: lowers to nothing.
+def _marker_lowering(ctx, *values, kind, layer, names=()):
+    del ctx, kind, layer, names  # Unused: lowers to nothing.
     return values
 
 
-def _marker_jvp(primals, tangents, *, kind, layer):
-    out = marker_p.bind(*primals, kind=kind, layer=layer)
+def _marker_jvp(primals, tangents, *, kind, layer, names=()):
+    out = marker_p.bind(*primals, **_params(kind, layer, names))
     if kind in PASS_THROUGH_KINDS:
         return out, [ad.instantiate_zeros(t) for t in tangents]
-    return out, marker_p.bind(*[ad.instantiate_zeros(t) for t in tangents], kind=kind, layer=layer)
+    return out, marker_p.bind(*[ad.instantiate_zeros(t) for t in tangents], **_params(kind, layer, names))
 
 
-def _marker_transpose(cotangents, *primals, kind, layer):
+def _marker_transpose(cotangents, *primals, kind, layer, names=()):
     cts = [ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct for ct in cotangents]
     cts = [jax.numpy.zeros(p.aval.shape, p.aval.dtype) if type(ct) is ad.Zero else ct
            for ct, p in zip(cts, primals, strict=True)]
-    return marker_p.bind(*cts, kind=_TRANSPOSED[kind], layer=layer)
+    return marker_p.bind(*cts, **_params(_TRANSPOSED[kind], layer, names))
 
 
-def _marker_batch(values, dims, *, kind, layer):
-    return marker_p.bind(*values, kind=kind, layer=layer), dims
+def _marker_batch(values, dims, *, kind, layer, names=()):
+    return marker_p.bind(*values, **_params(kind, layer, names)), dims
 
 
 marker_p.def_impl(_marker_impl)
@@ -74,14 +80,17 @@ ad.primitive_transposes[marker_p] = _marker_transpose
 batching.primitive_batchers[marker_p] = _marker_batch
 
 
-def mark(tree, kind: str, layer: int = -1):
-    """Returns ``tree`` unchanged, with every array leaf passed through one ``marker_p`` of ``kind``."""
+def mark(tree, kind: str, layer: int = -1, names: tuple[str, ...] = ()):
+    """Returns ``tree`` unchanged, with every array leaf passed through one ``marker_p`` of ``kind``;
+    ``names``: one per leaf, in ``tree_flatten`` order (the user's names of the values), or empty."""
     if kind not in MARKER_KINDS:
         raise ValueError(f"marker kind must be one of {MARKER_KINDS}, got {kind!r}")
     leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if names and len(names) != len(leaves):
+        raise ValueError(f"names: {len(names)} given for a tree of {len(leaves)} leaves")
     if not leaves:
         return tree
-    marked = marker_p.bind(*leaves, kind=kind, layer=layer)
+    marked = marker_p.bind(*leaves, **_params(kind, layer, tuple(names)))
     return jax.tree_util.tree_unflatten(treedef, marked)
 
 

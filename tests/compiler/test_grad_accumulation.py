@@ -10,8 +10,8 @@ import pytest
 import alpa_like as al
 from alpa_like.compiler.grad_accumulation import make_step_fn, split_at_grad_marker, to_micro_batches
 from alpa_like.compiler.trace import trace_step
-from tests.helpers import (assert_trees_close, make_train_step, micro_batch_key, micro_batch_loop, mlp_batch,
-                           mlp_loss, mlp_state, same_key)
+from tests.helpers import (assert_trees_close, make_train_step, micro_batch_key, micro_batch_loop, mlp_apply,
+                           mlp_batch, mlp_loss, mlp_state, same_key)
 
 
 def _trace(step, m=2):
@@ -213,11 +213,30 @@ def test_per_example_aux_is_rejected_and_parameter_shaped_results_are_gradients(
         return state.apply_gradients(grads=grads), aux["mean"], aux["rows"]
 
     traced, mask = _trace(step)
-    with pytest.raises(ValueError, match=r"returns a value of shape \(16,\) whose dim 0 is a micro-batch's 16 rows"):
+    with pytest.raises(ValueError, match=r"al.value_and_grad returns aux\['rows'\] of shape \(16,\) whose dim 0 is "
+                                         r"a micro-batch's 16 rows"):
         split_at_grad_marker(traced.closed_jaxpr, mask)
     # a 16 x 32 weight's gradient has 16 = the micro-batch's rows in dim 0: shaped like its parameter, it is one
     traced, mask = _trace(make_train_step(mlp_loss))
     assert any(v.aval.shape == (16, 32) for v in split_at_grad_marker(traced.closed_jaxpr, mask).marker.invars)
+
+
+def test_the_per_example_aux_error_names_the_value_as_the_user_unpacks_it():
+    def loss_with_tuple(params, batch):
+        return mlp_loss(params, batch), (jnp.mean(batch["x"]), mlp_apply(params, batch["x"]))
+
+    def value_and_grad_step(state, batch):
+        (loss, (mean, logits)), grads = al.value_and_grad(loss_with_tuple, has_aux=True)(state.params, batch)
+        return state.apply_gradients(grads=grads), mean, logits
+
+    def grad_step(state, batch):
+        grads, (mean, logits) = al.grad(loss_with_tuple, has_aux=True)(state.params, batch)
+        return state.apply_gradients(grads=grads), mean, logits
+
+    for step, call in ((value_and_grad_step, "al.value_and_grad"), (grad_step, "al.grad")):
+        traced, mask = _trace(step)
+        with pytest.raises(ValueError, match=rf"{call} returns aux\[1\] of shape \(16, 8\) whose dim 0"):
+            split_at_grad_marker(traced.closed_jaxpr, mask)
 
 
 def test_integer_aux_is_rejected():
@@ -229,5 +248,5 @@ def test_integer_aux_is_rejected():
         return state.apply_gradients(grads=grads), count
 
     traced, mask = _trace(step)
-    with pytest.raises(ValueError, match="must be floating point"):
+    with pytest.raises(ValueError, match=r"returns aux of dtype int32; .* must be floating point"):
         split_at_grad_marker(traced.closed_jaxpr, mask)

@@ -50,3 +50,22 @@ def test_boundary_marker_stays_in_the_traced_step():
 def test_unknown_kind_is_rejected():
     with pytest.raises(ValueError, match="marker kind must be one of"):
         mark(jnp.ones(2), "stage")
+
+
+def test_a_marker_keeps_the_names_of_its_values_through_jit_vmap_and_grad():
+    names = ("value", "aux['logits']")
+
+    def f(x):
+        value, logits = mark((jnp.sum(x), x * 2.0), "grad", names=names)
+        return value + jnp.sum(logits)
+
+    def marker_names(jaxpr):
+        return [e.params["names"] for e in jaxpr.eqns if is_marker(e, "grad")]
+
+    x = jnp.ones(3)
+    assert marker_names(jax.make_jaxpr(jax.jit(f))(x).eqns[0].params["jaxpr"].jaxpr) == [names]
+    assert marker_names(jax.make_jaxpr(jax.vmap(f))(jnp.ones((2, 3))).jaxpr) == [names]
+    assert names in marker_names(jax.make_jaxpr(jax.grad(f))(x).jaxpr)
+    assert "names" not in jax.make_jaxpr(lambda x: mark(x, "param"))(x).eqns[0].params  # only where given
+    with pytest.raises(ValueError, match="names: 1 given for a tree of 2 leaves"):
+        mark((x, x), "grad", names=("value",))
