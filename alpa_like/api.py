@@ -19,7 +19,7 @@ from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable
 from alpa_like.runtime.spmd import SpmdExecutable, compile_spmd
 from alpa_like.pipeshard import PipeshardParallel, compile_pipeshard, plan_pipeshard
 from alpa_like.shard_parallel import ShardParallel
-from alpa_like.training import CreateStateExecutable, CreateStateParallel, FollowParallel, compile_follow
+from alpa_like.training import CreateStateParallel, FollowParallel, compile_create_state, compile_follow
 
 CLUSTER_KINDS = ("local", "ray")
 Executable = SpmdExecutable | PipeshardExecutable
@@ -228,7 +228,7 @@ class ParallelizedFunc:
                 raise ValueError(f"donate_argnums contains {i}, but the step has {len(args)} arguments")
         devices = backend_devices()
         if isinstance(self.method, CreateStateParallel):
-            return CreateStateExecutable(self.fun, args, self.method)
+            return compile_create_state(self.fun, args, self.method)
         if isinstance(self.method, FollowParallel):
             return compile_follow(self.fun, args, self.method, static_argnums=self.static_argnums,
                                   batch_argnums=self.batch_argnums)

@@ -17,6 +17,9 @@ layouts, so no parameter moves. Under an SPMD train step the eval step is one pr
 other arguments split over the mesh along dim 0 where that divides; under a pipeline it is cut into one
 piece per stage mesh (:mod:`~alpa_like.runtime.follow`), run in stage order, and its outputs come back on the
 last stage's mesh.
+
+On the Ray backend both run on the pipeline train step's workers (:mod:`~alpa_like.runtime.ray_training`): the
+state is made there and the driver gets ``RemoteArray`` s; an eval step's outputs come back as NumPy arrays.
 """
 from __future__ import annotations
 
@@ -94,6 +97,8 @@ def compile_follow(fun: Callable, args: Sequence[Any], method: FollowParallel, *
     from alpa_like.compiler.trace import trace_step
     from alpa_like.runtime.follow import ForwardPipelineExecutable
     from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable
+    from alpa_like.runtime.ray_backend import RayPipeshardExecutable
+    from alpa_like.runtime.ray_training import RayForwardExecutable
     from alpa_like.runtime.spmd import SpmdExecutable
 
     argnum = method.state_argnum
@@ -115,8 +120,9 @@ def compile_follow(fun: Callable, args: Sequence[Any], method: FollowParallel, *
         return ForwardPipelineExecutable(traced, train.meshes, placements)
     if isinstance(train, SpmdExecutable):
         return FollowSpmdExecutable(fun, traced, train, state_leaves, train_leaves, static_argnums)
-    raise NotImplementedError(f"FollowParallel follows train steps on the local backend; got "
-                              f"{type(train).__name__} (al.init('local'))")
+    if isinstance(train, RayPipeshardExecutable):
+        return RayForwardExecutable(traced, train, dict(zip(state_leaves, train_leaves, strict=True)))
+    raise NotImplementedError(f"FollowParallel follows SPMD and pipeline train steps; got {type(train).__name__}")
 
 
 class FollowSpmdExecutable:
@@ -201,6 +207,20 @@ def state_shardings(exe: Any, argnum: int) -> list[jax.sharding.Sharding | None]
     """The layouts the executable takes the leaves of its argument ``argnum`` in (flat, in pytree order)."""
     shardings = exe.input_shardings()
     return [s for s, leaf in zip(shardings, exe.traced.in_leaves, strict=True) if leaf.arg_index == argnum]
+
+
+def compile_create_state(fun: Callable, args: Sequence[Any], method: CreateStateParallel):
+    """The executable of ``create_state(*args)`` under ``method``: :class:`CreateStateExecutable`, or on the Ray
+    backend a :class:`~alpa_like.runtime.ray_training.RayCreateStateExecutable` (the state is made on the
+    train step's workers; the driver holds none of it)."""
+    from alpa_like.runtime.ray_backend import RayPipeshardExecutable
+    from alpa_like.runtime.ray_training import RayCreateStateExecutable
+
+    train = method.train_step.get_executable(*method.train_args(abstract(jax.eval_shape(fun, *args))))
+    if isinstance(train, RayPipeshardExecutable):
+        state = [k for k, leaf in enumerate(train.traced.in_leaves) if leaf.arg_index == method.state_argnum]
+        return RayCreateStateExecutable(fun, args, train, state)
+    return CreateStateExecutable(fun, args, method)
 
 
 class CreateStateExecutable:

@@ -212,6 +212,12 @@ class RayStepStats:
     worker_seconds: tuple[float, ...] = ()
     donated_buffers: int = 0
     """Buffers of donated step inputs (``donate_argnums``) the workers' RUNs donated."""
+    input_routes: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    """Flat input leaf -> how each mesh that loads it got it (``ref``, ``handle`` or ``peer``, as in
+    :attr:`inputs_by_kind`)."""
+    input_relayouts: int = 0
+    """LOADs of a stored step input (a handle) that was not in the layout the LOAD puts it in, so the worker laid
+    it out again on its mesh (none for a state made by ``al.CreateStateParallel``)."""
 
 
 class RemoteArray:
@@ -561,10 +567,12 @@ class RayPipeshardExecutable:
     their step reports. ``donate_flat``: the flat input leaves the step may donate (``donate_argnums``): each
     is donated by the last RUN that reads it on the mesh that loads it, and a :class:`RemoteArray` given for
     it is then :attr:`RemoteArray.donated` (a driver array was copied to the workers and stays valid).
+    ``returned``: the outputs that come back as NumPy arrays (default: those that update no input).
     """
 
     def __init__(self, *, traced, plan, program: StageProgram, programs: MeshPrograms, input_specs: dict,
-                 cluster: RayCluster, devices=None, donate_flat: Sequence[int] = ()):
+                 cluster: RayCluster, devices=None, donate_flat: Sequence[int] = (),
+                 returned: frozenset[int] | None = None):
         import ray
         del devices  # The workers own the devices.
         self.traced, self.plan, self.program, self.programs = traced, plan, program, programs
@@ -588,9 +596,11 @@ class RayPipeshardExecutable:
         draws = micro_batch_key_draws(program, self.num_micro_batches)
         shipped = {key: export_piece(piece, cluster.platform, draws.get(key, ()))
                    for key, piece in program.pieces.items()}
-        self._returned = frozenset(k for k, source in enumerate(updated_inputs(traced.in_leaves, traced.out_leaves))
-                                   if source is None and programs.outputs[k] is not None)
-        """The outputs that update no input: sent back in the step reports."""
+        if returned is None:
+            returned = frozenset(k for k, source in enumerate(updated_inputs(traced.in_leaves, traced.out_leaves))
+                                 if source is None and programs.outputs[k] is not None)
+        self._returned = returned
+        """The outputs sent back in the step reports (by default those that update no input)."""
         donations = input_donations(programs, program, [program.step_inputs[k] for k in donate_flat])
         self.worker_programs = worker_programs(program, programs, self.meshes, input_specs, shipped,
                                                self.num_micro_batches, self._returned, donations)
@@ -657,6 +667,7 @@ class RayPipeshardExecutable:
         stats.input_bytes = sum(r["input_bytes_sent"] for r in reports)
         stats.worker_seconds = tuple(r["seconds"] for r in reports)
         stats.donated_buffers = sum(r["donated_buffers"] for r in reports)
+        stats.input_relayouts = sum(r["input_relayouts"] for r in reports)
         self._mark_donated(flat, inputs)
         values = {k: from_host(v) for r in reports for k, v in r["outputs"].items()}
         results = [values[k] if k in values else self.program.literal_outputs[k] if k not in remote else
@@ -686,7 +697,8 @@ class RayPipeshardExecutable:
         handle_sends: list[list] = [[] for _ in self.workers]
         sent = 0
         kinds = {"ref": 0, "handle": 0, "peer": 0}
-        for v, x in zip(self.program.step_inputs, flat, strict=True):
+        routes: dict[int, tuple[str, ...]] = {}
+        for index, (v, x) in enumerate(zip(self.program.step_inputs, flat, strict=True)):
             loaders = self._loaders.get(v)
             if not loaders:
                 continue
@@ -708,6 +720,7 @@ class RayPipeshardExecutable:
                 for k in loaders:
                     inputs[k][v] = ("ref", [ref, *payload[1:]])
                 kinds["ref"] += 1
+                routes[index] = ("ref",) * len(loaders)
                 continue
             holder = min(here)
             for k in loaders:
@@ -718,7 +731,8 @@ class RayPipeshardExecutable:
                     inputs[k][v] = ("peer", None)
                     handle_sends[holder].append((here[holder], k, v))
                     kinds["peer"] += 1
-        stats.inputs_by_kind = kinds
+            routes[index] = tuple(inputs[k][v][0] for k in loaders)
+        stats.inputs_by_kind, stats.input_routes = kinds, routes
         return inputs, handle_sends, sent
 
     def _wait(self, refs: list, what: str, *, timeout: float | None, step: int | None = None) -> list:
@@ -799,6 +813,15 @@ class RayPipeshardExecutable:
                     pass
             ray.wait(refs, num_returns=len(refs), timeout=ABORT_GRACE_SECONDS)
         raise RayStepError(message)
+
+    def input_placements(self) -> tuple[dict[int, ShardingSpec], ...]:
+        """Per flat input leaf (``traced.in_leaves``), the meshes that load it, each with the layout its LOAD
+        puts it in there (in the order of their first LOAD); empty for a leaf no mesh reads."""
+        from alpa_like.runtime.ray_worker import load_spec
+        programs, meshes = self.worker_programs, self.meshes
+        return tuple({m: load_spec(programs[m].input_specs, v, leaf.shape, meshes[m].logical_shape)
+                      for m in self._loaders.get(v, ())}
+                     for v, leaf in zip(self.program.step_inputs, self.traced.in_leaves, strict=True))
 
     def worker_handles(self) -> list[int]:
         """How many arrays each worker holds (step outputs not yet dropped)."""

@@ -215,6 +215,24 @@ class MeshWorker:
                 self._store[handle] = read[key]
         return len(items)
 
+    # ------------------------------------------------------------------------------------- created state
+
+    def create_handles(self, exe_id: int, exported: bytes, args: Sequence, outputs: Sequence[tuple[int, ShardingSpec]],
+                       frees: Sequence[int] = ()) -> int:
+        """Runs the ``jax.export`` ed function ``exported`` on executable ``exe_id``'s mesh and keeps its results:
+        output ``j`` is made in layout ``outputs[j][1]`` (GSPMD partitions the computation from those layouts)
+        and stored as handle ``outputs[j][0]``. ``args``: its arguments as :func:`host_value` gives them;
+        ``frees``: handles the driver dropped. Returns how many it made."""
+        import jax
+        self.free(frees)
+        loaded = self._loaded[exe_id]
+        function = jax.export.deserialize(bytearray(exported))
+        values = jax.jit(function.call, out_shardings=[loaded.sharding(spec) for _, spec in outputs])(
+            *(jax.random.wrap_key_data(x[0], impl=x[1]) if isinstance(x, tuple) else x for x in args))
+        jax.block_until_ready(values)
+        self._store.update(zip((h for h, _ in outputs), values, strict=True))
+        return len(outputs)
+
     # ----------------------------------------------------------------------------------- worker to worker
 
     def deliver(self, exe_id: int, step: int, keys: Sequence, refs: list) -> None:
@@ -286,7 +304,7 @@ class MeshWorker:
         self._store.update(zip(out_handles, outputs, strict=True))
         return {"mesh": loaded.program.mesh, "seconds": time.perf_counter() - start,
                 "bytes_sent": run.bytes_sent, "input_bytes_sent": run.input_bytes_sent, "instructions": run.count,
-                "donated_buffers": run.donated, "outputs": returned}
+                "donated_buffers": run.donated, "input_relayouts": run.relayouts, "outputs": returned}
 
 
 class _Parcel:
@@ -379,6 +397,8 @@ class _StepRun:
         """Cross-mesh bytes of stored step inputs (handles) sent to the meshes that LOAD them."""
         self.donated = 0
         """Buffers of donated step inputs the RUNs donated (``WorkerProgram.donations``)."""
+        self.relayouts = 0
+        """LOADs of a stored array (a handle) not already in the layout the LOAD puts it in."""
         self.index, self.current, self.count = -1, "(before the first instruction)", 0
 
     # ---------------------------------------------------------------------------------------- the program
@@ -495,6 +515,7 @@ class _StepRun:
         import jax
         from alpa_like.runtime.pipeshard_runtime import _split_micro_batches
         v, mb = ins.key
+        kind = None
         if v in self.program.constants:
             value = self.program.constants[v]
         else:
@@ -520,8 +541,10 @@ class _StepRun:
             value = self.micro[v][mb]
         shape = np.shape(value)
         info = self.program.meshes[self.program.mesh]
-        spec = load_spec(self.program.input_specs, v, shape, info.logical_shape)
-        self.buffers[ins.key] = jax.device_put(value, self.loaded.sharding(spec))
+        sharding = self.loaded.sharding(load_spec(self.program.input_specs, v, shape, info.logical_shape))
+        if kind == "handle" and mb == PER_STEP and not value.sharding.is_equivalent_to(sharding, len(shape)):
+            self.relayouts += 1
+        self.buffers[ins.key] = jax.device_put(value, sharding)
         self._wrote(ins.key)
 
     def _recv(self, ins: Instruction) -> None:
