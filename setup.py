@@ -38,6 +38,7 @@ setup(
             "pytest-timeout>=2.3,<3",
             "pytest-xdist>=3.5,<4",
             "hypothesis>=6.100,<7",
+            "import-linter>=2.1,<3",  # the layers contract in .importlinter (tests/test_layers.py)
         ],
     },
 )

@@ -10,10 +10,10 @@ from typing import Any
 
 import jax
 
-from alpa_like.cluster import ClusterSpec
+from alpa_like.compiler.cluster import ClusterSpec
 from alpa_like.compiler.trace import TracedStep, argument_names, leaf_aval, path_to_str, trace_step
 from alpa_like.methods import DataParallel, ManualShardParallel, Zero2Parallel, Zero3Parallel
-from alpa_like.plan import ParallelPlan, memory_message
+from alpa_like.compiler.plan import ParallelPlan, memory_message
 from alpa_like.planning import spmd_plan
 from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable
 from alpa_like.runtime.spmd import SpmdExecutable, compile_spmd

@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 from alpa_like.compiler.trace import key_to_str
-from alpa_like.plan import ParallelPlan
+from alpa_like.compiler.plan import ParallelPlan
 from alpa_like.runtime.checkpoint_io import Target, read_arrays, start_write
 from alpa_like.runtime.instructions import Op
 from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable

@@ -9,31 +9,16 @@ Plain `jax.grad` inside a step also works for single-micro-batch methods; accumu
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 
 from alpa_like.compiler.layer_construction import active_layering, construct_layers
 from alpa_like.compiler.markers import mark
+from alpa_like.compiler.tracing_hooks import active_grad_hook
 
 
-GradHook = Callable[..., object]
-_HOOK: contextvars.ContextVar[GradHook | None] = contextvars.ContextVar("alpa_like_grad_hook", default=None)
-
-
-@contextlib.contextmanager
-def grad_hook(hook: GradHook) -> Iterator[None]:
-    """Within this block ``al.grad(fun, ...)(*args)`` returns ``hook(fun, args, kwargs, argnums=...,
-    has_aux=..., with_value=..., jax_kwargs=...)`` instead (the TeraPipe runtime uses it to find the loss
-    and to feed in gradients it computed slice by slice)."""
-    token = _HOOK.set(hook)
-    try:
-        yield
-    finally:
-        _HOOK.reset(token)
 
 
 def _mark_argnums(args: tuple, argnums: int | Sequence[int]) -> tuple:
@@ -57,7 +42,7 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
     """
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
-        hook = _HOOK.get()
+        hook = active_grad_hook()
         if hook is not None:
             return hook(fun, args, kwargs, argnums=argnums, has_aux=has_aux, with_value=True, jax_kwargs=jax_kwargs)
         inner = jax.value_and_grad(_layered(fun), argnums=argnums, has_aux=has_aux, **jax_kwargs)
@@ -92,7 +77,7 @@ def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
     """Like `jax.grad`; see :func:`value_and_grad` for what the markers add."""
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
-        hook = _HOOK.get()
+        hook = active_grad_hook()
         if hook is not None:
             return hook(fun, args, kwargs, argnums=argnums, has_aux=has_aux, with_value=False, jax_kwargs=jax_kwargs)
         inner = jax.grad(_layered(fun), argnums=argnums, has_aux=has_aux, **jax_kwargs)

@@ -25,60 +25,18 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
-from alpa_like.cluster import ClusterSpec
+from alpa_like.compiler.cluster import ClusterSpec
 from alpa_like.compiler.loss_reduction import batch_sum_warnings
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.trace import LeafInfo, TracedStep
-from alpa_like.plan import CommEstimate, OpPlan, SolverReport
+from alpa_like.compiler.spmd_layout import SpmdLayout, largest_dim_spec
 
 DATA_AXIS = "data"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SpmdLayout:
-    """A mesh and one sharding per leaf: what an SPMD method decided."""
-
-    mesh_shape: tuple[int, ...]
-    axis_names: tuple[str, ...]
-    roles: tuple[str, ...]
-    """Per input leaf, one of plan.ROLES."""
-    in_specs: tuple[ShardingSpec, ...]
-    out_specs: tuple[ShardingSpec | None, ...]
-    """None leaves the output's sharding to XLA."""
-    shard_grads: bool = False
-    """Pin the gradients (the values of the grad marker) to :func:`largest_dim_spec`."""
-    gathered_roles: tuple[str, ...] = ()
-    """Roles whose leaves are stored sharded but gathered whole where the step reads them (ZeRO-3's
-    parameters): their ``in_specs`` say nothing about the layouts of the values computed from them."""
-    eqn_constraints: tuple[tuple[int, int, ShardingSpec], ...] = ()
-    """(equation index in the traced jaxpr, output index, spec): intermediate values pinned with
-    `with_sharding_constraint` (how the intra-op pass makes XLA follow its choice)."""
-    operand_constraints: tuple[tuple[int, int, ShardingSpec], ...] = ()
-    """(equation index, operand position, spec): an operand pinned as that one equation reads it (the layout
-    its chosen algorithm needs), leaving the value itself, and its other readers, alone."""
-    warnings: tuple[str, ...] = ()
-    communication: tuple[CommEstimate, ...] | None = None
-    """Modelled collectives per step when the method predicts them itself (the intra-op pass); None lets
-    :func:`alpa_like.planning.spmd_plan` model data-parallel gradient synchronisation."""
-    op_plans: tuple[OpPlan, ...] = ()
-    """The intra-op pass's chosen spec and cost per parameter and heavy operator (shown by the plan)."""
-    solver: SolverReport | None = None
-    """How the intra-op ILP was solved (shown by the plan)."""
 
 
 def _check_micro_batches(num_micro_batches: Any) -> None:
     if not isinstance(num_micro_batches, int) or isinstance(num_micro_batches, bool) or num_micro_batches < 1:
         raise ValueError(f"num_micro_batches must be a positive int, got {num_micro_batches!r}")
-
-
-def largest_dim_spec(shape: Sequence[int], num_shards: int, axis: int = 0) -> ShardingSpec:
-    """Shards the largest dim divisible by ``num_shards`` on mesh ``axis``; replicated if none divides."""
-    candidates = [d for d, n in enumerate(shape) if n % num_shards == 0 and n >= num_shards]
-    dims = [()] * len(shape)
-    if candidates and num_shards > 1:
-        best = max(candidates, key=lambda d: (shape[d], -d))
-        dims[best] = (axis,)
-    return ShardingSpec(axes=tuple(dims))
 
 
 _KEY_NAME = re.compile(r"rng|key|seed", re.IGNORECASE)
@@ -95,7 +53,7 @@ def is_prng_key(leaf: LeafInfo) -> bool:
 
 
 def input_roles(traced: TracedStep) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Role of every input leaf (one of :data:`alpa_like.plan.ROLES`), and warnings. Parameters come from
+    """Role of every input leaf (one of :data:`alpa_like.compiler.plan.ROLES`), and warnings. Parameters come from
     al.grad markers, else from the flax convention of a ``params`` path component. When parameters are
     known, the other state leaves are ``optimizer_state`` (what ZeRO shards), except PRNG keys
     (:func:`is_prng_key`), which are ``state``."""

@@ -12,57 +12,22 @@ as inputs of the traced slice), and reports its own keys and values (outputs of 
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import dataclasses
 import math
-from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 
+from alpa_like.compiler.tracing_hooks import (ATTENTION_SCOPE, TokenSliceContext, active_token_slice,
+                                              token_slice_context)
+
 __all__ = ["ATTENTION_SCOPE", "causal_self_attention", "TokenSliceContext", "token_slice_context"]
 
-ATTENTION_SCOPE = "causal_self_attention"
-"""Name of the ``jax.named_scope`` wrapping the body of :func:`causal_self_attention`."""
-
-
-@dataclasses.dataclass
-class TokenSliceContext:
-    """Key/value cache plumbing of one traced token slice (TeraPipe).
-
-    ``prefixes[n]`` holds, for the ``n``-th attention call of the slice, one ``(k, v)`` pair per earlier
-    slice of the sequence (``[batch, l_j, heads, head_dim]`` each, in sequence order); ``None`` means no
-    earlier slice. Each call appends its own ``(k, v)`` to ``produced``.
-    """
-
-    prefixes: Sequence[Sequence[tuple[jax.Array, jax.Array]]] | None = None
-    produced: list[tuple[jax.Array, jax.Array]] = dataclasses.field(default_factory=list)
-    prefix_valid: jax.Array | None = None
-    """Shared executables for slices of one length and different contexts: the prefixes are left-padded
-    to a common length ``P`` and only their last ``prefix_valid`` tokens (an int scalar, traced) are real;
-    the padding is masked out of the attention (its probability is exactly 0). None: all tokens real."""
-
-
-_SLICE: contextvars.ContextVar[TokenSliceContext | None] = contextvars.ContextVar("alpa_like_token_slice",
-                                                                                   default=None)
-
-
-@contextlib.contextmanager
-def token_slice_context(context: TokenSliceContext) -> Iterator[TokenSliceContext]:
-    """Within this block :func:`causal_self_attention` reads cached prefixes from ``context`` and records
-    the keys and values it computes (the TeraPipe runtime's tracing hook; numerics are unchanged)."""
-    token = _SLICE.set(context)
-    try:
-        yield context
-    finally:
-        _SLICE.reset(token)
 
 
 def _with_prefix(k: jax.Array, v: jax.Array, mask):
     """k, v extended by the cached prefix of the active token slice (if any), and the key mask (None, or
     the real keys when the prefix is padded: ``[1, 1, 1, P + S_k]``)."""
-    context = _SLICE.get()
+    context = active_token_slice()
     if context is None:
         return k, v, mask
     k, v = _concat_prefix(context, k, v, mask)

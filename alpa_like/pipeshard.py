@@ -11,7 +11,7 @@ Planning (Alpa dissertation 3.5, Alg. 2), each step a pass of :mod:`alpa_like.co
     -> ParallelPlan
 
 ``al.plan`` stops at the plan; calling a parallelized step also builds the per-stage programs
-(:mod:`alpa_like.compiler.stage_construction`), the schedule (:mod:`alpa_like.runtime.schedules`) and the
+(:mod:`alpa_like.compiler.stage_construction`), the schedule (:mod:`alpa_like.compiler.schedules`) and the
 static instruction programs, and runs them on the local MPMD backend
 (:mod:`alpa_like.runtime.pipeshard_runtime`).
 """
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from jax.extend.core import ClosedJaxpr
 
-from alpa_like.cluster import ClusterSpec
+from alpa_like.compiler.cluster import ClusterSpec
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.auto_sharding import PassOptions
 from alpa_like.compiler.cross_layer_grad import split_cross_layer_grad_sums
@@ -47,10 +47,10 @@ from alpa_like.compiler.submesh import assign_devices, submesh_shapes
 from alpa_like.compiler.terapipe_planning import attention_fractions, choose_token_slicing
 from alpa_like.compiler.trace import TracedStep, trace_step
 from alpa_like.methods import _check_micro_batches, input_roles
-from alpa_like.plan import CommEstimate, ParallelPlan, StagePlan, TensorPlan
+from alpa_like.compiler.plan import CommEstimate, ParallelPlan, StagePlan, TensorPlan
 from alpa_like.runtime.instructions import emit_programs
 from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable
-from alpa_like.runtime.schedules import make_schedule
+from alpa_like.compiler.schedules import make_schedule
 from alpa_like.runtime.simulator import simulate
 from alpa_like.runtime.terapipe_runtime import TerapipeExecutable, check_batch_slices
 from alpa_like.shard_parallel import AutoShardingOption

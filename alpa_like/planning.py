@@ -20,15 +20,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from alpa_like.cluster import ClusterSpec
+from alpa_like.compiler.cluster import ClusterSpec
 from alpa_like.compiler.flops import equation_seconds, jaxpr_flops, jaxpr_seconds
 from alpa_like.compiler.grad_accumulation import batch_dependent, split_at_grad_marker, split_total
 from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.compiler.memory_estimate import peak_live_bytes
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.trace import LeafInfo, TracedStep
-from alpa_like.methods import SpmdLayout, largest_dim_spec
-from alpa_like.plan import CommEstimate, ParallelPlan, StagePlan, TensorPlan
+from alpa_like.compiler.spmd_layout import SpmdLayout, batch_axes, largest_dim_spec
+from alpa_like.compiler.plan import CommEstimate, ParallelPlan, StagePlan, TensorPlan
 
 
 def cluster_submesh(cluster: ClusterSpec) -> tuple[int, int]:
@@ -48,15 +48,6 @@ def tensor_plan(leaf: LeafInfo, role: str, spec: ShardingSpec | None, mesh_shape
     shards = 1 if spec is None else spec.num_shards(tuple(mesh_shape))
     return TensorPlan(path=leaf.path, shape=leaf.shape, dtype=leaf.dtype, role=role, spec=spec,
                       bytes_per_device=leaf.nbytes // shards)
-
-
-def batch_axes(layout: SpmdLayout) -> tuple[int, ...]:
-    """Mesh axes that split the batch (dim 0 of the batch leaves)."""
-    axes = set()
-    for role, spec in zip(layout.roles, layout.in_specs, strict=True):
-        if role == "batch" and spec.axes:
-            axes.update(spec.axes[0])
-    return tuple(sorted(axes))
 
 
 def gradient_communication(layout: SpmdLayout, in_leaves: Sequence[LeafInfo], mesh: LogicalMesh, offset: int,

@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from alpa_like.cluster import ClusterSpec
+from alpa_like.compiler.cluster import ClusterSpec
 from alpa_like.compiler.auto_sharding import (
     PINNED_PRIMITIVES,
     PassOptions,
@@ -58,7 +58,7 @@ from alpa_like.compiler.strategies import Collective, shards
 from alpa_like.compiler.trace import TracedStep
 from alpa_like.compiler.weight_update_sharding import WeightUpdateSharding, plan_weight_update_sharding
 from alpa_like.methods import SpmdLayout, _check_micro_batches, input_roles, match_outputs_to_inputs
-from alpa_like.plan import SELECTIONS, CommEstimate, OpPlan, PlanCandidate, SolverReport
+from alpa_like.compiler.plan import SELECTIONS, CommEstimate, OpPlan, PlanCandidate, SolverReport
 from alpa_like.runtime.spmd import compile_spmd
 from alpa_like.timing import time_interleaved
 

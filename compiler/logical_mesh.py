@@ -15,7 +15,7 @@ import numbers
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from alpa_like.cluster import ClusterSpec
+    from alpa_like.compiler.cluster import ClusterSpec
 
 Axis = int | tuple[int, ...]
 """A mesh axis argument: ``0``, ``1`` or ``(0, 1)`` (both axes as one ring)."""

@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
-from alpa_like.cluster import ClusterSpec
+from alpa_like.compiler.cluster import ClusterSpec
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.auto_sharding import (
     PassOptions,

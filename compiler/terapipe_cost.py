@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from alpa_like.cluster import ClusterSpec
+from alpa_like.compiler.cluster import ClusterSpec
 
 __all__ = ["SliceCostModel", "SliceTimings", "fit_slice_costs", "analytic_slice_costs", "measured_slice_costs",
            "slice_grid", "time_slice_grid",

@@ -24,7 +24,7 @@ import numpy as np
 
 from alpa_like.compiler.flops import eqn_flops
 from alpa_like.compiler.token_slicing import slice_contexts, slice_cost_table, solve_joint_slicing
-from alpa_like.nn import ATTENTION_SCOPE
+from alpa_like.compiler.tracing_hooks import ATTENTION_SCOPE
 
 __all__ = ["TokenSlicingDecision", "attention_fractions", "stage_slice_costs", "batch_slice_sizes", "token_grain",
            "choose_token_slicing"]

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
 from alpa_like.compiler.stage_construction import StageProgram, ValueId, apply_order
-from alpa_like.runtime.schedules import Phase, Schedule
+from alpa_like.compiler.schedules import Phase, Schedule
 
 PER_STEP = -1
 Key = tuple[ValueId, int]

@@ -50,7 +50,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from alpa_like.cluster import ClusterSpec
+from alpa_like.compiler.cluster import ClusterSpec
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.micro_batch_keys import KeyDraws

@@ -41,7 +41,7 @@ CPU devices), each node also has a clock: RUN, RECV and LOAD instructions of dif
 take turns instead of overlapping, and a RUN computes with the whole node (``num_devices_per_node`` devices
 worth of ``peak_flops``, the per-device rate with every device busy), not only its mesh's devices.
 
-The result is a :class:`~alpa_like.runtime.schedules.Timeline` of the RUN instructions (so the measured and
+The result is a :class:`~alpa_like.compiler.schedules.Timeline` of the RUN instructions (so the measured and
 simulated timelines export and plot the same way) and the predicted step time.
 """
 from __future__ import annotations
@@ -59,7 +59,7 @@ from alpa_like.compiler.stage_construction import StageProgram, updating_stages
 from alpa_like.runtime.instructions import PER_STEP, MeshPrograms, Op
 from alpa_like.runtime.pipeshard_runtime import activation_spec
 from alpa_like.runtime.resharding import MeshLayout, plan_resharding
-from alpa_like.runtime.schedules import MeshIdx, MicroBatchIdx, Phase, Span, StageIdx, Task, Timeline
+from alpa_like.compiler.schedules import MeshIdx, MicroBatchIdx, Phase, Span, StageIdx, Task, Timeline
 
 _FORWARD_SHARE = 1 / 3
 

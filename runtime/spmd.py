@@ -19,8 +19,7 @@ from alpa_like.compiler.micro_batch_keys import seeds_keys
 from alpa_like.compiler.propagation import follow_layouts
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.trace import TracedStep
-from alpa_like.methods import SpmdLayout, largest_dim_spec
-from alpa_like.planning import batch_axes
+from alpa_like.compiler.spmd_layout import SpmdLayout, batch_axes, largest_dim_spec
 from alpa_like.runtime import hlo_stats, partial_sums
 from alpa_like.runtime.mesh import make_mesh, named_sharding
 

@@ -36,7 +36,7 @@ the full-length trace. Each (shape, stage) forward is a jitted ``jax.vjp`` on th
 its residuals there; the backward applies it to the output cotangents. A slice's cached prefix is the
 previous slice's prefix extended by that slice's own keys and values (on the stage's mesh), and in the
 backward the prefix's cotangent is split back the same way. Forwards are issued unit by unit in sequence
-order, backwards in reverse (Fig. 2.1): the order is the schedule :func:`alpa_like.runtime.schedules.terapipe`
+order, backwards in reverse (Fig. 2.1): the order is the schedule :func:`alpa_like.compiler.schedules.terapipe`
 builds for the scheme (plain data, ``TerapipeExecutable.schedule``), issued tick by tick (JAX's asynchronous
 dispatch lets the meshes overlap).
 
@@ -75,11 +75,10 @@ from alpa_like.compiler.layer_slicing import APPLY
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.stage_construction import StageProgram
 from alpa_like.compiler.token_slicing import format_scheme, slice_contexts
-from alpa_like.grad import grad_hook
-from alpa_like.nn import TokenSliceContext, token_slice_context
+from alpa_like.compiler.tracing_hooks import TokenSliceContext, grad_hook, token_slice_context
 from alpa_like.runtime.mesh import make_mesh, named_sharding
 from alpa_like.runtime.pipeshard_runtime import MESH_AXES, activation_spec
-from alpa_like.runtime.schedules import Phase, Schedule, Task, terapipe
+from alpa_like.compiler.schedules import Phase, Schedule, Task, terapipe
 
 __all__ = ["TerapipeContractError", "LossCall", "find_loss_call", "TerapipeExecutable", "slice_starts",
            "check_batch_slices"]
@@ -411,7 +410,7 @@ class TerapipeExecutable:
         self._update = _UpdateProgram(program, self.call, traced, self.meshes, self._sharding)
         self.schedule: Schedule = terapipe(self.num_stages, len(self.batch_slices),
                                            tuple(len(lengths) for _, lengths in self.batch_slices))
-        """The order the step runs, as plain data (:func:`alpa_like.runtime.schedules.terapipe`); :meth:`run`
+        """The order the step runs, as plain data (:func:`alpa_like.compiler.schedules.terapipe`); :meth:`run`
         issues its grid tick by tick. Any valid TeraPipe schedule of the same units can replace it."""
         self.last_tasks: tuple[Task, ...] = ()
         """The tasks the last step issued, in order."""

@@ -39,7 +39,7 @@ import jax
 import numpy as np
 
 import alpa_like as al
-from alpa_like.cluster import ClusterSpec
+from alpa_like.compiler.cluster import ClusterSpec
 from alpa_like.compiler.flops import ComputeRates, equation_seconds
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
 from alpa_like.compiler.logical_mesh import LogicalMesh

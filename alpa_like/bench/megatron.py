@@ -13,7 +13,7 @@ The cost model is the one our own planner uses, so the comparison is like for li
   DP sees) at the device's peak FLOP/s: the GPT/OPT steps it prices have no float32 matrix product, so this
   is the rate our plans pay too (``test_baselines.py`` checks it);
 * communication: the alpha-beta model of :class:`~alpa_like.compiler.logical_mesh.LogicalMesh` on the
-  same :class:`~alpa_like.cluster.ClusterSpec` (tensor all-reduces on the ``t`` axis, the gradient all-reduce
+  same :class:`~alpa_like.compiler.cluster.ClusterSpec` (tensor all-reduces on the ``t`` axis, the gradient all-reduce
   on the ``d`` axis, point-to-point sends between stages, across nodes with Megatron's scatter/gather
   optimisation: ``1/t`` of the bytes per rank, a node's whole NIC shared by the stage's ranks on it, as our
   own plans are priced);
@@ -57,13 +57,13 @@ from collections.abc import Sequence
 import numpy as np
 from jax.extend.core import Literal
 
-from alpa_like.cluster import ClusterSpec
+from alpa_like.compiler.cluster import ClusterSpec
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.layer_slicing import FORWARD
 from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.compiler.markers import is_marker
 from alpa_like.compiler.stage_profiling import inbound_bandwidth
-from alpa_like.runtime.schedules import Phase, dependencies, make_schedule
+from alpa_like.compiler.schedules import Phase, dependencies, make_schedule
 from alpa_like.runtime.simulator import Nic, NicBook
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16, 32)

@@ -27,7 +27,7 @@ from pathlib import Path
 from alpa_like.bench import megatron
 from alpa_like.bench.flops import megatron_step_flops, tflops_per_device
 from alpa_like.bench.report import format_terminal, write_json
-from alpa_like.cluster import ClusterSpec
+from alpa_like.compiler.cluster import ClusterSpec
 
 # Megatron-LM Table 1: (billions, heads, hidden, layers, t, p, GPUs, batch, TFLOP/s per GPU).
 MEGATRON_TABLE_1 = [

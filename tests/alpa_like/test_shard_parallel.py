@@ -429,7 +429,7 @@ def test_device_layout_is_equal_exactly_when_jax_puts_the_same_block_on_every_de
 
 
 def test_duplicates_names_the_first_layout_with_the_same_device_layouts():
-    from alpa_like.methods import SpmdLayout
+    from alpa_like.compiler.spmd_layout import SpmdLayout
     from alpa_like.shard_parallel import duplicates
 
     def layout(view, batch, pins=()):

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from alpa_like.cluster import ClusterSpec
+from alpa_like.compiler.cluster import ClusterSpec
 from alpa_like.compiler import logical_mesh as logical_mesh_module
 from alpa_like.compiler.logical_mesh import LogicalMesh, logical_shapes
 

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from alpa_like.cluster import ClusterSpec
+from alpa_like.compiler.cluster import ClusterSpec
 from alpa_like.compiler.terapipe_cost import (SliceTimings, analytic_slice_costs, data_parallel_sync_seconds,
                                               fit_slice_costs, measured_slice_costs, slice_grid, time_slice_grid,
                                               transformer_layer_flops)

@@ -11,7 +11,7 @@ import alpa_like as al
 from alpa_like import models
 from alpa_like.models import gpt
 from alpa_like.runtime.mesh import named_sharding
-from alpa_like.runtime.schedules import Phase, Schedule, Task, _ticks_from_orders, make_schedule
+from alpa_like.compiler.schedules import Phase, Schedule, Task, _ticks_from_orders, make_schedule
 from alpa_like.runtime.terapipe_runtime import TerapipeContractError, slice_starts
 from tests.helpers import assert_trees_close, reference_on_one_device, run_steps
 from tests.runtime.test_pipeshard_runtime import stages, train_step_for

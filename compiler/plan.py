@@ -20,11 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from alpa_like import fields
-from alpa_like.cluster import ClusterSpec
+from alpa_like.compiler import fields
+from alpa_like.compiler.cluster import ClusterSpec
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.token_slicing import format_scheme
-from alpa_like.runtime.schedules import ScheduleName
+from alpa_like.compiler.schedules import ScheduleName
 
 ROLES = ("param", "optimizer_state", "state", "batch", "output")
 """What an input or output leaf of the step is (:func:`alpa_like.methods.input_roles`):
@@ -559,9 +559,9 @@ def method_summary(method: str, limit: int = _METHOD_CHARS) -> str:
     """A method's repr without the options left at their defaults, at most ``limit`` characters (cut with
     ``...``): the plan's header, while ``ParallelPlan.method`` keeps the whole repr.
 
-    An option is left out when its value reads as the summary of its field's default in the dataclass of
-    that name in ``alpa_like`` (nested options are summarised the same way); text that is not such a repr is
-    only cut.
+    An option is left out when its value reads as the summary of its field's default in the registered
+    dataclass of that name (:func:`register_option_classes`; nested options are summarised the same way);
+    text that is not such a repr is only cut.
 
     >>> method_summary("ShardParallel(num_micro_batches=1, auto_sharding_option=AutoShardingOption("
     ...                "solver_time_limit=60.0, solver='cbc'))")
@@ -575,7 +575,7 @@ def method_summary(method: str, limit: int = _METHOD_CHARS) -> str:
 
 
 def _call_summary(text: str, node: ast.expr) -> str:
-    """The source of ``node`` in ``text``, a keyword-only call of an ``alpa_like`` dataclass without the
+    """The source of ``node`` in ``text``, a keyword-only call of a registered dataclass without the
     keywords at their defaults."""
     source = ast.get_source_segment(text, node) or ""
     if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
@@ -591,12 +591,21 @@ def _call_summary(text: str, node: ast.expr) -> str:
     return f"{node.func.id}({', '.join(kept)})"
 
 
+_OPTION_CLASSES: dict[str, type] = {}
+"""The method and option dataclasses whose reprs plans hold, by name (:func:`register_option_classes`)."""
+
+
+def register_option_classes(*classes: type) -> None:
+    """Makes :func:`method_summary` know these dataclasses' defaults (the API registers its methods and
+    options: this module sits below it and imports none of them)."""
+    _OPTION_CLASSES.update((cls.__name__, cls) for cls in classes)
+    _option_defaults.cache_clear()
+
+
 @functools.cache
 def _option_defaults(name: str) -> dict[str, str]:
-    """Summaries of the default of every field of the dataclass ``alpa_like.<name>`` that has one."""
-    import alpa_like  # Local import: the package imports this module.
-
-    cls = getattr(alpa_like, name, None)
+    """Summaries of the default of every field of the registered dataclass ``name`` that has one."""
+    cls = _OPTION_CLASSES.get(name)
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         return {}
     defaults = {}

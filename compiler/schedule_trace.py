@@ -1,10 +1,10 @@
-"""Exports of a schedule :class:`~alpa_like.runtime.schedules.Timeline`: Chrome/Perfetto trace events and a
+"""Exports of a schedule :class:`~alpa_like.compiler.schedules.Timeline`: Chrome/Perfetto trace events and a
 PNG drawing. Both read only the timeline's spans, so measured timelines can use them too."""
 from __future__ import annotations
 
 import json
 
-from alpa_like.runtime.schedules import Phase, Timeline
+from alpa_like.compiler.schedules import Phase, Timeline
 
 # Megatron-LM Fig. 3/4 colours: forward blue, backward green; later local stages (chunks) lighter.
 _COLOURS = {Phase.F: ((0.12, 0.35, 0.75), (0.55, 0.72, 0.95)),

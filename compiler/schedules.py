@@ -245,12 +245,12 @@ class Timeline:
 
     def to_chrome_trace(self, path: str, *, us_per_unit: float = 1000.0) -> None:
         """Write Chrome/Perfetto trace events (one track per mesh, one event per task) to ``path``."""
-        from alpa_like.runtime.schedule_trace import write_chrome_trace
+        from alpa_like.compiler.schedule_trace import write_chrome_trace
         write_chrome_trace(self, path, us_per_unit=us_per_unit)
 
     def plot(self, path: str) -> None:
         """Draw the timeline (one row per mesh) as a PNG at ``path`` (matplotlib, Agg canvas)."""
-        from alpa_like.runtime.schedule_trace import plot_timeline
+        from alpa_like.compiler.schedule_trace import plot_timeline
         plot_timeline(self, path)
 
 

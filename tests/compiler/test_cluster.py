@@ -6,8 +6,8 @@ import json
 import jax
 import pytest
 
-from alpa_like import cluster as cluster_module
-from alpa_like.cluster import ClusterSpec
+from alpa_like.compiler import cluster as cluster_module
+from alpa_like.compiler.cluster import ClusterSpec
 
 GIB = 2**30
 

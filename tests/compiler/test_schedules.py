@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from alpa_like.runtime import schedules
-from alpa_like.runtime.schedules import (MeshIdx, Phase, Schedule, ScheduleName, Task, breadth_first,
+from alpa_like.compiler import schedules
+from alpa_like.compiler.schedules import (MeshIdx, Phase, Schedule, ScheduleName, Task, breadth_first,
                                          dependencies, gpipe, interleaved_one_f_one_b, make_schedule,
                                          one_f_one_b)
 

@@ -15,11 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import alpa_like as al
-from alpa_like import fields
-from alpa_like.plan import PlanCandidate
+from alpa_like.compiler import fields
+from alpa_like.compiler.plan import PlanCandidate
 from tests.helpers import make_train_step, mlp_loss
 
-plan_module = importlib.import_module("alpa_like.plan")  # al.plan is the planning function
+plan_module = importlib.import_module("alpa_like.compiler.plan")  # al.plan is the planning function
 CLUSTER = al.ClusterSpec.preset("p3.16xlarge")
 
 

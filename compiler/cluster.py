@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from alpa_like import fields
+from alpa_like.compiler import fields
 
 if TYPE_CHECKING:
     from alpa_like.compiler.flops import ComputeRates
