@@ -13,9 +13,10 @@ from alpa_like.compiler import jax_compat
 from alpa_like.compiler.layer_construction import layering
 from alpa_like.compiler.layer_slicing import slice_layers
 from alpa_like.compiler.markers import is_marker
-from alpa_like.compiler.stage_construction import build_stage_program, run_sequentially
+from alpa_like.compiler.stage_construction import build_stage_program
 from alpa_like.compiler.trace import trace_step
 from alpa_like.models import gpt
+from tests.reference import run_sequentially
 
 
 def tiny_gpt(num_layers=4):
