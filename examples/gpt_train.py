@@ -4,8 +4,12 @@
     python examples/gpt_train.py --method zero3 --micro-batches 2
     python examples/gpt_train.py --method megatron     # hand-written Megatron specs on a 2x4 mesh
     python examples/gpt_train.py --cluster ray --method pipeshard --stages 2   # on a local Ray, one actor per mesh
+    python examples/gpt_train.py --checkpoint-dir ckpt --save-every 5            # saves steps 5, 10
+    python examples/gpt_train.py --checkpoint-dir ckpt --resume --steps 20       # goes on from step 10
 
-Prints the plan, the loss of every step and the step time.
+Prints the plan, the loss of every step and the step time. With --checkpoint-dir the state is saved every
+--save-every steps and after the last one (keeping the newest three); --resume restores the latest checkpoint
+of that directory, in the step's own layouts, and trains from its step on.
 """
 import argparse
 import sys
@@ -34,7 +38,9 @@ def write_timeline(executable, prefix: str) -> None:
     from alpa_like.runtime.simulator import simulate
 
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-    sim = simulate(executable.plan, executable.program, executable.programs, value_specs=executable.value_specs)
+    # the Ray backend receives values in the activation layout, simulate's default (it has no value_specs)
+    sim = simulate(executable.plan, executable.program, executable.programs,
+                   value_specs=getattr(executable, "value_specs", None))
     sim.timeline.to_chrome_trace(prefix + ".json", us_per_unit=1e6)
     sim.timeline.plot(prefix + ".png")
     print(executable.programs.table().splitlines()[0])
@@ -77,6 +83,12 @@ def make_method(name: str, micro_batches: int, state, schedule: str = "1f1b", nu
     raise ValueError(f"--method must be one of {METHOD_NAMES}; got {name!r}")
 
 
+def create_state(model, config, batch):
+    """The training state: the model's parameters and Adam's moments."""
+    params = model.init(jax.random.PRNGKey(0), batch["input_ids"])["params"]
+    return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(3e-3))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt-small", help="a name from alpa_like.models (default gpt-small)")
@@ -92,17 +104,29 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--cluster", default="local", choices=("local", "ray"),
                         help="ray: a local Ray (or RAY_ADDRESS's cluster), one worker actor per pipeline mesh")
+    parser.add_argument("--checkpoint-dir", help="save checkpoints in this directory")
+    parser.add_argument("--save-every", type=int, default=0,
+                        help="with --checkpoint-dir: save every this many steps (0: after the last step only)")
+    parser.add_argument("--resume", action="store_true",
+                        help="with --checkpoint-dir: start from its latest checkpoint (if it has one)")
     args = parser.parse_args()
     if args.cluster == "ray" and args.method != "pipeshard":
         parser.error("--cluster ray runs pipeline plans: add --method pipeshard")
+    if (args.resume or args.save_every) and not args.checkpoint_dir:
+        parser.error("--resume and --save-every need --checkpoint-dir")
+    if args.save_every < 0:
+        parser.error("--save-every must be >= 0")
+    if args.checkpoint_dir and not args.resume and al.checkpoint_steps(args.checkpoint_dir):
+        parser.error(f"{args.checkpoint_dir} already holds checkpoints (steps "
+                     f"{al.checkpoint_steps(args.checkpoint_dir)}): add --resume to go on from the latest, or "
+                     "choose another directory")
 
     al.init(args.cluster)
     config = models.get_config(args.model)
     model = gpt.GPTModel(config)
     batch = counting_batch(config, args.batch_size, jax.random.PRNGKey(1))
-    params = model.init(jax.random.PRNGKey(0), batch["input_ids"])["params"]
-    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(3e-3))
-    print(f"{args.model}: {models.num_params(params) / 1e6:.2f} M parameters, batch {args.batch_size} x "
+    state = create_state(model, config, batch)
+    print(f"{args.model}: {models.num_params(state.params) / 1e6:.2f} M parameters, batch {args.batch_size} x "
           f"{config.seq_len} tokens, {len(jax.devices())} devices")
     print("compiling (trace, plan, XLA) ...")
 
@@ -122,12 +146,27 @@ def main():
     print()
     if args.method == "pipeshard":
         write_timeline(executable, args.timeline)
-    for i in range(args.steps):
+    first = 0
+    if args.resume and al.checkpoint_steps(args.checkpoint_dir):
+        first = al.checkpoint_steps(args.checkpoint_dir)[-1]
+        state = al.restore_checkpoint(args.checkpoint_dir, like=executable, step=first)
+        print(f"resumed from {args.checkpoint_dir} at step {first}")
+    elif args.resume:
+        print(f"no checkpoint in {args.checkpoint_dir}: starting at step 0")
+    saving = None
+    for i in range(first, args.steps):
         batch = counting_batch(config, args.batch_size, jax.random.PRNGKey(100 + i))
         start = time.perf_counter()
         state, metrics = step(state, batch)
         loss = float(metrics["loss"])  # waits for the step
         print(f"step {i:3d}  loss {loss:.4f}  {(time.perf_counter() - start) * 1e3:8.1f} ms")
+        done = i + 1
+        if args.checkpoint_dir and ((args.save_every and done % args.save_every == 0) or done == args.steps):
+            # returns once the arrays are off the devices (the next step may donate them); written meanwhile
+            saving = al.save_checkpoint(args.checkpoint_dir, state, done, plan=executable.plan, max_to_keep=3,
+                                        async_save=True)
+    if saving is not None:
+        print(f"saved {saving.wait()}")
     al.shutdown()
 
 
