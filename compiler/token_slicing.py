@@ -46,7 +46,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 __all__ = ["SlicingSolution", "JointSolution", "slice_cost_table", "pipeline_latency", "solve_token_slicing",
-           "solve_joint_slicing", "uniform_slicing", "format_scheme", "slice_contexts"]
+           "solve_joint_slicing", "uniform_slicing", "format_scheme", "slice_contexts", "BatchSlices",
+           "check_batch_slices"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +88,26 @@ def format_scheme(batch_slices: Sequence[tuple[int, Sequence[int]]]) -> str:
         else:
             runs.append([key, 1])
     return " + ".join(f"[({b}, {lengths})] x {n}" for (b, lengths), n in runs)
+
+
+BatchSlices = tuple[tuple[int, tuple[int, ...]], ...]
+"""(rows, token slice lengths) of every batch slice, in batch order (``ParallelPlan.token_slicing``)."""
+
+
+def check_batch_slices(batch_slices, batch_size: int, seq_len: int) -> BatchSlices:
+    """The scheme as plain ints; ValueError unless the rows sum to ``batch_size`` and every batch slice's
+    token slices are positive and sum to ``seq_len``."""
+    try:
+        scheme = tuple((int(rows), tuple(int(x) for x in lengths)) for rows, lengths in batch_slices)
+    except (TypeError, ValueError):
+        raise ValueError(f"batch_slices must be ((rows, (token slice lengths...)), ...), got {batch_slices!r}")
+    if not scheme or any(rows < 1 for rows, _ in scheme) or sum(rows for rows, _ in scheme) != batch_size:
+        raise ValueError(f"batch_slices {scheme} must have rows >= 1 summing to the batch size {batch_size}")
+    for rows, lengths in scheme:
+        if not lengths or min(lengths) < 1 or sum(lengths) != seq_len:
+            raise ValueError(f"token slices {list(lengths)} of batch slice ({rows}, ...) must be positive lengths "
+                             f"summing to the sequence length {seq_len}")
+    return scheme
 
 
 def slice_contexts(batch_slices: Sequence[tuple[int, Sequence[int]]], shared: bool = False

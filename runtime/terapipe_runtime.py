@@ -74,14 +74,13 @@ from alpa_like.compiler import jax_compat
 from alpa_like.compiler.layer_slicing import APPLY
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.stage_construction import StageProgram
-from alpa_like.compiler.token_slicing import format_scheme, slice_contexts
+from alpa_like.compiler.token_slicing import BatchSlices, check_batch_slices, format_scheme, slice_contexts
 from alpa_like.compiler.tracing_hooks import TokenSliceContext, grad_hook, token_slice_context
 from alpa_like.runtime.mesh import make_mesh, named_sharding
 from alpa_like.runtime.pipeshard_runtime import MESH_AXES, activation_spec
 from alpa_like.compiler.schedules import Phase, Schedule, Task, terapipe
 
-__all__ = ["TerapipeContractError", "LossCall", "find_loss_call", "TerapipeExecutable", "slice_starts",
-           "check_batch_slices"]
+__all__ = ["TerapipeContractError", "LossCall", "find_loss_call", "TerapipeExecutable", "slice_starts"]
 
 
 class TerapipeContractError(ValueError):
@@ -166,26 +165,6 @@ def find_loss_call(fun: Callable, args: Sequence[Any], traced) -> LossCall:
 def slice_starts(lengths: Sequence[int]) -> tuple[int, ...]:
     """Context length of every slice: ``(0, l_1, l_1 + l_2, ...)``."""
     return tuple(int(x) for x in np.concatenate([[0], np.cumsum(lengths)[:-1]]))
-
-
-BatchSlices = tuple[tuple[int, tuple[int, ...]], ...]
-"""(rows, token slice lengths) of every batch slice, in batch order (``ParallelPlan.token_slicing``)."""
-
-
-def check_batch_slices(batch_slices, batch_size: int, seq_len: int) -> BatchSlices:
-    """The scheme as plain ints; ValueError unless the rows sum to ``batch_size`` and every batch slice's
-    token slices are positive and sum to ``seq_len``."""
-    try:
-        scheme = tuple((int(rows), tuple(int(x) for x in lengths)) for rows, lengths in batch_slices)
-    except (TypeError, ValueError):
-        raise ValueError(f"batch_slices must be ((rows, (token slice lengths...)), ...), got {batch_slices!r}")
-    if not scheme or any(rows < 1 for rows, _ in scheme) or sum(rows for rows, _ in scheme) != batch_size:
-        raise ValueError(f"batch_slices {scheme} must have rows >= 1 summing to the batch size {batch_size}")
-    for rows, lengths in scheme:
-        if not lengths or min(lengths) < 1 or sum(lengths) != seq_len:
-            raise ValueError(f"token slices {list(lengths)} of batch slice ({rows}, ...) must be positive lengths "
-                             f"summing to the sequence length {seq_len}")
-    return scheme
 
 
 @dataclasses.dataclass(frozen=True)
