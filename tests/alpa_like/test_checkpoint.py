@@ -31,6 +31,7 @@ METHODS = {
     "zero3": al.Zero3Parallel(),
     "shard_2x4": al.ShardParallel(auto_sharding_option=al.AutoShardingOption(logical_mesh_shape=(2, 4))),
     "data": al.DataParallel(),
+    "data_2_micro_batches": al.DataParallel(num_micro_batches=2),
 }
 
 
@@ -146,11 +147,12 @@ RESUME_CHILD = textwrap.dedent("""
     import jax
     jax.config.update("jax_default_matmul_precision", "highest")
     import alpa_like as al
+    from tests.alpa_like.test_checkpoint import METHODS
     from tests.runtime.test_pipeshard_runtime import mlp_case, train_step_for
 
-    source, target, first, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    source, target, method, first, count = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
     loss_fn, state, batches = mlp_case()
-    f = al.parallelize(train_step_for(loss_fn), method=al.DataParallel(num_micro_batches=2))
+    f = al.parallelize(train_step_for(loss_fn), method=METHODS[method])
     state = al.restore_checkpoint(source, like=f.get_executable(state, batches[0]))
     for i in range(first, first + count):
         state, _ = f(state, batches[i % len(batches)])
@@ -164,17 +166,18 @@ def run_child(script: str, *args, **kw) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
 
 
-def test_resume_in_a_new_process_is_exact(mlp, tmp_path):
+@pytest.mark.parametrize("method", ["data_2_micro_batches", "pipeline_2_stages"])
+def test_resume_in_a_new_process_is_exact(mlp, tmp_path, method):
     """N steps, save; a new process restores and runs M more: bit-identical to N + M uninterrupted steps."""
     step, state, batches = mlp
-    f = al.parallelize(step, method=al.DataParallel(num_micro_batches=2))
+    f = al.parallelize(step, method=METHODS[method])
     n, m = 2, 2
     for i in range(n):
         state, _ = f(state, batches[i % len(batches)])
     al.save_checkpoint(tmp_path / "first", state, n)
     for i in range(n, n + m):
         state, _ = f(state, batches[i % len(batches)])
-    child = run_child(RESUME_CHILD, tmp_path / "first", tmp_path / "resumed", n, m)
+    child = run_child(RESUME_CHILD, tmp_path / "first", tmp_path / "resumed", method, n, m)
     _, err = child.communicate(timeout=300)
     assert child.returncode == 0, err
     resumed = al.restore_checkpoint(tmp_path / "resumed", like=f.get_executable(state, batches[0]))
