@@ -38,7 +38,6 @@ import numpy as np
 from alpa_like.compiler.trace import key_to_str
 from alpa_like.compiler.plan import ParallelPlan
 from alpa_like.runtime.checkpoint_io import Target, read_arrays, start_write
-from alpa_like.runtime.instructions import Op
 from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable
 from alpa_like.runtime.spmd import SpmdExecutable
 
@@ -432,23 +431,11 @@ def _wanted_by_executable(exe, argnum: int, who: str) -> _Wanted:
     invars = traced.closed_jaxpr.jaxpr.invars
     paths = tuple(_relative_path(traced.in_leaves[k].path) for k in flat)
     avals = tuple(jax.ShapeDtypeStruct(traced.in_leaves[k].shape, invars[k].aval.dtype) for k in flat)
-    if isinstance(exe, SpmdExecutable):
-        shardings = tuple(exe._compiled.in_shardings[k] for k in flat)
-    elif isinstance(exe, RayPipeshardExecutable):
+    if isinstance(exe, RayPipeshardExecutable):
         shardings = (None,) * len(flat)  # read by the workers (see _read_leaves); those no mesh loads: host
         return _Wanted(paths, avals, shardings, treedef, ray_executable=(exe, tuple(flat)))
-    else:
-        shardings = tuple(_pipeline_sharding(exe, k, traced.in_leaves[k].shape) for k in flat)
-    return _Wanted(paths, avals, shardings, treedef)
-
-
-def _pipeline_sharding(exe: PipeshardExecutable, k: int, shape) -> jax.sharding.Sharding | None:
-    """The layout of step input ``k`` on the first mesh that LOADs it (None when no mesh does)."""
-    value = exe.program.step_inputs[k]
-    for ins in exe.programs.instructions:
-        if ins.op is Op.LOAD and ins.key[0] == value:
-            return exe._load_sharding(value, shape, ins.mesh)
-    return None
+    layouts = exe.input_shardings()  # a pipeline's: on the first mesh that loads the leaf (None: no mesh)
+    return _Wanted(paths, avals, tuple(layouts[k] for k in flat), treedef)
 
 
 def _relative_path(path: str) -> str:

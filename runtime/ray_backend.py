@@ -840,17 +840,14 @@ class RayPipeshardExecutable:
           flat input index -> the input as a :class:`RemoteArray` with a replica on each loading mesh; inputs
           that no mesh loads are left out.
         """
-        from alpa_like.runtime.ray_worker import load_spec
         if self.cluster.closed:
             raise RuntimeError("this executable's Ray backend was shut down; restore into an executable of the "
                                "running backend")
+        placements = self.input_placements()
         items: list[list] = [[] for _ in self.workers]
         replicas: dict[int, list] = {}
         for k, (path, key, target) in leaves.items():
-            v = self.program.step_inputs[k]
-            for mesh in self._loaders.get(v, ()):
-                spec = load_spec(self.worker_programs[mesh].input_specs, v, target.shape,
-                                 self.meshes[mesh].logical_shape)
+            for mesh, spec in placements[k].items():
                 handle = self.cluster.new_handle()
                 items[mesh].append((handle, path, key, target, spec))
                 replicas.setdefault(k, []).append((self.workers[mesh], handle))

@@ -19,7 +19,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import alpa_like as al
 from alpa_like import checkpoint
 from alpa_like.runtime.ray_backend import RemoteArray
-from alpa_like.runtime.spmd import SpmdExecutable
 from tests.runtime.test_pipeshard_runtime import FOUR, TWO_STAGES, mlp_case, train_step_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,10 +44,8 @@ def assert_same_values(actual, expected):
 
 def expected_shardings(exe):
     """The layout the step takes each state leaf in (what a restore into ``exe`` must give)."""
-    flat = [k for k, leaf in enumerate(exe.traced.in_leaves) if leaf.arg_index == 0]
-    if isinstance(exe, SpmdExecutable):
-        return [exe._compiled.in_shardings[k] for k in flat]
-    return [checkpoint._pipeline_sharding(exe, k, exe.traced.in_leaves[k].shape) for k in flat]
+    layouts = exe.input_shardings()
+    return [layouts[k] for k, leaf in enumerate(exe.traced.in_leaves) if leaf.arg_index == 0]
 
 
 @pytest.fixture(scope="module")
