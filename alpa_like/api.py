@@ -16,7 +16,7 @@ from alpa_like.methods import DataParallel, ManualShardParallel, Zero2Parallel, 
 from alpa_like.compiler.plan import ParallelPlan, memory_message
 from alpa_like.planning import spmd_plan
 from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable
-from alpa_like.runtime.spmd import SpmdExecutable, compile_spmd
+from alpa_like.runtime.spmd import InputsNotLaidOut, SpmdExecutable, compile_spmd
 from alpa_like.pipeshard import PipeshardParallel, compile_pipeshard, plan_pipeshard
 from alpa_like.shard_parallel import ShardParallel
 from alpa_like.training import CreateStateParallel, FollowParallel, compile_create_state, compile_follow
@@ -194,12 +194,26 @@ class ParallelizedFunc:
         """The cost model's cluster (None: :meth:`ClusterSpec.local` of the backend's devices, or the Ray
         cluster's spec)."""
         self._cache: dict[Hashable, Executable] = {}
+        self._last: tuple | None = None
+        """(backend generation, static argument values, executable) of the last SPMD call: tried first."""
         functools.update_wrapper(self, fun)
 
     def __call__(self, *args, **kwargs):
         if kwargs:
             raise TypeError(f"{self.__name__}: pass arguments positionally (got keywords {sorted(kwargs)})")
-        return self.get_executable(*args)(*args)
+        last = self._last
+        if last is not None and last[0] == _generation and last[1] == self._static_values(args):
+            try:  # the common case: the last executable's signature and layouts (JAX's C++ checks)
+                return last[2].call_as_laid_out(*args)
+            except InputsNotLaidOut:
+                pass
+        exe = self.get_executable(*args)
+        if isinstance(exe, SpmdExecutable):
+            self._last = (_generation, self._static_values(args), exe)
+        return exe(*args)
+
+    def _static_values(self, args) -> tuple:
+        return tuple(args[i] for i in self.static_argnums if i < len(args))
 
     def get_executable(self, *args) -> Executable:
         """The compiled executable for these arguments (compiled now if this signature is new)."""
@@ -213,6 +227,7 @@ class ParallelizedFunc:
 
     def clear_cache(self) -> None:
         self._cache.clear()
+        self._last = None
 
     @property
     def num_compilations(self) -> int:

@@ -7,7 +7,8 @@
     python examples/gpt_train.py --checkpoint-dir ckpt --save-every 5            # saves steps 5, 10
     python examples/gpt_train.py --checkpoint-dir ckpt --resume --steps 20       # goes on from step 10
 
-Prints the plan, the loss of every step and the step time. With --checkpoint-dir the state is saved every
+The state is created in the train step's layouts (al.CreateStateParallel: no device holds all of a sharded
+state). Prints the plan, the loss of every step and the step time. With --checkpoint-dir the state is saved every
 --save-every steps and after the last one (keeping the newest three); --resume restores the latest checkpoint
 of that directory, in the step's own layouts, and trains from its step on.
 """
@@ -125,8 +126,12 @@ def main():
     config = models.get_config(args.model)
     model = gpt.GPTModel(config)
     batch = counting_batch(config, args.batch_size, jax.random.PRNGKey(1))
-    state = create_state(model, config, batch)
-    print(f"{args.model}: {models.num_params(state.params) / 1e6:.2f} M parameters, batch {args.batch_size} x "
+
+    def init_state():
+        return create_state(model, config, batch)
+
+    shapes = jax.eval_shape(init_state)  # the plan needs the state's shapes only
+    print(f"{args.model}: {models.num_params(shapes.params) / 1e6:.2f} M parameters, batch {args.batch_size} x "
           f"{config.seq_len} tokens, {len(jax.devices())} devices")
     print("compiling (trace, plan, XLA) ...")
 
@@ -136,11 +141,11 @@ def main():
         loss, grads = al.value_and_grad(loss_fn)(state.params, batch)
         return state.apply_gradients(grads=grads), {"loss": loss}
 
-    step = al.parallelize(train_step, method=make_method(args.method, args.micro_batches, state, args.schedule,
+    step = al.parallelize(train_step, method=make_method(args.method, args.micro_batches, shapes, args.schedule,
                                                          config.num_layers, args.stages),
                           donate_argnums=(0,))
     start = time.perf_counter()
-    executable = step.get_executable(state, batch)
+    executable = step.get_executable(shapes, batch)
     print(f"compiled in {time.perf_counter() - start:.1f} s\n")
     print(executable.plan)
     print()
@@ -151,8 +156,11 @@ def main():
         first = al.checkpoint_steps(args.checkpoint_dir)[-1]
         state = al.restore_checkpoint(args.checkpoint_dir, like=executable, step=first)
         print(f"resumed from {args.checkpoint_dir} at step {first}")
-    elif args.resume:
-        print(f"no checkpoint in {args.checkpoint_dir}: starting at step 0")
+    else:
+        if args.resume:
+            print(f"no checkpoint in {args.checkpoint_dir}: starting at step 0")
+        # every leaf made in the layout the train step takes it in, shard by shard on its own devices
+        state = al.parallelize(init_state, method=al.CreateStateParallel(step, batch))()
     saving = None
     for i in range(first, args.steps):
         batch = counting_batch(config, args.batch_size, jax.random.PRNGKey(100 + i))

@@ -187,13 +187,18 @@ def compile_spmd(traced: TracedStep, layout: SpmdLayout, devices: Sequence[Any],
                         operand_hook=operand_hook,
                         on_micro_batch=_micro_batch_pin(mesh, batch_specs) if num_micro_batches > 1 else None,
                         micro_batch_eval=micro_batch_eval, stack_sizes=stack_sizes)
-    jitted = jax.jit(step, in_shardings=in_shardings, out_shardings=out_shardings,
-                     donate_argnums=tuple(donate_flat))
+    def pytree_step(*dynamic_args):  # the step's own argument pytrees: JAX's C++ call path flattens them
+        return jax.tree.unflatten(traced.out_tree, step(*jax.tree.leaves(dynamic_args)))
+
+    donated = {traced.in_leaves[k].arg_index for k in donate_flat}
+    jitted = jax.jit(pytree_step, in_shardings=jax.tree.unflatten(traced.in_tree, in_shardings),
+                     out_shardings=jax.tree.unflatten(traced.out_tree, out_shardings),
+                     donate_argnums=tuple(p for p, i in enumerate(traced.dynamic_argnums) if i in donated))
     avals = [jax.ShapeDtypeStruct(leaf.shape, v.aval.dtype)  # the jaxpr's dtype: a typed PRNG key's is no string
              for leaf, v in zip(traced.in_leaves, traced.closed_jaxpr.jaxpr.invars, strict=True)]
-    compiled = jitted.lower(*avals).compile()
+    compiled = jitted.lower(*jax.tree.unflatten(traced.in_tree, avals)).compile()
     out_specs = []
-    for leaf, sharding in zip(traced.out_leaves, compiled.output_shardings, strict=True):
+    for leaf, sharding in zip(traced.out_leaves, jax.tree.leaves(compiled.output_shardings), strict=True):
         if isinstance(sharding, NamedSharding):
             out_specs.append(ShardingSpec.from_partition_spec(sharding.spec, layout.axis_names, len(leaf.shape)))
         else:
@@ -219,6 +224,11 @@ def place_args(flat: Sequence[Any], shardings: Sequence[NamedSharding]) -> list[
     return out
 
 
+class InputsNotLaidOut(Exception):
+    """The arguments of a call are not of the compiled signature and layouts (see
+    :meth:`SpmdExecutable.call_as_laid_out`)."""
+
+
 class SpmdExecutable:
     """A compiled step for one input signature: call it like the original function.
 
@@ -240,9 +250,20 @@ class SpmdExecutable:
         return self._compiled.compile_seconds
 
     def __call__(self, *args):
-        flat = place_args(self.traced.flatten_args(args), self._compiled.in_shardings)
-        out = self._compiled.compiled(*flat)
-        return jax.tree_util.tree_unflatten(self.traced.out_tree, out)
+        try:
+            return self.call_as_laid_out(*args)
+        except InputsNotLaidOut:
+            flat = place_args(self.traced.flatten_args(args), self._compiled.in_shardings)
+            return self._compiled.compiled(*jax.tree.unflatten(self.traced.in_tree, flat))
+
+    def call_as_laid_out(self, *args):
+        """The step, through JAX's own call path (its C++ checks of the arguments' types and layouts, no
+        Python per leaf), when every argument already has the signature and layout the step was compiled for
+        (host arrays count as laid out: they are copied in); :class:`InputsNotLaidOut` otherwise."""
+        try:
+            return self._compiled.compiled(*(args[i] for i in self.traced.dynamic_argnums))
+        except (TypeError, ValueError, IndexError) as e:
+            raise InputsNotLaidOut(str(e)) from None
 
     def input_shardings(self) -> tuple[NamedSharding, ...]:
         """Per flat input leaf (``traced.in_leaves``), the layout the step takes it in: an argument already
