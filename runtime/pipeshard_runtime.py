@@ -79,8 +79,8 @@ class StepStats:
     spans: list[tuple[int, str, float, float]] = dataclasses.field(default_factory=list)
     """With ``profile=True``: (mesh, instruction, start, end) in seconds from the start of the step."""
     peak_live_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
-    """With ``profile=True``: per mesh, the most bytes of live arrays (``jax.live_arrays()``: the caller's
-    too, e.g. the state it passed in) one of its devices held after any instruction."""
+    """With ``track_memory=True``: per mesh, the most bytes of live arrays (``jax.live_arrays()``: the
+    caller's too, e.g. the state it passed in) one of its devices held after any instruction."""
 
     @property
     def driver_seconds(self) -> float:
@@ -171,8 +171,10 @@ class PipeshardExecutable:
         accumulation): stops growing after the first two steps."""
         return len(self._jitted) + len(self._fused)
 
-    def run(self, *args, profile: bool = False):
-        """One step. With ``profile`` every instruction is waited for and timed (slower, for measurement)."""
+    def run(self, *args, profile: bool = False, track_memory: bool = False):
+        """One step. With ``profile`` every instruction is waited for and timed, with ``track_memory`` the live
+        bytes on each mesh are summed after every instruction (:attr:`StepStats.peak_live_bytes`); both are
+        slower, for measurement."""
         start = time.perf_counter()
         flat = self.traced.flatten_args(args)
         stats = StepStats()
@@ -213,6 +215,8 @@ class PipeshardExecutable:
                 t1 = time.perf_counter()
                 stats.op_seconds[str(ins.op)] = stats.op_seconds.get(str(ins.op), 0.0) + t1 - t0
                 stats.spans.append((ins.mesh, str(ins), t0 - start, t1 - start))
+            if track_memory:  # waits for each instruction; the walk over the live arrays counts as driver time
+                jax.block_until_ready((buffers[ins.mesh], accumulators[ins.mesh]))
                 for mesh, held in live_bytes_per_mesh(self.meshes).items():
                     stats.peak_live_bytes[mesh] = max(stats.peak_live_bytes.get(mesh, 0), held)
         self._shared_loads = []  # not kept past the step, like its micro-batch slices

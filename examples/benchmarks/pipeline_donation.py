@@ -1,7 +1,7 @@
 """Peak live bytes per mesh of a pipeline step, with and without ``donate_argnums=(0,)``.
 
 A small GPT as two stages of four CPU devices each, for each schedule. A step is run as in a training loop
-(``state, loss = step(state, batch)``: the caller holds the old state while the step runs) and profiled:
+(``state, loss = step(state, batch)``: the caller holds the old state while the step runs) and measured:
 after every instruction the bytes of all live arrays on each device are summed (the caller's state included),
 and the largest per device of each mesh over the step is reported. With donation the step makes each update
 in the buffers of the state it was given, so the old and the new state are not both held.
@@ -50,7 +50,7 @@ def peak_bytes(config, batch_size: int, micro_batches: int, schedule: str, donat
         state, loss = step(state, batch)
     jax.block_until_ready((state, loss))
     exe = step.get_executable(state, batch)
-    state, loss = exe.run(state, batch, profile=True)
+    state, loss = exe.run(state, batch, track_memory=True)
     stats = exe.last_step
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
     return {"peak_live_bytes": dict(stats.peak_live_bytes), "donated_buffers": stats.donated_buffers,
