@@ -11,14 +11,13 @@ from alpa_like.api import ParallelizedFunc, init, parallelize, plan, shutdown
 from alpa_like.checkpoint import checkpoint_steps, restore_checkpoint, save_checkpoint
 from alpa_like.compiler.cluster import ClusterSpec
 from alpa_like.compiler.markers import mark_pipeline_boundary
-from alpa_like.compiler.plan import CommEstimate, ParallelPlan, StagePlan, TensorPlan, register_option_classes
+from alpa_like.compiler.options import (AutoLayerOption, AutoShardingOption, AutoStageOption, CreateStateParallel,
+                                        DataParallel, FollowParallel, ManualLayerOption, ManualShardParallel,
+                                        ManualStageOption, PipeshardParallel, ShardParallel, UniformStageOption,
+                                        Zero2Parallel, Zero3Parallel)
+from alpa_like.compiler.plan import CommEstimate, ParallelPlan, StagePlan, TensorPlan
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.grad import grad, value_and_grad
-from alpa_like.methods import DataParallel, ManualShardParallel, Zero2Parallel, Zero3Parallel
-from alpa_like.pipeshard import (AutoLayerOption, AutoStageOption, ManualLayerOption, ManualStageOption,
-                                 PipeshardParallel, UniformStageOption)
-from alpa_like.shard_parallel import AutoShardingOption, ShardParallel
-from alpa_like.training import CreateStateParallel, FollowParallel
 
 __all__ = [
     "AutoLayerOption", "AutoStageOption", "ManualLayerOption", "ManualStageOption", "PipeshardParallel",
@@ -30,7 +29,3 @@ __all__ = [
     "checkpoint_steps", "restore_checkpoint", "save_checkpoint",
 ]
 __version__ = "0.1.0"
-
-register_option_classes(DataParallel, Zero2Parallel, Zero3Parallel, ManualShardParallel, ShardParallel,
-                        AutoShardingOption, PipeshardParallel, AutoLayerOption, ManualLayerOption, AutoStageOption,
-                        ManualStageOption, UniformStageOption)

@@ -12,19 +12,18 @@ import jax
 
 from alpa_like.compiler.cluster import ClusterSpec
 from alpa_like.compiler.trace import TracedStep, argument_names, leaf_aval, path_to_str, trace_step
-from alpa_like.methods import DataParallel, ManualShardParallel, Zero2Parallel, Zero3Parallel
+from alpa_like.compiler.options import METHODS, CreateStateParallel, DataParallel, FollowParallel, PipeshardParallel
+from alpa_like.methods import spmd_layout
 from alpa_like.compiler.plan import ParallelPlan, memory_message
 from alpa_like.planning import spmd_plan
 from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable
 from alpa_like.runtime.spmd import InputsNotLaidOut, SpmdExecutable, compile_spmd
-from alpa_like.pipeshard import PipeshardParallel, compile_pipeshard, plan_pipeshard
-from alpa_like.shard_parallel import ShardParallel
-from alpa_like.training import CreateStateParallel, FollowParallel, compile_create_state, compile_follow
+from alpa_like.pipeshard import compile_pipeshard, plan_pipeshard
+from alpa_like.training import compile_create_state, compile_follow
 
 CLUSTER_KINDS = ("local", "ray")
 Executable = SpmdExecutable | PipeshardExecutable
 """What ``get_executable`` returns: one SPMD program, or a pipeline's stage programs."""
-SPMD_METHODS = (DataParallel, Zero2Parallel, Zero3Parallel, ManualShardParallel, ShardParallel)
 
 
 @dataclasses.dataclass
@@ -123,9 +122,8 @@ def backend_devices() -> tuple[Any, ...]:
 def _check_method(method: Any) -> Any:
     if method is None:
         return DataParallel()
-    if not isinstance(method, (*SPMD_METHODS, PipeshardParallel, CreateStateParallel, FollowParallel)):
-        names = ", ".join(m.__name__ for m in (*SPMD_METHODS, PipeshardParallel, CreateStateParallel,
-                                                FollowParallel))
+    if not isinstance(method, METHODS):
+        names = ", ".join(m.__name__ for m in METHODS)
         raise TypeError(f"method must be one of {names} (an instance, e.g. al.DataParallel()), "
                         f"got {method!r}")
     return method
@@ -258,8 +256,7 @@ class ParallelizedFunc:
             exe.plan.check_fits()  # the stage pieces compile on the first step: nothing has run
             return exe
         traced = self._trace(args)
-        layout = (self.method.layout(traced, cluster, devices=devices) if isinstance(self.method, ShardParallel)
-                  else self.method.layout(traced, cluster))  # ShardParallel may time its candidate plans
+        layout = spmd_layout(self.method, traced, cluster, devices=devices)  # ShardParallel may time candidates
         device_ids = [d.id for d in devices]
         spmd_plan(self.method, traced, layout, cluster, device_ids=device_ids).check_fits()
         donate_flat = [k for k, leaf in enumerate(traced.in_leaves) if leaf.arg_index in self.donate_argnums]
@@ -342,7 +339,7 @@ def plan(fun: Callable, *args, method: Any = None, cluster: ClusterSpec | str | 
         traced = trace_step(fun, args, static_argnums=_check_argnums("static_argnums", static_argnums),
                             batch_argnums=_check_argnums("batch_argnums", batch_argnums),
                             num_micro_batches=method.num_micro_batches)
-        result = spmd_plan(method, traced, method.layout(traced, cluster), cluster)
+        result = spmd_plan(method, traced, spmd_layout(method, traced, cluster), cluster)
     if not result.fits:
         warnings.warn(f"al.plan: {memory_message(result)}", stacklevel=2)
     return result

@@ -32,9 +32,8 @@ from alpa_like.compiler import jax_compat
 from alpa_like.compiler.auto_sharding import PassOptions
 from alpa_like.compiler.cross_layer_grad import split_cross_layer_grad_sums
 from alpa_like.compiler.grad_accumulation import grad_markers, split_at_grad_marker
-from alpa_like.compiler.layer_construction import Layering, auto_layers, layering, manual_layers
+from alpa_like.compiler.layer_construction import layering
 from alpa_like.compiler.layer_slicing import layer_summaries, slice_layers
-from alpa_like.compiler.layer_clustering import DEFAULT_DELTA
 from alpa_like.compiler.logical_mesh import logical_shapes
 from alpa_like.compiler.markers import is_marker
 from alpa_like.compiler.stage_dp import (StageChoice, StageCosts, StageSolution, micro_batches_in_flight,
@@ -46,252 +45,17 @@ from alpa_like.compiler.stage_sharding import StageSharding, stage_shardings
 from alpa_like.compiler.submesh import assign_devices, submesh_shapes
 from alpa_like.compiler.terapipe_planning import attention_fractions, choose_token_slicing
 from alpa_like.compiler.trace import TracedStep, trace_step
-from alpa_like.methods import _check_micro_batches, input_roles
+from alpa_like.compiler.input_roles import input_roles
+from alpa_like.compiler.options import AutoStageOption, ManualStageOption, PipeshardParallel, StageOption
 from alpa_like.compiler.plan import CommEstimate, ParallelPlan, StagePlan, TensorPlan
 from alpa_like.runtime.instructions import emit_programs
 from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable
-from alpa_like.compiler.schedules import make_schedule
+from alpa_like.compiler.schedules import ScheduleName, make_schedule
 from alpa_like.runtime.simulator import simulate
 from alpa_like.runtime.terapipe_runtime import TerapipeExecutable
-from alpa_like.compiler.token_slicing import check_batch_slices
-from alpa_like.shard_parallel import AutoShardingOption
+from alpa_like.compiler.token_slicing import check_batch_slices, token_slicing_scheme
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "breadth_first", "terapipe")
-# Activation memory of each schedule for Eq. 3.5: 1F1B-like schedules keep at most the stages after a
-# stage in flight; GPipe-like ones (breadth-first, TeraPipe) keep every micro-batch.
-_MEMORY_RULE = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved_1f1b": "1f1b", "breadth_first": "gpipe",
-                "terapipe": "gpipe"}
 Shape = tuple[int, int]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class AutoLayerOption:
-    """Cut the loss into ``layer_num`` layers by operator clustering (Eq. 3.6)."""
-
-    layer_num: int
-    """Number of layers L (the stage DP groups them into stages)."""
-    eps: float | None = DEFAULT_DELTA
-    """delta of Eq. 3.6: each layer has at most (1 + eps) x the average FLOPs. None: the default 0.6, or the
-    smallest slack that admits a clustering when 0.6 does not (an operator heavier than an average layer,
-    like a large vocabulary's logits, otherwise makes the clustering infeasible)."""
-    remat_layer: bool = False
-    """Recompute each layer's forward in its backward (`jax.checkpoint` per layer)."""
-    recompute_aware: bool | str = False
-    """With ``remat_layer``: Eq. 3.6's tie-break prefers, among the clusterings of optimal communication, layers
-    ending where less is recomputed, after a convolution or matmul whose output the backward does not read
-    (:func:`~alpa_like.compiler.layer_construction.recompute_savings`). Fewer FLOPs, but such cuts carry more
-    bytes (the operator's output beside the residual), which a pipeline across nodes pays: off by default.
-    ``"auto"``: plan the step with both tie-breaks and keep the plan of the lower estimated iteration time
-    (twice the planning; layers are cut before the cluster is known, so only the plans can tell)."""
-
-    def __post_init__(self):
-        if self.recompute_aware not in (False, True, "auto"):
-            raise ValueError(f"AutoLayerOption.recompute_aware must be False, True or 'auto', got "
-                             f"{self.recompute_aware!r}")
-        if self.recompute_aware and not self.remat_layer:
-            raise ValueError(f"AutoLayerOption.recompute_aware={self.recompute_aware!r} needs remat_layer=True "
-                             "(without rematerialization no layer recomputes anything)")
-        if not isinstance(self.layer_num, int) or self.layer_num < 1:
-            raise ValueError(f"AutoLayerOption.layer_num must be an int >= 1, got {self.layer_num!r}")
-        if self.eps is not None and not self.eps >= 0:
-            raise ValueError(f"AutoLayerOption.eps must be >= 0 or None, got {self.eps!r}")
-
-    def choices(self) -> tuple[AutoLayerOption, ...]:
-        """The layer options planning tries: both tie-breaks for ``recompute_aware="auto"``, else this one."""
-        if self.recompute_aware == "auto":
-            return (dataclasses.replace(self, recompute_aware=False), dataclasses.replace(self, recompute_aware=True))
-        return (self,)
-
-    def layering(self) -> Layering:
-        if self.recompute_aware == "auto":
-            raise ValueError("AutoLayerOption(recompute_aware='auto') is two layerings: plan each of choices()")
-        return Layering(assign=auto_layers(self.layer_num, self.eps, self.recompute_aware), remat=self.remat_layer)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ManualLayerOption:
-    """Layers end where the loss calls ``al.mark_pipeline_boundary()``."""
-
-    remat_layer: bool = False
-    """Recompute each layer's forward in its backward (`jax.checkpoint` per layer)."""
-
-    def choices(self) -> tuple[ManualLayerOption]:
-        return (self,)
-
-    def layering(self) -> Layering:
-        return Layering(assign=manual_layers, remat=self.remat_layer)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class AutoStageOption:
-    """Choose stages, submeshes and logical meshes with the stage DP (Eq. 3.2-3.5)."""
-
-    submesh_shapes: tuple[Shape, ...] | None = None
-    """Restrict the submesh shapes the DP may use; None: (1,1), (1,2), (1,4)..(1,M), (2,M)..(N,M)."""
-    logical_shape_space: str = "all"
-    """Logical views profiled per submesh: ``"all"`` 2-D factorisations, or ``"single_node_model_parallel"``:
-    only views whose second axis fits inside a node (b divides M), as Alpa's default benchmark setting."""
-    epsilon: float = 1e-6
-    """Seconds: t_max candidates closer than this are solved once (the pruned enumeration's step)."""
-    max_workers: int | None = None
-    """Worker processes for the intra-op solves; None: one per core."""
-    show_progress: bool = True
-    """Print planning progress to stderr."""
-    equal_layers: bool = False
-    """Alpa's "equal layer" ablation (Fig. 3.9): the DP may only cut stages of one common number of layers
-    (every number dividing the layers is tried, the best plan kept); it still chooses the submeshes and
-    logical meshes."""
-
-    def __post_init__(self):
-        spaces = ("all", "single_node_model_parallel")
-        if self.logical_shape_space not in spaces:
-            raise ValueError(f"AutoStageOption.logical_shape_space must be one of {spaces}, got "
-                             f"{self.logical_shape_space!r}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ManualStageOption:
-    """Stages written by hand: layer ids, physical submesh and logical mesh of each stage."""
-
-    forward_stage_layer_ids: tuple[tuple[int, ...], ...]
-    """Per stage, its consecutive layer ids, e.g. ((0, 1), (2, 3))."""
-    submesh_physical_shapes: tuple[Shape, ...]
-    """Per stage, (nodes, devices per node); they must cover the cluster."""
-    submesh_logical_shapes: tuple[Shape, ...]
-    """Per stage, the 2-D logical view of its devices."""
-    show_progress: bool = True
-
-    def __post_init__(self):
-        for name in ("forward_stage_layer_ids", "submesh_physical_shapes", "submesh_logical_shapes"):
-            value = getattr(self, name)
-            if not isinstance(value, (tuple, list)) or not value:
-                raise ValueError(f"ManualStageOption.{name} must be a non-empty tuple (one entry per stage), "
-                                 f"got {value!r}")
-            object.__setattr__(self, name, tuple(tuple(entry) if isinstance(entry, (tuple, list)) else entry
-                                                 for entry in value))
-        for q, (physical, logical) in enumerate(zip(self.submesh_physical_shapes, self.submesh_logical_shapes)):
-            _check_shape(f"ManualStageOption.submesh_physical_shapes[{q}]", physical)
-            _check_shape(f"ManualStageOption.submesh_logical_shapes[{q}]", logical)
-            if physical[0] * physical[1] != logical[0] * logical[1]:
-                raise ValueError(f"ManualStageOption.submesh_logical_shapes[{q}] = {logical} must view the "
-                                 f"{physical[0] * physical[1]} devices of submesh_physical_shapes[{q}] = {physical}")
-
-    @classmethod
-    def from_plan(cls, plan: ParallelPlan, show_progress: bool = True) -> ManualStageOption:
-        """The stages of a saved pipeshard ``plan`` (``ParallelPlan.from_json``) as a stage option, to run the
-        step on them again without the stage DP (the intra-op pass still runs on each stage)."""
-        if not plan.stages or any(not s.layer_ids for s in plan.stages):
-            raise ValueError("ManualStageOption.from_plan needs a PipeshardParallel plan (its stages list their "
-                             "layers); this plan has none")
-        if any(list(s.layer_ids) != list(range(s.layer_ids[0], s.layer_ids[-1] + 1)) for s in plan.stages):
-            raise ValueError("ManualStageOption.from_plan: the plan's meshes hold non-consecutive layers (a "
-                             "looping schedule with virtual_stages > 1 deals them round-robin), which "
-                             "ManualStageOption cannot express")
-        return cls(forward_stage_layer_ids=tuple(tuple(s.layer_ids) for s in plan.stages),
-                   submesh_physical_shapes=tuple(tuple(s.submesh_shape) for s in plan.stages),
-                   submesh_logical_shapes=tuple(tuple(s.logical_mesh_shape) for s in plan.stages),
-                   show_progress=show_progress)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class UniformStageOption:
-    """``num_stages`` stages with equal numbers of layers on equal submeshes; the logical mesh of each is
-    the cheapest under the intra-op pass unless given."""
-
-    num_stages: int
-    submesh_physical_shape: Shape | None = None
-    """None: the cluster split evenly, (1, M / s) per stage within a node or (N / s, M) across nodes."""
-    submesh_logical_shape: Shape | None = None
-    show_progress: bool = True
-
-    def __post_init__(self):
-        if not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool) or self.num_stages < 1:
-            raise ValueError(f"UniformStageOption.num_stages must be an int >= 1, got {self.num_stages!r}")
-        for name in ("submesh_physical_shape", "submesh_logical_shape"):
-            shape = getattr(self, name)
-            if shape is not None:
-                object.__setattr__(self, name, _check_shape(f"UniformStageOption.{name}", shape, or_none=True))
-
-
-StageOption = AutoStageOption | ManualStageOption | UniformStageOption
-
-
-def _check_shape(name: str, shape: Any, or_none: bool = False) -> Shape:
-    """``shape`` as a tuple when it is a pair of ints >= 1 (a submesh or logical mesh shape); else an error
-    naming the option field ``name``."""
-    if not (isinstance(shape, (tuple, list)) and len(shape) == 2 and all(isinstance(d, int) and d >= 1
-                                                                          for d in shape)):
-        raise ValueError(f"{name} must be {'None or ' if or_none else ''}a pair of ints >= 1, got {shape!r}")
-    return tuple(shape)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PipeshardParallel:
-    """Pipeline parallelism over submeshes, with intra-op parallelism inside each stage (Alpa)."""
-
-    num_micro_batches: int = 1
-    """Micro-batches per step (B of Eq. 3.2)."""
-    layer_option: AutoLayerOption | ManualLayerOption = AutoLayerOption(layer_num=2)
-    stage_option: StageOption = AutoStageOption()
-    pipeline_schedule: str = "1f1b"
-    """One of PIPELINE_SCHEDULES."""
-    auto_sharding_option: AutoShardingOption = AutoShardingOption(solver="highs")
-    """Options of the intra-op pass run on every layer and mesh."""
-    virtual_stages: int = 1
-    """Layer chunks per mesh for the looping schedules (``interleaved_1f1b``, ``breadth_first``): the
-    layers are cut into ``meshes x virtual_stages`` equal chunks and chunk ``s`` runs on mesh ``s mod p``
-    (Megatron-LM's interleaved layout). 1 for the other schedules."""
-    token_slices: tuple[int, ...] | tuple[tuple[int, tuple[int, ...]], ...] | None = None
-    """``pipeline_schedule="terapipe"`` only. Token slice lengths of every sequence (summing to its length),
-    e.g. ``(776, 640, 632)``, used for every micro-batch; or a whole batch + token slicing (section 2.3.4) as
-    plans print it, ``((rows, (lengths...)), ...)`` with rows summing to the batch size, e.g.
-    ``((2, (8, 8)), (1, (16,)))``. None: the TeraPipe DP chooses (see ``ParallelPlan.token_slicing``)."""
-    defer_gradient_sync: bool = True
-    """Reduce each stage's gradients over its mesh once per step (Alpa, Megatron-LM) instead of in every
-    backward: the backward pieces accumulate per-shard partial sums of the gradients that allow it
-    (:mod:`alpa_like.compiler.gradient_sync`), reduced by the step's mean. False: every backward
-    all-reduces its gradients (GSPMD's default for a whole-array output). Local backend."""
-    share_slice_executables: bool = False
-    """``pipeline_schedule="terapipe"`` only. True: token slices of equal length (and rows) share one
-    executable per stage whatever their context: each reads its cached keys/values left-padded to the longest
-    context among them, the padding masked out of the attention (results equal; fewer compiles, but the
-    attention then also spans the padding, which the plan's predicted time includes). False: one executable
-    per (rows, context, length)."""
-
-    def __post_init__(self):
-        _check_micro_batches(self.num_micro_batches)
-        if self.defer_gradient_sync not in (False, True):
-            raise ValueError(f"defer_gradient_sync must be a bool, got {self.defer_gradient_sync!r}")
-        if self.share_slice_executables not in (False, True):
-            raise ValueError(f"share_slice_executables must be a bool, got {self.share_slice_executables!r}")
-        if self.share_slice_executables and self.pipeline_schedule != "terapipe":
-            raise ValueError("share_slice_executables needs pipeline_schedule='terapipe', got "
-                             f"{self.pipeline_schedule!r}")
-        if self.token_slices is not None:
-            if self.pipeline_schedule != "terapipe":
-                raise ValueError(f"token_slices needs pipeline_schedule='terapipe', got {self.pipeline_schedule!r}")
-            if not _is_lengths(self.token_slices) and not (
-                    isinstance(self.token_slices, tuple) and self.token_slices and all(
-                        isinstance(p, tuple) and len(p) == 2 and _is_lengths((p[0],)) and _is_lengths(p[1])
-                        for p in self.token_slices)):
-                raise ValueError(f"token_slices must be a non-empty tuple of ints >= 1 or of (rows, (lengths...)) "
-                                 f"pairs with ints >= 1, got {self.token_slices!r}")
-        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
-            raise ValueError(f"pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got "
-                             f"{self.pipeline_schedule!r}")
-        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
-            raise ValueError(f"virtual_stages must be an int >= 1, got {self.virtual_stages!r}")
-        if self.virtual_stages > 1 and self.pipeline_schedule not in ("interleaved_1f1b", "breadth_first"):
-            raise ValueError(f"virtual_stages={self.virtual_stages} needs a looping schedule "
-                             f"('interleaved_1f1b' or 'breadth_first'), got {self.pipeline_schedule!r}")
-        if self.auto_sharding_option.plan_selection != "objective":
-            raise ValueError("auto_sharding_option.plan_selection='measured' is ShardParallel's; the stage DP "
-                             "compares the intra-op objectives of its candidates (use plan_selection='objective')")
-        if not isinstance(self.layer_option, (AutoLayerOption, ManualLayerOption)):
-            raise TypeError(f"layer_option must be AutoLayerOption or ManualLayerOption, got {self.layer_option!r}")
-        if not isinstance(self.stage_option, (AutoStageOption, ManualStageOption, UniformStageOption)):
-            raise TypeError("stage_option must be AutoStageOption, ManualStageOption or UniformStageOption, got "
-                            f"{self.stage_option!r}")
 
 
 class _Progress:
@@ -375,7 +139,7 @@ def slice_step(method: PipeshardParallel, fun: Callable, args: Sequence[Any], *,
     jaxpr = jax_compat.bypass_eqns(traced.closed_jaxpr.jaxpr, lambda e: is_marker(e, "param"))
     pieces = slice_layers(jaxpr)
     split = jaxpr
-    if method.pipeline_schedule != "terapipe":
+    if method.pipeline_schedule != ScheduleName.TERAPIPE:
         split = split_cross_layer_grad_sums(jaxpr, pieces)  # tied weights: accumulate per layer, add per step
     if split is not jaxpr:
         jaxpr, pieces = split, slice_layers(split)
@@ -459,7 +223,7 @@ def _plan_and_profile(method: PipeshardParallel, sliced: SlicedStep, cluster: Cl
     pairs = sum(len(v) for v in views) * len(summaries)
     progress.step(f"step 2/4: intra-op pass on {len(summaries)} layers x {sum(len(v) for v in views)} "
                   f"(submesh, logical mesh) pairs = {pairs}")
-    deferred = method.defer_gradient_sync and method.pipeline_schedule != "terapipe"
+    deferred = method.defer_gradient_sync and method.pipeline_schedule != ScheduleName.TERAPIPE
     options = PassOptions(solver=method.auto_sharding_option.solver,
                           solver_time_limit=method.auto_sharding_option.solver_time_limit,
                           allow_all_to_all=method.auto_sharding_option.allow_all_to_all,
@@ -495,7 +259,7 @@ def _plan_and_profile(method: PipeshardParallel, sliced: SlicedStep, cluster: Cl
         times["simulated choice"] = time.perf_counter() - t4
     progress.step(f"step 4/4: done: {len(plan.stages)} stages, layers per stage {solution.layers_per_stage}")
     plan = dataclasses.replace(plan, compile_times=tuple(times.items()))
-    if method.pipeline_schedule == "terapipe":
+    if method.pipeline_schedule == ScheduleName.TERAPIPE:
         t4 = time.perf_counter()
         plan = _plan_token_slicing(method, sliced, solution, plan)
         plan = dataclasses.replace(plan, compile_times=plan.compile_times + (("token DP", time.perf_counter() - t4),))
@@ -517,7 +281,7 @@ def plan_of_stages(method: PipeshardParallel, sliced: SlicedStep, cluster: Clust
 def _settles_estimates(method: PipeshardParallel) -> bool:
     """Whether the planner simulates the DP's plans under :func:`_estimate_tables`: the simulated backend
     runs the schedule (one stage per mesh; not TeraPipe) and the DP chose the stages."""
-    return (method.virtual_stages == 1 and method.pipeline_schedule != "terapipe"
+    return (method.virtual_stages == 1 and method.pipeline_schedule != ScheduleName.TERAPIPE
             and isinstance(method.stage_option, AutoStageOption))
 
 
@@ -570,7 +334,7 @@ def simulate_plan(plan: ParallelPlan, sliced: SlicedStep, **options):
     stage_to_mesh = list(range(len(plan.stages)))
     program = build_stage_program(sliced.closed_jaxpr, sliced.pieces, [s.layer_ids for s in plan.stages],
                                   [r == "batch" for r in sliced.roles], stage_to_mesh=stage_to_mesh)
-    sched = make_schedule(plan.pipeline_schedule or "1f1b", num_meshes=len(plan.stages),
+    sched = make_schedule(plan.pipeline_schedule or ScheduleName.ONE_F_ONE_B, num_meshes=len(plan.stages),
                           num_micro_batches=plan.num_micro_batches)
     programs = emit_programs(program, sched, stage_to_mesh=stage_to_mesh, free_buffers=False)
     return simulate(plan, program, programs, **options)
@@ -650,7 +414,7 @@ def _solve(method: PipeshardParallel, costs: StageCosts, cluster: ClusterSpec) -
     if isinstance(option, AutoStageOption):
         def solve(table: StageCosts) -> StageSolution:
             return solve_stages(table, shape, b, cluster.device_memory, epsilon=option.epsilon,
-                                schedule=_MEMORY_RULE[method.pipeline_schedule])
+                                schedule=method.pipeline_schedule)
         if not option.equal_layers:
             return solve(costs)
         solutions, errors = [], []
@@ -666,14 +430,14 @@ def _solve(method: PipeshardParallel, costs: StageCosts, cluster: ClusterSpec) -
         layout = [((ids[0], ids[-1]), tuple(p), tuple(v)) for ids, p, v in zip(
             option.forward_stage_layer_ids, option.submesh_physical_shapes, option.submesh_logical_shapes)]
         return _fixed_solution(costs, layout, b, choose_view=False, cluster=cluster,
-                               schedule=_MEMORY_RULE[method.pipeline_schedule])
+                               schedule=method.pipeline_schedule)
     if costs.num_layers % option.num_stages:
         raise ValueError(f"UniformStageOption(num_stages={option.num_stages}) needs a layer count divisible by "
                          f"it; the step has {costs.num_layers} layers")
     per = costs.num_layers // option.num_stages
     layout = [((q * per, q * per + per - 1), costs.submeshes[0], None) for q in range(option.num_stages)]
     return _fixed_solution(costs, layout, b, choose_view=True, cluster=cluster,
-                           schedule=_MEMORY_RULE[method.pipeline_schedule])
+                           schedule=method.pipeline_schedule)
 
 
 def equal_layer_costs(costs: StageCosts, layers_per_stage: int) -> StageCosts:
@@ -688,7 +452,7 @@ def equal_layer_costs(costs: StageCosts, layers_per_stage: int) -> StageCosts:
 
 
 def _fixed_solution(costs: StageCosts, layout, num_micro_batches: int, choose_view: bool,
-                    cluster: ClusterSpec, schedule: str) -> StageSolution:
+                    cluster: ClusterSpec, schedule: ScheduleName) -> StageSolution:
     """Evaluates Eq. 3.2 for stages given by hand, priced for their placement as the DP prices its own.
     Per stage, among the entries of its logical view (or of every view, for uniform stages) the fastest that
     fits in memory (Eq. 3.5 with the micro-batches the ``schedule`` keeps in flight there, as the DP counts
@@ -754,7 +518,7 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
     the local MPMD backend's by default, another backend's through ``make_executable`` (same arguments).
     ``donate_argnums``' leaves are donated by the pipeline schedules of both backends; the TeraPipe schedule
     does not donate (with a warning)."""
-    if method.pipeline_schedule == "terapipe" and make_executable is not PipeshardExecutable:
+    if method.pipeline_schedule == ScheduleName.TERAPIPE and make_executable is not PipeshardExecutable:
         raise NotImplementedError("pipeline_schedule='terapipe' runs on the local backend only (al.init('local'))")
     if make_executable is not PipeshardExecutable:  # other backends all-reduce gradients in every backward
         method = dataclasses.replace(method, defer_gradient_sync=False)
@@ -762,10 +526,10 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
                               cluster=cluster or ClusterSpec.local(devices))
     method, sliced, plan, profile, solution = (planned.method, planned.sliced, planned.plan, planned.profile,
                                                planned.solution)
-    if donate_argnums and method.pipeline_schedule == "terapipe":
+    if donate_argnums and method.pipeline_schedule == ScheduleName.TERAPIPE:
         warnings.warn("donate_argnums is not applied under the TeraPipe schedule: the step's inputs stay "
                       "allocated while it runs", stacklevel=3)
-    if method.pipeline_schedule == "terapipe":
+    if method.pipeline_schedule == ScheduleName.TERAPIPE:
         return _compile_terapipe(method, fun, args, _without_effects(sliced, "under the TeraPipe schedule"),
                                  plan, devices)
     if make_executable is not PipeshardExecutable:
@@ -805,18 +569,6 @@ def value_specs(program, shardings: Sequence[StageSharding], stage_to_mesh: Sequ
             if var in vid:
                 out.setdefault((vid[var], mesh), spec)
     return out
-
-
-def _is_lengths(value) -> bool:
-    return isinstance(value, tuple) and bool(value) and all(
-        isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in value)
-
-
-def token_slicing_scheme(token_slices, num_micro_batches: int, rows_per_micro_batch: int):
-    """``PipeshardParallel.token_slices`` as a batch + token slicing ``((rows, lengths), ...)``."""
-    if _is_lengths(token_slices):
-        return ((rows_per_micro_batch, tuple(token_slices)),) * num_micro_batches
-    return tuple((rows, tuple(lengths)) for rows, lengths in token_slices)
 
 
 def _optimizer_state_specs(param_specs: dict, in_leaves) -> dict:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -50,15 +49,16 @@ from alpa_like.compiler.auto_sharding import (
     without_latency,
 )
 from alpa_like.compiler.grad_accumulation import split_at_grad_marker
-from alpa_like.compiler.ilp import DEFAULT_SOLVER, SOLVERS
 from alpa_like.compiler.logical_mesh import LogicalMesh, logical_shapes
 from alpa_like.compiler.op_graph import CONTROL_FLOW, OpGraph, build_op_graph
 from alpa_like.compiler.sharding_spec import ShardingSpec, enumerate_specs
 from alpa_like.compiler.strategies import Collective, shards
 from alpa_like.compiler.trace import TracedStep
 from alpa_like.compiler.weight_update_sharding import WeightUpdateSharding, plan_weight_update_sharding
-from alpa_like.methods import SpmdLayout, _check_micro_batches, input_roles, match_outputs_to_inputs
-from alpa_like.compiler.plan import SELECTIONS, CommEstimate, OpPlan, PlanCandidate, SolverReport
+from alpa_like.compiler.input_roles import input_roles, match_outputs_to_inputs
+from alpa_like.compiler.options import AutoShardingOption, ShardParallel
+from alpa_like.compiler.spmd_layout import SpmdLayout
+from alpa_like.compiler.plan import CommEstimate, OpPlan, PlanCandidate, SolverReport
 from alpa_like.runtime.spmd import compile_spmd
 from alpa_like.timing import time_interleaved
 
@@ -69,141 +69,64 @@ REPORTED_PRIMITIVES = PINNED_PRIMITIVES | CONTROL_FLOW
 """Operators listed one by one in the plan."""
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+def auto_sharding_layout(method: ShardParallel, traced: TracedStep, cluster: ClusterSpec, *,
+                         devices: Sequence[Any] | None = None) -> SpmdLayout:
+    """Runs the intra-op pass of ``method`` (see the module docstring) and returns the layout to compile.
 
+    ``devices``: the devices of ``cluster`` (in its order), on which ``plan_selection="measured"``
+    times its candidates; None (``al.plan``) selects by the objective.
+    """
+    option = method.auto_sharding_option
+    views = _views(option.logical_mesh_shape, cluster)
+    if devices is not None and len(devices) != cluster.num_devices:
+        raise ValueError(f"devices: {len(devices)} given for a cluster of {cluster.num_devices} devices")
+    roles, warns = input_roles(traced)
+    graph = build_op_graph(traced.closed_jaxpr, [leaf.path for leaf in traced.in_leaves])
+    if graph.unsupported:
+        message = (f"ShardParallel: no sharding rule for primitive(s) {', '.join(graph.unsupported)}; they are "
+                   "computed replicated")
+        warnings.warn(message, stacklevel=2)
+        warns += (message,)
+    measure = option.plan_selection == "measured"
+    if measure and devices is None:
+        message = ("ShardParallel: plan_selection='measured' needs the devices to time plans on, and al.plan "
+                   "runs nothing: the view with the lowest objective is used")
+        warnings.warn(message, stacklevel=2)
+        warns += (message,)
+        measure = False
+    start = time.perf_counter()
+    output_to_input = match_outputs_to_inputs(traced)
+    weights = _node_weights(traced, graph, method.num_micro_batches)
+    # With micro-batches the gradients are accumulated as per-shard partial sums and reduced once per step
+    # (runtime/spmd.deferred_gradients): their all-reduces run 1 / m as often as their operators.
+    sync_weight = 1.0 / method.num_micro_batches
+    candidates = solve_views(traced, graph, roles, cluster, views, option, weights,
+                             alias_pairs(graph, output_to_input),
+                             cost_models=tuple(COST_MODELS) if measure else ("alpha-beta",),
+                             gradient_sync_weight=sync_weight)
+    views_report = tuple((c.solution.mesh.shape, c.solution.objective) for c in candidates
+                         if c.cost_model == "alpha-beta")
+    if measure and option.prefer_reduce_scatter:  # the post-ILP rewrite is a candidate too (Eq. 3.1 omits it)
+        candidates = [dataclasses.replace(c, rewrite=r) for c in candidates for r in (True, False)]
+    params = [i for i, r in enumerate(roles) if r == "param"]
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class AutoShardingOption:
-    """Knobs of the intra-op pass (Alpa's ``AutoShardingOption``)."""
+    def build(c: Candidate) -> SpmdLayout:
+        rewrites = plan_weight_update_sharding(graph, c.solution, params, output_to_input) if c.rewrite else ()
+        status = c.solution.ilp.status
+        notes = warns if status == "optimal" else warns + (
+            f"intra-op ILP on mesh {c.solution.mesh.shape}: {status}",)
+        return realize(traced, graph, c.solution, rewrites, roles, output_to_input, weights, views=views_report,
+                       seconds=c.seconds, warnings=notes, gradient_sync_weight=sync_weight)
 
-    memory_budget_per_device: float | None = None
-    """Bytes per device that the tensors live at any point of the step may use; None: no limit."""
-    allow_all_to_all: bool = True
-    """Allow all-to-all for resharding (Table 3.2 #4, #5); False prices it as all-gather then slice."""
-    prefer_reduce_scatter: bool = True
-    """Post-ILP: turn a gradient's all-reduce into reduce-scatter + all-gather and shard its optimizer
-    state and update (weight-update sharding / ZeRO), as Alpa does by default."""
-    force_batch_dim_to_mesh_axis: int | None = None
-    """Shard dim 0 of every batch leaf on this mesh axis (0 or 1) when it has more than one device;
-    None lets the ILP choose."""
-    solver_time_limit: float = 60.0
-    """Seconds the solver may spend per logical view; it then keeps its best solution (see the plan's status)."""
-    logical_mesh_shape: tuple[int, int] | None = None
-    """Use only this logical view (n0, n1) of the devices instead of trying all of them."""
-    solver: str = DEFAULT_SOLVER
-    """MILP solver: ``"highs"`` (default: HiGHS via scipy, LP relaxation first) or ``"cbc"`` (PuLP's bundled CBC,
-    as Alpa)."""
-    plan_selection: str = "objective"
-    """How the plan is picked among the logical views: ``"objective"`` (default), the lowest Eq. 3.1
-    objective; ``"measured"``, the fastest on the devices of its candidates (each view's plan under each of
-    :data:`COST_MODELS`, with and without the weight-update sharding when ``prefer_reduce_scatter``), each
-    compiled and timed at compile time (see the module docstring; this costs
-    one compilation per distinct candidate). ``al.plan`` runs nothing, so there it falls back to
-    ``"objective"`` with a warning in the plan."""
-    measure_rounds: int = 10
-    """``plan_selection="measured"``: timing rounds, each running every distinct candidate once in a
-    shuffled order, after one warm-up run each; a candidate's time is its median."""
-
-    def __post_init__(self):
-        budget = self.memory_budget_per_device
-        if budget is not None and (not isinstance(budget, numbers.Real) or isinstance(budget, bool)
-                                   or not budget > 0):
-            raise ValueError(f"memory_budget_per_device must be a number of bytes > 0 or None, got {budget!r}")
-        for name in ("allow_all_to_all", "prefer_reduce_scatter"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        axis = self.force_batch_dim_to_mesh_axis
-        if axis is not None and (not _is_int(axis) or axis not in (0, 1)):
-            raise ValueError(f"force_batch_dim_to_mesh_axis must be 0, 1 or None, got {axis!r}")
-        limit = self.solver_time_limit
-        if not isinstance(limit, numbers.Real) or isinstance(limit, bool) or not limit > 0:
-            raise ValueError(f"solver_time_limit must be a number of seconds > 0, got {limit!r}")
-        if self.solver not in SOLVERS:
-            raise ValueError(f"solver must be one of {SOLVERS}, got {self.solver!r}")
-        shape = self.logical_mesh_shape
-        if shape is not None and (not isinstance(shape, tuple) or len(shape) != 2
-                                  or not all(_is_int(n) and n >= 1 for n in shape)):
-            raise ValueError(f"logical_mesh_shape must be a tuple (n0, n1) of ints >= 1 or None, got {shape!r}")
-        if self.plan_selection not in SELECTIONS:
-            raise ValueError(f"plan_selection must be one of {SELECTIONS}, got {self.plan_selection!r}")
-        if not _is_int(self.measure_rounds) or self.measure_rounds < 1:
-            raise ValueError(f"measure_rounds must be an int >= 1, got {self.measure_rounds!r}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ShardParallel:
-    """Intra-operator parallelism chosen by Alpa's ILP (Eq. 3.1) over one mesh of all devices."""
-
-    num_micro_batches: int = 1
-    """Gradient accumulation steps inside one training step (needs al.grad when > 1)."""
-    auto_sharding_option: AutoShardingOption = AutoShardingOption()
-    """Knobs of the intra-op pass."""
-
-    def __post_init__(self):
-        _check_micro_batches(self.num_micro_batches)
-        if not isinstance(self.auto_sharding_option, AutoShardingOption):
-            raise TypeError(f"auto_sharding_option must be an al.AutoShardingOption, got "
-                            f"{type(self.auto_sharding_option).__name__}")
-
-    def layout(self, traced: TracedStep, cluster: ClusterSpec, *, devices: Sequence[Any] | None = None
-               ) -> SpmdLayout:
-        """Runs the intra-op pass (see the module docstring) and returns the layout to compile.
-
-        ``devices``: the devices of ``cluster`` (in its order), on which ``plan_selection="measured"``
-        times its candidates; None (``al.plan``) selects by the objective.
-        """
-        option = self.auto_sharding_option
-        views = _views(option.logical_mesh_shape, cluster)
-        if devices is not None and len(devices) != cluster.num_devices:
-            raise ValueError(f"devices: {len(devices)} given for a cluster of {cluster.num_devices} devices")
-        roles, warns = input_roles(traced)
-        graph = build_op_graph(traced.closed_jaxpr, [leaf.path for leaf in traced.in_leaves])
-        if graph.unsupported:
-            message = (f"ShardParallel: no sharding rule for primitive(s) {', '.join(graph.unsupported)}; they are "
-                       "computed replicated")
-            warnings.warn(message, stacklevel=2)
-            warns += (message,)
-        measure = option.plan_selection == "measured"
-        if measure and devices is None:
-            message = ("ShardParallel: plan_selection='measured' needs the devices to time plans on, and al.plan "
-                       "runs nothing: the view with the lowest objective is used")
-            warnings.warn(message, stacklevel=2)
-            warns += (message,)
-            measure = False
-        start = time.perf_counter()
-        output_to_input = match_outputs_to_inputs(traced)
-        weights = _node_weights(traced, graph, self.num_micro_batches)
-        # With micro-batches the gradients are accumulated as per-shard partial sums and reduced once per step
-        # (runtime/spmd.deferred_gradients): their all-reduces run 1 / m as often as their operators.
-        sync_weight = 1.0 / self.num_micro_batches
-        candidates = solve_views(traced, graph, roles, cluster, views, option, weights,
-                                 alias_pairs(graph, output_to_input),
-                                 cost_models=tuple(COST_MODELS) if measure else ("alpha-beta",),
-                                 gradient_sync_weight=sync_weight)
-        views_report = tuple((c.solution.mesh.shape, c.solution.objective) for c in candidates
-                             if c.cost_model == "alpha-beta")
-        if measure and option.prefer_reduce_scatter:  # the post-ILP rewrite is a candidate too (Eq. 3.1 omits it)
-            candidates = [dataclasses.replace(c, rewrite=r) for c in candidates for r in (True, False)]
-        params = [i for i, r in enumerate(roles) if r == "param"]
-
-        def build(c: Candidate) -> SpmdLayout:
-            rewrites = plan_weight_update_sharding(graph, c.solution, params, output_to_input) if c.rewrite else ()
-            status = c.solution.ilp.status
-            notes = warns if status == "optimal" else warns + (
-                f"intra-op ILP on mesh {c.solution.mesh.shape}: {status}",)
-            return realize(traced, graph, c.solution, rewrites, roles, output_to_input, weights, views=views_report,
-                           seconds=c.seconds, warnings=notes, gradient_sync_weight=sync_weight)
-
-        if not measure:
-            return build(min(candidates, key=lambda c: c.solution.objective))
-        layouts = [build(c) for c in candidates]
-        report = select_measured(traced, candidates, layouts, devices, num_micro_batches=self.num_micro_batches,
-                                 rounds=option.measure_rounds)
-        chosen = layouts[next(i for i, c in enumerate(report) if c.chosen)]
-        solver = dataclasses.replace(chosen.solver, selection="measured", candidates=report,
-                                     selection_seconds=time.perf_counter() - start)
-        return dataclasses.replace(chosen, solver=solver)
+    if not measure:
+        return build(min(candidates, key=lambda c: c.solution.objective))
+    layouts = [build(c) for c in candidates]
+    report = select_measured(traced, candidates, layouts, devices, num_micro_batches=method.num_micro_batches,
+                             rounds=option.measure_rounds)
+    chosen = layouts[next(i for i, c in enumerate(report) if c.chosen)]
+    solver = dataclasses.replace(chosen.solver, selection="measured", candidates=report,
+                                 selection_seconds=time.perf_counter() - start)
+    return dataclasses.replace(chosen, solver=solver)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""Methods for the rest of a training run: creating the state in the train step's layouts, and eval steps
-that read it there.
+"""The rest of a training run: creating the state in the train step's layouts, and eval steps that read it
+there (the methods :class:`~alpa_like.compiler.options.CreateStateParallel` and
+:class:`~alpa_like.compiler.options.FollowParallel`).
 
 ``al.CreateStateParallel(train_step, batch)`` is the method of a function that makes the training state
 (``create_state() -> TrainState``): under ``al.parallelize`` it runs so that every leaf of the state is born
@@ -23,72 +24,25 @@ state is made there and the driver gets ``RemoteArray`` s; an eval step's output
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class CreateStateParallel:
-    """Creates a train step's state argument in the layouts that step's plan takes it in.
-
-    Args:
-      train_step: the ``al.parallelize``-d train step the state is made for.
-      batch: the train step's arguments after the state (arrays or ``jax.ShapeDtypeStruct`` s): its plan
-        depends on their shapes.
-      state_argnum: which argument of ``train_step`` the created value is (default 0).
-    """
-
-    train_step: Any
-    batch: Any
-    other_args: tuple = ()
-    """More arguments of ``train_step`` after ``batch``, as they will be passed."""
-    state_argnum: int = 0
-
-    num_micro_batches = 1  # what parallelize reads of every method
-
-    def __post_init__(self):
-        _check_train_step(self)
-
-    def train_args(self, state: Any) -> tuple:
-        """The train step's arguments with ``state`` in the state's position."""
-        return _train_args(self, state)
+from alpa_like.compiler.options import CreateStateParallel, FollowParallel
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class FollowParallel:
-    """Runs an eval / inference step in the layouts of a train step's state (see the module docstring).
-
-    Args:
-      train_step: the ``al.parallelize``-d train step whose state the step reads.
-      batch: the train step's arguments after the state (arrays or ``jax.ShapeDtypeStruct`` s), which pick
-        its plan; None: the train step's one compiled executable.
-      state_argnum: the position of the state in both steps' arguments (default 0).
-    """
-
-    train_step: Any
-    batch: Any = None
-    other_args: tuple = ()
-    """More arguments of ``train_step`` after ``batch``."""
-    state_argnum: int = 0
-
-    num_micro_batches = 1  # the eval step runs on the whole batch at once
-
-    def __post_init__(self):
-        _check_train_step(self)
-
-    def train_executable(self, state: Any):
-        """The train step's executable for ``state`` (and ``batch``)."""
-        if self.batch is not None:
-            return self.train_step.get_executable(*_train_args(self, abstract(state)))
-        compiled = list(self.train_step._cache.values())
-        if len(compiled) != 1:
-            raise ValueError(f"FollowParallel: the train step has {len(compiled)} compiled executables; pass its "
-                             "batch (al.FollowParallel(train_step, batch)) to say which plan to follow")
-        return compiled[0]
+def train_executable(method: FollowParallel, state: Any):
+    """The executable of ``method``'s train step for ``state`` (and ``method.batch``): its plan gives the
+    layouts the followed step reads the state in."""
+    if method.batch is not None:
+        return method.train_step.get_executable(*_train_args(method, abstract(state)))
+    compiled = list(method.train_step._cache.values())
+    if len(compiled) != 1:
+        raise ValueError(f"FollowParallel: the train step has {len(compiled)} compiled executables; pass its "
+                         "batch (al.FollowParallel(train_step, batch)) to say which plan to follow")
+    return compiled[0]
 
 
 def compile_follow(fun: Callable, args: Sequence[Any], method: FollowParallel, *, static_argnums=(),
@@ -105,7 +59,7 @@ def compile_follow(fun: Callable, args: Sequence[Any], method: FollowParallel, *
     if argnum >= len(args):
         raise ValueError(f"FollowParallel: state_argnum={argnum}, but the step was called with {len(args)} "
                          "arguments")
-    train = method.train_executable(args[argnum])
+    train = train_executable(method, args[argnum])
     traced = trace_step(fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums)
     state_leaves = [k for k, leaf in enumerate(traced.in_leaves) if leaf.arg_index == argnum]
     train_leaves = [k for k, leaf in enumerate(train.traced.in_leaves) if leaf.arg_index == argnum]
@@ -177,17 +131,6 @@ def _eval(closed, flat):
     return jax_compat.eval_closed_jaxpr(closed, *flat)
 
 
-def _check_train_step(method: CreateStateParallel | FollowParallel) -> None:
-    from alpa_like.api import ParallelizedFunc
-    who = type(method).__name__
-    if not isinstance(method.train_step, ParallelizedFunc):
-        raise TypeError(f"{who}: train_step must be an al.parallelize-d function, got "
-                        f"{type(method.train_step).__name__}")
-    argnum = method.state_argnum
-    if isinstance(argnum, bool) or not isinstance(argnum, int) or argnum < 0:
-        raise ValueError(f"{who}: state_argnum must be an int >= 0, got {argnum!r}")
-
-
 def _train_args(method: CreateStateParallel | FollowParallel, state: Any) -> tuple:
     """The train step's arguments: ``method``'s batch and other arguments, ``state`` in the state's place."""
     rest = [method.batch, *method.other_args]
@@ -216,7 +159,7 @@ def compile_create_state(fun: Callable, args: Sequence[Any], method: CreateState
     from alpa_like.runtime.ray_backend import RayPipeshardExecutable
     from alpa_like.runtime.ray_training import RayCreateStateExecutable
 
-    train = method.train_step.get_executable(*method.train_args(abstract(jax.eval_shape(fun, *args))))
+    train = method.train_step.get_executable(*_train_args(method, abstract(jax.eval_shape(fun, *args))))
     if isinstance(train, RayPipeshardExecutable):
         state = [k for k, leaf in enumerate(train.traced.in_leaves) if leaf.arg_index == method.state_argnum]
         return RayCreateStateExecutable(fun, args, train, state)
@@ -229,7 +172,7 @@ class CreateStateExecutable:
 
     def __init__(self, fun: Callable, args: Sequence[Any], method: CreateStateParallel):
         out_shape = jax.eval_shape(fun, *args)
-        self.train_executable = method.train_step.get_executable(*method.train_args(abstract(out_shape)))
+        self.train_executable = method.train_step.get_executable(*_train_args(method, abstract(out_shape)))
         leaves, self.out_tree = jax.tree.flatten(out_shape)
         shardings = state_shardings(self.train_executable, method.state_argnum)
         if len(shardings) != len(leaves):

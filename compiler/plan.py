@@ -22,12 +22,13 @@ import numpy as np
 
 from alpa_like.compiler import fields
 from alpa_like.compiler.cluster import ClusterSpec
+from alpa_like.compiler.options import OPTION_CLASSES, SELECTIONS
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.token_slicing import format_scheme
 from alpa_like.compiler.schedules import ScheduleName
 
 ROLES = ("param", "optimizer_state", "state", "batch", "output")
-"""What an input or output leaf of the step is (:func:`alpa_like.methods.input_roles`):
+"""What an input or output leaf of the step is (:func:`alpa_like.compiler.input_roles.input_roles`):
 
 * ``param``: differentiated by ``al.grad`` (else: under a ``params`` path component, Flax's convention).
 * ``optimizer_state``: when parameters are known, every other leaf of the non-batch arguments that is not a
@@ -168,7 +169,6 @@ class PlanCandidate:
                    same_as=get("same_as", fields.optional(fields.integer)), chosen=get("chosen", fields.boolean))
 
 
-SELECTIONS = ("objective", "measured")
 """How the intra-op pass picks its plan among the logical views (``AutoShardingOption.plan_selection``)."""
 
 
@@ -303,7 +303,8 @@ class ParallelPlan:
     (``len(token_slicing)``, which the joint DP of section 2.3.4 may make differ from the method's)."""
     cluster: ClusterSpec
     stages: tuple[StagePlan, ...]
-    pipeline_schedule: str | None
+    pipeline_schedule: ScheduleName | None
+    """The pipeline's schedule; None for a single-stage (SPMD) plan."""
     estimated_iteration_time: float
     """Seconds per step under the cost model: compute at peak FLOP/s plus modelled communication."""
     warnings: tuple[str, ...] = ()
@@ -347,7 +348,7 @@ class ParallelPlan:
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method, "num_micro_batches": self.num_micro_batches,
                 "cluster": self.cluster.to_dict(), "stages": [s.to_dict() for s in self.stages],
-                "pipeline_schedule": self.pipeline_schedule,
+                "pipeline_schedule": None if self.pipeline_schedule is None else str(self.pipeline_schedule),
                 "estimated_iteration_time": self.estimated_iteration_time, "warnings": list(self.warnings),
                 "compile_times": [[name, seconds] for name, seconds in self.compile_times],
                 "token_slicing": [[b, list(ls)] for b, ls in self.token_slicing],
@@ -361,6 +362,7 @@ class ParallelPlan:
         get = fields.reader(cls, d, at)
         stages = get("stages", fields.sequence, StagePlan.from_dict)
         schedule = get("pipeline_schedule", fields.optional(fields.choice), _SCHEDULES)
+        schedule = None if schedule is None else ScheduleName(schedule)
         _check_stages(stages, schedule, at)
         return cls(method=get("method", fields.string), num_micro_batches=get("num_micro_batches", fields.integer, 1),
                    cluster=get("cluster", _cluster), stages=stages, pipeline_schedule=schedule,
@@ -559,9 +561,9 @@ def method_summary(method: str, limit: int = _METHOD_CHARS) -> str:
     """A method's repr without the options left at their defaults, at most ``limit`` characters (cut with
     ``...``): the plan's header, while ``ParallelPlan.method`` keeps the whole repr.
 
-    An option is left out when its value reads as the summary of its field's default in the registered
-    dataclass of that name (:func:`register_option_classes`; nested options are summarised the same way);
-    text that is not such a repr is only cut.
+    An option is left out when its value reads as the summary of its field's default in the method or
+    option dataclass of that name (:data:`~alpa_like.compiler.options.OPTION_CLASSES`; nested options are
+    summarised the same way); text that is not such a repr is only cut.
 
     >>> method_summary("ShardParallel(num_micro_batches=1, auto_sharding_option=AutoShardingOption("
     ...                "solver_time_limit=60.0, solver='cbc'))")
@@ -575,8 +577,8 @@ def method_summary(method: str, limit: int = _METHOD_CHARS) -> str:
 
 
 def _call_summary(text: str, node: ast.expr) -> str:
-    """The source of ``node`` in ``text``, a keyword-only call of a registered dataclass without the
-    keywords at their defaults."""
+    """The source of ``node`` in ``text``, a keyword-only call of an option dataclass without the keywords
+    at their defaults."""
     source = ast.get_source_segment(text, node) or ""
     if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
         return source
@@ -591,20 +593,13 @@ def _call_summary(text: str, node: ast.expr) -> str:
     return f"{node.func.id}({', '.join(kept)})"
 
 
-_OPTION_CLASSES: dict[str, type] = {}
-"""The method and option dataclasses whose reprs plans hold, by name (:func:`register_option_classes`)."""
-
-
-def register_option_classes(*classes: type) -> None:
-    """Makes :func:`method_summary` know these dataclasses' defaults (the API registers its methods and
-    options: this module sits below it and imports none of them)."""
-    _OPTION_CLASSES.update((cls.__name__, cls) for cls in classes)
-    _option_defaults.cache_clear()
+_OPTION_CLASSES: dict[str, type] = {cls.__name__: cls for cls in OPTION_CLASSES}
+"""The method and option dataclasses whose reprs plans hold, by name."""
 
 
 @functools.cache
 def _option_defaults(name: str) -> dict[str, str]:
-    """Summaries of the default of every field of the registered dataclass ``name`` that has one."""
+    """Summaries of the default of every field of the option dataclass ``name`` that has one."""
     cls = _OPTION_CLASSES.get(name)
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         return {}
@@ -768,7 +763,7 @@ def format_plan(plan: ParallelPlan, *, group_layers: bool = True) -> str:
         total = sum(seconds for _, seconds in plan.compile_times)
         parts = ", ".join(f"{name} {format_seconds(seconds)}" for name, seconds in plan.compile_times)
         lines.append(f"  planning time: {format_seconds(total)} ({parts})")
-    if plan.pipeline_schedule == "terapipe":
+    if plan.pipeline_schedule == ScheduleName.TERAPIPE:
         scheme = format_scheme(plan.token_slicing) if plan.token_slicing else "none (whole sequences)"
         without = plan.iteration_time_without_token_slicing
         lines.append(f"  token slicing (TeraPipe): {scheme}"

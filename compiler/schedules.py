@@ -55,15 +55,8 @@ import numbers
 import re
 from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
-from typing import NewType
 
-StageIdx = NewType("StageIdx", int)
-"""Position of a stage in the pipeline, 0 = first. With ``v`` virtual stages per mesh, ``S = p v`` stages."""
-MeshIdx = NewType("MeshIdx", int)
-"""Position of a mesh (a pipeline device group) in the pipeline, 0 = first. Not an index into a list of
-submesh shapes (that is :data:`alpa_like.compiler.stage_dp.MeshIdx`)."""
-MicroBatchIdx = NewType("MicroBatchIdx", int)
-"""Index of a micro-batch within one step, 0 = first."""
+from alpa_like.compiler.indices import MeshIdx, MicroBatchIdx, StageIdx
 
 Duration = int | Fraction | float
 """A task's duration in arbitrary units. Ints and Fractions give exact bubble fractions."""
@@ -80,13 +73,45 @@ class Phase(enum.StrEnum):
 
 
 class ScheduleName(enum.StrEnum):
-    """The schedules :func:`make_schedule` builds (same names as ``alpa_like.pipeshard.PIPELINE_SCHEDULES``)."""
+    """The pipeline schedules: what ``PipeshardParallel(pipeline_schedule=...)`` accepts, the stage DP prices
+    and :func:`make_schedule` builds. A member equals its string (``ScheduleName.GPIPE == "gpipe"``) and
+    prints as it (``'gpipe'``), so options and plans read the same whichever a user wrote."""
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED_1F1B = "interleaved_1f1b"
     BREADTH_FIRST = "breadth_first"
     TERAPIPE = "terapipe"
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    @property
+    def is_looping(self) -> bool:
+        """Whether the schedule runs several virtual stages per mesh (``virtual_stages > 1``)."""
+        return self in (ScheduleName.INTERLEAVED_1F1B, ScheduleName.BREADTH_FIRST)
+
+    @property
+    def holds_every_micro_batch(self) -> bool:
+        """Whether, for the activation memory of Eq. 3.5, every stage holds all ``B`` micro-batches in flight
+        (GPipe, and breadth-first and TeraPipe, which run every forward of a stage before its backwards),
+        rather than 1F1B's ``min(s, B)`` for the ``s``-th stage from the end (1F1B, interleaved 1F1B)."""
+        return self in (ScheduleName.GPIPE, ScheduleName.BREADTH_FIRST, ScheduleName.TERAPIPE)
+
+
+def schedule_name(value: object) -> ScheduleName:
+    """``value`` (a :class:`ScheduleName` or its string) as a ScheduleName.
+
+    >>> schedule_name("1f1b") is ScheduleName.ONE_F_ONE_B
+    True
+
+    Raises:
+      ValueError: ``value`` names no schedule; the message lists the valid names.
+    """
+    try:
+        return ScheduleName(value)
+    except ValueError:
+        raise ValueError(f"unknown schedule {value!r}; valid: {sorted(map(str, ScheduleName))}") from None
 
 
 _TASK_RE = re.compile(r"(\d+)([" + "".join(Phase) + r"])(\d+)(?:\.(\d+))?")
@@ -724,7 +749,7 @@ _LOOPING: dict[str, Callable[[int, int, int], Schedule]] = {
     ScheduleName.INTERLEAVED_1F1B: interleaved_one_f_one_b, ScheduleName.BREADTH_FIRST: breadth_first}
 
 
-def make_schedule(name: str, num_meshes: int, num_micro_batches: int, virtual_stages: int = 1,
+def make_schedule(name: ScheduleName | str, num_meshes: int, num_micro_batches: int, virtual_stages: int = 1,
                   num_slices: SliceCounts = 1) -> Schedule:
     """Build the schedule called ``name`` (one of :class:`ScheduleName`); ``num_slices`` is for
     ``"terapipe"`` only.
@@ -732,6 +757,7 @@ def make_schedule(name: str, num_meshes: int, num_micro_batches: int, virtual_st
     >>> make_schedule("breadth_first", 2, 4, virtual_stages=2).num_stages
     4
     """
+    name = schedule_name(name)
     if name == ScheduleName.TERAPIPE:
         if virtual_stages != 1:
             raise ValueError(f"terapipe has one stage per mesh: virtual_stages must be 1, got {virtual_stages!r}")
@@ -743,7 +769,4 @@ def make_schedule(name: str, num_meshes: int, num_micro_batches: int, virtual_st
             raise ValueError(f"{name} has one stage per mesh: virtual_stages must be 1, got {virtual_stages!r} "
                              f"(looping schedules: {sorted(map(str, _LOOPING))})")
         return _FLAT[name](num_meshes, num_micro_batches)
-    if name in _LOOPING:
-        return _LOOPING[name](num_meshes, num_micro_batches, virtual_stages)
-    raise ValueError(f"unknown schedule {name!r}; valid: "
-                     f"{sorted(map(str, [*_FLAT, *_LOOPING, ScheduleName.TERAPIPE]))}")
+    return _LOOPING[name](num_meshes, num_micro_batches, virtual_stages)

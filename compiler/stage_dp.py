@@ -127,33 +127,19 @@ many t_max candidates (each side inside a node, or across through 0, 1 or 2 shar
 from __future__ import annotations
 
 import dataclasses
-import enum
 import itertools
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from typing import NewType
-
 import numpy as np
 
+from alpa_like.compiler.indices import StageIdx, SubmeshIdx
 from alpa_like.compiler.logical_mesh import logical_shapes as all_logical_shapes
+from alpa_like.compiler.schedules import ScheduleName, schedule_name
 from alpa_like.compiler.submesh import Shape, submesh_shapes
 
-MeshIdx = NewType("MeshIdx", int)
-"""Index into :attr:`StageCosts.submeshes`."""
-StageIdx = NewType("StageIdx", int)
-"""Position of a stage in the pipeline, 0 = first."""
 
 _GIB = 2**30
-
-
-class Schedule(enum.StrEnum):
-    """The pipeline schedule, which decides how many micro-batches of activations a stage holds (Eq. 3.5)."""
-
-    ONE_F_ONE_B = "1f1b"
-    """Synchronous 1F1B: the ``s``-th stage from the end holds ``min(s, B)`` micro-batches."""
-    GPIPE = "gpipe"
-    """GPipe: every stage holds all ``B`` micro-batches."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -307,7 +293,7 @@ class StageChoice:
 
     layers: tuple[int, int]
     """``(first, last)`` layer, inclusive, 0-based."""
-    submesh_index: MeshIdx
+    submesh_index: SubmeshIdx
     submesh: Shape
     logical_shape: tuple[int, int]
     view_index: int
@@ -368,8 +354,8 @@ class StageSolution:
 
 
 def solve_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_micro_batches: int,
-                 device_memory: float, *, epsilon: float = 1e-6, schedule: str | Schedule = "1f1b",
-                 prune: bool = True) -> StageSolution:
+                 device_memory: float, *, epsilon: float = 1e-6,
+                 schedule: ScheduleName | str = ScheduleName.ONE_F_ONE_B, prune: bool = True) -> StageSolution:
     r"""Minimises Eq. 3.2 over stage slicings and submesh/logical choices (Alpa Alg. 2, Eq. 3.3-3.5).
 
     See the module docstring for the equations and the reading of Eq. 3.5.
@@ -382,7 +368,8 @@ def solve_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_micro_ba
       device_memory: bytes per device.
       epsilon: seconds; t_max candidates closer than this are solved once (error <= ``(B - 1) * epsilon``).
         0 solves every distinct value.
-      schedule: ``"1f1b"`` or ``"gpipe"`` (see :class:`Schedule`).
+      schedule: the pipeline schedule (a :class:`~alpa_like.compiler.schedules.ScheduleName`), which sets the
+        micro-batches of activations each stage holds (Eq. 3.5; :func:`micro_batches_in_flight`).
       prune: stop the enumeration once ``B * t_max >= T*``, skip infeasible t_max by bisection and skip
         t_max intervals that cannot beat ``T*`` (exact; see ``_search``). ``False`` solves every candidate
         (a reference for tests).
@@ -401,7 +388,7 @@ def solve_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_micro_ba
     """
     n_nodes, per_node = _pair(cluster_shape, "cluster_shape")
     batches = _check_positive_int(num_micro_batches, "num_micro_batches")
-    schedule = _schedule(schedule)
+    schedule = schedule_name(schedule)
     _check_inputs(costs, (n_nodes, per_node), device_memory, epsilon)
     num_devices = n_nodes * per_node
     sizes = costs.sizes
@@ -461,7 +448,8 @@ def _best_t_max(eff: np.ndarray, sizes: np.ndarray, num_devices: int, placement:
 
 
 def brute_force_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_micro_batches: int,
-                       device_memory: float, *, schedule: str | Schedule = "1f1b") -> StageSolution | None:
+                       device_memory: float, *,
+                       schedule: ScheduleName | str = ScheduleName.ONE_F_ONE_B) -> StageSolution | None:
     """Reference for tests: tries every layer partition and every (submesh, logical) choice per stage.
 
     Exponential; use it with a handful of layers and devices. Returns None when no plan exists. Stage
@@ -469,7 +457,7 @@ def brute_force_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_mi
     """
     n_nodes, per_node = _pair(cluster_shape, "cluster_shape")
     batches = _check_positive_int(num_micro_batches, "num_micro_batches")
-    schedule = _schedule(schedule)
+    schedule = schedule_name(schedule)
     _check_inputs(costs, (n_nodes, per_node), device_memory, epsilon=0.0)
     k, num_devices = costs.num_layers, n_nodes * per_node
     placement = _Placement.of(costs, num_devices, per_node)
@@ -481,9 +469,9 @@ def brute_force_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_mi
             options = []
             for q in range(num_stages):
                 first, last = bounds[q], bounds[q + 1] - 1
-                held = batches if schedule is Schedule.GPIPE else min(num_stages - q, batches)
+                held = batches if schedule.holds_every_micro_batch else min(num_stages - q, batches)
                 options.append([
-                    StageChoice(layers=(first, last), submesh_index=MeshIdx(p), submesh=sub,
+                    StageChoice(layers=(first, last), submesh_index=SubmeshIdx(p), submesh=sub,
                                 logical_shape=costs.logical_shapes[p][l], view_index=l,
                                 variant=costs.variants[p][l], t_intra=float(t),
                                 memory_per_device=float(costs.mem_stage[first, last, p, l]
@@ -696,12 +684,12 @@ def _best_finals(eff: np.ndarray, t_max: float, sizes: np.ndarray, num_devices: 
 # ---------------------------------------------------------------------------------------------------
 
 
-def micro_batches_in_flight(schedule: Schedule | str, max_stages: int, batches: int) -> np.ndarray:
+def micro_batches_in_flight(schedule: ScheduleName | str, max_stages: int, batches: int) -> np.ndarray:
     """Micro-batches of activations held by the ``s``-th stage from the end, ``s = 1..max_stages`` (Eq. 3.5's
     multiplier of ``mem_act``)."""
-    schedule = _schedule(schedule)
+    schedule = schedule_name(schedule)
     s = np.arange(1, max_stages + 1)
-    return np.full(max_stages, batches) if schedule is Schedule.GPIPE else np.minimum(s, batches)
+    return np.full(max_stages, batches) if schedule.holds_every_micro_batch else np.minimum(s, batches)
 
 
 def _effective_costs(costs: StageCosts, in_flight: np.ndarray,
@@ -912,7 +900,7 @@ def _reconstruct(costs: StageCosts, eff: np.ndarray, view: np.ndarray, t_max: fl
         last, p = divmod(flat, len(sizes))
         l = int(view[s - 1, first, last, p])
         stages.append(StageChoice(
-            layers=(first, last), submesh_index=MeshIdx(p), submesh=costs.submeshes[p],
+            layers=(first, last), submesh_index=SubmeshIdx(p), submesh=costs.submeshes[p],
             logical_shape=costs.logical_shapes[p][l], view_index=l, variant=costs.variants[p][l],
             t_intra=float(eff[s - 1, first, last, p]),
             memory_per_device=float(costs.mem_stage[first, last, p, l]
@@ -928,7 +916,7 @@ def pipeline_latency(stages: Sequence[StageChoice], num_micro_batches: int) -> f
     """Eq. 3.2 for these stages plus the longest of their per-step terms, which run at the same time on their
     own meshes: ``sum(t) + (B - 1) * max(t) + max(step)``.
 
-    >>> a = StageChoice(layers=(0, 0), submesh_index=MeshIdx(0), submesh=(1, 1), logical_shape=(1, 1),
+    >>> a = StageChoice(layers=(0, 0), submesh_index=SubmeshIdx(0), submesh=(1, 1), logical_shape=(1, 1),
     ...                 view_index=0, variant="", t_intra=2.0, memory_per_device=0.0)
     >>> pipeline_latency([a, dataclasses.replace(a, layers=(1, 1), t_intra=1.0, step_seconds=0.5)], 4)
     9.5
@@ -963,7 +951,7 @@ def _plans_with_devices(options: list[list[StageChoice]], num_devices: int):
 
 
 def _infeasible_error(costs: StageCosts, cluster_shape: tuple[int, int], in_flight: np.ndarray,
-                      device_memory: float, schedule: Schedule, batches: int) -> ValueError:
+                      device_memory: float, schedule: ScheduleName, batches: int) -> ValueError:
     """Why no plan exists: structurally (no finite costs cover the cluster) or by how much memory.
 
     The shortfall is a bottleneck DP (Eq. 3.3 with ``max`` in place of ``+``) over the per-stage excess
@@ -985,9 +973,9 @@ def _infeasible_error(costs: StageCosts, cluster_shape: tuple[int, int], in_flig
             f"{per_node} cluster with {k} layers: each stage needs at least one layer and its own submesh, "
             f"and the submeshes must sum to {n_nodes * per_node} devices; submeshes with costs: "
             f"{list(costs.submeshes)}")
-    hint = "" if schedule is Schedule.ONE_F_ONE_B else ", or the 1F1B schedule (fewer activations in flight)"
+    hint = "" if not schedule.holds_every_micro_batch else ", or the 1F1B schedule (fewer activations in flight)"
     return ValueError(
-        f"no pipeline plan fits in {device_memory / _GIB:.4g} GiB per device ({schedule.value}, {batches} "
+        f"no pipeline plan fits in {device_memory / _GIB:.4g} GiB per device ({schedule}, {batches} "
         f"micro-batches, {n_nodes} x {per_node} devices): the closest plan still needs "
         f"{missing / _GIB:.3g} GiB more per device ({missing:.0f} bytes). Try more devices, more "
         f"micro-batches (smaller micro-batches hold fewer activations), rematerialization (remat) of the "
@@ -1012,13 +1000,6 @@ def _check_inputs(costs: StageCosts, cluster_shape: tuple[int, int], device_memo
         raise ValueError(f"device_memory must be a number of bytes > 0, got {device_memory!r}")
     if not _is_number(epsilon) or not math.isfinite(epsilon) or epsilon < 0:
         raise ValueError(f"epsilon must be a finite number of seconds >= 0, got {epsilon!r}")
-
-
-def _schedule(schedule: object) -> Schedule:
-    try:
-        return Schedule(schedule)
-    except ValueError:
-        raise ValueError(f"unknown schedule {schedule!r}; valid: {[s.value for s in Schedule]}") from None
 
 
 def _pair(value: object, what: str) -> tuple[int, int]:

@@ -47,7 +47,7 @@ import numpy as np
 
 __all__ = ["SlicingSolution", "JointSolution", "slice_cost_table", "pipeline_latency", "solve_token_slicing",
            "solve_joint_slicing", "uniform_slicing", "format_scheme", "slice_contexts", "BatchSlices",
-           "check_batch_slices"]
+           "check_batch_slices", "is_token_lengths", "token_slicing_scheme"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +92,20 @@ def format_scheme(batch_slices: Sequence[tuple[int, Sequence[int]]]) -> str:
 
 BatchSlices = tuple[tuple[int, tuple[int, ...]], ...]
 """(rows, token slice lengths) of every batch slice, in batch order (``ParallelPlan.token_slicing``)."""
+
+
+def is_token_lengths(value) -> bool:
+    """Whether ``value`` is a non-empty tuple of ints >= 1 (token slice lengths, or a batch slice's rows)."""
+    return isinstance(value, tuple) and bool(value) and all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in value)
+
+
+def token_slicing_scheme(token_slices, num_micro_batches: int, rows_per_micro_batch: int) -> BatchSlices:
+    """``PipeshardParallel.token_slices`` as a batch + token slicing ``((rows, lengths), ...)``: lengths
+    alone are used for every micro-batch of ``rows_per_micro_batch`` sequences."""
+    if is_token_lengths(token_slices):
+        return ((rows_per_micro_batch, tuple(token_slices)),) * num_micro_batches
+    return tuple((rows, tuple(lengths)) for rows, lengths in token_slices)
 
 
 def check_batch_slices(batch_slices, batch_size: int, seq_len: int) -> BatchSlices:

@@ -59,7 +59,8 @@ from alpa_like.compiler.stage_construction import StageProgram, updating_stages
 from alpa_like.runtime.instructions import PER_STEP, MeshPrograms, Op
 from alpa_like.runtime.pipeshard_runtime import activation_spec
 from alpa_like.runtime.resharding import MeshLayout, plan_resharding
-from alpa_like.compiler.schedules import MeshIdx, MicroBatchIdx, Phase, Span, StageIdx, Task, Timeline
+from alpa_like.compiler.indices import MeshIdx, MicroBatchIdx, StageIdx
+from alpa_like.compiler.schedules import Phase, Span, Task, Timeline
 
 _FORWARD_SHARE = 1 / 3
 

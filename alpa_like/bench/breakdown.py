@@ -75,7 +75,7 @@ def parse_plan(text: str) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...],
 def manual_option(layers: tuple[int, ...], submeshes, logical):
     """The ``ManualStageOption`` of :func:`parse_plan`'s fields: stage ``q`` takes the next ``layers[q]``
     layers in order."""
-    from alpa_like.pipeshard import ManualStageOption
+    from alpa_like.compiler.options import ManualStageOption
 
     ends = [sum(layers[:q + 1]) for q in range(len(layers))]
     ids = tuple(tuple(range(end - n, end)) for n, end in zip(layers, ends))
@@ -98,7 +98,8 @@ def near_optimal_stages(costs, cluster_shape: tuple[int, int], num_micro_batches
     >>> [(t, [s.layers for s in stages]) for t, stages in near_optimal_stages(costs, (1, 2), 4, 1.0, 1.0)]
     [(4.0, [(0, 1)]), (5.0, [(0, 0), (1, 1)])]
     """
-    from alpa_like.compiler.stage_dp import MeshIdx, StageChoice, pipeline_latency, price_placed_stages
+    from alpa_like.compiler.indices import SubmeshIdx
+    from alpa_like.compiler.stage_dp import StageChoice, pipeline_latency, price_placed_stages
 
     nodes, per_node = cluster_shape
     total, layers = nodes * per_node, costs.num_layers
@@ -131,7 +132,7 @@ def near_optimal_stages(costs, cluster_shape: tuple[int, int], num_micro_batches
             view = int(np.argmin(t))
             if not np.isfinite(t[view]):
                 break
-            stages.append(StageChoice(layers=(first, last), submesh_index=MeshIdx(p), submesh=costs.submeshes[p],
+            stages.append(StageChoice(layers=(first, last), submesh_index=SubmeshIdx(p), submesh=costs.submeshes[p],
                                       logical_shape=costs.logical_shapes[p][view], view_index=view,
                                       variant=costs.variants[p][view] if costs.variants else "",
                                       t_intra=float(t[view]), memory_per_device=float(memory[view]),
@@ -181,7 +182,7 @@ def plan_rows(model: str, gpus: int, restrictions, preset: str = "p3.16xlarge",
     from alpa_like import models
     from alpa_like.bench import ours, suites
     from alpa_like.bench.workloads import cluster_for, make_workload
-    from alpa_like.pipeshard import AutoStageOption
+    from alpa_like.compiler.options import AutoStageOption
 
     config = models.get_config(model)
     suite = ("moe" if isinstance(config, models.MoEConfig) else

@@ -63,7 +63,7 @@ from alpa_like.compiler.layer_slicing import FORWARD
 from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.compiler.markers import is_marker
 from alpa_like.compiler.stage_profiling import inbound_bandwidth
-from alpa_like.compiler.schedules import Phase, dependencies, make_schedule
+from alpa_like.compiler.schedules import Phase, ScheduleName, dependencies, make_schedule
 from alpa_like.runtime.simulator import Nic, NicBook
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
@@ -139,8 +139,8 @@ class MegatronConfig:
         return global_batch // (self.b * self.d)
 
     @property
-    def schedule(self) -> str:
-        return "interleaved_1f1b" if self.v > 1 else "1f1b"
+    def schedule(self) -> ScheduleName:
+        return ScheduleName.INTERLEAVED_1F1B if self.v > 1 else ScheduleName.ONE_F_ONE_B
 
     def __str__(self) -> str:
         return f"t={self.t} p={self.p} d={self.d} b={self.b}" + (f" v={self.v}" if self.v > 1 else "")

@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterator
 
 from alpa_like.compiler.cluster import ClusterSpec
 from alpa_like.compiler.layer_construction import Layering, operator_segments
-from alpa_like.pipeshard import (AutoLayerOption, AutoStageOption, ManualLayerOption, PipeshardParallel, SlicedStep,
-                                 plan_sliced, simulate_plan, slice_step)
+from alpa_like.compiler.options import AutoLayerOption, AutoStageOption, ManualLayerOption, PipeshardParallel
+from alpa_like.pipeshard import SlicedStep, plan_sliced, simulate_plan, slice_step
 from alpa_like.compiler.plan import ParallelPlan
 
 from alpa_like.bench.workloads import Workload

@@ -8,7 +8,7 @@
   small batches, closing as the batch grows), with the efficiency of Table 1 (no new calibration).
 * BFPP Table E.1 (seed 004), the 52B rows with PP = TP = 8 on 64 V100s: breadth-first, depth-first
   (Megatron's interleaved) and non-looped 1F1B. ``efficiency`` is calibrated on the non-looped row at batch
-  9; every other row is a prediction. The schedules are replayed task by task (``runtime.schedules``).
+  9; every other row is a prediction. The schedules are replayed task by task (``alpa_like.compiler.schedules``).
 * Alpa's stage-shape findings (dissertation §3.8.3): GPT plans use equal layers per stage; Wide-ResNet on 16
   GPUs gets uneven stages (4, 4 and 8 GPUs in the paper), read from the suites' saved results.
 
@@ -28,6 +28,7 @@ from alpa_like.bench import megatron
 from alpa_like.bench.flops import megatron_step_flops, tflops_per_device
 from alpa_like.bench.report import format_terminal, write_json
 from alpa_like.compiler.cluster import ClusterSpec
+from alpa_like.compiler.schedules import ScheduleName
 
 # Megatron-LM Table 1: (billions, heads, hidden, layers, t, p, GPUs, batch, TFLOP/s per GPU).
 MEGATRON_TABLE_1 = [
@@ -50,7 +51,8 @@ BFPP_E1_52B = [
     ("non-looped", 128, 2, 64, 1, 49.35), ("non-looped", 512, 4, 128, 1, 55.52),
 ]
 BFPP_CALIBRATION_ROW = ("non-looped", 9)
-BFPP_SCHEDULE = {"breadth-first": "breadth_first", "depth-first": "interleaved_1f1b", "non-looped": "1f1b"}
+BFPP_SCHEDULE = {"breadth-first": ScheduleName.BREADTH_FIRST, "depth-first": ScheduleName.INTERLEAVED_1F1B,
+                 "non-looped": ScheduleName.ONE_F_ONE_B}
 
 
 def gpt_costs(*, hidden: int, layers: int, heads: int, seq: int, vocab: int) -> megatron.TransformerCosts:

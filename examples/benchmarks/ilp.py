@@ -46,7 +46,7 @@ from alpa_like.compiler.auto_sharding import PassOptions, alias_pairs, auto_shar
 from alpa_like.compiler.logical_mesh import LogicalMesh, logical_shapes  # noqa: E402
 from alpa_like.compiler.op_graph import build_op_graph  # noqa: E402
 from alpa_like.compiler.trace import trace_step  # noqa: E402
-from alpa_like.methods import match_outputs_to_inputs  # noqa: E402
+from alpa_like.compiler.input_roles import match_outputs_to_inputs  # noqa: E402
 from alpa_like.models import gpt  # noqa: E402
 from alpa_like.timing import time_interleaved  # noqa: E402
 

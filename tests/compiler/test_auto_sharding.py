@@ -18,7 +18,7 @@ from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.compiler.op_graph import build_op_graph, merged_groups
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.trace import trace_step
-from alpa_like.methods import match_outputs_to_inputs
+from alpa_like.compiler.input_roles import match_outputs_to_inputs
 from tests.helpers import mlp_loss
 
 S = ShardingSpec.from_str

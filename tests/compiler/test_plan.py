@@ -15,7 +15,7 @@ import alpa_like as al
 from alpa_like import models, pipeshard
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.trace import LeafInfo
-from alpa_like.methods import is_prng_key
+from alpa_like.compiler.input_roles import is_prng_key
 from alpa_like.models import gpt
 from alpa_like.compiler.plan import OpPlan, TensorPlan
 from tests.helpers import make_train_step, mlp_batch, mlp_loss, mlp_state

@@ -354,3 +354,19 @@ def test_terapipe_schedule_with_a_slice_count_per_micro_batch():
     with pytest.raises(ValueError, match=r"0F1.1 at tick 3 must name a token slice in 0..0"):
         Schedule(name="bad", num_meshes=2, num_stages=2, num_micro_batches=3, stage_to_mesh=(0, 1), ticks=rows,
                  num_slices=(3, 1, 2))
+
+
+def test_schedule_names_read_as_their_strings():
+    assert ScheduleName("1f1b") is ScheduleName.ONE_F_ONE_B and ScheduleName.GPIPE == "gpipe"
+    assert repr(ScheduleName.BREADTH_FIRST) == "'breadth_first'"  # options and plans print the user's string
+    assert {name for name in ScheduleName if name.is_looping} == {ScheduleName.INTERLEAVED_1F1B,
+                                                                  ScheduleName.BREADTH_FIRST}
+
+
+@pytest.mark.parametrize("name", list(ScheduleName))
+def test_the_memory_rule_of_a_schedule_is_what_its_first_mesh_stashes(name):
+    """``holds_every_micro_batch`` (Eq. 3.5's GPipe rule in the stage DP) is true exactly for the schedules
+    whose first mesh stashes the activations of every micro-batch at once."""
+    p, m, v = 2, 4, 2 if name.is_looping else 1
+    peak = make_schedule(name, p, m, virtual_stages=v).peak_in_flight()[0]
+    assert name.holds_every_micro_batch == (peak == m * v)

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from alpa_like.compiler import stage_dp as stage_dp_module
 from alpa_like.compiler.logical_mesh import logical_shapes
-from alpa_like.compiler.stage_dp import (StageCosts, brute_force_stages, contiguous_offsets, price_placed_stages,
-                                        shared_nodes, solve_stages)
+from alpa_like.compiler.schedules import ScheduleName
+from alpa_like.compiler.stage_dp import (StageCosts, brute_force_stages, contiguous_offsets,
+                                        micro_batches_in_flight, price_placed_stages, shared_nodes, solve_stages)
 from alpa_like.compiler.submesh import assign_devices, submesh_shapes
 
 GIB = 2**30
@@ -492,6 +493,16 @@ def test_eq_3_5_counts_this_stage_and_caps_at_b():
     assert solve_stages(_two_layer_costs(4.0, 1.5), (1, 2), 4, 8.0).layers_per_stage == (1, 1)
 
 
+@pytest.mark.parametrize("schedule", list(ScheduleName))
+def test_every_pipeline_schedule_prices_memory_by_its_own_rule(schedule):
+    """The DP takes any schedule name: breadth-first and TeraPipe hold every micro-batch as GPipe does,
+    interleaved 1F1B holds 1F1B's ``min(s, B)`` (Eq. 3.5)."""
+    in_flight = micro_batches_in_flight(schedule, 3, 8).tolist()
+    assert in_flight == ([8, 8, 8] if schedule.holds_every_micro_batch else [1, 2, 3])
+    layers = solve_stages(_two_layer_costs(4.0, 1.5), (1, 2), 4, 8.0, schedule=schedule).layers_per_stage
+    assert layers == ((2,) if schedule.holds_every_micro_batch else (1, 1))
+
+
 def test_a_memory_lean_variant_is_chosen_exactly_where_the_fastest_does_not_fit():
     """One layer on (1, 2): the fastest entry needs 10 GiB, its "params-sharded" twin 6 GiB but is slower."""
     def costs(fast_memory):
@@ -544,7 +555,8 @@ def test_bad_inputs_are_rejected_with_their_values():
     good = uniform_layers(2, (1, 2))
     with pytest.raises(ValueError, match=r"submeshes \[\(2, 2\)\] are not submesh shapes of the 1 x 4 cluster"):
         solve_stages(StageCosts.from_fn(1, [(2, 2)], lambda *a: (1.0, 0, 0)), (1, 4), 1, GIB)
-    with pytest.raises(ValueError, match=r"unknown schedule 'zb'; valid: \['1f1b', 'gpipe'\]"):
+    with pytest.raises(ValueError, match=r"unknown schedule 'zb'; valid: "
+                                         r"\['1f1b', 'breadth_first', 'gpipe', 'interleaved_1f1b', 'terapipe'\]"):
         solve_stages(good, (1, 2), 4, GIB, schedule="zb")
     with pytest.raises(ValueError, match="num_micro_batches must be an int >= 1, got 0"):
         solve_stages(good, (1, 2), 0, GIB)

@@ -178,7 +178,7 @@ def test_a_send_across_nodes_has_the_nic_of_the_stages_ranks():
 def test_gpt_tied_embedding_is_found_in_the_first_and_last_layer():
     from alpa_like.bench import ours
     from alpa_like.bench.workloads import make_workload, transformer_costs
-    from alpa_like.pipeshard import AutoLayerOption
+    from alpa_like.compiler.options import AutoLayerOption
 
     workload = make_workload("gpt-tiny", 8)
     sliced = ours.slice_workload(workload, ours.pipeshard_method(
@@ -196,7 +196,7 @@ def test_gpt_batch_inputs_are_loaded_by_the_chunks_that_read_them():
     bandwidth in its forward, as the simulated backend prices our plans' LOADs."""
     from alpa_like.bench import ours
     from alpa_like.bench.workloads import make_workload, transformer_costs
-    from alpa_like.pipeshard import AutoLayerOption
+    from alpa_like.compiler.options import AutoLayerOption
 
     workload = make_workload("gpt-tiny", 8)
     sliced = ours.slice_workload(workload, ours.pipeshard_method(

@@ -4,7 +4,7 @@ import pytest
 
 from alpa_like.bench import ours
 from alpa_like.bench.workloads import logits_to_block_flops, make_workload, micro_batch_count_error, transformer_costs
-from alpa_like.pipeshard import AutoLayerOption
+from alpa_like.compiler.options import AutoLayerOption
 
 
 def test_megatron_sees_one_layer_per_block_with_the_logits_folded_into_the_last():
