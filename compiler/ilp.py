@@ -41,6 +41,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from scipy import optimize, sparse
 
+from alpa_like.compiler.optional_imports import require
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class IlpEdge:
@@ -436,7 +438,7 @@ def write_mps(path: str, model: MatrixModel) -> None:
 
 def cbc_path() -> str:
     """The CBC binary: PuLP's bundled one (as Alpa used), else ``cbc`` on the PATH."""
-    from pulp.apis import coin_api  # Local import: only this backend needs it.
+    coin_api = require("pulp.apis.coin_api", "the intra-op ILP with solver='cbc'", package="pulp")
 
     bundled = coin_api.PULP_CBC_CMD.pulp_cbc_path
     if bundled and os.path.exists(bundled):

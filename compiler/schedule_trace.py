@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from alpa_like.compiler.optional_imports import require
 from alpa_like.compiler.schedules import Phase, Timeline
 
 # Megatron-LM Fig. 3/4 colours: forward blue, backward green; later local stages (chunks) lighter.
@@ -47,6 +48,7 @@ def write_chrome_trace(timeline: Timeline, path: str, *, us_per_unit: float = 10
 def plot_timeline(timeline: Timeline, path: str) -> None:
     """Draw one row per mesh (mesh 0 on top), one box per task labelled with its micro-batch; forward blue,
     backward green, a mesh's later stages lighter; idle time stays white. Writes a PNG to ``path``."""
+    require("matplotlib", "plot_timeline")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -18,6 +18,9 @@ import jax
 import numpy as np
 
 from alpa_like.compiler import jax_compat
+from alpa_like.compiler.optional_imports import require
+
+CHECKPOINT_FEATURE = "al.save_checkpoint / al.restore_checkpoint"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +65,7 @@ class PendingWrite:
 def start_write(path: str, arrays: Mapping[str, Any]) -> PendingWrite:
     """Starts writing ``arrays`` (orbax key -> ``jax.Array`` or NumPy array) as one checkpoint at ``path``,
     which must not exist. Returns when the arrays have been copied off their devices."""
-    import orbax.checkpoint as ocp
+    ocp = require("orbax.checkpoint", CHECKPOINT_FEATURE, package="orbax-checkpoint")
     items, key_impls = {}, {}
     for key, x in arrays.items():
         if jax_compat.is_prng_key(getattr(x, "dtype", np.float32)):
@@ -92,7 +95,7 @@ def read_arrays(path: str, targets: Mapping[str, Target]) -> dict[str, Any]:
     """Reads the arrays ``targets`` names (orbax key -> :class:`Target`) from the checkpoint at ``path``, each
     into its target's sharding (only the shards each device holds) or onto the host; other arrays of the
     checkpoint are not read."""
-    import orbax.checkpoint as ocp
+    ocp = require("orbax.checkpoint", CHECKPOINT_FEATURE, package="orbax-checkpoint")
     items, restore_args = {}, {}
     for key, t in targets.items():
         shape = t.shape + _key_data_shape(t.key_impl) if t.key_impl else t.shape

@@ -54,6 +54,7 @@ from alpa_like.compiler.cluster import ClusterSpec
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.micro_batch_keys import KeyDraws
+from alpa_like.compiler.optional_imports import require
 from alpa_like.compiler.stage_construction import StageProgram, micro_batch_key_draws
 from alpa_like.compiler.trace import updated_inputs
 from alpa_like.runtime.instructions import MeshPrograms, Op
@@ -313,7 +314,7 @@ class RayCluster:
                  num_devices_per_node: int | None = None, platform: str | None = None,
                  step_timeout: float | None = 600.0, startup_timeout: float = 180.0,
                  compilation_cache_dir: str | None = None):
-        import ray
+        ray = require("ray", "al.init(cluster='ray')")
         for name, value in (("num_nodes", num_nodes), ("num_devices_per_node", num_devices_per_node)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"al.init(cluster='ray'): {name} must be an int >= 1, got {value!r}")

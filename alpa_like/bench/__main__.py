@@ -17,6 +17,8 @@ import argparse
 import os
 import sys
 
+from alpa_like.compiler.optional_imports import require
+
 SUITES = ("gpt", "moe", "wresnet", "opt")
 COMMANDS = SUITES + ("repro", "docs")
 CLUSTERS = ("p3.16xlarge", "dgx-a100", "h100")
@@ -55,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _progress(items, desc):
-    from tqdm import tqdm
+    tqdm = require("tqdm", "python -m alpa_like.bench's progress bars").tqdm
     return tqdm(items, desc=desc, unit="case", file=sys.stderr, dynamic_ncols=True)
 
 

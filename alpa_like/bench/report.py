@@ -10,6 +10,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from alpa_like.compiler.optional_imports import require
+
 
 def write_json(path: str | Path, rows: list, **meta) -> Path:
     """Writes ``{"command": ..., **meta, "rows": rows}`` to ``path`` (parents created)."""
@@ -124,8 +126,7 @@ def format_markdown(lines: list[list[str]]) -> str:
 def plot(rows: Sequence[dict], path: str | Path, title: str) -> Path:
     """Aggregate throughput (PFLOP/s over all GPUs) against the GPU count, one line per system, as the
     dissertation's Fig. 3.7; systems without a plan at a size leave a gap."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "the benchmark report's plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
