@@ -38,7 +38,8 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
     averages what it returns (value, aux and gradients) over the micro-batches, as Alpa does: for a loss
     that is a mean over the batch this equals the full-batch value and gradient; a loss that sums over the
     batch comes out ``1/num_micro_batches`` of the full-batch sum (the compiler warns where it sees one).
-    The aux must be floating point and not per-example. See docs/micro-batches.md.
+    A per-example aux (the micro-batch's rows in dim 0, e.g. logits) comes back with the full batch's rows
+    in order instead; any other aux must be floating point. See docs/micro-batches.md.
     """
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):

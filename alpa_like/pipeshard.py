@@ -333,7 +333,8 @@ def simulate_plan(plan: ParallelPlan, sliced: SlicedStep, **options):
     under the pricings of :func:`_estimate_tables` differ, each is simulated and the fastest is kept."""
     stage_to_mesh = list(range(len(plan.stages)))
     program = build_stage_program(sliced.closed_jaxpr, sliced.pieces, [s.layer_ids for s in plan.stages],
-                                  [r == "batch" for r in sliced.roles], stage_to_mesh=stage_to_mesh)
+                                  [r == "batch" for r in sliced.roles], stage_to_mesh=stage_to_mesh,
+                                  after_grad=sliced.traced.after_grad)
     sched = make_schedule(plan.pipeline_schedule or ScheduleName.ONE_F_ONE_B, num_meshes=len(plan.stages),
                           num_micro_batches=plan.num_micro_batches)
     programs = emit_programs(program, sched, stage_to_mesh=stage_to_mesh, free_buffers=False)
@@ -543,7 +544,8 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
         return profile.layer_costs[(layer, choice.submesh_index, choice.view_index)]
     shardings = stage_shardings(sliced.jaxpr, sliced.pieces, stage_layers, layer_cost)
     program = build_stage_program(sliced.closed_jaxpr, sliced.pieces, stage_layers,
-                                  [r == "batch" for r in sliced.roles], stage_to_mesh=stage_to_mesh)
+                                  [r == "batch" for r in sliced.roles], stage_to_mesh=stage_to_mesh,
+                                  after_grad=sliced.traced.after_grad)
     schedule = make_schedule(method.pipeline_schedule, num_meshes=len(plan.stages),
                              num_micro_batches=method.num_micro_batches, virtual_stages=method.virtual_stages)
     programs = emit_programs(program, schedule, stage_to_mesh=stage_to_mesh)

@@ -10,15 +10,24 @@ equations of the flat step jaxpr:
   and what they read that the step computes from its random keys (a dropout mask, a key split off the
   step's key): each micro-batch computes those again from the key roots with its index folded in
   (:mod:`~alpa_like.compiler.micro_batch_keys`), so micro-batches draw their own masks;
-* ``apply``: everything else (run once, after the marker; must not read the batch).
+* ``apply``: everything else (run once, after the marker), except what reads the full batch (below).
 
 The jaxpr is traced for one micro-batch (``trace_step(..., num_micro_batches=m)``), so the per-micro-batch
-equations have the right shapes; the values of the grad marker do not depend on the batch size.
+equations have the right shapes; the values of the grad marker do not depend on the batch size, except a
+*per-example* result (an aux with the micro-batch's rows in dim 0, e.g. logits: :func:`per_example_results`).
 
 :func:`make_step_fn` evaluates the pieces; the micro-batch results are summed by a `lax.scan` and divided
 by the number of micro-batches, so for a loss that is a mean over the batch the step computes the same
 values as without accumulation (only the summation order differs); a loss that sums over the batch comes
 out 1/m of the full-batch sum (:mod:`~alpa_like.compiler.loss_reduction` finds it; docs/micro-batches.md).
+A per-example result is not averaged: the micro-batches' rows are put back in the full batch's order.
+
+Code after the marker may read the full batch: the batch leaves, the per-example results, and what the step
+computes from the batch without feeding al.grad or from the batch alone (a padding mask made from the
+labels: :func:`batch_only_values`). Such *full-batch* step outputs (Flax's metrics from the logits and the
+labels) are computed by :class:`AfterGrad`, the step after its al.grad call traced again for the full batch.
+A value computed per micro-batch for al.grad from the batch and other inputs (an activation outside the
+loss: :func:`computed_per_micro_batch`) has no full-batch value, and reading it after al.grad is an error.
 """
 from __future__ import annotations
 
@@ -30,7 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var
 
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.flops import eqn_flops
@@ -53,6 +62,11 @@ class GradSplit:
     folded_keys: KeyDraws = ()
     """The per-micro-batch equations that read key roots, with those operands: each micro-batch folds its
     index into them (:func:`~alpa_like.compiler.micro_batch_keys.fold_micro_batch_index`)."""
+    per_example: tuple[int, ...] = ()
+    """Positions of the marker's per-example values (:func:`per_example_results`): put back together in the
+    full batch's row order (:func:`from_micro_batches`), not averaged."""
+    full_outputs: tuple[int, ...] = ()
+    """The step outputs that read the full batch: :class:`AfterGrad` computes them, ``apply`` leaves them out."""
 
 
 def grad_markers(closed: ClosedJaxpr) -> list[JaxprEqn]:
@@ -91,8 +105,9 @@ def split_at_grad_marker(closed: ClosedJaxpr, batch_mask: Sequence[bool]) -> Gra
       batch_mask: per invar, True when it is a batch leaf (split into micro-batches).
 
     Raises:
-      ValueError: no grad marker or several; a per-micro-batch value is used after the marker or returned
-        without going through it; a marked value is not floating point (it cannot be averaged).
+      ValueError: no grad marker or several; a value computed per micro-batch from the batch and other inputs
+        (not al.grad's result, not the batch alone) is used after the marker or returned; a marked value that
+        is averaged is not floating point.
     """
     markers = grad_markers(closed)
     if len(markers) != 1:
@@ -102,31 +117,28 @@ def split_at_grad_marker(closed: ClosedJaxpr, batch_mask: Sequence[bool]) -> Gra
     marker = markers[0]
     eqns = closed.jaxpr.eqns
     k = eqns.index(marker)
+    batch_vars = {v for v, b in zip(closed.jaxpr.invars, batch_mask, strict=True) if b}
+    dependent = batch_dependent(eqns[:k], batch_vars)
+    per_example, per_micro_batch_values, full = _full_batch(closed, marker, batch_vars, dependent)
     for position, var in enumerate(marker.invars):
-        if not jnp.issubdtype(var.aval.dtype, jnp.inexact):
+        if position not in per_example and not jnp.issubdtype(var.aval.dtype, jnp.inexact):
             raise ValueError(
                 f"{grad_call(marker)} returns {result_name(marker, position)} of dtype {var.aval.dtype}; with "
                 "num_micro_batches > 1 what it returns is averaged over micro-batches, so it must be floating "
                 "point (return integer metrics from outside the grad call)")
-    batch_vars = {v for v, b in zip(closed.jaxpr.invars, batch_mask, strict=True) if b}
     # dead code (e.g. jax.grad's unused loss) is dropped; effects (jax.debug.print) and what they read are not
     effectful = {i for i, e in enumerate(eqns) if e.effects}
     effect_inputs = [v for i in sorted(effectful) for v in jax_compat.eqn_inputs(eqns[i])]
     live = jax_compat.ancestors(eqns, list(closed.jaxpr.outvars) + effect_inputs) | effectful
-    dependent = batch_dependent(eqns[:k], batch_vars)
-    _check_no_per_example_results(eqns, marker, dependent, {v.aval.shape[0] for v in batch_vars if v.aval.shape})
+    _, _, apply = _phases(eqns, k, live, effectful, dependent)
+    _check_full_batch_reads(eqns, apply, closed.jaxpr.outvars, per_micro_batch_values)
+    # the full-batch outputs, and the effects reading them, are AfterGrad's: the rest runs as split here
+    full_outputs = tuple(i for i, v in enumerate(closed.jaxpr.outvars) if isinstance(v, Var) and v in full)
+    effectful = {i for i in effectful if i < k or not any(v in full for v in jax_compat.eqn_inputs(eqns[i]))}
+    outvars = [v for v in closed.jaxpr.outvars if isinstance(v, Var) and v not in full]
+    effect_inputs = [v for i in sorted(effectful) for v in jax_compat.eqn_inputs(eqns[i])]
+    live = jax_compat.ancestors(eqns, outvars + effect_inputs) | effectful
     hoisted, per_micro, apply = _phases(eqns, k, live, effectful, dependent)
-    dependent = batch_dependent([eqns[i] for i in apply], dependent)
-    for i in apply:
-        if any(v in dependent for v in jax_compat.eqn_inputs(eqns[i])):
-            raise ValueError(
-                f"with num_micro_batches > 1, `{eqns[i].primitive.name}` outside al.grad uses the batch or a "
-                "value computed from it; compute it inside the loss and return it as aux "
-                "(al.value_and_grad(..., has_aux=True)) so that it is averaged over micro-batches")
-    outvars = [v for v in closed.jaxpr.outvars if isinstance(v, Var)]
-    if any(v in dependent for v in outvars):
-        raise ValueError("with num_micro_batches > 1 the step returns a value computed per micro-batch; "
-                         "return it from the loss as aux (al.value_and_grad(..., has_aux=True))")
     # each micro-batch computes what the step computes from its keys again, from the keys with its index folded in
     data = key_data(closed.jaxpr)
     origins = key_origins(eqns[:k], {**key_roots(closed.jaxpr.constvars + closed.jaxpr.invars, data),
@@ -142,7 +154,85 @@ def split_at_grad_marker(closed: ClosedJaxpr, batch_mask: Sequence[bool]) -> Gra
     _warn_shared_random_draws(eqns, kept, loop, unfoldable)
     folded = () if unfoldable else fold_points(loop_eqns, origins, data)
     return GradSplit(hoisted=tuple(eqns[i] for i in hoisted), per_micro_batch=tuple(loop_eqns), marker=marker,
-                     apply=tuple(eqns[i] for i in apply), folded_keys=folded)
+                     apply=tuple(eqns[i] for i in apply), folded_keys=folded, per_example=per_example,
+                     full_outputs=full_outputs)
+
+
+def _full_batch(closed: ClosedJaxpr, marker: JaxprEqn, batch_vars: set[Var],
+                dependent: set[Var]) -> tuple[tuple[int, ...], set[Var], set[Var]]:
+    """The marker's per-example positions, the values computed per micro-batch that have no full-batch value
+    (:func:`computed_per_micro_batch`), and the values that read the full batch (:func:`full_batch_values`)."""
+    eqns, constvars = closed.jaxpr.eqns, closed.jaxpr.constvars
+    rows = {v.aval.shape[0] for v in batch_vars if v.aval.shape}
+    per_example = per_example_results(eqns, marker, dependent, rows)
+    full = full_batch_values(eqns, marker, batch_vars, constvars, [marker.outvars[p] for p in per_example])
+    return per_example, computed_per_micro_batch(eqns, marker, batch_vars, constvars), full
+
+
+def computed_per_micro_batch(eqns: Sequence[JaxprEqn], marker: JaxprEqn, batch_vars: set[Var],
+                             constvars: Sequence[Var]) -> set[Var]:
+    """The values computed once per micro-batch, for the grad ``marker``'s inputs, from the batch and other
+    inputs of the step (the parameters): a micro-batch's activations. Those computed from the batch alone
+    (:func:`batch_only_values`) are left out: they have a full-batch value, the others none."""
+    before = eqns[:list(eqns).index(marker)]
+    dependent = batch_dependent(before, batch_vars)
+    made = {v for i in jax_compat.ancestors(before, marker.invars) for v in before[i].outvars if v in dependent}
+    return made - batch_only_values(before, batch_vars, constvars)
+
+
+def full_batch_values(eqns: Sequence[JaxprEqn], marker: JaxprEqn, batch_vars: set[Var], constvars: Sequence[Var],
+                      per_example: Sequence[Var]) -> set[Var]:
+    """The values that read the full batch: those that depend on ``batch_vars`` before the grad ``marker``
+    except the ones :func:`computed_per_micro_batch` (the batch, values computed from it alone, values the
+    step computes from it and the parameters without feeding al.grad), the marker's ``per_example`` values,
+    and what the equations after the marker compute from them."""
+    k = list(eqns).index(marker)
+    seeds = batch_dependent(eqns[:k], batch_vars) - computed_per_micro_batch(eqns, marker, batch_vars, constvars)
+    return batch_dependent(eqns[k + 1:], seeds | set(per_example))
+
+
+def full_batch_outputs(closed: ClosedJaxpr, batch_mask: Sequence[bool]) -> tuple[int, ...]:
+    """The step outputs that read the full batch after al.grad (the module docstring), as
+    :func:`split_at_grad_marker` finds them; empty (never an error) where the step has no single grad marker."""
+    markers = grad_markers(closed)
+    if len(markers) != 1:
+        return ()
+    eqns = closed.jaxpr.eqns
+    batch_vars = {v for v, b in zip(closed.jaxpr.invars, batch_mask, strict=True) if b}
+    _, _, full = _full_batch(closed, markers[0], batch_vars,
+                             batch_dependent(eqns[:eqns.index(markers[0])], batch_vars))
+    return tuple(i for i, v in enumerate(closed.jaxpr.outvars) if isinstance(v, Var) and v in full)
+
+
+def batch_only_values(eqns: Sequence[JaxprEqn], batch_vars: set[Var], constvars: Sequence[Var] = ()) -> set[Var]:
+    """``batch_vars`` and the values ``eqns`` compute from them and from constants alone (no other input of
+    the step, no marker, no effect): a padding mask ``jnp.where(batch['y'] > 0, 1.0, 0.0)``, a one-hot
+    of the labels. They have a full-batch value, computed again from the full batch after al.grad."""
+    pure = set(batch_vars) | set(constvars)
+    for eqn in eqns:
+        if not is_marker(eqn) and not eqn.effects and all(v in pure for v in jax_compat.eqn_inputs(eqn)):
+            pure.update(eqn.outvars)
+    return pure
+
+
+def _check_full_batch_reads(eqns: Sequence[JaxprEqn], apply: Sequence[int], outvars: Sequence[Any],
+                            per_micro_batch: set[Var]) -> None:
+    """Raises where the equations at ``apply`` (after al.grad) or the step's ``outvars`` read a value
+    computed per micro-batch that has no full-batch value (``per_micro_batch``: computed from the batch and
+    other inputs, e.g. the parameters)."""
+    for i in apply:
+        if any(v in per_micro_batch for v in jax_compat.eqn_inputs(eqns[i])):
+            raise ValueError(
+                f"with num_micro_batches > 1, `{eqns[i].primitive.name}` outside al.grad uses the batch through a "
+                "value computed per micro-batch from the batch and other inputs (e.g. the parameters), which has "
+                "no full-batch value after al.grad; compute it inside the loss and return it as aux "
+                "(al.value_and_grad(..., has_aux=True)): a per-example aux comes back with the full batch's "
+                "rows, other values averaged over micro-batches. After al.grad the step may read the batch, "
+                "values computed from it alone, and what al.grad returns (docs/micro-batches.md)")
+    if any(isinstance(v, Var) and v in per_micro_batch for v in outvars):
+        raise ValueError("with num_micro_batches > 1 the step returns a value computed per micro-batch from the "
+                         "batch and other inputs (e.g. the parameters); return it from the loss as aux "
+                         "(al.value_and_grad(..., has_aux=True)) (docs/micro-batches.md)")
 
 
 def _phases(eqns: Sequence[JaxprEqn], k: int, live: set[int], effectful: set[int],
@@ -159,21 +249,21 @@ def _phases(eqns: Sequence[JaxprEqn], k: int, live: set[int], effectful: set[int
     return hoisted, per_micro, apply
 
 
-def _check_no_per_example_results(eqns: Sequence[JaxprEqn], marker: JaxprEqn, dependent: set[Var],
-                                  rows: set[int]) -> None:
-    """al.grad's results are averaged over micro-batches: a per-example one (an aux with the micro-batch's
-    rows in dim 0, e.g. logits) would come back with one micro-batch's rows, averaged. Gradients have their
-    parameters' shapes, so a result shaped like a parameter is taken for a gradient."""
+def per_example_results(eqns: Sequence[JaxprEqn], marker: JaxprEqn, dependent: set[Var],
+                        rows: set[int]) -> tuple[int, ...]:
+    """Positions of the grad marker's per-example values: computed from the batch, with a micro-batch's
+    ``rows`` in dim 0, and not a gradient (an aux such as logits or predictions). The marker's names tell
+    the gradients (``grads...``); without names a value shaped like a parameter is taken for one."""
+    names = marker.params.get("names", ())
+    named = len(names) == len(marker.invars)
     param_shapes = {tuple(v.aval.shape) for e in eqns if is_marker(e, "param") for v in e.outvars}
+    found = []
     for position, var in enumerate(marker.invars):
         shape = tuple(var.aval.shape)
-        if var in dependent and shape and shape[0] in rows and shape not in param_shapes:
-            raise ValueError(
-                f"{grad_call(marker)} returns {result_name(marker, position)} of shape {shape} whose dim 0 is a "
-                f"micro-batch's {shape[0]} rows (a per-example aux, e.g. logits): with num_micro_batches > 1 "
-                "what it returns is averaged over micro-batches, so these rows would not be the batch's; return "
-                "a reduction over the examples (e.g. their mean) as aux, or use num_micro_batches=1 "
-                "(docs/micro-batches.md)")
+        gradient = names[position].startswith("grads") if named else shape in param_shapes
+        if var in dependent and shape and shape[0] in rows and not gradient:
+            found.append(position)
+    return tuple(found)
 
 
 def _rerun_in_loop(eqns: Sequence[JaxprEqn], hoisted: Sequence[int], per_micro: Sequence[int],
@@ -243,12 +333,103 @@ def to_micro_batches(x, num_micro_batches: int):
     return jnp.swapaxes(x.reshape(rows, num_micro_batches, *x.shape[1:]), 0, 1)
 
 
+def from_micro_batches(stack):
+    """The inverse of :func:`to_micro_batches`: [m, B/m, ...] -> [B, ...], row ``r * m + j`` from micro-batch
+    ``j``'s row ``r``.
+
+    >>> from_micro_batches(to_micro_batches(jnp.arange(6), 3)).tolist()
+    [0, 1, 2, 3, 4, 5]
+    """
+    return jnp.swapaxes(stack, 0, 1).reshape(stack.shape[0] * stack.shape[1], *stack.shape[2:])
+
+
+@dataclasses.dataclass(frozen=True)
+class AfterGrad:
+    """The step's full-batch outputs (the module docstring) as a function of its inputs and al.grad's results.
+
+    ``jaxpr`` is the step after its al.grad call, traced for the full batch: its invars are the step's flat
+    inputs followed by the grad marker's values (full batch: the averages, and the per-example results with
+    every row), its outvars the step outputs at ``outputs``. It computes again what they read before the
+    call that al.grad's results do not give (a padding mask made from the batch).
+    """
+
+    jaxpr: ClosedJaxpr
+    outputs: tuple[int, ...]
+    results: tuple[Var, ...] = ()
+    """The grad marker's values in the step jaxpr traced for one micro-batch, in order: what ``jaxpr``'s
+    last invars are the full-batch values of."""
+    per_example: tuple[int, ...] = ()
+    """Positions in ``results`` of the per-example values (:func:`per_example_results`)."""
+
+    def __call__(self, inputs: Sequence[Any], results: Sequence[Any]) -> list[Any]:
+        """The outputs at ``outputs``, given the step's flat ``inputs`` and al.grad's full-batch ``results``."""
+        return jax_compat.eval_closed_jaxpr(self.jaxpr, *inputs, *results)
+
+
+def after_grad(closed: ClosedJaxpr, batch_mask: Sequence[bool],
+               trace_full_batch: Callable[[], ClosedJaxpr]) -> AfterGrad | None:
+    """The :class:`AfterGrad` of a step whose flat jaxpr for one micro-batch is ``closed``, or None when no
+    output reads the full batch (:func:`full_batch_outputs`). ``trace_full_batch()`` traces the same step for
+    the full batch (only called when needed), flat and without dead code, as ``closed``.
+
+    Raises:
+      ValueError: al.grad's results traced for the full batch are not those for one micro-batch, with
+        the per-example ones' rows times the number of micro-batches (the step's code depends on the
+        batch size).
+    """
+    outputs = full_batch_outputs(closed, batch_mask)
+    if not outputs:
+        return None
+    full = trace_full_batch()
+    marker = grad_markers(closed)[0]
+    full_markers = grad_markers(full)
+    micro_shapes = [tuple(v.aval.shape) for v in marker.invars]
+    full_shapes = [tuple(v.aval.shape) for v in full_markers[0].invars] if len(full_markers) == 1 else None
+    if full_shapes is None or len(full_shapes) != len(micro_shapes) or any(
+            f[1:] != m[1:] or (f[:1] != m[:1] and f[0] % m[0])
+            for f, m in zip(full_shapes, micro_shapes, strict=False)):
+        raise ValueError(f"{grad_call(marker)} returns values of shapes {micro_shapes} for one micro-batch, but "
+                         f"{full_shapes} for the full batch: with num_micro_batches > 1 the step after al.grad "
+                         "runs on the full batch, so the step must trace the same way for both batch sizes")
+    batch_vars = {v for v, b in zip(closed.jaxpr.invars, batch_mask, strict=True) if b}
+    eqns = closed.jaxpr.eqns
+    per_example = per_example_results(eqns, marker, batch_dependent(eqns[:eqns.index(marker)], batch_vars),
+                                      {v.aval.shape[0] for v in batch_vars if v.aval.shape})
+    return AfterGrad(jaxpr=after_grad_jaxpr(full, batch_mask, outputs), outputs=outputs,
+                     results=tuple(marker.outvars), per_example=per_example)
+
+
+def after_grad_jaxpr(full: ClosedJaxpr, batch_mask: Sequence[bool], outputs: Sequence[int]) -> ClosedJaxpr:
+    """``full`` (a step jaxpr with one grad marker) as a function of its inputs and the marker's values that
+    returns its outputs at ``outputs``: the marker's values become invars, and only the equations those
+    outputs, and the effects after the marker reading the full batch, need stay (the loss's forward and
+    backward go)."""
+    jaxpr = full.jaxpr
+    marker = grad_markers(full)[0]
+    k = jaxpr.eqns.index(marker)
+    batch_vars = {v for v, b in zip(jaxpr.invars, batch_mask, strict=True) if b}
+    _, _, reads_batch = _full_batch(full, marker, batch_vars, batch_dependent(jaxpr.eqns[:k], batch_vars))
+    effects = {id(e) for e in jaxpr.eqns[k + 1:]
+               if e.effects and any(v in reads_batch for v in jax_compat.eqn_inputs(e))}
+    results = [v if isinstance(v, Var) and not jax_compat._is_dropped(v) else Var(v.aval) for v in marker.outvars]
+    eqns = [e for e in jaxpr.eqns if e is not marker]
+    targets = [jaxpr.outvars[i] for i in outputs]
+    live = jax_compat.ancestors(eqns, targets + [v for e in eqns if id(e) in effects
+                                                 for v in jax_compat.eqn_inputs(e)])
+    kept = [e for i, e in enumerate(eqns) if i in live or id(e) in effects]
+    invars = [*jaxpr.invars, *results]
+    cut = Jaxpr(constvars=jaxpr.constvars, invars=invars, outvars=targets, eqns=kept,
+                effects=frozenset().union(*(e.effects for e in kept)),
+                debug_info=jax_compat.debug_info("after_grad", len(invars), len(targets)))
+    return full.replace(jaxpr=cut)
+
+
 def make_step_fn(closed: ClosedJaxpr, batch_mask: Sequence[bool], *, num_micro_batches: int = 1,
                  eqn_hook: jax_compat.EqnHook | None = None, on_micro_batch: ValuesFn | None = None,
                  operand_hook: jax_compat.EqnHook | None = None,
                  micro_batch_eval: Callable[[Sequence[JaxprEqn], dict, jax_compat.EqnHook | None], None]
                  | None = None,
-                 stack_sizes: dict[Var, int] | None = None) -> Callable:
+                 stack_sizes: dict[Var, int] | None = None, after_grad: AfterGrad | None = None) -> Callable:
     """A function of the flat inputs that computes the flat outputs of ``closed``.
 
     Args:
@@ -266,6 +447,12 @@ def make_step_fn(closed: ClosedJaxpr, batch_mask: Sequence[bool], *, num_micro_b
         is given also folds the micro-batch's index into the step's key roots (:func:`fold_micro_batch_index`).
       stack_sizes: the grad marker's inputs that ``micro_batch_eval`` computes as stacks ``(d, *shape)`` ->
         ``d``; they are accumulated as stacks and summed over the stack once, after the last micro-batch.
+      after_grad: computes the outputs that read the full batch (:class:`AfterGrad`); needed when the step
+        has any (:func:`full_batch_outputs`).
+
+    Raises:
+      ValueError: as :func:`split_at_grad_marker`; ``after_grad`` is missing, or computes other outputs than
+        the step reads the full batch in.
     """
     if num_micro_batches == 1:
         def step(*flat):
@@ -273,13 +460,27 @@ def make_step_fn(closed: ClosedJaxpr, batch_mask: Sequence[bool], *, num_micro_b
         return step
 
     split = split_at_grad_marker(closed, batch_mask)
+    if split.full_outputs != (after_grad.outputs if after_grad else ()):
+        raise ValueError(f"the step's outputs {list(split.full_outputs)} read the full batch after al.grad, but "
+                         f"after_grad computes {list(after_grad.outputs) if after_grad else []}: trace the step "
+                         "with trace_step(..., num_micro_batches=m), whose after_grad they are")
     jaxpr = closed.jaxpr
     batch_vars = [v for v, b in zip(jaxpr.invars, batch_mask, strict=True) if b]
     m = num_micro_batches
     stack_sizes = stack_sizes or {}
+    marker_values = list(split.marker.invars)
+    per_example = set(split.per_example)
     if micro_batch_eval is None:
         def micro_batch_eval(eqns, env, micro_operand_hook):
             jax_compat.eval_eqns(eqns, env, hook=eqn_hook, operand_hook=micro_operand_hook)
+
+    def value_of(env, position):
+        var = marker_values[position]
+        if not isinstance(var, Var):
+            return var.val
+        if position in per_example and var in stack_sizes:  # a stack of partial sums: its rows are one value
+            return jnp.sum(env[var], axis=0)
+        return env[var]
 
     def step(*flat):
         env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
@@ -295,19 +496,27 @@ def make_step_fn(closed: ClosedJaxpr, batch_mask: Sequence[bool], *, num_micro_b
             local.update(zip(batch_vars, batch_values, strict=True))
             micro_batch_eval(split.per_micro_batch, local,
                              fold_micro_batch_index(split.folded_keys, index, operand_hook))
-            values = [v.val if not isinstance(v, Var) else local[v] for v in split.marker.invars]
-            return [a + v for a, v in zip(acc, values, strict=True)], None
+            summed = [a + value_of(local, p) for a, p in zip(acc, averaged, strict=True)]
+            return summed, [value_of(local, p) for p in split.per_example]
 
-        stacks = [stack_sizes.get(v) if isinstance(v, Var) else None for v in split.marker.invars]
-        zeros = [jnp.zeros(((d,) if d else ()) + v.aval.shape, v.aval.dtype)
-                 for v, d in zip(split.marker.invars, stacks, strict=True)]
-        total, _ = jax.lax.scan(body, zeros, (micro_batches, jnp.arange(m, dtype=jnp.uint32)))
+        averaged = [p for p in range(len(marker_values)) if p not in per_example]
+        stacks = [stack_sizes.get(marker_values[p]) if isinstance(marker_values[p], Var) else None
+                  for p in averaged]
+        zeros = [jnp.zeros(((d,) if d else ()) + marker_values[p].aval.shape, marker_values[p].aval.dtype)
+                 for p, d in zip(averaged, stacks, strict=True)]
+        total, rows = jax.lax.scan(body, zeros, (micro_batches, jnp.arange(m, dtype=jnp.uint32)))
         total = [jnp.sum(t, axis=0) if d else t for t, d in zip(total, stacks, strict=True)]
-        mean = [t / np.asarray(m, dtype=t.dtype) for t in total]
-        marker_env = dict(zip(split.marker.invars, mean, strict=True))
+        results = dict(zip(averaged, [t / np.asarray(m, dtype=t.dtype) for t in total], strict=True))
+        results.update(zip(split.per_example, [from_micro_batches(r) for r in rows], strict=True))
+        marker_env = {v: results[p] for p, v in enumerate(marker_values)}
         jax_compat.eval_eqns([split.marker], marker_env, hook=eqn_hook, operand_hook=operand_hook)
         env.update({v: marker_env[v] for v in split.marker.outvars})
         jax_compat.eval_eqns(split.apply, env, hook=eqn_hook, operand_hook=operand_hook)
-        return [v.val if not isinstance(v, Var) else env[v] for v in jaxpr.outvars]
+        out = [v.val if not isinstance(v, Var) else env.get(v) for v in jaxpr.outvars]
+        if after_grad is not None:
+            computed = after_grad(flat, [marker_env[v] for v in split.marker.outvars])
+            for k, x in zip(after_grad.outputs, computed, strict=True):
+                out[k] = x
+        return out
 
     return step

@@ -25,7 +25,7 @@ from typing import NewType
 from jax.extend.core import ClosedJaxpr, Literal, Var
 
 from alpa_like.compiler import jax_compat
-from alpa_like.compiler.grad_accumulation import batch_dependent
+from alpa_like.compiler.grad_accumulation import AfterGrad, batch_dependent, full_batch_values
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD, Piece
 from alpa_like.compiler.markers import is_marker
 from alpa_like.compiler.micro_batch_keys import (DERIVED, ROOT, KeyDraws, draws_random_numbers, fold_points,
@@ -68,6 +68,10 @@ class StageProgram:
     """(grad-marker input, grad-marker output) pairs: the output is the micro-batch mean of the input."""
     home: dict[ValueId, int]
     """Stage whose mesh holds each value: its producer's stage, or for a step input its first reader's."""
+    per_example: frozenset[ValueId] = frozenset()
+    """Grad-marker outputs of ``accumulated`` that are per-example values (an aux such as logits): the
+    micro-batches' values put back together in the full batch's row order
+    (:func:`~alpa_like.compiler.grad_accumulation.from_micro_batches`), not averaged."""
 
     def piece(self, stage: int, phase: str) -> StagePiece:
         return self.pieces[(stage, phase)]
@@ -78,7 +82,8 @@ def stage_of_layer(stage_layers: Sequence[Sequence[int]]) -> dict[int, int]:
 
 
 def build_stage_program(closed: ClosedJaxpr, pieces: Sequence[Piece | None], stage_layers: Sequence[Sequence[int]],
-                        batch_mask: Sequence[bool], stage_to_mesh: Sequence[int] | None = None) -> StageProgram:
+                        batch_mask: Sequence[bool], stage_to_mesh: Sequence[int] | None = None,
+                        after_grad: AfterGrad | None = None) -> StageProgram:
     """Groups the equations by (stage, phase) and derives each group's inputs and outputs.
 
     Args:
@@ -90,6 +95,8 @@ def build_stage_program(closed: ClosedJaxpr, pieces: Sequence[Piece | None], sta
         backward of stages on other meshes also read (a tied embedding) is replicated onto the first such
         stage of each of those meshes (:func:`replicated_updates`), as Megatron-LM does; None: every update
         runs once, on the stage that makes the last of its gradients.
+      after_grad: the step's outputs that read the full batch after al.grad (``TracedStep.after_grad``):
+        :func:`add_after_grad`.
     """
     jaxpr = closed.jaxpr
     layer_stage = stage_of_layer(stage_layers)
@@ -103,9 +110,10 @@ def build_stage_program(closed: ClosedJaxpr, pieces: Sequence[Piece | None], sta
 
     step_inputs = tuple(vid(v) for v in jaxpr.invars)
     consts = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+    skipped, effects = _replaced_by_after_grad(jaxpr, marker, batch_mask, after_grad) if after_grad else (set(), [])
     groups: dict[tuple[int, str], list] = {(q, ph): [] for q in range(len(stage_layers)) for ph in PHASES}
     for eqn, piece in zip(jaxpr.eqns, pieces, strict=True):
-        if piece is None or eqn is marker:
+        if piece is None or eqn is marker or id(eqn) in skipped:
             continue
         groups[(layer_stage[piece.layer], piece.phase)].append(eqn)
     producer_group = {v: key for key, eqns in groups.items() for e in eqns for v in e.outvars}
@@ -118,12 +126,17 @@ def build_stage_program(closed: ClosedJaxpr, pieces: Sequence[Piece | None], sta
     for i, o in zip(marker.invars, marker.outvars, strict=True):  # the mean lives where its input is made
         if i in producer_group:
             producer_group[o] = (producer_group[i][0], APPLY)
+    outvars, per_example, values_of = list(jaxpr.outvars), frozenset(), {}
+    if after_grad is not None:
+        outvars, per_example, values_of = add_after_grad(
+            after_grad, jaxpr, marker, groups, producer_group, ids, consts,
+            effects=all(pieces[i] is not None for i in effects))  # where the step's own effects run
     readers: dict[Var, set] = {}
     for key, eqns in groups.items():
         for e in eqns:
             for v in jax_compat.eqn_inputs(e):
                 readers.setdefault(v, set()).add(key)
-    step_out_vars = {v for v in jaxpr.outvars if isinstance(v, Var)}
+    step_out_vars = {v for v in outvars if isinstance(v, Var)}
     marker_inputs = {v for v in marker.invars if isinstance(v, Var)}
     built = {}
     for key, eqns in groups.items():
@@ -143,13 +156,77 @@ def build_stage_program(closed: ClosedJaxpr, pieces: Sequence[Piece | None], sta
         vid(v)
     values = [None] * len(ids)
     for v, i in ids.items():
-        values[i] = v
+        if values[i] is None:  # an alias (add_after_grad) names a value its first Var names
+            values[i] = v
+    values = [values_of.get(ValueId(i), v) for i, v in enumerate(values)]
     return StageProgram(num_stages=len(stage_layers), pieces=built, values=tuple(values), step_inputs=step_inputs,
                         batch_inputs=frozenset(i for i, b in zip(step_inputs, batch_mask, strict=True) if b),
-                        step_outputs=tuple(ids[v] if isinstance(v, Var) else None for v in jaxpr.outvars),
-                        literal_outputs={k: v.val for k, v in enumerate(jaxpr.outvars) if isinstance(v, Literal)},
+                        step_outputs=tuple(ids[v] if isinstance(v, Var) else None for v in outvars),
+                        literal_outputs={k: v.val for k, v in enumerate(outvars) if isinstance(v, Literal)},
                         constants={ids[v]: c for v, c in consts.items() if v in ids},
-                        accumulated=accumulated, home=home)
+                        accumulated=accumulated, home=home, per_example=per_example)
+
+
+def _replaced_by_after_grad(jaxpr, marker, batch_mask: Sequence[bool],
+                            after_grad: AfterGrad) -> tuple[set[int], list[int]]:
+    """Ids of the equations of ``jaxpr`` (traced for one micro-batch) that only its outputs at
+    ``after_grad.outputs``, and the effects reading the full batch after al.grad, need: ``after_grad``
+    computes those outputs, and runs those effects, for the full batch instead. Second, the positions of
+    those effects."""
+    eqns = jaxpr.eqns
+    batch_vars = {v for v, b in zip(jaxpr.invars, batch_mask, strict=True) if b}
+    full = full_batch_values(eqns, marker, batch_vars, jaxpr.constvars,
+                             [after_grad.results[p] for p in after_grad.per_example])
+    after = list(eqns).index(marker)
+    reads_full = {i for i, e in enumerate(eqns)
+                  if i > after and e.effects and any(v in full for v in jax_compat.eqn_inputs(e))}
+    effects = [i for i, e in enumerate(eqns) if e.effects and i not in reads_full]
+    wanted = set(after_grad.outputs)
+    kept = [v for k, v in enumerate(jaxpr.outvars) if k not in wanted]
+    needed = jax_compat.ancestors(eqns, kept + list(marker.invars)
+                                  + [v for i in effects for v in jax_compat.eqn_inputs(eqns[i])])
+    replaced = jax_compat.ancestors(eqns, [jaxpr.outvars[k] for k in wanted]
+                                    + [v for i in reads_full for v in jax_compat.eqn_inputs(eqns[i])])
+    return {id(eqns[i]) for i in (replaced | reads_full) - needed - set(effects)}, sorted(reads_full)
+
+
+def add_after_grad(after_grad: AfterGrad, jaxpr, marker, groups: dict[tuple[int, str], list],
+                   producer_group: dict, ids: dict[Var, ValueId], consts: dict,
+                   effects: bool = True) -> tuple[list, frozenset, dict]:
+    """Adds the equations of ``after_grad`` (the step after al.grad, traced for the full batch) to the
+    apply-grad of the stage that makes al.grad's per-example results (the last stage when there are none).
+
+    Its inputs name the step's values (``ids`` gets the aliases): a step input, a batch leaf too, is that
+    input, which the apply-grad reads once per step (a batch leaf: the whole batch); al.grad's results are
+    the grad marker's outputs, per-example ones put back together in the full batch's row order
+    (``per_example``). Its effects (``jax.debug.print`` of a metric) are left out unless ``effects``.
+
+    Returns: the step's outputs (``jaxpr``'s, those at ``after_grad.outputs`` replaced by ``after_grad``'s),
+    the ValueIds of the per-example results, and ValueId -> the Var (with its full-batch shape) that names
+    a per-example result in the program.
+    """
+    inner = after_grad.jaxpr.jaxpr
+    n = len(jaxpr.invars)
+    for k, v in enumerate(inner.invars):
+        ids[v] = ids[jaxpr.invars[k]] if k < n else ids.setdefault(after_grad.results[k - n], ValueId(len(ids)))
+    for v, c in zip(inner.constvars, after_grad.jaxpr.consts, strict=True):
+        ids.setdefault(v, ValueId(len(ids)))
+        consts[v] = c
+    made_by = {o: i for i, o in zip(marker.invars, marker.outvars, strict=True)}
+    stages = [producer_group[made_by[after_grad.results[p]]][0] for p in after_grad.per_example
+              if made_by.get(after_grad.results[p]) in producer_group]
+    q = max(stages, default=max(key[0] for key in groups))
+    eqns = [e for e in inner.eqns if effects or not e.effects]
+    groups[(q, APPLY)] = groups[(q, APPLY)] + eqns
+    producer_group.update((v, (q, APPLY)) for e in eqns for v in e.outvars)
+    for v in inner.constvars:
+        producer_group.setdefault(v, (q, APPLY))
+    outvars = list(jaxpr.outvars)
+    for k, v in zip(after_grad.outputs, inner.outvars, strict=True):
+        outvars[k] = v
+    per_example = frozenset(ids[after_grad.results[p]] for p in after_grad.per_example)
+    values_of = {ids[inner.invars[n + p]]: inner.invars[n + p] for p in after_grad.per_example}
+    return outvars, per_example, values_of
 
 
 def replicated_updates(jaxpr, groups: dict[tuple[int, str], list], stage_to_mesh: Sequence[int]) -> dict[int, list]:

@@ -18,6 +18,8 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Var
 
 from alpa_like.compiler import jax_compat
+from alpa_like.compiler.grad_accumulation import AfterGrad, after_grad
+from alpa_like.compiler.layer_construction import layering
 from alpa_like.compiler.markers import is_marker
 
 _SCALAR_TYPES = (bool, int, float, complex, np.generic)
@@ -59,6 +61,9 @@ class TracedStep:
     dynamic_argnums: tuple[int, ...]
     param_mask: tuple[bool, ...]
     """Per input leaf: True when an ``al.grad`` call differentiates with respect to it."""
+    after_grad: AfterGrad | None = None
+    """With micro-batches, the outputs computed after al.grad from the full batch (per-example aux, the
+    batch's labels), traced for the full batch; None when there are none."""
 
     def flatten_args(self, args: Sequence[Any]) -> list[Any]:
         """The leaves of the dynamic arguments of a call, in ``in_leaves`` order.
@@ -229,7 +234,8 @@ def trace_step(fn: Callable, args: Sequence[Any], *, static_argnums: Sequence[in
 
     With ``num_micro_batches > 1`` the jaxpr is traced for one micro-batch (batch leaves with
     ``rows / num_micro_batches`` rows), the shape gradient accumulation runs it at; ``in_leaves`` keep the
-    full shapes.
+    full shapes. Outputs that read the full batch after al.grad (metrics from per-example aux and the
+    labels) are traced again for the full batch (``after_grad``) and have their full shapes in ``out_leaves``.
 
     Raises:
       TypeError: an argument leaf is not an array.
@@ -243,7 +249,8 @@ def trace_step(fn: Callable, args: Sequence[Any], *, static_argnums: Sequence[in
     overlap = set(static_argnums) & set(batch_argnums)
     if overlap:
         raise ValueError(f"arguments {sorted(overlap)} are both in static_argnums and batch_argnums")
-    avals, in_leaves, in_tree = flatten_inputs(fn, args, static_argnums, batch_argnums)
+    full_avals, in_leaves, in_tree = flatten_inputs(fn, args, static_argnums, batch_argnums)
+    avals = full_avals
     if num_micro_batches > 1:
         check_batch_rows(in_leaves)
         avals = [micro_batch_aval(a, leaf.path, num_micro_batches) if leaf.is_batch else a
@@ -260,9 +267,19 @@ def trace_step(fn: Callable, args: Sequence[Any], *, static_argnums: Sequence[in
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
     # markers stay: a misplaced one (a pipeline boundary outside the loss) is an error the later passes name
     closed = jax_compat.without_dead_code(jax_compat.inline_calls(closed), keep=is_marker)
+
+    def trace_full_batch():
+        with layering(None):  # what it is for runs after al.grad; the layers are the micro-batch trace's
+            full = jax.make_jaxpr(flat_fn)(*full_avals)
+        return jax_compat.without_dead_code(jax_compat.inline_calls(full), keep=is_marker)
+
+    after = (after_grad(closed, [leaf.is_batch for leaf in in_leaves], trace_full_batch)
+             if num_micro_batches > 1 else None)
+    full_shapes = {} if after is None else dict(zip(after.outputs, after.jaxpr.out_avals, strict=True))
     out_leaves = []
     out_is_tuple = isinstance(out_shape, (tuple, list))
-    for key_path, leaf in jax.tree_util.tree_flatten_with_path(out_shape)[0]:
+    for k, (key_path, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(out_shape)[0]):
+        leaf = full_shapes.get(k, leaf)
         out_leaves.append(LeafInfo(path=path_to_str("out", key_path), shape=tuple(leaf.shape),
                                    dtype=str(leaf.dtype), itemsize=jax_compat.numpy_dtype(leaf.dtype).itemsize,
                                    arg_index=key_path[0].idx if out_is_tuple and key_path else -1))
@@ -275,4 +292,4 @@ def trace_step(fn: Callable, args: Sequence[Any], *, static_argnums: Sequence[in
                          "the batch")
     return TracedStep(closed_jaxpr=closed, in_leaves=tuple(in_leaves), out_leaves=tuple(out_leaves),
                       in_tree=in_tree, out_tree=jax.tree_util.tree_structure(out_shape),
-                      dynamic_argnums=dynamic_argnums, param_mask=param_mask)
+                      dynamic_argnums=dynamic_argnums, param_mask=param_mask, after_grad=after)

@@ -5,11 +5,15 @@ per-step values: parameters, optimizer state, accumulated gradients, apply-grad 
 one global instruction list, in schedule order; each mesh's program is the projection of that list on the
 mesh. Instructions:
 
-* ``LOAD v@mb``: the driver puts a step input (or one micro-batch of a batch leaf) on the mesh;
+* ``LOAD v@mb``: the driver puts a step input (or one micro-batch of a batch leaf) on the mesh; ``LOAD v`` of
+  a batch leaf puts the whole batch there, for an apply-grad that reads it;
 * ``RECV v@mb <- mesh k``: cross-mesh resharding of a buffer another mesh computed;
 * ``RUN qPmb``: stage ``q``'s piece ``P`` (F, B or A = apply-grad) on micro-batch ``mb``;
-* ``ACC v@mb -> w``: adds a gradient (or loss) of one micro-batch into accumulator ``w``;
-* ``MEAN w``: divides an accumulator by the number of micro-batches (after the last backward);
+* ``ACC v@mb -> w``: adds a gradient (or loss) of one micro-batch into accumulator ``w``; a per-example
+  value (``StageProgram.per_example``: an aux such as logits) is kept as micro-batch ``mb``'s rows instead;
+* ``MEAN w``: divides an accumulator by the number of micro-batches (after the last backward); a per-example
+  value's rows are put back together in the full batch's order
+  (:func:`~alpa_like.compiler.grad_accumulation.from_micro_batches`);
 * ``FREE v@mb``: the buffer's last use on this mesh is done.
 
 Buffers are freed as soon as their last reader on the mesh has run, so the memory a mesh holds follows the
@@ -123,8 +127,8 @@ def emit_programs(program: StageProgram, schedule: Schedule, stage_to_mesh: Sequ
         per-micro-batch value read once per step (by an apply piece, or as the step's output) is one the
         forward pieces compute without the batch (a key split off before al.grad, a scalar read in the loss
         and after it), the same for every micro-batch (``grad_accumulation.split_at_grad_marker`` rejects
-        one that depends on the batch): micro-batch 0's."""
-        if v not in per_micro_batch:
+        one that depends on the batch): micro-batch 0's. A batch leaf read once per step is the whole batch."""
+        if v not in per_micro_batch or mb == PER_STEP and v in program.batch_inputs:
             return (v, PER_STEP)
         return (v, 0 if mb == PER_STEP else mb)
 
@@ -181,6 +185,8 @@ def emit_programs(program: StageProgram, schedule: Schedule, stage_to_mesh: Sequ
             copies.append(())
             continue
         key = key_of(v, PER_STEP)
+        if key not in where and v in program.batch_inputs:  # the step returns a batch leaf as it is
+            make_available(v, PER_STEP, stage_to_mesh[-1])
         holders = where.get(key)
         if not holders:
             raise ValueError(f"step output v{v} is never computed")

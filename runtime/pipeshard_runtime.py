@@ -29,7 +29,7 @@ from jax.extend.core import Literal
 from jax.sharding import NamedSharding
 
 from alpa_like.compiler import jax_compat
-from alpa_like.compiler.grad_accumulation import to_micro_batches
+from alpa_like.compiler.grad_accumulation import from_micro_batches, to_micro_batches
 from alpa_like.compiler.micro_batch_keys import KeyDraws, fold_micro_batch_index, seeds_keys
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.gradient_sync import NONE, DeferredGradients, deferrable_gradients
@@ -297,6 +297,8 @@ class PipeshardExecutable:
         """
         mesh_buffers, acc = buffers[ins.mesh], accumulators[ins.mesh]
         piece = self.program.piece(ins.stage, ins.phase)
+        rows = [a for a in accs if a.target in self.program.per_example]
+        accs = [a for a in accs if a not in rows]
         keys = [buffer_key(mesh_buffers, v, ins.micro_batch) for v in piece.inputs]
         args = [mesh_buffers[k] for k in keys]
         if (ins.stage, ins.phase) in self._draws:
@@ -327,6 +329,8 @@ class PipeshardExecutable:
         for a in accs:
             if a not in fused:
                 acc[a.target] = mesh_buffers[a.key]
+        for a in rows:  # a per-example value: this micro-batch's rows, put together by MEAN
+            acc.setdefault(a.target, {})[a.key[1]] = mesh_buffers[a.key]
         return len(donate)
 
     def _held_elsewhere(self, accumulators: dict) -> set[int]:
@@ -334,7 +338,8 @@ class PipeshardExecutable:
         the slice they were put from (:func:`shares_buffers`: the slice itself when it is already in place)
         and ``accumulators``' values. Every one is alive while the set is used, so no id is a recycled one
         (donation, and with it the executable a RUN uses, stays the same from step to step)."""
-        return {id(x) for x in self._shared_loads} | {id(x) for x in accumulators.values()}
+        return {id(x) for x in self._shared_loads} | {id(x) for x in accumulators.values()} | {
+            id(x) for rows in accumulators.values() if isinstance(rows, dict) for x in rows.values()}
 
     def _piece_executable(self, stage: int, phase: str, donate: tuple[int, ...] = ()):
         fn = self._jitted.get((stage, phase, donate))
@@ -356,7 +361,9 @@ class PipeshardExecutable:
 
     def _mean(self, group: list[Instruction], buffers, accumulators) -> None:
         for mesh in sorted({ins.mesh for ins in group}):
-            mine = [ins for ins in group if ins.mesh == mesh]
+            rows = [ins for ins in group if ins.mesh == mesh and ins.key[0] in self.program.per_example]
+            buffers[mesh].update((ins.key, gather_rows(accumulators[mesh].pop(ins.key[0]))) for ins in rows)
+            mine = [ins for ins in group if ins.mesh == mesh and ins not in rows]
             stacked = [ins for ins in mine if ins.key[0] in self._stack_targets]
             plain = [ins for ins in mine if ins.key[0] not in self._stack_targets]
             stack_means, plain_means = step_means(
@@ -532,6 +539,17 @@ def _split_micro_batches(x, count: int):
     return tuple(to_micro_batches(x, count))
 
 
+@jax.jit
+def _from_micro_batches(*rows):
+    return from_micro_batches(jax.numpy.stack(rows))
+
+
+def gather_rows(rows: dict[int, jax.Array]) -> jax.Array:
+    """A per-example value of the full batch from its micro-batches' values (micro-batch -> its rows), in the
+    full batch's row order (:func:`~alpa_like.compiler.grad_accumulation.from_micro_batches`)."""
+    return _from_micro_batches(*(rows[mb] for mb in sorted(rows)))
+
+
 def _accumulating_fn(piece, slots: tuple[int, ...], hook=None, operand_hook=None, deferred=NONE, mesh=None, *,
                      draws: KeyDraws = (), out_pins: Sequence = ()):
     """The piece, also adding its outputs at ``slots`` to the given accumulators."""
@@ -603,7 +621,8 @@ def deferred_gradients(program: StageProgram, stage: int, sharding: StageShardin
     whose outputs the backward reads, and its backward."""
     piece = program.piece(stage, BACKWARD)
     read = {v for p in program.pieces.values() for v in p.inputs}
-    gradients = [program.values[src] for src, _ in program.accumulated if src in piece.outputs and src not in read]
+    gradients = [program.values[src] for src, dst in program.accumulated
+                 if src in piece.outputs and src not in read and dst not in program.per_example]
     operand_specs = {(id(eqn), k): spec for eqn, k, spec in sharding.operand_pins}
     specs = {**sharding.input_specs, **sharding.output_specs}
     if unpinned and len(mesh_shape) <= 2:  # the strategies behind follow_forward know 1-D and 2-D meshes

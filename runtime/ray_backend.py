@@ -543,7 +543,8 @@ def worker_programs(program: StageProgram, programs: MeshPrograms, meshes: Seque
         out.append(WorkerProgram(mesh=k, meshes=tuple(meshes), instructions=instructions, pieces=pieces,
                                  sends=sends[k], input_specs=dict(input_specs), constants=constants,
                                  num_micro_batches=num_micro_batches, outputs=outputs, returned=mine,
-                                 donations={j: keys for j, keys in donated.items() if keys}))
+                                 donations={j: keys for j, keys in donated.items() if keys},
+                                 per_example=program.per_example))
     return out
 
 

@@ -87,6 +87,9 @@ class WorkerProgram:
     donations: dict[int, frozenset] = dataclasses.field(default_factory=dict)
     """Index of a RUN in ``instructions`` -> the donated step inputs' buffers it reads for the last time:
     the RUN donates them and the worker drops them (and the stored handle they were loaded from)."""
+    per_example: frozenset[ValueId] = frozenset()
+    """Accumulators of per-example values (``StageProgram.per_example``): ACC keeps each micro-batch's rows,
+    MEAN puts them back together in the full batch's row order."""
 
 
 class WorkerStepError(RuntimeError):
@@ -469,6 +472,8 @@ class _StepRun:
         from alpa_like.runtime.pipeshard_runtime import donated_positions
         piece = self.program.pieces[(ins.stage, ins.phase)]
         buffers, acc = self.buffers, self.accumulators
+        rows = [a for a in accs if a.target in self.program.per_example]
+        accs = [a for a in accs if a not in rows]
         keys = [buffer_key(buffers, v, ins.micro_batch) for v in piece.inputs]
         args = [buffers[key] for key in keys]
         donate = donated_positions(keys, (), [False] * len(keys), donated) if donated else ()
@@ -489,6 +494,8 @@ class _StepRun:
         for a in accs:
             if a not in fused:
                 acc[a.target] = buffers[a.key]
+        for a in rows:  # a per-example value: this micro-batch's rows, put together by MEAN
+            acc.setdefault(a.target, {})[a.key[1]] = buffers[a.key]
         for v in piece.outputs:
             self._wrote((v, ins.micro_batch))
 
@@ -505,6 +512,11 @@ class _StepRun:
 
     def _mean(self, group: list[Instruction]) -> None:
         from alpa_like.runtime.partial_sums import step_means
+        from alpa_like.runtime.pipeshard_runtime import gather_rows
+        for ins in [ins for ins in group if ins.key[0] in self.program.per_example]:
+            self.buffers[ins.key] = gather_rows(self.accumulators.pop(ins.key[0]))
+            self._wrote(ins.key)
+        group = [ins for ins in group if ins.key[0] not in self.program.per_example]
         totals = [self.accumulators.pop(ins.key[0]) for ins in group]
         _, means = step_means([], (), totals, self.program.num_micro_batches)
         for ins, x in zip(group, means, strict=True):

@@ -186,7 +186,7 @@ def compile_spmd(traced: TracedStep, layout: SpmdLayout, devices: Sequence[Any],
     step = make_step_fn(closed, batch_mask, num_micro_batches=num_micro_batches, eqn_hook=hook,
                         operand_hook=operand_hook,
                         on_micro_batch=_micro_batch_pin(mesh, batch_specs) if num_micro_batches > 1 else None,
-                        micro_batch_eval=micro_batch_eval, stack_sizes=stack_sizes)
+                        micro_batch_eval=micro_batch_eval, stack_sizes=stack_sizes, after_grad=traced.after_grad)
     def pytree_step(*dynamic_args):  # the step's own argument pytrees: JAX's C++ call path flattens them
         return jax.tree.unflatten(traced.out_tree, step(*jax.tree.leaves(dynamic_args)))
 

@@ -339,6 +339,11 @@ class TerapipeExecutable:
     def __init__(self, *, fun: Callable, args: Sequence[Any], traced, plan, program: StageProgram,
                  layer_assign: Callable, devices: Sequence[Any], batch_slices, input_specs: dict[tuple[int, str], ShardingSpec],
                  check_contract: bool = True, share_contexts: bool = False):
+        if traced.after_grad is not None:
+            outputs = ", ".join(traced.out_leaves[k].path for k in traced.after_grad.outputs)
+            raise ValueError(f"pipeline_schedule='terapipe' reads only the loss, the gradients and the step's inputs "
+                             f"after al.grad, so it cannot compute the outputs that read the batch there ({outputs}); "
+                             "use another pipeline_schedule for them")
         self.traced = traced
         self.plan = plan
         self.call = find_loss_call(fun, args, traced)

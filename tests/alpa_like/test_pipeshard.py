@@ -225,9 +225,14 @@ def test_steps_a_pipeline_cannot_run_are_named_errors():
         g2 = al.grad(uneven_mlp_loss)(state.params, batch)
         return jax.tree.map(jnp.add, g1, g2)
 
-    def metric_after_grad(state, batch):  # per micro-batch, it would be summed, not averaged
+    def metric_after_grad(state, batch):  # the full batch's mean
         new_state, loss = step(state, batch)
         return new_state, {"loss": loss, "x_mean": jnp.mean(batch["x"])}
+
+    def scaled_batch_after_grad(state, batch):  # computed per micro-batch for al.grad from the batch and the state
+        x = batch["x"] * (1.0 + state.step)
+        loss, grads = al.value_and_grad(uneven_mlp_loss)(state.params, {"x": x})
+        return state.apply_gradients(grads=grads), {"loss": loss, "x_mean": jnp.mean(x)}
     def boundary_outside_the_loss(state, batch):
         al.mark_pipeline_boundary()
         return step(state, batch)
@@ -235,10 +240,12 @@ def test_steps_a_pipeline_cannot_run_are_named_errors():
         al.plan(two_grads, state, batch, method=method, cluster=cluster)
     with pytest.raises(ValueError, match=r"mark_pipeline_boundary\(\) was called outside the function al.grad"):
         al.plan(boundary_outside_the_loss, state, batch, method=method, cluster=cluster)
-    with pytest.raises(ValueError, match="`reduce_sum` outside al.grad uses the batch"):
-        al.plan(metric_after_grad, state, batch, method=method, cluster=cluster)
-    al.plan(metric_after_grad, state, batch, method=dataclasses.replace(method, num_micro_batches=1),
+    with pytest.raises(ValueError, match="`reduce_sum` outside al.grad uses the batch through a value computed per "
+                                         "micro-batch"):
+        al.plan(scaled_batch_after_grad, state, batch, method=method, cluster=cluster)
+    al.plan(scaled_batch_after_grad, state, batch, method=dataclasses.replace(method, num_micro_batches=1),
             cluster=cluster)
+    al.plan(metric_after_grad, state, batch, method=method, cluster=cluster)
 
 
 def test_a_clustering_the_slack_forbids_names_the_option():

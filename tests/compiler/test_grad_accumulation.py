@@ -47,14 +47,63 @@ def test_accumulated_step_function_equals_full_batch():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
 
 
-def test_batch_use_outside_the_grad_is_rejected():
+def _run_traced(step, m=2):
+    """``step`` as make_step_fn runs it with ``m`` micro-batches, and under jax.jit, on the MLP's state and batch."""
+    state, batch = mlp_state(), mlp_batch(np.random.default_rng(1))
+    traced, mask = _trace(step, m)
+    step_fn = make_step_fn(traced.closed_jaxpr, mask, num_micro_batches=m, after_grad=traced.after_grad)
+    got = jax.tree.unflatten(traced.out_tree, jax.jit(step_fn)(*jax.tree.leaves((state, batch))))
+    return got, jax.jit(step)(state, batch)
+
+
+def test_the_batch_read_after_al_grad_is_the_full_batch():
     def step(state, batch):
+        padding = jnp.where(batch["y"] > 0, 1.0, 0.0)  # from the batch alone, before al.grad
         grads = al.grad(mlp_loss)(state.params, batch)
-        return state.apply_gradients(grads=grads), jnp.mean(batch["y"])
+        return state.apply_gradients(grads=grads), {"y": jnp.mean(batch["y"]), "padding": jnp.sum(padding),
+                                                    "x": batch["x"]}
 
     traced, mask = _trace(step)
-    with pytest.raises(ValueError, match="outside al.grad uses the batch"):
+    split = split_at_grad_marker(traced.closed_jaxpr, mask)
+    assert len(split.full_outputs) == 3 and traced.after_grad.outputs == split.full_outputs
+    assert {leaf.path: leaf.shape for leaf in traced.out_leaves}["out.1.x"] == (32, 16)  # the full batch's rows
+    got, want = _run_traced(step)
+    assert_trees_close(got, want)
+
+
+def hidden_step(read_after):
+    """A step that computes hidden activations per micro-batch outside the loss, for the loss, and returns
+    ``read_after(hidden)`` as its second output."""
+    def step(state, batch):
+        hidden = jnp.tanh(batch["x"] @ state.params["dense_0"]["kernel"])
+
+        def loss_fn(params):
+            return jnp.mean(hidden @ params["dense_1"]["kernel"]) ** 2
+        grads = al.grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), read_after(hidden)
+    return step
+
+
+def test_a_value_computed_per_micro_batch_from_the_parameters_is_rejected_after_al_grad():
+    traced, mask = _trace(hidden_step(jnp.mean))
+    with pytest.raises(ValueError, match="`reduce_sum` outside al.grad uses the batch through a value computed per "
+                                         "micro-batch from the batch and other inputs"):
         split_at_grad_marker(traced.closed_jaxpr, mask)
+    traced, mask = _trace(hidden_step(lambda hidden: hidden))
+    with pytest.raises(ValueError, match="the step returns a value computed per micro-batch from the batch and "
+                                         "other inputs"):
+        split_at_grad_marker(traced.closed_jaxpr, mask)
+
+
+def test_what_the_step_computes_from_the_batch_and_the_parameters_after_al_grad_is_the_full_batch_value():
+    def step(state, batch):
+        features = jnp.tanh(batch["x"] @ state.params["dense_0"]["kernel"])  # before al.grad, not for it
+        grads = al.grad(mlp_loss)(state.params, batch)
+        return state.apply_gradients(grads=grads), {"features": jnp.sum(features),
+                                                    "after": jnp.sum(mlp_apply(state.params, batch["x"]))}
+
+    got, want = _run_traced(step)
+    assert_trees_close(got, want)
 
 
 def test_two_grad_calls_are_rejected():
@@ -204,24 +253,28 @@ def test_random_numbers_also_read_after_the_gradient_stay_per_step_with_a_warnin
         assert not split_at_grad_marker(traced.closed_jaxpr, mask).folded_keys
 
 
-def test_per_example_aux_is_rejected_and_parameter_shaped_results_are_gradients():
+def test_a_per_example_aux_comes_back_in_the_full_batch_row_order():
     def loss_with_predictions(params, batch):
-        return mlp_loss(params, batch), {"mean": jnp.mean(batch["x"]), "rows": batch["x"][:, 0]}
+        return mlp_loss(params, batch), {"mean": jnp.mean(batch["x"]), "rows": batch["x"][:, 0],
+                                         "argmax": jnp.argmax(mlp_apply(params, batch["x"]), -1)}
 
     def step(state, batch):
         (loss, aux), grads = al.value_and_grad(loss_with_predictions, has_aux=True)(state.params, batch)
-        return state.apply_gradients(grads=grads), aux["mean"], aux["rows"]
+        return state.apply_gradients(grads=grads), aux
 
-    traced, mask = _trace(step)
-    with pytest.raises(ValueError, match=r"al.value_and_grad returns aux\['rows'\] of shape \(16,\) whose dim 0 is "
-                                         r"a micro-batch's 16 rows"):
-        split_at_grad_marker(traced.closed_jaxpr, mask)
-    # a 16 x 32 weight's gradient has 16 = the micro-batch's rows in dim 0: shaped like its parameter, it is one
+    traced, mask = _trace(step, m=4)
+    split = split_at_grad_marker(traced.closed_jaxpr, mask)
+    names = split.marker.params["names"]
+    assert sorted(names[p] for p in split.per_example) == ["aux['argmax']", "aux['rows']"]  # an integer one too
+    got, want = _run_traced(step, m=4)
+    assert_trees_close(got, want)
+    # a 16 x 32 weight's gradient has 16 = the micro-batch's rows in dim 0: a gradient, averaged
     traced, mask = _trace(make_train_step(mlp_loss))
-    assert any(v.aval.shape == (16, 32) for v in split_at_grad_marker(traced.closed_jaxpr, mask).marker.invars)
+    split = split_at_grad_marker(traced.closed_jaxpr, mask)
+    assert any(v.aval.shape == (16, 32) for v in split.marker.invars) and not split.per_example
 
 
-def test_the_per_example_aux_error_names_the_value_as_the_user_unpacks_it():
+def test_per_example_aux_is_found_for_al_grad_and_al_value_and_grad():
     def loss_with_tuple(params, batch):
         return mlp_loss(params, batch), (jnp.mean(batch["x"]), mlp_apply(params, batch["x"]))
 
@@ -233,10 +286,12 @@ def test_the_per_example_aux_error_names_the_value_as_the_user_unpacks_it():
         grads, (mean, logits) = al.grad(loss_with_tuple, has_aux=True)(state.params, batch)
         return state.apply_gradients(grads=grads), mean, logits
 
-    for step, call in ((value_and_grad_step, "al.value_and_grad"), (grad_step, "al.grad")):
+    for step in (value_and_grad_step, grad_step):
         traced, mask = _trace(step)
-        with pytest.raises(ValueError, match=rf"{call} returns aux\[1\] of shape \(16, 8\) whose dim 0"):
-            split_at_grad_marker(traced.closed_jaxpr, mask)
+        split = split_at_grad_marker(traced.closed_jaxpr, mask)
+        assert [split.marker.params["names"][p] for p in split.per_example] == ["aux[1]"]
+        got, want = _run_traced(step)
+        assert_trees_close(got, want)
 
 
 def test_integer_aux_is_rejected():
