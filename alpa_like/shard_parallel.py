@@ -275,7 +275,8 @@ def measure_layouts(traced: TracedStep, layouts: Sequence[SpmdLayout], devices: 
     runs = {}
     for i, layout in enumerate(layouts):
         compiled = compile_spmd(traced, layout, devices, num_micro_batches=num_micro_batches)
-        runs[i] = functools.partial(_run_blocking, compiled.compiled, zero_inputs(traced, compiled.in_shardings))
+        inputs = jax.tree.unflatten(traced.in_tree, zero_inputs(traced, compiled.in_shardings))
+        runs[i] = functools.partial(_run_blocking, compiled.compiled, inputs)
     medians = time_interleaved(runs, rounds=rounds).medians()
     return tuple(medians[i] for i in range(len(layouts)))
 

@@ -183,15 +183,15 @@ def compile_spmd(traced: TracedStep, layout: SpmdLayout, devices: Sequence[Any],
         def micro_batch_eval(micro_eqns, env, micro_operand_hook):
             partial_sums.eval_eqns(micro_eqns, env, deferred, mesh, hook=hook, operand_hook=micro_operand_hook)
     stack_sizes = {v: math.prod(layout.mesh_shape[a] for a in axes) for v, axes in deferred.outputs.items()}
-    step = make_step_fn(closed, batch_mask, num_micro_batches=num_micro_batches, eqn_hook=hook,
+    flat_step = make_step_fn(closed, batch_mask, num_micro_batches=num_micro_batches, eqn_hook=hook,
                         operand_hook=operand_hook,
                         on_micro_batch=_micro_batch_pin(mesh, batch_specs) if num_micro_batches > 1 else None,
                         micro_batch_eval=micro_batch_eval, stack_sizes=stack_sizes, after_grad=traced.after_grad)
-    def pytree_step(*dynamic_args):  # the step's own argument pytrees: JAX's C++ call path flattens them
-        return jax.tree.unflatten(traced.out_tree, step(*jax.tree.leaves(dynamic_args)))
+    def step(*dynamic_args):  # the step's own argument pytrees: JAX's C++ call path flattens them
+        return jax.tree.unflatten(traced.out_tree, flat_step(*jax.tree.leaves(dynamic_args)))
 
     donated = {traced.in_leaves[k].arg_index for k in donate_flat}
-    jitted = jax.jit(pytree_step, in_shardings=jax.tree.unflatten(traced.in_tree, in_shardings),
+    jitted = jax.jit(step, in_shardings=jax.tree.unflatten(traced.in_tree, in_shardings),
                      out_shardings=jax.tree.unflatten(traced.out_tree, out_shardings),
                      donate_argnums=tuple(p for p, i in enumerate(traced.dynamic_argnums) if i in donated))
     avals = [jax.ShapeDtypeStruct(leaf.shape, v.aval.dtype)  # the jaxpr's dtype: a typed PRNG key's is no string
