@@ -11,11 +11,12 @@ from typing import Any
 import jax
 
 from alpa_like.compiler.cluster import ClusterSpec
-from alpa_like.compiler.trace import TracedStep, argument_names, leaf_aval, path_to_str, trace_step
+from alpa_like.compiler.trace import argument_names, leaf_aval, path_to_str
 from alpa_like.compiler.options import METHODS, CreateStateParallel, DataParallel, FollowParallel, PipeshardParallel
 from alpa_like.methods import spmd_layout
 from alpa_like.compiler.plan import ParallelPlan, memory_message
-from alpa_like.planning import spmd_plan
+from alpa_like.compiler.pipeline import plan_spmd
+from alpa_like.compiler.spmd_planning import spmd_plan
 from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable
 from alpa_like.runtime.spmd import InputsNotLaidOut, SpmdExecutable, compile_spmd
 from alpa_like.pipeshard import compile_pipeshard, plan_pipeshard
@@ -231,10 +232,6 @@ class ParallelizedFunc:
     def num_compilations(self) -> int:
         return len(self._cache)
 
-    def _trace(self, args) -> TracedStep:
-        return trace_step(self.fun, args, static_argnums=self.static_argnums, batch_argnums=self.batch_argnums,
-                          num_micro_batches=self.method.num_micro_batches)
-
     def _compile(self, args) -> Executable:
         for i in self.donate_argnums:
             if i >= len(args):
@@ -255,10 +252,12 @@ class ParallelizedFunc:
                                     donate_argnums=self.donate_argnums)
             exe.plan.check_fits()  # the stage pieces compile on the first step: nothing has run
             return exe
-        traced = self._trace(args)
-        layout = spmd_layout(self.method, traced, cluster, devices=devices)  # ShardParallel may time candidates
         device_ids = [d.id for d in devices]
-        spmd_plan(self.method, traced, layout, cluster, device_ids=device_ids).check_fits()
+        planned = plan_spmd(self.method, self.fun, args, static_argnums=self.static_argnums,
+                            batch_argnums=self.batch_argnums, cluster=cluster, device_ids=device_ids,
+                            layout=lambda traced: spmd_layout(self.method, traced, cluster, devices=devices))
+        planned.plan.check_fits()
+        traced, layout = planned.traced, planned.layout
         donate_flat = [k for k, leaf in enumerate(traced.in_leaves) if leaf.arg_index in self.donate_argnums]
         compiled = compile_spmd(traced, layout, devices, num_micro_batches=self.method.num_micro_batches,
                                 donate_flat=donate_flat)
@@ -336,10 +335,9 @@ def plan(fun: Callable, *args, method: Any = None, cluster: ClusterSpec | str | 
         result = plan_pipeshard(method, fun, args, static_argnums=_check_argnums("static_argnums", static_argnums),
                                 batch_argnums=_check_argnums("batch_argnums", batch_argnums), cluster=cluster)
     else:
-        traced = trace_step(fun, args, static_argnums=_check_argnums("static_argnums", static_argnums),
-                            batch_argnums=_check_argnums("batch_argnums", batch_argnums),
-                            num_micro_batches=method.num_micro_batches)
-        result = spmd_plan(method, traced, spmd_layout(method, traced, cluster), cluster)
+        result = plan_spmd(method, fun, args, static_argnums=_check_argnums("static_argnums", static_argnums),
+                           batch_argnums=_check_argnums("batch_argnums", batch_argnums), cluster=cluster,
+                           layout=lambda traced: spmd_layout(method, traced, cluster)).plan
     if not result.fits:
         warnings.warn(f"al.plan: {memory_message(result)}", stacklevel=2)
     return result

@@ -35,7 +35,7 @@ class SpmdLayout:
     warnings: tuple[str, ...] = ()
     communication: tuple[CommEstimate, ...] | None = None
     """Modelled collectives per step when the method predicts them itself (the intra-op pass); None lets
-    :func:`alpa_like.planning.spmd_plan` model data-parallel gradient synchronisation."""
+    :func:`alpa_like.compiler.spmd_planning.spmd_plan` model data-parallel gradient synchronisation."""
     op_plans: tuple[OpPlan, ...] = ()
     """The intra-op pass's chosen spec and cost per parameter and heavy operator (shown by the plan)."""
     solver: SolverReport | None = None

@@ -607,8 +607,8 @@ def sender_limited_extra(received: ReceivedValues, devices: Sequence[int], clust
 
     Upper bound for a stage of several nodes (a neighbour on as many nodes costs nothing more) that the stage
     DP's table cannot tighten: it does not know the neighbours' sizes. The planner solves the DP with and
-    without it and simulates the plans (``alpa_like.pipeshard._estimate_tables``). Wide-ResNet-13B on 64
-    GPUs: a (2, 8) stage between two (1, 8) stages received for 4.94 s per step, the table said 2.47 s."""
+    without it and simulates the plans (``alpa_like.compiler.stage_choice.estimate_tables``). Wide-ResNet-13B
+    on 64 GPUs: a (2, 8) stage between two (1, 8) stages received for 4.94 s per step, the table said 2.47 s."""
     if cluster.num_nodes == 1:
         return np.zeros(received.num_bytes.shape + (len(devices),))
     one_node = inbound_bandwidth([cluster.num_devices_per_node], cluster)

@@ -149,17 +149,18 @@ def near_optimal_results(sliced, method, cluster, slack: float, top: int) -> lis
     slowest stage), each simulated like the suites' plans: ``ours.PlanResult`` labelled ``near k``."""
     from alpa_like import pipeshard
     from alpa_like.bench import ours
+    from alpa_like.compiler.pipeline_plan import plan_of_stages
 
     if not slack >= 1.0 or not isinstance(top, int) or top < 1:
         raise ValueError(f"--near takes a slack >= 1 and --top an int >= 1, got {slack!r} and {top!r}")
     start = time.perf_counter()
     with ours.cyclic_gc_paused():
-        _, profile, solution = pipeshard._plan_and_profile(method, sliced, cluster)
+        _, profile, solution = pipeshard.plan_and_profile(method, sliced, cluster)
     near = near_optimal_stages(profile.costs, (cluster.num_nodes, cluster.num_devices_per_node),
                                method.num_micro_batches, cluster.device_memory, solution.t_max * slack)
     results = []
     for k, (latency, stages) in enumerate(near[:top], 1):
-        given = pipeshard.plan_of_stages(method, sliced, cluster, profile, stages, latency)
+        given = plan_of_stages(method, sliced, cluster, profile, stages, latency)
         with ours.cyclic_gc_paused():
             simulation = pipeshard.simulate_plan(given, sliced)
         results.append(ours.PlanResult(variant=f"near {k} of {len(near)}", plan=given,

@@ -26,7 +26,8 @@ from collections.abc import Callable, Iterator
 from alpa_like.compiler.cluster import ClusterSpec
 from alpa_like.compiler.layer_construction import Layering, operator_segments
 from alpa_like.compiler.options import AutoLayerOption, AutoStageOption, ManualLayerOption, PipeshardParallel
-from alpa_like.pipeshard import SlicedStep, plan_sliced, simulate_plan, slice_step
+from alpa_like.compiler.sliced_step import SlicedStep, slice_step
+from alpa_like.pipeshard import plan_sliced, simulate_plan
 from alpa_like.compiler.plan import ParallelPlan
 
 from alpa_like.bench.workloads import Workload

@@ -168,8 +168,8 @@ def _wresnet_workload(name: str, config: models.WResNetConfig, global_batch: int
 
 
 def transformer_costs(sliced: Any, workload: Workload, num_micro_batches: int) -> TransformerCosts:
-    """Per-sequence layer costs of a sliced GPT/MoE step (``alpa_like.pipeshard.slice_step``), whose layers
-    were traced on micro-batches of ``global_batch / num_micro_batches`` sequences."""
+    """Per-sequence layer costs of a sliced GPT/MoE step (``alpa_like.compiler.sliced_step.slice_step``), whose
+    layers were traced on micro-batches of ``global_batch / num_micro_batches`` sequences."""
     per = workload.global_batch / num_micro_batches
     summaries = _fold_surplus_layers(sliced.summaries, workload.config.num_layers)
     # Optimizer state in proportion to each layer's parameters (Adam keeps two moments per parameter).

@@ -9,6 +9,8 @@ from flax.training import train_state
 
 import alpa_like as al
 from alpa_like import models, pipeshard
+from alpa_like.compiler import pipeline, stage_choice
+from alpa_like.compiler.sliced_step import slice_step
 from alpa_like.models import gpt
 
 QUIET = al.AutoStageOption(show_progress=False)
@@ -300,7 +302,6 @@ def test_remat_layers_keep_only_their_non_parameter_inputs_for_the_backward():
     micro-batch are at most the layer's non-parameter inputs (the weights are per-step memory, counted once
     in the stage's weights, not once per micro-batch in flight)."""
     from alpa_like.compiler.markers import is_marker
-    from alpa_like.pipeshard import slice_step
 
     step, state, batch = gpt_case(num_layers=4, hidden=64, seq=16, batch=8)
     method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=4, remat_layer=True),
@@ -336,18 +337,18 @@ def test_estimated_costs_are_settled_by_simulating_the_plans(monkeypatch, num_la
                                   num_devices_per_node=devices_per_node, fp32_peak_flops=None)
     method = al.PipeshardParallel(num_micro_batches=16, layer_option=al.AutoLayerOption(layer_num=num_layers),
                                   stage_option=QUIET)
-    sliced = pipeshard.slice_step(method, step, (state, batch), static_argnums=(), batch_argnums=(1,))
-    chosen, profile, _ = pipeshard._plan_and_profile(method, sliced, cluster)
+    sliced = slice_step(method, step, (state, batch), static_argnums=(), batch_argnums=(1,))
+    chosen, profile, _ = pipeshard.plan_and_profile(method, sliced, cluster)
     assert "simulated choice" in dict(chosen.compile_times)
-    monkeypatch.setattr(pipeshard, "_settles_estimates", lambda method: False)
+    monkeypatch.setattr(pipeline, "settles_estimates", lambda method: False)
     main = pipeshard.plan_sliced(method, sliced, cluster)
-    tables = [table for table, _ in pipeshard._estimate_tables(method, profile, cluster,
-                                                                 pipeshard._solve(method, profile.costs, cluster))]
+    tables = [table for table, _ in stage_choice.estimate_tables(
+        method, profile, cluster, stage_choice.choose_stages(method, profile.costs, cluster))]
     assert len(tables) >= 3  # both estimates are in play
-    solve = pipeshard._solve
+    solve = stage_choice.choose_stages
     seconds = {_layout(main): pipeshard.simulate_plan(main, sliced).step_seconds}
     for table in tables[1:]:
-        monkeypatch.setattr(pipeshard, "_solve",
+        monkeypatch.setattr(pipeline, "choose_stages",
                             lambda method, costs, cluster, table=table: solve(method, table, cluster))
         plan = pipeshard.plan_sliced(method, sliced, cluster)
         seconds[_layout(plan)] = pipeshard.simulate_plan(plan, sliced).step_seconds

@@ -14,7 +14,7 @@ from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, slice_layers
 from alpa_like.compiler.markers import is_marker
 from alpa_like.compiler.stage_construction import build_stage_program
 from alpa_like.models import gpt
-from alpa_like.pipeshard import slice_step
+from alpa_like.compiler.sliced_step import slice_step
 from jax.extend.core import ClosedJaxpr
 
 

@@ -12,8 +12,9 @@ import pytest
 from flax.training import train_state
 
 import alpa_like as al
-from alpa_like import models, pipeshard
+from alpa_like import models
 from alpa_like.compiler.sharding_spec import ShardingSpec
+from alpa_like.compiler.sliced_step import slice_step
 from alpa_like.compiler.trace import LeafInfo
 from alpa_like.compiler.input_roles import is_prng_key
 from alpa_like.models import gpt
@@ -237,7 +238,7 @@ def test_a_train_states_dropout_key_is_state_not_optimizer_state(key):
         assert roles["state.opt_state.0.mu.w0"] == roles["state.opt_state.0.nu.w1"] == "optimizer_state"
     method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.ManualLayerOption(),
                                   stage_option=al.AutoStageOption(show_progress=False))
-    sliced = pipeshard.slice_step(method, dropout_step, (state, batch), static_argnums=(), batch_argnums=(1,))
+    sliced = slice_step(method, dropout_step, (state, batch), static_argnums=(), batch_argnums=(1,))
     roles = {leaf.path: role for leaf, role in zip(sliced.traced.in_leaves, sliced.roles, strict=True)}
     assert roles["state.dropout_rng"] == "state" and roles["state.opt_state.0.mu.w0"] == "optimizer_state"
     plan = al.plan(dropout_step, state, batch, method=method, cluster=cluster)

@@ -15,7 +15,7 @@ from alpa_like.compiler.stage_dp import StageCosts, brute_force_stages, solve_st
 from alpa_like.compiler.stage_profiling import (PARAMS_HALF_SHARDED, PARAMS_SHARDED, ReceivedValues, boundary_saving,
                                                profile_stage_costs, receive_seconds, received_per_micro_batch,
                                                sender_limited_extra, shared_nic_wait)
-from alpa_like.pipeshard import slice_step
+from alpa_like.compiler.sliced_step import slice_step
 
 HIDDEN, ROWS, LAYERS = 1024, 8192, 4
 

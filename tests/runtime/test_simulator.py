@@ -137,7 +137,7 @@ def tied_programs(replicate: bool):
     """The 2-stage tied model's plan and programs (``tests.runtime.test_pipeshard_runtime.tied_case``), with
     the tied update on the last stage only (``replicate=False``) or on both (what the runtime runs)."""
     from alpa_like.compiler.stage_construction import build_stage_program
-    from alpa_like.pipeshard import slice_step
+    from alpa_like.compiler.sliced_step import slice_step
     from alpa_like.runtime.instructions import emit_programs
     from alpa_like.compiler.schedules import make_schedule
     from tests.runtime.test_pipeshard_runtime import TIED_STAGES, tied_case

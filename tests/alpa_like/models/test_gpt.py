@@ -147,7 +147,7 @@ def test_pipeline_boundaries_make_manual_layers_and_change_nothing_else(tiny, bo
     """``pipeline_boundaries`` marks layers for ``ManualLayerOption`` (after each block, and with
     ``"sublayer"`` between attention and MLP too; the logits are the last layer); the logits are the same."""
     import alpa_like as al
-    from alpa_like.pipeshard import slice_step
+    from alpa_like.compiler.sliced_step import slice_step
 
     apply, _, params, batch = tiny
     config = dataclasses.replace(TINY, pipeline_boundaries=boundaries)

@@ -1,4 +1,5 @@
-"""Turn an SPMD method's layout into a :class:`ParallelPlan` with modelled costs.
+"""Turn an SPMD method's layout into a :class:`ParallelPlan` with modelled costs (the last pass of
+:func:`~alpa_like.compiler.pipeline.plan_spmd`).
 
 The cost model (no overlap of compute and communication):
 
