@@ -154,12 +154,13 @@ class PipeshardExecutable:
         self._input_names = {v: leaf.path for v, leaf in zip(program.step_inputs, traced.in_leaves, strict=True)}
         self._input_donations = input_donations(programs, program, [program.step_inputs[k] for k in donate_flat])
         """Instruction index of a RUN -> the step inputs' per-step buffers it donates."""
-        self._output_shardings = self._return_layouts(updated_inputs(traced.in_leaves, traced.out_leaves))
-        """Output index -> the sharding the step returns it in."""
-        self._out_pins = self._output_pins()
+        layouts = self._return_layouts(updated_inputs(traced.in_leaves, traced.out_leaves))
+        self._out_pins, pinned = self._output_pins(layouts)
         """(stage, phase) -> per piece output, the layout it is made in (None: XLA's choice): the new value of a
         step input in the layout its mesh loads the input in, so that donation reuses the input's buffers and
         the next step loads it as it is."""
+        self._output_shardings = {k: sharding for k, sharding in layouts.items() if k not in pinned}
+        """Output index -> the sharding the step moves it to at its end (those its piece does not make there)."""
         self.last_step = StepStats()
 
     def __call__(self, *args):
@@ -252,11 +253,14 @@ class PipeshardExecutable:
         loads it (an argument already laid out so is taken as it is there), or None when no mesh reads it."""
         return tuple(next(iter(placed.values()), None) for placed in self.input_placements())
 
-    def _output_pins(self) -> dict[tuple[int, str], tuple[NamedSharding | None, ...]]:
+    def _output_pins(self, layouts: dict[int, NamedSharding]) -> tuple[dict, set[int]]:
+        """The pieces' output pins that make each output in its layout (``layouts``: output index ->
+        sharding) where its piece runs on that layout's mesh, and the outputs they cover."""
         made = {(v, self.programs.stage_to_mesh[stage]): (stage, phase)
                 for (stage, phase), piece in self.program.pieces.items() for v in piece.outputs}
         pins: dict[tuple[int, str], list] = {}
-        for k, target in self._output_shardings.items():
+        pinned = set()
+        for k, target in layouts.items():
             (v, _), mesh = self.programs.outputs[k]
             where = made.get((v, mesh))
             if where is None or target.device_set != set(self.meshes[mesh].devices.flat):
@@ -264,7 +268,8 @@ class PipeshardExecutable:
             piece = self.program.piece(*where)
             slots = pins.setdefault(where, [None] * len(piece.outputs))
             slots[piece.outputs.index(v)] = target
-        return {where: tuple(slots) for where, slots in pins.items()}
+            pinned.add(k)
+        return {where: tuple(slots) for where, slots in pins.items()}, pinned
 
     def _return_layouts(self, sources: Sequence[int | None]) -> dict[int, NamedSharding]:
         """Per output, given the input each one updates (:func:`~alpa_like.compiler.trace.updated_inputs`),
