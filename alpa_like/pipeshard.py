@@ -24,7 +24,7 @@ from alpa_like.compiler.plan import ParallelPlan
 from alpa_like.compiler.schedules import ScheduleName, make_schedule
 from alpa_like.compiler.sliced_step import SlicedStep
 from alpa_like.compiler.stage_construction import build_stage_program, micro_batch_key_draws
-from alpa_like.compiler.stage_dp import StageSolution
+from alpa_like.compiler.stage_costs import StageSolution
 from alpa_like.compiler.stage_profiling import StageProfile
 from alpa_like.compiler.stage_sharding import StageSharding, stage_shardings
 from alpa_like.compiler.token_slicing import token_slicing_scheme

@@ -13,6 +13,6 @@ MeshIdx = NewType("MeshIdx", int)
 """Position of a mesh (a pipeline device group) in the pipeline, 0 = first."""
 SubmeshIdx = NewType("SubmeshIdx", int)
 """Index into the candidate submesh shapes of a stage cost table
-(:attr:`alpa_like.compiler.stage_dp.StageCosts.submeshes`): a shape, not a mesh of the pipeline."""
+(:attr:`alpa_like.compiler.stage_costs.StageCosts.submeshes`): a shape, not a mesh of the pipeline."""
 MicroBatchIdx = NewType("MicroBatchIdx", int)
 """Index of a micro-batch within one step, 0 = first."""

@@ -42,7 +42,7 @@ from alpa_like.compiler.sliced_step import SlicedStep, slice_step
 from alpa_like.compiler.spmd_layout import SpmdLayout
 from alpa_like.compiler.spmd_planning import spmd_plan
 from alpa_like.compiler.stage_choice import candidate_meshes, choose_stages, estimate_tables, settles_estimates
-from alpa_like.compiler.stage_dp import StageSolution
+from alpa_like.compiler.stage_costs import StageSolution
 from alpa_like.compiler.stage_profiling import StageProfile, profile_stage_costs
 from alpa_like.compiler.trace import TracedStep, trace_step
 

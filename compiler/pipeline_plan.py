@@ -15,7 +15,7 @@ from alpa_like.compiler.cluster import ClusterSpec
 from alpa_like.compiler.options import PipeshardParallel
 from alpa_like.compiler.plan import CommEstimate, ParallelPlan, StagePlan, TensorPlan
 from alpa_like.compiler.sliced_step import SlicedStep
-from alpa_like.compiler.stage_dp import StageChoice, StageSolution
+from alpa_like.compiler.stage_costs import StageChoice, StageSolution
 from alpa_like.compiler.stage_profiling import StageProfile
 from alpa_like.compiler.submesh import assign_devices
 from alpa_like.compiler.terapipe_planning import attention_fractions, choose_token_slicing

@@ -23,8 +23,9 @@ from alpa_like.compiler.logical_mesh import logical_shapes
 from alpa_like.compiler.options import (AutoStageOption, ManualStageOption, PipeshardParallel, Shape,
                                         StageOption)
 from alpa_like.compiler.schedules import ScheduleName
-from alpa_like.compiler.stage_dp import (StageChoice, StageCosts, StageSolution, micro_batches_in_flight,
-                                         pipeline_latency, price_placed_stages, solve_stages)
+from alpa_like.compiler.stage_costs import StageChoice, StageCosts, StageSolution, pipeline_latency
+from alpa_like.compiler.stage_dp import micro_batches_in_flight, solve_stages
+from alpa_like.compiler.stage_placement import price_placed_stages
 from alpa_like.compiler.stage_profiling import StageProfile
 from alpa_like.compiler.submesh import submesh_shapes
 

@@ -64,10 +64,11 @@ an offset that is a multiple of ``m``, whole-node meshes at node boundaries): ``
 stages on exactly the nodes of that layout, and the stage chosen with ``d`` devices left starts at device
 ``N M - d``, so which of its boundaries stay inside a node is known in the DP state. Such stages cost
 ``t_intra`` minus the saving of each inside boundary; the answer is the better of that DP and the plain one
-(:func:`price_placed_stages` prices a finished plan the same way; :func:`brute_force_stages` agrees).
+(:func:`~alpa_like.compiler.stage_placement.price_placed_stages` prices a finished plan the same way; the
+tests' brute force agrees).
 
 **Shared NICs (ours).** In an aligned layout a node other than the first and the last that holds two or
-more meshes (:func:`shared_nodes`) has two transfers through each of its NICs every micro-batch in 1F1B:
+more meshes (:func:`~alpa_like.compiler.stage_placement.shared_nodes`) has two transfers through each of its NICs every micro-batch in 1F1B:
 into it, its first mesh's activations from the node before and its last mesh's gradients from the node
 after; out of it, its first mesh's gradients back and its last mesh's activations on. The simulated backend
 books every node's NIC per direction and makes transfers through one NIC take turns
@@ -84,13 +85,13 @@ receives), so besides the node's first and last mesh the last mesh of the node b
 the node after pay. Their own position tells the node's first and last mesh that they are on a shared node;
 a neighbour's does not, so the DP (``_placed_dp``) splits its table by two flags of the stages that remain:
 whether the node before their first stage is shared, and whether that first stage is the first mesh of a
-shared node. The same rule prices a finished plan (:func:`price_placed_stages`) and the brute force, so the
+shared node. The same rule prices a finished plan (``price_placed_stages``) and the brute force, so the
 DP stays exact for its objective. Misaligned plans would be placed by the covering construction
 (:func:`~alpa_like.compiler.submesh.assign_devices`), which may put meshes that are not pipeline neighbours
 on one node, every one of them crossing nodes: the DP does not know their NICs, so when NICs can be shared
 (``nic_wait`` given, 3 nodes or more, a submesh smaller than a node) it considers aligned plans only
-(:func:`brute_force_stages` likewise). The wait is an estimate: transfers that are never ready together
-do not wait at all, and the other transfer's size stands in for this one's.
+(:func:`aligned_plans_only`; the brute force likewise). The wait is an estimate: transfers that are never
+ready together do not wait at all, and the other transfer's size stands in for this one's.
 
 **Per-step terms (ours).** A stage may also spend time once per step, outside the pipelined
 micro-batches (:attr:`StageCosts.step_seconds`): the apply-grad of a parameter that layers of several
@@ -130,227 +131,18 @@ import dataclasses
 import itertools
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+
 import numpy as np
 
-from alpa_like.compiler.indices import StageIdx, SubmeshIdx
-from alpa_like.compiler.logical_mesh import logical_shapes as all_logical_shapes
+from alpa_like.compiler.indices import SubmeshIdx
 from alpa_like.compiler.schedules import ScheduleName, schedule_name
-from alpa_like.compiler.submesh import Shape, submesh_shapes
+from alpa_like.compiler.stage_costs import StageChoice, StageCosts, StageSolution, int_pair, is_int
+from alpa_like.compiler.stage_placement import price_placed_stages
+from alpa_like.compiler.submesh import submesh_shapes
 
 
 _GIB = 2**30
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
-class StageCosts:
-    """Profiled cost of every (layer range, submesh, logical view): the input of the stage DP.
-
-    Arrays are indexed ``[i, j, p, l]``: layers ``i..j`` (inclusive, 0-based) as one stage on submesh
-    ``submeshes[p]`` viewed as ``logical_shapes[p][l]``. Entries with ``j < i`` are ignored; entries with
-    ``l >= len(logical_shapes[p])`` (padding) must have ``t_intra = inf``. Arrays are copied and made
-    read-only.
-    """
-
-    num_layers: int
-    """``K``, the number of layers after operator clustering."""
-    submeshes: tuple[Shape, ...]
-    """Submesh shapes ``(n, m)`` the DP may use, distinct; see ``submesh_shapes``."""
-    logical_shapes: tuple[tuple[tuple[int, int], ...], ...]
-    """For each submesh, the logical views profiled (each with ``n * m`` devices); a view may appear more
-    than once with different :attr:`variants`."""
-    t_intra: np.ndarray
-    """Seconds per micro-batch, forward plus backward, shape ``(K, K, P, L)``; ``inf`` = infeasible."""
-    mem_stage: np.ndarray
-    """Bytes per device of weights, gradients and optimizer state, shape ``(K, K, P, L)``."""
-    mem_act: np.ndarray
-    """Bytes per device of the activations one micro-batch keeps for the backward, shape ``(K, K, P, L)``."""
-    variants: tuple[tuple[str, ...], ...] = ()
-    """For each submesh, a label per logical view entry naming how the intra-op pass was constrained there
-    (e.g. ``"params-sharded"``: a memory-lean solve beside the fastest one); () labels every entry ``""``.
-    ``(logical shape, variant)`` pairs are distinct per submesh. The DP picks, per stage, the fastest entry
-    that fits in memory (Eq. 3.5), so a memory-lean variant is chosen exactly where the fastest one does not
-    fit."""
-    boundary_saving: np.ndarray | None = None
-    """Seconds per micro-batch that ``t_intra`` over-counts when a stage boundary stays inside one node,
-    shape ``(K, K, P, 2)``: ``[..., 0]`` when the stage shares a node with its predecessor, ``[..., 1]`` with
-    its successor. ``t_intra`` prices what a stage receives from its neighbours as if every boundary crossed
-    nodes, since where the neighbours go is only known once all stages are chosen; the DP prices the
-    boundaries of plans whose placement it knows (see :func:`price_placed_stages`). None: no savings."""
-    nic_wait: np.ndarray | None = None
-    """Seconds per micro-batch that the stage's receive from its predecessor (``[..., 0]``) or successor
-    (``[..., 1]``), when that boundary crosses nodes, waits for each NIC on its way that another mesh's
-    transfer in the same direction shares, shape ``(K, K, P, 2)``; added to ``t_intra`` in aligned layouts
-    (see "Shared NICs" in the module docstring and :func:`price_placed_stages`). None: NICs are never
-    shared."""
-    step_seconds: np.ndarray | None = None
-    """Seconds a stage spends once per step outside the pipelined micro-batches, shape ``(K, K, P)``: e.g.
-    receiving, after the pipeline drains, the accumulated gradients of parameters that layers of other
-    stages also read (a tied embedding), for its apply-grad or its replica of another stage's. The largest
-    over a plan's stages is added once to Eq. 3.2's latency (the meshes do this at the same time); not part
-    of the stage's ``t_intra`` (it does not pace the micro-batches): see "Per-step terms" in the module
-    docstring. None: zero."""
-
-    def __post_init__(self) -> None:
-        k = self.num_layers
-        if not _is_int(k) or k < 1:
-            raise ValueError(f"num_layers must be an int >= 1, got {k!r}")
-        submeshes = tuple(_pair(s, "submesh") for s in self.submeshes)
-        if not submeshes or len(set(submeshes)) != len(submeshes):
-            raise ValueError(f"submeshes must be non-empty and distinct, got {list(self.submeshes)}")
-        if len(self.logical_shapes) != len(submeshes):
-            raise ValueError(f"logical_shapes needs one list per submesh ({len(submeshes)}), "
-                             f"got {len(self.logical_shapes)}")
-        labels = self.variants or tuple(("",) * len(v) for v in self.logical_shapes)
-        if len(labels) != len(submeshes) or any(len(a) != len(b) for a, b in zip(labels, self.logical_shapes)):
-            raise ValueError(f"variants needs one label per logical shape entry of each submesh, got {labels!r}")
-        views = []
-        for (n, m), shapes, names in zip(submeshes, self.logical_shapes, labels, strict=True):
-            shapes = tuple(_pair(v, "logical shape") for v in shapes)
-            entries = list(zip(shapes, names))
-            if not shapes or len(set(entries)) != len(entries) or any(a * b != n * m for a, b in shapes):
-                raise ValueError(f"logical shapes of submesh {(n, m)} must be non-empty, have {n * m} devices "
-                                 f"each and be distinct (per variant), got {entries}")
-            views.append(shapes)
-        shape = (k, k, len(submeshes), max(len(v) for v in views))
-        arrays = {}
-        for name in ("t_intra", "mem_stage", "mem_act"):
-            array = np.array(getattr(self, name), dtype=np.float64)
-            if array.shape != shape:
-                raise ValueError(f"{name} must have shape (K, K, P, L) = {shape}, got {array.shape}")
-            if np.isnan(array).any() or (array < 0).any():
-                raise ValueError(f"{name} must hold numbers >= 0 (inf allowed), got {int(np.isnan(array).sum())}"
-                                 f" NaN and {int((array < 0).sum())} negative entries")
-            array.setflags(write=False)
-            arrays[name] = array
-        for name in ("boundary_saving", "nic_wait"):
-            if getattr(self, name) is None:
-                continue
-            per_side = np.array(getattr(self, name), dtype=np.float64)
-            if per_side.shape != shape[:3] + (2,):
-                raise ValueError(f"{name} must have shape (K, K, P, 2) = {shape[:3] + (2,)}, "
-                                 f"got {per_side.shape}")
-            if not np.isfinite(per_side).all() or (per_side < 0).any():
-                raise ValueError(f"{name} must hold finite numbers >= 0")
-            per_side.setflags(write=False)
-            object.__setattr__(self, name, per_side)
-        if self.step_seconds is not None:
-            step = np.array(self.step_seconds, dtype=np.float64)
-            if step.shape != shape[:3]:
-                raise ValueError(f"step_seconds must have shape (K, K, P) = {shape[:3]}, got {step.shape}")
-            if not np.isfinite(step).all() or (step < 0).any():
-                raise ValueError("step_seconds must hold finite numbers >= 0")
-            step.setflags(write=False)
-            object.__setattr__(self, "step_seconds", step)
-        for p, v in enumerate(views):
-            if np.isfinite(arrays["t_intra"][:, :, p, len(v):]).any():
-                raise ValueError(f"t_intra[..., {p}, l] must be inf for l >= {len(v)} (submesh "
-                                 f"{submeshes[p]} has {len(v)} logical shapes)")
-        object.__setattr__(self, "submeshes", submeshes)
-        object.__setattr__(self, "logical_shapes", tuple(views))
-        object.__setattr__(self, "variants", tuple(tuple(str(x) for x in names) for names in labels))
-        for name, array in arrays.items():
-            object.__setattr__(self, name, array)
-
-    @property
-    def sizes(self) -> np.ndarray:
-        """Devices per submesh, ``n * m``."""
-        return np.array([n * m for n, m in self.submeshes], dtype=np.int64)
-
-    def step_seconds_of(self, first: int, last: int, submesh_index: int) -> float:
-        """:attr:`step_seconds` of layers ``first..last`` on submesh ``submesh_index`` (0 when None)."""
-        return 0.0 if self.step_seconds is None else float(self.step_seconds[first, last, submesh_index])
-
-    @classmethod
-    def from_fn(cls, num_layers: int, submeshes: Sequence[Shape],
-                cost: Callable[[int, int, Shape, tuple[int, int]], tuple[float, float, float]],
-                logical_shapes: Sequence[Sequence[tuple[int, int]]] | None = None) -> StageCosts:
-        """Fills the table from ``cost(first, last, submesh, logical) -> (t_intra, mem_stage, mem_act)``.
-
-        ``logical_shapes`` defaults to every 2-D factorisation of each submesh's device count.
-
-        >>> costs = StageCosts.from_fn(2, [(1, 1), (1, 2)], lambda i, j, sub, view: (j - i + 1.0, 0, 0))
-        >>> costs.t_intra.shape, costs.logical_shapes[1]
-        ((2, 2, 2, 2), ((1, 2), (2, 1)))
-        """
-        if logical_shapes is None:
-            logical_shapes = [all_logical_shapes(n * m) for n, m in submeshes]
-        width = max(len(v) for v in logical_shapes)
-        shape = (num_layers, num_layers, len(submeshes), width)
-        t, mem_stage, mem_act = np.full(shape, np.inf), np.zeros(shape), np.zeros(shape)
-        for i, j in itertools.combinations_with_replacement(range(num_layers), 2):
-            for p, (sub, views) in enumerate(zip(submeshes, logical_shapes, strict=True)):
-                for l, view in enumerate(views):
-                    t[i, j, p, l], mem_stage[i, j, p, l], mem_act[i, j, p, l] = cost(i, j, tuple(sub),
-                                                                                      tuple(view))
-        return cls(num_layers=num_layers, submeshes=tuple(submeshes), logical_shapes=tuple(logical_shapes),
-                   t_intra=t, mem_stage=mem_stage, mem_act=mem_act)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class StageChoice:
-    """One stage of the answer."""
-
-    layers: tuple[int, int]
-    """``(first, last)`` layer, inclusive, 0-based."""
-    submesh_index: SubmeshIdx
-    submesh: Shape
-    logical_shape: tuple[int, int]
-    view_index: int
-    """Index of the chosen entry in ``StageCosts.logical_shapes[submesh_index]`` (the ``l`` of the arrays)."""
-    variant: str
-    """That entry's label in :attr:`StageCosts.variants`."""
-    t_intra: float
-    """Seconds per micro-batch (forward + backward)."""
-    memory_per_device: float
-    """Peak bytes per device under the schedule: ``mem_stage + in_flight * mem_act`` (Eq. 3.5)."""
-    step_seconds: float = 0.0
-    """Seconds once per step outside the pipelined micro-batches (:attr:`StageCosts.step_seconds`)."""
-
-    @property
-    def num_layers(self) -> int:
-        return self.layers[1] - self.layers[0] + 1
-
-    def __str__(self) -> str:
-        variant = f" ({self.variant})" if self.variant else ""
-        return (f"layers {self.layers[0]}-{self.layers[1]} on {self.submesh} as {self.logical_shape}{variant}: "
-                f"{self.t_intra * 1e3:.4g} ms, {self.memory_per_device / _GIB:.4g} GiB")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class StageSolution:
-    """The chosen stages in pipeline order and their predicted latency."""
-
-    stages: tuple[StageChoice, ...]
-    iteration_time: float
-    """Eq. 3.2 for these stages plus the longest per-step term: ``sum(t) + (B - 1) * max(t) + max(step)``
-    (:func:`pipeline_latency`), seconds."""
-    t_max: float
-    """Latency of the slowest stage, seconds."""
-    num_micro_batches: int
-    num_t_max_evaluated: int
-    """DP runs spent on the t_max enumeration (0 for :func:`brute_force_stages`)."""
-
-    @property
-    def submeshes(self) -> tuple[Shape, ...]:
-        """The stages' submesh shapes, ready for ``assign_devices``."""
-        return tuple(stage.submesh for stage in self.stages)
-
-    @property
-    def layers_per_stage(self) -> tuple[int, ...]:
-        return tuple(stage.num_layers for stage in self.stages)
-
-    def stage_of_layer(self, layer: int) -> StageIdx:
-        """The stage that runs ``layer`` (0-based); ValueError if no stage holds it."""
-        for q, stage in enumerate(self.stages):
-            if stage.layers[0] <= layer <= stage.layers[1]:
-                return StageIdx(q)
-        raise ValueError(f"layer {layer!r} is not in any stage; stages hold layers 0..{self.stages[-1].layers[1]}")
-
-    def __str__(self) -> str:
-        head = (f"{len(self.stages)} stage(s), B = {self.num_micro_batches}: iteration "
-                f"{self.iteration_time * 1e3:.4g} ms, slowest stage {self.t_max * 1e3:.4g} ms")
-        return "\n".join([head] + [f"  stage {q}: {stage}" for q, stage in enumerate(self.stages)])
 
 
 def solve_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_micro_batches: int,
@@ -386,7 +178,7 @@ def solve_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_micro_ba
     >>> solve_stages(gpt, (1, 2), num_micro_batches=8, device_memory=2**30).layers_per_stage
     (2, 2)
     """
-    n_nodes, per_node = _pair(cluster_shape, "cluster_shape")
+    n_nodes, per_node = int_pair(cluster_shape, "cluster_shape")
     batches = _check_positive_int(num_micro_batches, "num_micro_batches")
     schedule = schedule_name(schedule)
     _check_inputs(costs, (n_nodes, per_node), device_memory, epsilon)
@@ -421,7 +213,7 @@ def solve_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_micro_ba
         if found is not None and found[0] + level < best[0]:
             best = (found[0] + level, found[1], capped)
     stages = _reconstruct(costs, best[2], view, best[1], num_devices, in_flight, placement)
-    return _solution(price_placed_stages(costs, stages, per_node), batches, num_t_max_evaluated=evaluated)
+    return StageSolution.of(price_placed_stages(costs, stages, per_node), batches, num_t_max_evaluated=evaluated)
 
 
 def _best_t_max(eff: np.ndarray, sizes: np.ndarray, num_devices: int, placement: _Placement | None,
@@ -447,131 +239,17 @@ def _best_t_max(eff: np.ndarray, sizes: np.ndarray, num_devices: int, placement:
     return (solve(best_g), groups[best_g][1]), len(solved)
 
 
-def brute_force_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_micro_batches: int,
-                       device_memory: float, *,
-                       schedule: ScheduleName | str = ScheduleName.ONE_F_ONE_B) -> StageSolution | None:
-    """Reference for tests: tries every layer partition and every (submesh, logical) choice per stage.
-
-    Exponential; use it with a handful of layers and devices. Returns None when no plan exists. Stage
-    times are priced for their placement as in :func:`solve_stages` (:func:`price_placed_stages`).
-    """
-    n_nodes, per_node = _pair(cluster_shape, "cluster_shape")
-    batches = _check_positive_int(num_micro_batches, "num_micro_batches")
-    schedule = schedule_name(schedule)
-    _check_inputs(costs, (n_nodes, per_node), device_memory, epsilon=0.0)
-    k, num_devices = costs.num_layers, n_nodes * per_node
-    placement = _Placement.of(costs, num_devices, per_node)
-    aligned_only = placement is not None and placement.nic is not None
-    best: tuple[float, tuple[StageChoice, ...]] | None = None
-    for num_stages in range(1, min(k, num_devices) + 1):
-        for cuts in itertools.combinations(range(1, k), num_stages - 1):
-            bounds = (0, *cuts, k)
-            options = []
-            for q in range(num_stages):
-                first, last = bounds[q], bounds[q + 1] - 1
-                held = batches if schedule.holds_every_micro_batch else min(num_stages - q, batches)
-                options.append([
-                    StageChoice(layers=(first, last), submesh_index=SubmeshIdx(p), submesh=sub,
-                                logical_shape=costs.logical_shapes[p][l], view_index=l,
-                                variant=costs.variants[p][l], t_intra=float(t),
-                                memory_per_device=float(costs.mem_stage[first, last, p, l]
-                                                        + held * costs.mem_act[first, last, p, l]),
-                                step_seconds=costs.step_seconds_of(first, last, p))
-                    for p, sub in enumerate(costs.submeshes) for l in range(len(costs.logical_shapes[p]))
-                    if math.isfinite(t := costs.t_intra[first, last, p, l])
-                    and costs.mem_stage[first, last, p, l] + held * costs.mem_act[first, last, p, l]
-                    <= device_memory])
-            for plan in _plans_with_devices(options, num_devices):
-                if aligned_only and contiguous_offsets([a * b for a, b in (o.submesh for o in plan)], per_node) is None:
-                    continue
-                plan = price_placed_stages(costs, plan, per_node)
-                value = pipeline_latency(plan, batches)
-                if best is None or value < best[0]:
-                    best = (value, plan)
-    return None if best is None else _solution(best[1], batches, num_t_max_evaluated=0)
+def aligned_plans_only(costs: StageCosts, cluster_shape: tuple[int, int]) -> bool:
+    """Whether the DP considers aligned contiguous plans only: when meshes can share a NIC (``nic_wait``
+    given, 3 nodes or more, a submesh smaller than a node; see "Shared NICs" in the module docstring)."""
+    n_nodes, per_node = int_pair(cluster_shape, "cluster_shape")
+    placement = _Placement.of(costs, n_nodes * per_node, per_node)
+    return placement is not None and placement.nic is not None
 
 
 # ---------------------------------------------------------------------------------------------------
 # Stage boundaries inside a node.
 # ---------------------------------------------------------------------------------------------------
-
-
-def contiguous_offsets(sizes: Sequence[int], devices_per_node: int) -> list[int] | None:
-    """Device offsets of stages of ``sizes`` devices laid out one after another in pipeline order, or None
-    when a stage would be misaligned there: a ``(1, m)`` mesh at an offset that is not a multiple of ``m``
-    (it would cross a node), a mesh of whole nodes at an offset that is not a node boundary.
-
-    For an aligned layout, :func:`~alpa_like.compiler.submesh.assign_devices` puts every stage on the
-    nodes of this layout (its runs of partial-node meshes in stage order are exactly those nodes; only the
-    order inside a node differs), so a boundary at an offset that is not a multiple of ``devices_per_node``
-    joins two meshes of one node, and any other boundary joins meshes on different nodes.
-
-    >>> contiguous_offsets([2, 2, 4, 8], 8), contiguous_offsets([2, 4, 2], 8)
-    ([0, 2, 4, 8], None)
-    """
-    offsets, offset = [], 0
-    for size in sizes:
-        if offset % min(size, devices_per_node):
-            return None
-        offsets.append(offset)
-        offset += size
-    return offsets
-
-
-def price_placed_stages(costs: StageCosts, stages: Sequence[StageChoice],
-                        devices_per_node: int) -> tuple[StageChoice, ...]:
-    r"""The stages with ``t_intra`` priced for where they will run.
-
-    ``costs.t_intra`` prices every stage boundary as crossing nodes, each at a NIC of its own. When the
-    plan's contiguous layout is aligned (:func:`contiguous_offsets`), a boundary that stays inside a node is
-    priced at the intra-node link instead: the stage's ``t_intra`` drops by ``costs.boundary_saving`` for it.
-    A boundary that crosses nodes goes out of one node's NIC and into the next one's; for each of these two
-    NICs that belongs to a shared node (:func:`shared_nodes`) the receiving stage waits ``costs.nic_wait``
-    for that side (see "Shared NICs" in the module docstring):
-
-    .. math:: t = \max(0,\ t_{intra} - \textstyle\sum_{inside} saving)
-                  + \sum_{crossing} (\text{shared NICs on the way}) \cdot wait.
-
-    Otherwise the plan is placed by the covering construction, whose neighbours may sit anywhere, and keeps
-    the table's price.
-    """
-    sizes = [s.submesh[0] * s.submesh[1] for s in stages]
-    offsets = contiguous_offsets(sizes, devices_per_node)
-    if offsets is None or (costs.boundary_saving is None and costs.nic_wait is None):
-        return tuple(stages)
-    shared = shared_nodes(sizes, devices_per_node)
-    m, total = devices_per_node, sum(sizes)
-    priced = []
-    for q, stage in enumerate(stages):
-        start, end = offsets[q], offsets[q] + sizes[q]
-        index = (stage.layers[0], stage.layers[1], stage.submesh_index)
-        saving = costs.boundary_saving[index] if costs.boundary_saving is not None else np.zeros(2)
-        seconds = max(float(stage.t_intra - saving[0] * bool(start % m) - saving[1] * bool(end % m)), 0.0)
-        if costs.nic_wait is not None:
-            before = (start // m - 1 in shared) + (start // m in shared) if start % m == 0 and start > 0 else 0
-            after = (end // m in shared) + ((end - 1) // m in shared) if end % m == 0 and end < total else 0
-            seconds += before * float(costs.nic_wait[index][0]) + after * float(costs.nic_wait[index][1])
-        priced.append(dataclasses.replace(stage, t_intra=seconds))
-    return tuple(priced)
-
-
-def shared_nodes(sizes: Sequence[int], devices_per_node: int) -> set[int]:
-    """The nodes whose NICs two meshes of an aligned contiguous layout of ``sizes`` use at once in 1F1B:
-    the nodes other than the first and the last that hold two or more meshes (their first mesh then
-    receives activations from the node before while their last receives gradients from the node after,
-    and they send gradients back and activations on through the node's outbound NIC likewise).
-
-    >>> sorted(shared_nodes([8, 4, 4, 8, 8], 8)), sorted(shared_nodes([4, 4, 8, 8], 8))
-    ([1], [])
-    """
-    offsets = contiguous_offsets(sizes, devices_per_node)
-    if offsets is None:
-        raise ValueError(f"sizes {list(sizes)} are not an aligned contiguous layout on nodes of "
-                         f"{devices_per_node} devices")
-    last_node = sum(sizes) // devices_per_node - 1
-    return {start // devices_per_node for start, size in zip(offsets, sizes)
-            if start % devices_per_node == 0 and size < devices_per_node
-            and 0 < start // devices_per_node < last_node}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -580,7 +258,7 @@ class _Placement:
 
     In the DP a stage chosen with ``d`` devices left for itself and the stages after it starts at device
     ``N * M - d``, so whether it is aligned, which of its boundaries stay inside a node and whether it is the
-    first or last mesh of a shared node (:func:`shared_nodes`) depend on ``(p, d)`` only: ``aligned[p, d]``,
+    first or last mesh of a shared node (``shared_nodes``) depend on ``(p, d)`` only: ``aligned[p, d]``,
     ``inside_before[p, d]``, ``inside_after[p, d]``, ``first_shared[p, d]``, ``last_shared[p, d]``.
     ``nic`` is None when no plan can share a NIC (fewer than 3 nodes, no partial-node submesh, or no
     ``nic_wait``).
@@ -766,7 +444,7 @@ def _dp(cost: np.ndarray, sizes: np.ndarray, num_devices: int, combine: np.ufunc
 def _placed_dp(cost: np.ndarray, sizes: np.ndarray, num_devices: int, placement: _Placement, t_max: float,
                track: bool = False) -> tuple[np.ndarray, list]:
     """Eq. 3.3 over the aligned contiguous layouts only, each stage priced for its layout
-    (:func:`price_placed_stages`) and cut at ``t_max`` after pricing; ``cost`` is ``eff`` (not yet cut).
+    (``price_placed_stages``) and cut at ``t_max`` after pricing; ``cost`` is ``eff`` (not yet cut).
 
     A stage's own savings and its own node's shared NIC depend on ``(p, d)`` (:meth:`_Placement.stage_seconds`).
     What it pays for a neighbour's shared node depends on the neighbours, so with shared NICs the table is
@@ -912,39 +590,6 @@ def _reconstruct(costs: StageCosts, eff: np.ndarray, view: np.ndarray, t_max: fl
     return tuple(stages)
 
 
-def pipeline_latency(stages: Sequence[StageChoice], num_micro_batches: int) -> float:
-    """Eq. 3.2 for these stages plus the longest of their per-step terms, which run at the same time on their
-    own meshes: ``sum(t) + (B - 1) * max(t) + max(step)``.
-
-    >>> a = StageChoice(layers=(0, 0), submesh_index=SubmeshIdx(0), submesh=(1, 1), logical_shape=(1, 1),
-    ...                 view_index=0, variant="", t_intra=2.0, memory_per_device=0.0)
-    >>> pipeline_latency([a, dataclasses.replace(a, layers=(1, 1), t_intra=1.0, step_seconds=0.5)], 4)
-    9.5
-    """
-    times = [stage.t_intra for stage in stages]
-    return sum(times) + (num_micro_batches - 1) * max(times) + max(stage.step_seconds for stage in stages)
-
-
-def _solution(stages: Sequence[StageChoice], batches: int, num_t_max_evaluated: int) -> StageSolution:
-    times = [stage.t_intra for stage in stages]
-    return StageSolution(stages=tuple(stages), iteration_time=pipeline_latency(stages, batches),
-                         t_max=max(times), num_micro_batches=batches, num_t_max_evaluated=num_t_max_evaluated)
-
-
-def _plans_with_devices(options: list[list[StageChoice]], num_devices: int):
-    """Every choice of one option per stage whose submeshes use exactly ``num_devices`` devices."""
-    def extend(q: int, left: int, chosen: tuple[StageChoice, ...]):
-        if q == len(options):
-            if left == 0:
-                yield chosen
-            return
-        for option in options[q]:
-            size = option.submesh[0] * option.submesh[1]
-            if size <= left - (len(options) - q - 1):
-                yield from extend(q + 1, left - size, chosen + (option,))
-    return extend(0, num_devices, ())
-
-
 # ---------------------------------------------------------------------------------------------------
 # Errors.
 # ---------------------------------------------------------------------------------------------------
@@ -1002,21 +647,10 @@ def _check_inputs(costs: StageCosts, cluster_shape: tuple[int, int], device_memo
         raise ValueError(f"epsilon must be a finite number of seconds >= 0, got {epsilon!r}")
 
 
-def _pair(value: object, what: str) -> tuple[int, int]:
-    if (not isinstance(value, (tuple, list)) or len(value) != 2
-            or not all(_is_int(v) and v >= 1 for v in value)):
-        raise ValueError(f"{what} must be a pair of ints >= 1, got {value!r}")
-    return int(value[0]), int(value[1])
-
-
 def _check_positive_int(value: object, name: str) -> int:
-    if not _is_int(value) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     return int(value)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _is_number(value: object) -> bool:

@@ -68,7 +68,7 @@ from alpa_like.compiler.markers import is_marker
 from alpa_like.compiler.op_graph import build_op_graph
 from alpa_like.compiler.sharding_spec import ShardingSpec, enumerate_specs
 from alpa_like.compiler.stage_construction import update_of
-from alpa_like.compiler.stage_dp import StageCosts
+from alpa_like.compiler.stage_costs import StageCosts
 from alpa_like.compiler.strategies import nbytes
 
 Shape = tuple[int, int]
@@ -621,7 +621,7 @@ def boundary_saving(received: ReceivedValues, devices: Sequence[int], cluster: C
     of ``devices[p]`` devices spends when its boundary with the stage before (``side = 0``) or after
     (``side = 1``) stays inside a node: what it receives from that neighbour's adjacent layer, priced over the
     intra-node links of its devices (``devices * intra_node_bandwidth``) instead of the NICs
-    (:func:`inbound_bandwidth`) (:attr:`~alpa_like.compiler.stage_dp.StageCosts.boundary_saving`). Values
+    (:func:`inbound_bandwidth`) (:attr:`~alpa_like.compiler.stage_costs.StageCosts.boundary_saving`). Values
     from farther layers keep the inter-node price. Zero on a one-node cluster, and never negative."""
     if cluster.num_nodes == 1:
         return np.zeros(received.neighbour_bytes.shape[:2] + (len(devices), 2))
@@ -637,7 +637,7 @@ def shared_nic_wait(received: ReceivedValues, devices: Sequence[int], cluster: C
     """``[i, j, p, side]``: how long a stage of layers ``i..j`` on a submesh of ``devices[p]`` devices is
     expected to wait, per micro-batch, for each shared NIC on the way of what it receives across nodes from
     the stage before (``side = 0``: the adjacent layer ``i - 1``'s values) or after (``side = 1``: layer
-    ``j + 1``'s) (:attr:`~alpa_like.compiler.stage_dp.StageCosts.nic_wait`): half the time those bytes hold
+    ``j + 1``'s) (:attr:`~alpa_like.compiler.stage_costs.StageCosts.nic_wait`): half the time those bytes hold
     the receiving nodes' NICs (:func:`inbound_bandwidth`), latencies excluded.
 
     Why half: a shared NIC carries one other transfer in the same direction every micro-batch (see "Shared

@@ -1,13 +1,21 @@
-"""Reference executors the pipelined runtimes are tested against (test-only: no runtime runs these)."""
+"""References the tests check the compiler and the runtimes against (test-only: nothing else runs these):
+the stage DP's brute force and a GPipe-order executor of stage programs."""
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
 
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.grad_accumulation import to_micro_batches
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
 from alpa_like.compiler.micro_batch_keys import fold_micro_batch_index
+from alpa_like.compiler.indices import SubmeshIdx
+from alpa_like.compiler.schedules import ScheduleName, schedule_name
 from alpa_like.compiler.stage_construction import StagePiece, StageProgram, apply_order, micro_batch_key_draws
+from alpa_like.compiler.stage_costs import StageChoice, StageCosts, StageSolution, pipeline_latency
+from alpa_like.compiler.stage_dp import aligned_plans_only
+from alpa_like.compiler.stage_placement import contiguous_offsets, price_placed_stages
 
 
 def run_sequentially(program: StageProgram, flat_inputs: Sequence, num_micro_batches: int) -> list:
@@ -38,3 +46,59 @@ def _run_piece(piece: StagePiece, env: dict, operand_hook: jax_compat.EqnHook | 
     """Evaluates ``piece`` on the values of ``env`` and stores its outputs there."""
     outs = jax_compat.eval_closed_jaxpr(piece.jaxpr, *[env[i] for i in piece.inputs], operand_hook=operand_hook)
     env.update(zip(piece.outputs, outs, strict=True))
+
+
+def brute_force_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_micro_batches: int,
+                       device_memory: float, *,
+                       schedule: ScheduleName | str = ScheduleName.ONE_F_ONE_B) -> StageSolution | None:
+    """The stage DP's reference: tries every layer partition and every (submesh, logical) choice per stage.
+
+    Exponential; use it with a handful of layers and devices. Returns None when no plan exists. Stage
+    times are priced for their placement as in ``solve_stages`` (``price_placed_stages``).
+    """
+    n_nodes, per_node = cluster_shape
+    batches, schedule = num_micro_batches, schedule_name(schedule)
+    k, num_devices = costs.num_layers, n_nodes * per_node
+    aligned_only = aligned_plans_only(costs, cluster_shape)
+    best: tuple[float, tuple[StageChoice, ...]] | None = None
+    for num_stages in range(1, min(k, num_devices) + 1):
+        for cuts in itertools.combinations(range(1, k), num_stages - 1):
+            bounds = (0, *cuts, k)
+            options = []
+            for q in range(num_stages):
+                first, last = bounds[q], bounds[q + 1] - 1
+                held = batches if schedule.holds_every_micro_batch else min(num_stages - q, batches)
+                options.append([
+                    StageChoice(layers=(first, last), submesh_index=SubmeshIdx(p), submesh=sub,
+                                logical_shape=costs.logical_shapes[p][l], view_index=l,
+                                variant=costs.variants[p][l], t_intra=float(t),
+                                memory_per_device=float(costs.mem_stage[first, last, p, l]
+                                                        + held * costs.mem_act[first, last, p, l]),
+                                step_seconds=costs.step_seconds_of(first, last, p))
+                    for p, sub in enumerate(costs.submeshes) for l in range(len(costs.logical_shapes[p]))
+                    if math.isfinite(t := costs.t_intra[first, last, p, l])
+                    and costs.mem_stage[first, last, p, l] + held * costs.mem_act[first, last, p, l]
+                    <= device_memory])
+            for plan in _plans_with_devices(options, num_devices):
+                if aligned_only and contiguous_offsets([a * b for a, b in (o.submesh for o in plan)],
+                                                       per_node) is None:
+                    continue
+                plan = price_placed_stages(costs, plan, per_node)
+                value = pipeline_latency(plan, batches)
+                if best is None or value < best[0]:
+                    best = (value, plan)
+    return None if best is None else StageSolution.of(best[1], batches)
+
+
+def _plans_with_devices(options: list[list[StageChoice]], num_devices: int):
+    """Every choice of one option per stage whose submeshes use exactly ``num_devices`` devices."""
+    def extend(q: int, left: int, chosen: tuple[StageChoice, ...]):
+        if q == len(options):
+            if left == 0:
+                yield chosen
+            return
+        for option in options[q]:
+            size = option.submesh[0] * option.submesh[1]
+            if size <= left - (len(options) - q - 1):
+                yield from extend(q + 1, left - size, chosen + (option,))
+    return extend(0, num_devices, ())

@@ -86,20 +86,21 @@ def manual_option(layers: tuple[int, ...], submeshes, logical):
 def near_optimal_stages(costs, cluster_shape: tuple[int, int], num_micro_batches: int, device_memory: float,
                         t_max_bound: float) -> list[tuple[float, tuple]]:
     """Every plan of the stage DP's space laid out aligned in pipeline order
-    (:func:`~alpa_like.compiler.stage_dp.contiguous_offsets`) whose stages each take at most ``t_max_bound``
+    (:func:`~alpa_like.compiler.stage_placement.contiguous_offsets`) whose stages each take at most ``t_max_bound``
     seconds per micro-batch once placed, as ``(Eq. 3.2 latency, stages)`` sorted by latency: each stage on
     the fastest logical view that fits in memory as the ``s``-th stage from the end (Eq. 3.5, 1F1B), priced for
-    its layout (:func:`~alpa_like.compiler.stage_dp.price_placed_stages`) and by
-    :func:`~alpa_like.compiler.stage_dp.pipeline_latency`, exactly as the DP prices its answer.
+    its layout (:func:`~alpa_like.compiler.stage_placement.price_placed_stages`) and by
+    :func:`~alpa_like.compiler.stage_costs.pipeline_latency`, exactly as the DP prices its answer.
 
-    >>> from alpa_like.compiler.stage_dp import StageCosts
+    >>> from alpa_like.compiler.stage_costs import StageCosts
     >>> costs = StageCosts.from_fn(2, [(1, 1), (1, 2)], lambda i, j, sub, view: ((j - i + 1.0) / sub[1], 0, 0),
     ...                            logical_shapes=[[(1, 1)], [(1, 2)]])
     >>> [(t, [s.layers for s in stages]) for t, stages in near_optimal_stages(costs, (1, 2), 4, 1.0, 1.0)]
     [(4.0, [(0, 1)]), (5.0, [(0, 0), (1, 1)])]
     """
     from alpa_like.compiler.indices import SubmeshIdx
-    from alpa_like.compiler.stage_dp import StageChoice, pipeline_latency, price_placed_stages
+    from alpa_like.compiler.stage_costs import StageChoice, pipeline_latency
+    from alpa_like.compiler.stage_placement import price_placed_stages
 
     nodes, per_node = cluster_shape
     total, layers = nodes * per_node, costs.num_layers

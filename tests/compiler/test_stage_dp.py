@@ -12,8 +12,11 @@ from hypothesis import strategies as st
 from alpa_like.compiler import stage_dp as stage_dp_module
 from alpa_like.compiler.logical_mesh import logical_shapes
 from alpa_like.compiler.schedules import ScheduleName
-from alpa_like.compiler.stage_dp import (StageCosts, brute_force_stages, contiguous_offsets,
-                                        micro_batches_in_flight, price_placed_stages, shared_nodes, solve_stages)
+from alpa_like.compiler import stage_costs, stage_placement
+from alpa_like.compiler.stage_costs import StageCosts
+from alpa_like.compiler.stage_dp import micro_batches_in_flight, solve_stages
+from alpa_like.compiler.stage_placement import contiguous_offsets, price_placed_stages, shared_nodes
+from tests.reference import brute_force_stages
 from alpa_like.compiler.submesh import assign_devices, submesh_shapes
 
 GIB = 2**30
@@ -609,7 +612,8 @@ def test_benchmark_gpt_48_layers_64_devices():
 
 
 def test_doctests():
-    assert doctest.testmod(stage_dp_module).failed == 0
+    for module in (stage_dp_module, stage_costs, stage_placement):
+        assert doctest.testmod(module).failed == 0, module.__name__
 
 
 def with_step_seconds(costs: StageCosts, seed: int) -> StageCosts:

@@ -11,7 +11,9 @@ from flax.training import train_state
 
 import alpa_like as al
 from alpa_like.compiler.auto_sharding import PassOptions
-from alpa_like.compiler.stage_dp import StageCosts, brute_force_stages, solve_stages
+from alpa_like.compiler.stage_costs import StageCosts
+from alpa_like.compiler.stage_dp import solve_stages
+from tests.reference import brute_force_stages
 from alpa_like.compiler.stage_profiling import (PARAMS_HALF_SHARDED, PARAMS_SHARDED, ReceivedValues, boundary_saving,
                                                profile_stage_costs, receive_seconds, received_per_micro_batch,
                                                sender_limited_extra, shared_nic_wait)

@@ -5,7 +5,9 @@ import pytest
 
 from alpa_like.bench import ours
 from alpa_like.bench.workloads import cluster_for, make_workload
-from alpa_like.compiler.stage_dp import StageCosts, brute_force_stages, solve_stages
+from alpa_like.compiler.stage_costs import StageCosts
+from alpa_like.compiler.stage_dp import solve_stages
+from tests.reference import brute_force_stages
 from alpa_like.compiler.submesh import submesh_shapes
 from alpa_like.compiler.stage_choice import equal_layer_costs
 

@@ -207,7 +207,8 @@ def test_near_optimal_plans_start_with_the_brute_force_optimum(seed):
     import numpy as np
 
     from alpa_like.bench import breakdown
-    from alpa_like.compiler.stage_dp import StageCosts, brute_force_stages, pipeline_latency
+    from alpa_like.compiler.stage_costs import StageCosts, pipeline_latency
+    from tests.reference import brute_force_stages
 
     rng = np.random.default_rng(seed)
     table = {}
