@@ -328,7 +328,7 @@ def _layout(plan):
 def test_estimated_costs_are_settled_by_simulating_the_plans(monkeypatch, num_layers, devices_per_node, num_nodes):
     """Where the stage DP's table can only estimate (``StageCosts.nic_wait`` for NICs that two meshes of a node
     share; a multi-node stage's receive from a neighbour inside one node, ``StageProfile.sender_limited``),
-    the planner also solves the tables of ``_estimate_tables`` and keeps the plan the simulated backend
+    the planner also solves the tables of ``stage_choice.estimate_tables`` and keeps the plan the simulated backend
     runs fastest: the chosen plan is one of the tables' plans and simulates no slower than any of them."""
     step, state, batch = gpt_case(num_layers=num_layers)
     # The tiny GPT is float32: priced at the FP16 rate (no fp32_peak_flops), as a GPT in FP16 would be, its
