@@ -39,8 +39,9 @@ def _stage_plan(q: int, choice: StageChoice, device_ids, traced: TracedStep, sum
                 num_micro_batches: int) -> StagePlan:
     """The StagePlan of one chosen stage: its layers' parameters with the ILP's specs, times per step.
 
-    Optimizer state is not listed leaf by leaf: it is counted in ``memory_per_device`` as sharded over the
-    stage's devices (weight-update sharding)."""
+    Optimizer state is not listed leaf by leaf: it is counted in ``memory_per_device`` (Eq. 3.5's
+    ``mem_stage``: parameters, gradients, optimizer state) as sharded over the stage's devices (weight-update
+    sharding); ``peak_memory_per_device`` adds the activations the schedule keeps in flight."""
     first, last = choice.layers
     p = choice.submesh_index
     v = choice.view_index
@@ -61,10 +62,11 @@ def _stage_plan(q: int, choice: StageChoice, device_ids, traced: TracedStep, sum
                                      bytes_per_device=leaf.nbytes // shards))
     communication = (CommEstimate(kind="intra-op", mesh_axes=(0, 1), num_bytes=int(comm_bytes), seconds=comm_seconds,
                                   what="collectives and resharding chosen by the ILP, all micro-batches"),)
+    state_bytes = int(profile.costs.mem_stage[first, last, p, v])
     return StagePlan(stage_id=q, layer_ids=tuple(range(first, last + 1)), submesh_shape=tuple(choice.submesh),
                      logical_mesh_shape=tuple(mesh_shape), mesh_axis_names=("x", "y"),
                      device_ids=tuple(device_ids), inputs=tuple(inputs), outputs=(), communication=communication,
-                     flops=flops, compute_seconds=compute, memory_per_device=int(choice.memory_per_device),
+                     flops=flops, compute_seconds=compute, memory_per_device=state_bytes,
                      peak_memory_per_device=int(choice.memory_per_device))
 
 

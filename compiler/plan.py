@@ -243,8 +243,9 @@ class StagePlan:
     """FLOPs of one training step on this stage, all devices together."""
     compute_seconds: float
     memory_per_device: int
-    """Bytes per device of the stage's inputs (parameters, optimizer state, batch); activations excluded (a
-    pipeline stage: Eq. 3.5's estimate, activations in flight included)."""
+    """Bytes per device of the stage's state: the step's inputs as laid out (parameters, optimizer state,
+    batch) for an SPMD method; Eq. 3.5's ``mem_stage`` (parameters, gradients, optimizer state) for a pipeline
+    stage. Activations excluded: :attr:`peak_memory_per_device` adds them."""
     ops: tuple[OpPlan, ...] = ()
     """The intra-op pass's choice per parameter and heavy operator (empty for hand-written methods)."""
     solver: SolverReport | None = None
@@ -331,10 +332,20 @@ class ParallelPlan:
         """Whether every stage's estimated peak memory fits in one device of ``cluster``."""
         return self.memory_shortfall == 0
 
+    @property
+    def cannot_fit(self) -> bool:
+        """Whether some stage's state alone (``memory_per_device``, no estimate in it) is more than a device
+        holds: then no run of the plan fits, whatever the activations turn out to need."""
+        return any(s.memory_per_device > self.cluster.device_memory for s in self.stages)
+
     def check_fits(self) -> None:
-        """Raises ``ValueError`` naming the missing bytes per device when the plan does not fit."""
-        if not self.fits:
+        """Raises ``ValueError`` naming the missing bytes per device when the plan cannot fit
+        (:attr:`cannot_fit`); warns when only its estimated peak does not (:attr:`fits`: the estimate counts
+        activations as the traced program holds them, and XLA may hold fewer)."""
+        if self.cannot_fit:
             raise ValueError(memory_message(self))
+        if not self.fits:
+            python_warnings.warn(memory_message(self), stacklevel=3)
 
     def tensor(self, path: str) -> TensorPlan:
         """The TensorPlan of the input or output leaf at ``path``."""
@@ -745,9 +756,12 @@ def memory_message(plan: ParallelPlan) -> str:
         return f"{head}: fits"
     worst = max(range(len(plan.stages)), key=lambda q: plan.stages[q].peak_memory_per_device or -1)
     where = f" on stage {worst}" if len(plan.stages) > 1 else ""
+    state = max(s.memory_per_device for s in plan.stages)
+    certain = (f"; its state alone needs {format_bytes(state)} per device" if plan.cannot_fit
+               else "; its state fits, so this rests on the activation estimate")
     return (f"{head}: does NOT fit; {format_bytes(plan.memory_shortfall)} ({plan.memory_shortfall} bytes) "
-            f"more per device needed{where} (use more devices, more micro-batches, a sharding method such as "
-            "Zero3Parallel or ShardParallel, or a cluster with more memory per device)")
+            f"more per device needed{where}{certain} (use more devices, more micro-batches, a sharding method "
+            "such as Zero3Parallel or ShardParallel, or a cluster with more memory per device)")
 
 
 def format_plan(plan: ParallelPlan, *, group_layers: bool = True) -> str:
