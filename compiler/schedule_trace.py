@@ -7,9 +7,11 @@ import json
 from alpa_like.compiler.optional_imports import require
 from alpa_like.compiler.schedules import Phase, Timeline
 
-# Megatron-LM Fig. 3/4 colours: forward blue, backward green; later local stages (chunks) lighter.
+# Megatron-LM Fig. 3/4 colours: forward blue, backward green (weight gradients of a split backward
+# orange); later local stages (chunks) lighter.
 _COLOURS = {Phase.F: ((0.12, 0.35, 0.75), (0.55, 0.72, 0.95)),
-            Phase.B: ((0.15, 0.55, 0.25), (0.60, 0.85, 0.62))}
+            Phase.B: ((0.15, 0.55, 0.25), (0.60, 0.85, 0.62)),
+            Phase.W: ((0.80, 0.45, 0.10), (0.95, 0.75, 0.50))}
 
 
 def _shade(phase: Phase, chunk: int, chunks: int) -> tuple[float, float, float]:

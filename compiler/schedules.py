@@ -63,13 +63,16 @@ Duration = int | Fraction | float
 
 
 class Phase(enum.StrEnum):
-    """What a task computes. A ``W`` (weight gradient only) phase for zero-bubble schedules would go here;
-    it is not implemented."""
+    """What a task computes."""
 
     F = "F"
     """Forward."""
     B = "B"
-    """Backward: input and weight gradients."""
+    """Backward: input and weight gradients; the input gradient only in a schedule that has ``W`` tasks
+    (:attr:`Schedule.splits_backward`)."""
+    W = "W"
+    """Weight gradients of a split backward (zero-bubble schedules): needs the stage's ``B`` of the same
+    micro-batch, and nothing needs it within the step."""
 
 
 class ScheduleName(enum.StrEnum):
@@ -82,6 +85,8 @@ class ScheduleName(enum.StrEnum):
     INTERLEAVED_1F1B = "interleaved_1f1b"
     BREADTH_FIRST = "breadth_first"
     TERAPIPE = "terapipe"
+    ZB_H1 = "zb_h1"
+    ZB_H2 = "zb_h2"
 
     def __repr__(self) -> str:
         return repr(self.value)
@@ -97,6 +102,23 @@ class ScheduleName(enum.StrEnum):
         (GPipe, and breadth-first and TeraPipe, which run every forward of a stage before its backwards),
         rather than 1F1B's ``min(s, B)`` for the ``s``-th stage from the end (1F1B, interleaved 1F1B)."""
         return self in (ScheduleName.GPIPE, ScheduleName.BREADTH_FIRST, ScheduleName.TERAPIPE)
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the schedule runs each backward as ``B`` (input gradient) and ``W`` (weight gradients):
+        the zero-bubble schedules (:func:`zb_h1`, :func:`zb_h2`)."""
+        return self in (ScheduleName.ZB_H1, ScheduleName.ZB_H2)
+
+    @property
+    def bubble_weight(self) -> Fraction:
+        r""":math:`c` in the stage DP's latency :math:`B\,t_{max} + c\,(\sum_i t_i - t_{max})`: the fill and
+        drain time as a share of a micro-batch's time through the stages. 1 for every schedule without
+        ``W`` tasks (Eq. 3.2). For the zero-bubble schedules, with a stage's time split in equal thirds
+        :math:`T_F = T_B = T_W` (the paper's setting, and a backward of twice the forward):
+        :math:`(T_F + T_B - T_W) / (T_F + T_B + T_W) = 1/3` for ZB-H1 and
+        :math:`T_F / (T_F + T_B + T_W) = 1/3` for ZB-H2 (see :func:`zb_h2`: its zero bubble needs steps that
+        overlap; a step that ends together on every mesh still waits for the pipeline to fill)."""
+        return Fraction(1, 3) if self.splits_backward else Fraction(1)
 
 
 def schedule_name(value: object) -> ScheduleName:
@@ -176,6 +198,11 @@ def backward(stage: int, micro_batch: int) -> Task:
     return Task(StageIdx(stage), MicroBatchIdx(micro_batch), Phase.B)
 
 
+def weight_gradient(stage: int, micro_batch: int) -> Task:
+    """``W`` of (stage, micro_batch)."""
+    return Task(StageIdx(stage), MicroBatchIdx(micro_batch), Phase.W)
+
+
 SliceCounts = int | tuple[int, ...]
 """Token slices per micro-batch (TeraPipe): one count for every micro-batch, or one per micro-batch (the
 joint batch + token slicing of TeraPipe section 2.3.4 gives batch slices their own slicings)."""
@@ -194,7 +221,8 @@ def is_sliced(num_slices: SliceCounts) -> bool:
 @functools.lru_cache(maxsize=1 << 16)
 def dependencies(task: Task, num_stages: int, num_slices: SliceCounts = 1) -> tuple[Task, ...]:
     """The tasks whose outputs ``task`` reads: ``F(s-1, k)`` for ``F(s, k)``; ``F(s, k)`` (stashed
-    activations) and ``B(s+1, k)`` (output gradient) for ``B(s, k)``.
+    activations) and ``B(s+1, k)`` (output gradient) for ``B(s, k)``; ``B(s, k)`` for ``W(s, k)`` (it holds
+    what ``B`` read, so ``W`` needs only it).
 
     With token slices (TeraPipe) ``F(s, k.i)`` also reads the keys and values of ``F(s, k.(i-1))`` (and
     through it of every earlier slice), and ``B(s, k.i)`` the key/value gradients of ``B(s, k.(i+1))``."""
@@ -203,6 +231,8 @@ def dependencies(task: Task, num_stages: int, num_slices: SliceCounts = 1) -> tu
     def same(stage: int, phase: Phase, slice_: int | None) -> Task:
         return Task(StageIdx(stage), k, phase, slice_)
 
+    if task.phase == Phase.W:
+        return (same(s, Phase.B, i),)
     if task.phase == Phase.F:
         deps = [same(s - 1, Phase.F, i)] if s > 0 else []
         if i is not None and i > 0:
@@ -267,6 +297,16 @@ class Timeline:
         if relative_to not in bases:
             raise ValueError(f"relative_to must be one of {sorted(bases)}, got {relative_to!r}")
         return _ratio(idle, bases[relative_to]) if bases[relative_to] else 0
+
+    def idle_within(self) -> tuple[Duration, ...]:
+        """Per mesh, its idle time between its own first start and last end: the bubble that remains when
+        consecutive steps overlap (a mesh starts the next step as soon as it is done), which is how the
+        zero-bubble paper counts ZB-H2's bubble."""
+        spans: dict[int, list[Span]] = {}
+        for span in self.spans:
+            spans.setdefault(span.mesh, []).append(span)
+        return tuple(max(s.end for s in own) - min(s.start for s in own) - sum(s.end - s.start for s in own)
+                     if (own := spans.get(mesh)) else 0 for mesh in range(self.num_meshes))
 
     def to_chrome_trace(self, path: str, *, us_per_unit: float = 1000.0) -> None:
         """Write Chrome/Perfetto trace events (one track per mesh, one event per task) to ``path``."""
@@ -396,6 +436,11 @@ class Schedule:
         """Stages per mesh (``v``), the most any mesh holds."""
         return max(self.stage_to_mesh.count(MeshIdx(i)) for i in range(self.num_meshes))
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the backward runs as ``B`` (input gradient) and ``W`` (weight gradients) tasks."""
+        return any(t is not None and t.phase == Phase.W for row in self.ticks for t in row)
+
     def mesh_orders(self) -> tuple[tuple[Task, ...], ...]:
         """Each mesh's tasks in execution order (bubbles dropped)."""
         return tuple(tuple(row[mesh] for row in self.ticks if row[mesh] is not None)
@@ -421,7 +466,8 @@ class Schedule:
         """Dry-run the schedule (done on construction); raise ``ValueError`` with the grid, the offending
         tick marked, unless
 
-        - every (stage, micro-batch) has exactly one ``F`` and one ``B``, on the stage's mesh;
+        - every (stage, micro-batch) has exactly one ``F`` and one ``B``, on the stage's mesh, and one ``W``
+          too if any task is a ``W`` (:attr:`splits_backward`);
         - replaying each mesh's order, no mesh waits forever (no deadlock);
         - on the grid, every task's dependencies ran at earlier ticks (so the grid is a valid timeline
           with unit durations, one task per mesh per tick).
@@ -447,10 +493,11 @@ class Schedule:
                     raise self._fail(f"{task} runs twice, at ticks {seen[task]} and {tick}",
                                      {seen[task]: f"{task} (first)", tick: f"{task} again"})
                 seen[task] = tick
+        phases = tuple(Phase) if self.splits_backward else (Phase.F, Phase.B)
         missing = [task for s in range(self.num_stages) for k in range(self.num_micro_batches)
                    for i in _slice_ids(self.num_slices, k)
-                   for task in (Task(StageIdx(s), MicroBatchIdx(k), Phase.F, i),
-                                Task(StageIdx(s), MicroBatchIdx(k), Phase.B, i)) if task not in seen]
+                   for task in (Task(StageIdx(s), MicroBatchIdx(k), phase, i) for phase in phases)
+                   if task not in seen]
         if missing:
             shown = " ".join(map(str, missing[:12])) + (" ..." if len(missing) > 12 else "")
             raise self._fail(f"{len(missing)} task(s) never run: {shown}")
@@ -478,43 +525,54 @@ class Schedule:
     # ------------------------------------------------------------------------------------ metrics
 
     def timeline(self, t_f: Duration | Sequence[Duration] = 1,
-                 t_b: Duration | Sequence[Duration] | None = None) -> Timeline:
+                 t_b: Duration | Sequence[Duration] | None = None,
+                 t_w: Duration | Sequence[Duration] | None = None) -> Timeline:
         """Replay each mesh's order with per-stage durations, every task as early as its mesh and its
         dependencies allow (no communication time).
 
         Args:
           t_f: duration of one stage's forward on one micro-batch; one number or one per stage.
-          t_b: the same for the backward; default ``2 * t_f`` (Megatron-LM Fig. 3).
+          t_b: the same for the backward; default ``2 * t_f`` (Megatron-LM Fig. 3). In a schedule that
+            :attr:`splits_backward`, the input gradient alone; default ``t_f``.
+          t_w: the weight gradients of a split backward; default ``t_f`` (so ``B`` and ``W`` together take
+            the ``2 * t_f`` of a whole backward). Only for a schedule that splits its backward.
         """
+        split = self.splits_backward
+        if t_w is not None and not split:
+            raise ValueError(f"t_w is for schedules with W tasks; schedule {self.name!r} has none")
         fwd = _per_stage(t_f, self.num_stages, "t_f")
-        bwd = _per_stage(tuple(2 * x for x in fwd) if t_b is None else t_b, self.num_stages, "t_b")
+        bwd = _per_stage((fwd if split else tuple(2 * x for x in fwd)) if t_b is None else t_b,
+                         self.num_stages, "t_b")
+        wgt = _per_stage(fwd if t_w is None else t_w, self.num_stages, "t_w")
+        durations = {Phase.F: fwd, Phase.B: bwd, Phase.W: wgt}
         orders = self.mesh_orders()
-        start, done = _run(orders, self.num_stages,
-                           lambda t: fwd[t.stage] if t.phase == Phase.F else bwd[t.stage], self.num_slices)
+        start, done = _run(orders, self.num_stages, lambda t: durations[t.phase][t.stage], self.num_slices)
         if done != tuple(len(o) for o in orders):  # unreachable: construction validated the orders
             raise RuntimeError(f"schedule {self.name!r} deadlocks\n{self.table()}")
-        spans = tuple(Span(t, MeshIdx(mesh), start[t],
-                           start[t] + (fwd[t.stage] if t.phase == Phase.F else bwd[t.stage]))
+        spans = tuple(Span(t, MeshIdx(mesh), start[t], start[t] + durations[t.phase][t.stage])
                       for mesh, order in enumerate(orders) for t in order)
         return Timeline(self.name, self.num_meshes, self.num_stages, spans)
 
     def bubble_fraction(self, t_f: Duration | Sequence[Duration] = 1,
-                        t_b: Duration | Sequence[Duration] | None = None, *,
+                        t_b: Duration | Sequence[Duration] | None = None,
+                        t_w: Duration | Sequence[Duration] | None = None, *,
                         relative_to: str = "total") -> Duration:
         """Idle / total over meshes (``relative_to="ideal"``: idle / busy) for :meth:`timeline` with these
         durations; a ``Fraction`` when the durations are ints or Fractions (see
         :meth:`Timeline.bubble_fraction`)."""
-        return self.timeline(t_f, t_b).bubble_fraction(relative_to)
+        return self.timeline(t_f, t_b, t_w).bubble_fraction(relative_to)
 
     def peak_in_flight(self) -> tuple[int, ...]:
-        """Per mesh, the most (stage, micro-batch) pairs whose ``F`` has run and ``B`` has not: the stashed
-        activations. With ``v`` stages per mesh each pair is ``1/v`` of a mesh's layers, so a whole
-        micro-batch's activations on a mesh count ``v``. Depends only on each mesh's order."""
+        """Per mesh, the most (stage, micro-batch) pairs whose ``F`` has run and ``B`` has not (``W``, in a
+        schedule that :attr:`splits_backward`: a pair counts whole until its weight gradients are made):
+        the stashed activations. With ``v`` stages per mesh each pair is ``1/v`` of a mesh's layers, so a
+        whole micro-batch's activations on a mesh count ``v``. Depends only on each mesh's order."""
+        last = Phase.W if self.splits_backward else Phase.B
         peaks = []
         for order in self.mesh_orders():
             held = peak = 0
             for task in order:
-                held += 1 if task.phase == Phase.F else -1
+                held += 1 if task.phase == Phase.F else -1 if task.phase == last else 0
                 peak = max(peak, held)
             peaks.append(peak)
         return tuple(peaks)
@@ -722,6 +780,107 @@ def terapipe(num_meshes: int, num_micro_batches: int, num_slices: SliceCounts) -
                     ticks=_ticks_from_orders(orders, num_meshes, num_slices), num_slices=num_slices)
 
 
+def _check_zero_bubble(name: str, num_meshes: int, num_micro_batches: int) -> None:
+    _check_count("num_meshes", num_meshes)
+    _check_count("num_micro_batches", num_micro_batches)
+    if num_micro_batches < num_meshes:
+        raise ValueError(f"{name} needs num_micro_batches >= num_meshes (the zero-bubble paper's setting): got "
+                         f"num_micro_batches={num_micro_batches}, num_meshes={num_meshes}")
+
+
+def _one_stage_per_mesh(name: str, num_meshes: int, num_micro_batches: int,
+                        orders: Sequence[Sequence[Task]]) -> Schedule:
+    return _looping(name, num_meshes, num_micro_batches, 1, orders)
+
+
+def zb_h1(num_meshes: int, num_micro_batches: int) -> Schedule:
+    r"""ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section 2.2 and Fig. 3 top): each
+    backward runs as ``B`` (input gradient, on the critical path) and ``W`` (weight gradients, which wait).
+    Mesh ``i`` runs 1F1B's :math:`p - i` forwards, then ``B``, ``W``, ``F`` in turn, its ``W`` lagging its
+    ``B`` by ``i`` micro-batches (none on the first mesh); the ``i`` late ``W`` fill the cool-down.
+
+    The paper's Table 1, checked here on the built tables by the simulator (``tests/compiler/
+    test_schedules.py``) for :math:`m \ge p`, with per-mesh bubble = step time minus busy time:
+
+    .. math::
+       	ext{bubble} = (p-1)(T_F + T_B - T_W) \quad (	ext{1F1B: } (p-1)(T_F + T_B + T_W)),
+       \qquad 	ext{in flight on every mesh} = p 	ext{ (1F1B's peak, on its first stage)},
+
+    counting a micro-batch in flight from its ``F`` to its ``W`` (a deferred ``W`` holds it whole); the
+    bubble formula holds for :math:`T_W \le T_F, T_B`, equal times included.
+
+    >>> print(zb_h1(2, 2).table())
+    tick  mesh0  mesh1
+       0  0F0    .
+       1  0F1    1F0
+       2  .      1B0
+       3  0B0    1F1
+       4  0W0    1B1
+       5  0B1    1W0
+       6  0W1    1W1
+    """
+    _check_zero_bubble(ScheduleName.ZB_H1, num_meshes, num_micro_batches)
+    p, m = num_meshes, num_micro_batches
+    orders = []
+    for i in range(p):
+        order = [forward(i, k) for k in range(p - i)]
+        for j in range(m):
+            order.append(backward(i, j))
+            if j >= i:
+                order.append(weight_gradient(i, j - i))
+            if p - i + j < m:
+                order.append(forward(i, p - i + j))
+        orders.append(order + [weight_gradient(i, k) for k in range(m - i, m)])
+    return _one_stage_per_mesh(ScheduleName.ZB_H1, p, m, orders)
+
+
+def zb_h2(num_meshes: int, num_micro_batches: int) -> Schedule:
+    r"""ZB-H2 (Qi et al., ICLR 2024, section 2.2 and Fig. 3 bottom): more warm-up forwards (``2p - 1`` on
+    the first mesh) fill the wait for the first ``B``, and late ``W`` fill the cool-down, so every mesh is
+    busy without a break from its first task to its last: the paper's "parallelogram". Built on unit ticks
+    by one rule: each mesh runs the first of its next ``B`` if ready, its next ``F`` if ready and fewer than
+    ``2p - 1`` micro-batches are in flight (``F`` run, ``W`` not), its oldest pending ``W``.
+
+    The paper's Table 1, checked on the built tables by the simulator for :math:`m \ge p` and
+    :math:`T_F = T_B = T_W`:
+
+    .. math::
+       	ext{bubble within each mesh} = (p-1)(T_F + T_B - 2 T_W) = 0,
+       \qquad 	ext{in flight on every mesh} = \min(2p - 1, m).
+
+    The bubble the paper counts is each mesh's idle time between its own first and last task
+    (:meth:`Timeline.idle_within`): zero only when consecutive steps overlap (the paper's
+    post-validation replaces the optimizer step's synchronisation). A step that ends together on every
+    mesh still waits :math:`(p-1) T_F` for the pipeline to fill, as long as ZB-H1's with equal times.
+    """
+    _check_zero_bubble(ScheduleName.ZB_H2, num_meshes, num_micro_batches)
+    p, m = num_meshes, num_micro_batches
+    cap = 2 * p - 1
+    done: dict[Task, int] = {}
+    counts = [[0, 0, 0] for _ in range(p)]  # F, B, W run so far on each mesh
+    orders: list[list[Task]] = [[] for _ in range(p)]
+    tick = 0
+    while any(c[2] < m for c in counts):
+        ran = []
+        for i, (n_f, n_b, n_w) in enumerate(counts):
+            def ready(task: Task) -> bool:
+                return all(done.get(d, tick) < tick for d in dependencies(task, p))
+            if n_b < m and n_b < n_f and ready(backward(i, n_b)):
+                task, slot = backward(i, n_b), 1
+            elif n_f < m and n_f - n_w < cap and ready(forward(i, n_f)):
+                task, slot = forward(i, n_f), 0
+            elif n_w < n_b:
+                task, slot = weight_gradient(i, n_w), 2
+            else:
+                continue
+            counts[i][slot] += 1
+            orders[i].append(task)
+            ran.append(task)
+        done.update((task, tick) for task in ran)
+        tick += 1
+    return _one_stage_per_mesh(ScheduleName.ZB_H2, p, m, orders)
+
+
 def _slice_counts(num_slices, num_micro_batches: int) -> SliceCounts:
     """``num_slices`` checked: an int >= 1, or one such int per micro-batch (all equal: that int)."""
     if _is_int(num_slices) and num_slices >= 1:
@@ -744,7 +903,8 @@ def _from_json_counts(value):
 
 
 _FLAT: dict[str, Callable[[int, int], Schedule]] = {
-    ScheduleName.GPIPE: gpipe, ScheduleName.ONE_F_ONE_B: one_f_one_b}
+    ScheduleName.GPIPE: gpipe, ScheduleName.ONE_F_ONE_B: one_f_one_b,
+    ScheduleName.ZB_H1: zb_h1, ScheduleName.ZB_H2: zb_h2}
 _LOOPING: dict[str, Callable[[int, int, int], Schedule]] = {
     ScheduleName.INTERLEAVED_1F1B: interleaved_one_f_one_b, ScheduleName.BREADTH_FIRST: breadth_first}
 

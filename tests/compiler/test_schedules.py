@@ -7,6 +7,9 @@ Bubble forms (p meshes, m micro-batches, v stages per mesh):
   (p-1)/m for GPipe and 1F1B, (p-1)/(v m) for interleaved 1F1B and breadth-first.
 - "total": idle time over the whole step on every mesh, t_pb / (t_id + t_pb): (p-1)/(m+p-1) for GPipe and
   1F1B, (p-1)/(v m + p - 1) for the looping ones.
+
+Zero-bubble schedules (ZB-H1, ZB-H2) against Table 1 of Qi et al., ICLR 2024, with their own durations
+``T_F, T_B, T_W``.
 """
 import doctest
 import functools
@@ -21,15 +24,16 @@ from hypothesis import strategies as st
 
 from alpa_like.compiler import schedules
 from alpa_like.compiler.schedules import (MeshIdx, Phase, Schedule, ScheduleName, Task, breadth_first,
-                                         dependencies, gpipe, interleaved_one_f_one_b, make_schedule,
-                                         one_f_one_b)
+                                         backward, dependencies, forward, gpipe, interleaved_one_f_one_b, make_schedule,
+                                         one_f_one_b, weight_gradient, zb_h1, zb_h2)
 
 GOLDEN_DIR = pathlib.Path(__file__).parent / "golden"
 REGEN = os.environ.get("ALPA_LIKE_REGEN_GOLDEN") == "1"
 
 # (name, p, m, v): p in 1..5, m in 1..9, v in 1..3 wherever the schedule allows it.
 CASES = [(name, p, m, v) for name in ScheduleName for p in range(1, 6) for m in range(1, 10) for v in range(1, 4)
-         if (v == 1 or name in (ScheduleName.INTERLEAVED_1F1B, ScheduleName.BREADTH_FIRST))
+         if not name.splits_backward  # the zero-bubble schedules have their own tests below
+         and (v == 1 or name in (ScheduleName.INTERLEAVED_1F1B, ScheduleName.BREADTH_FIRST))
          and (m % p == 0 or name != ScheduleName.INTERLEAVED_1F1B)]
 IDS = [f"{name}-p{p}-m{m}-v{v}" for name, p, m, v in CASES]
 
@@ -165,7 +169,8 @@ def test_timeline_respects_dependencies_and_mesh_order(case, data):
 # ------------------------------------------------------------------------------------------------ goldens
 
 GOLDENS = [("gpipe", 2, 4, 1), ("1f1b", 2, 4, 1), ("interleaved_1f1b", 2, 4, 1), ("breadth_first", 2, 4, 1),
-           ("interleaved_1f1b", 2, 4, 2), ("breadth_first", 2, 4, 2)]
+           ("interleaved_1f1b", 2, 4, 2), ("breadth_first", 2, 4, 2),
+           ("zb_h1", 2, 4, 1), ("zb_h1", 4, 8, 1), ("zb_h2", 2, 4, 1), ("zb_h2", 4, 8, 1)]
 
 
 @pytest.mark.parametrize("name,p,m,v", GOLDENS, ids=[f"{n}-p{p}-m{m}-v{v}" for n, p, m, v in GOLDENS])
@@ -200,7 +205,8 @@ def test_interleaved_needs_m_divisible_by_p():
 
 def test_unknown_schedule_name_lists_valid_names():
     with pytest.raises(ValueError, match=r"unknown schedule 'zigzag'; valid: "
-                                         r"\['1f1b', 'breadth_first', 'gpipe', 'interleaved_1f1b', 'terapipe'\]"):
+                                         r"\['1f1b', 'breadth_first', 'gpipe', 'interleaved_1f1b', 'terapipe', 'zb_h1', "
+                                         r"'zb_h2'\]"):
         make_schedule("zigzag", 2, 4)
 
 
@@ -361,6 +367,72 @@ def test_schedule_names_read_as_their_strings():
     assert repr(ScheduleName.BREADTH_FIRST) == "'breadth_first'"  # options and plans print the user's string
     assert {name for name in ScheduleName if name.is_looping} == {ScheduleName.INTERLEAVED_1F1B,
                                                                   ScheduleName.BREADTH_FIRST}
+
+
+# ------------------------------------------------------------------------------------------ zero bubble
+
+# Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024), Table 1, for p meshes and m >= p micro-batches.
+ZB_CASES = [(p, m) for p in range(1, 6) for m in range(p, 12)]
+# (T_F, T_B, T_W): the paper's equal times, and times with T_W <= T_F, T_B where its formulas still hold.
+ZB_DURATIONS = [(1, 1, 1), (2, 2, 1), (3, 2, 1), (2, 3, 1)]
+
+
+@pytest.mark.parametrize("p,m", ZB_CASES)
+def test_zb_h1_bubble_and_memory_are_the_papers(p, m):
+    """ZB-H1: step time minus busy time = (p-1)(T_F + T_B - T_W) on every mesh (1F1B: (p-1)(T_F + T_B +
+    T_W)), and 1F1B's peak, p micro-batches (from F to W), on every mesh."""
+    s = zb_h1(p, m)
+    tasks = [t for row in s.ticks for t in row if t is not None]
+    assert s.splits_backward and len(tasks) == len(set(tasks)) == 3 * p * m
+    for f, b, w in ZB_DURATIONS:
+        timeline = s.timeline(f, b, w)
+        assert timeline.makespan - m * (f + b + w) == (p - 1) * (f + b - w), (f, b, w)
+    assert s.bubble_fraction() == Fraction(p - 1, 3 * m + p - 1)  # equal times: (p-1) / (3m + p - 1)
+    assert s.peak_in_flight() == (p,) * p
+    assert max(s.peak_in_flight()) == max(one_f_one_b(p, m).peak_in_flight())
+
+
+@pytest.mark.parametrize("p,m", ZB_CASES)
+def test_zb_h2_bubble_and_memory_are_the_papers(p, m):
+    """ZB-H2: the first mesh idles (p-1)(T_F + T_B - 2 T_W) between its first and last task (zero with equal
+    times, every mesh, once m >= 2p - 1: the parallelogram) and holds 2p - 1 micro-batches; a synchronised
+    step waits (p-1) T_F to fill, as long as ZB-H1's with equal times."""
+    s = zb_h2(p, m)
+    assert s.splits_backward and sum(t is not None for row in s.ticks for t in row) == 3 * p * m
+    for f, b, w in ZB_DURATIONS:
+        if m >= 2 * p - 1:
+            assert s.timeline(f, b, w).idle_within()[0] == (p - 1) * (f + b - 2 * w), (f, b, w)
+    if m >= 2 * p - 1:
+        assert s.timeline().idle_within() == (0,) * p
+    assert s.timeline().makespan == 3 * m + p - 1 == zb_h1(p, m).timeline().makespan
+    assert s.peak_in_flight() == (min(2 * p - 1, m),) * p
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (3, 5)])
+def test_zero_bubble_beats_one_f_one_b_with_split_backward(p, m):
+    """With a backward of 2 T_F split in equal halves, 1F1B's step is (m + p - 1) 3 T_F; ZB-H1 saves two
+    thirds of its bubble."""
+    assert one_f_one_b(p, m).timeline(1, 2).makespan - zb_h1(p, m).timeline(1, 1, 1).makespan == 2 * (p - 1)
+
+
+@pytest.mark.parametrize("build_zb", [zb_h1, zb_h2])
+def test_zero_bubble_needs_as_many_micro_batches_as_meshes(build_zb):
+    with pytest.raises(ValueError, match="num_micro_batches >= num_meshes"):
+        build_zb(4, 3)
+
+
+def test_a_split_schedule_needs_every_w_after_its_b():
+    """W(s, k) needs B(s, k); a W before its B, a missing W and W-less 1F1B with t_w are refused."""
+    rows = [[forward(0, 0)], [weight_gradient(0, 0)], [backward(0, 0)]]
+    with pytest.raises(ValueError, match="deadlock"):
+        Schedule(name="x", num_meshes=1, num_stages=1, num_micro_batches=1, stage_to_mesh=(0,), ticks=rows)
+    rows = [[forward(0, 0)], [forward(0, 1)], [backward(0, 0)], [weight_gradient(0, 0)], [backward(0, 1)]]
+    with pytest.raises(ValueError, match=r"1 task\(s\) never run: 0W1"):
+        Schedule(name="x", num_meshes=1, num_stages=1, num_micro_batches=2, stage_to_mesh=(0,), ticks=rows)
+    with pytest.raises(ValueError, match="t_w is for schedules with W tasks"):
+        one_f_one_b(2, 2).timeline(1, 2, 1)
+    assert Task.from_str("3W1") == weight_gradient(3, 1) and zb_h1(2, 2).to_json() == \
+        Schedule.from_json(zb_h1(2, 2).to_json()).to_json()
 
 
 @pytest.mark.parametrize("name", list(ScheduleName))
