@@ -29,6 +29,9 @@ and as a fraction of the whole step, :math:`t_{pb} / (t_{id} + t_{pb})`, e.g. :m
 GPipe. Both hold exactly here for any ratio :math:`t_b / t_f` (breadth-first needs :math:`m \ge p` or
 :math:`v = 1`; see :func:`breadth_first`).
 
+Zero-bubble schedules (:func:`zb_h1`, :func:`zb_h2`; Qi et al., ICLR 2024) split each backward into ``B``
+(input gradient) and ``W`` (weight gradients, :class:`Phase`) and fill the bubbles with ``W``.
+
 Example:
 
 >>> s = one_f_one_b(num_meshes=2, num_micro_batches=3)
@@ -803,8 +806,8 @@ def zb_h1(num_meshes: int, num_micro_batches: int) -> Schedule:
     test_schedules.py``) for :math:`m \ge p`, with per-mesh bubble = step time minus busy time:
 
     .. math::
-       	ext{bubble} = (p-1)(T_F + T_B - T_W) \quad (	ext{1F1B: } (p-1)(T_F + T_B + T_W)),
-       \qquad 	ext{in flight on every mesh} = p 	ext{ (1F1B's peak, on its first stage)},
+       \text{bubble} = (p-1)(T_F + T_B - T_W) \quad (\text{1F1B: } (p-1)(T_F + T_B + T_W)),
+       \qquad \text{in flight on every mesh} = p \text{ (1F1B's peak, on its first stage)},
 
     counting a micro-batch in flight from its ``F`` to its ``W`` (a deferred ``W`` holds it whole); the
     bubble formula holds for :math:`T_W \le T_F, T_B`, equal times included.
@@ -841,12 +844,13 @@ def zb_h2(num_meshes: int, num_micro_batches: int) -> Schedule:
     by one rule: each mesh runs the first of its next ``B`` if ready, its next ``F`` if ready and fewer than
     ``2p - 1`` micro-batches are in flight (``F`` run, ``W`` not), its oldest pending ``W``.
 
-    The paper's Table 1, checked on the built tables by the simulator for :math:`m \ge p` and
-    :math:`T_F = T_B = T_W`:
+    The paper's Table 1, checked on the built tables by the simulator for :math:`m \ge 2p - 1` and
+    :math:`T_W \le T_F, T_B`:
 
     .. math::
-       	ext{bubble within each mesh} = (p-1)(T_F + T_B - 2 T_W) = 0,
-       \qquad 	ext{in flight on every mesh} = \min(2p - 1, m).
+       \text{bubble within the first mesh} = (p-1)(T_F + T_B - 2 T_W)
+       \quad (0 \text{ on every mesh when } T_F = T_B = T_W),
+       \qquad \text{in flight on every mesh} = \min(2p - 1, m).
 
     The bubble the paper counts is each mesh's idle time between its own first and last task
     (:meth:`Timeline.idle_within`): zero only when consecutive steps overlap (the paper's
