@@ -266,13 +266,15 @@ class ParallelizedFunc:
 
     def _compile_ray(self, args):
         from alpa_like.runtime.ray_backend import RayPipeshardExecutable
+        from alpa_like.runtime.ray_nodes import one_node_meshes
         if not isinstance(self.method, PipeshardParallel):
             raise NotImplementedError(f"al.init(cluster='ray') runs PipeshardParallel steps; got "
                                       f"{type(self.method).__name__} (use al.init('local') for SPMD methods)")
         cluster = _backend.ray
         spec = self.cluster or cluster.spec()
         _check_cluster_devices(spec, cluster.spec().num_devices, "the Ray cluster's devices")
-        exe = compile_pipeshard(self.method, self.fun, args, static_argnums=self.static_argnums,
+        method = one_node_meshes(self.method, spec)  # one actor runs each mesh, on one node
+        exe = compile_pipeshard(method, self.fun, args, static_argnums=self.static_argnums,
                                 batch_argnums=self.batch_argnums, devices=None, cluster=spec,
                                 make_executable=functools.partial(RayPipeshardExecutable, cluster=cluster),
                                 donate_argnums=self.donate_argnums)

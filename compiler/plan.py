@@ -253,6 +253,9 @@ class StagePlan:
     peak_memory_per_device: int | None = None
     """Bytes one device of the stage needs at the step's peak, estimated
     (:mod:`~alpa_like.compiler.memory_estimate`: Eq. 3.5 for a pipeline stage); None: not estimated."""
+    placement: str = ""
+    """Where the backend runs the stage's mesh, e.g. ``Ray node 1 (10.0.0.2, id 3f63b52c)``; empty when the
+    backend does not say (plan-only results, the local backend)."""
 
     @property
     def communication_seconds(self) -> float:
@@ -267,7 +270,7 @@ class StagePlan:
                 "compute_seconds": self.compute_seconds, "memory_per_device": self.memory_per_device,
                 "ops": [o.to_dict() for o in self.ops],
                 "solver": None if self.solver is None else self.solver.to_dict(),
-                "peak_memory_per_device": self.peak_memory_per_device}
+                "peak_memory_per_device": self.peak_memory_per_device, "placement": self.placement}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], at: str = "") -> StagePlan:
@@ -287,7 +290,8 @@ class StagePlan:
                     memory_per_device=get("memory_per_device", fields.integer),
                     ops=get("ops", fields.sequence, OpPlan.from_dict),
                     solver=get("solver", fields.optional(SolverReport.from_dict)),
-                    peak_memory_per_device=get("peak_memory_per_device", fields.optional(fields.integer)))
+                    peak_memory_per_device=get("peak_memory_per_device", fields.optional(fields.integer)),
+                    placement=get("placement", fields.string))
         _check_stage_mesh(stage, at)
         return stage
 
@@ -790,7 +794,8 @@ def format_plan(plan: ParallelPlan, *, group_layers: bool = True) -> str:
         lines.append("")
         lines.append(f"Stage {s.stage_id}: layers {layers}, submesh {s.submesh_shape}, logical mesh "
                      f"{s.logical_mesh_shape} axes {s.mesh_axis_names}"
-                     + (f", devices {list(s.device_ids)}" if s.device_ids else ""))
+                     + (f", devices {list(s.device_ids)}" if s.device_ids else "")
+                     + (f", on {s.placement}" if s.placement else ""))
         lines.append(f"  compute {format_seconds(s.compute_seconds)} ({s.flops:.3g} FLOP), communication "
                      f"{format_seconds(s.communication_seconds)}, inputs per device "
                      f"{format_bytes(s.memory_per_device)}")

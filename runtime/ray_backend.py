@@ -5,7 +5,8 @@
 static instruction programs, resharding plans), then builds a :class:`RayPipeshardExecutable`:
 
 * one :class:`~alpa_like.runtime.ray_worker.MeshWorker` actor per mesh host (a mesh of the plan lives on one
-  node; actors are pooled per (node, device count) and reused by later executables of the same cluster). On
+  node, and its actor is pinned to that Ray node, :mod:`~alpa_like.runtime.ray_nodes`; actors are pooled per
+  (node, device count) and reused by later executables of the same cluster). On
   CPU each actor gets its own ``--xla_force_host_platform_device_count`` through its ``runtime_env``, set
   before it imports jax. On GPU (``platform="gpu"``) an actor asks Ray for ``num_gpus`` devices and uses the
   GPUs Ray assigns (``CUDA_VISIBLE_DEVICES``); that path cannot run on this machine and is untested.
@@ -23,8 +24,9 @@ static instruction programs, resharding plans), then builds a :class:`RayPipesha
   drops its stored copy (:func:`~alpa_like.runtime.pipeshard_runtime.input_donations`).
 
 Faults: the driver waits on the workers' object refs with ``ray.wait`` timeouts; a worker that raises or dies
-becomes a :class:`RayStepError` naming the mesh and the instruction; the other workers are aborted, so the
-call never hangs. The executable is then unusable: ``al.shutdown()`` and ``al.init(...)`` start afresh.
+becomes a :class:`RayStepError` naming the mesh and the instruction (and, for a worker that died or whose
+node was lost, the Ray node); the other workers are aborted, so the call never hangs. The executable is then
+unusable: ``al.shutdown()`` and ``al.init(...)`` start afresh, on the nodes then alive.
 
 The local Ray (``address=None`` and no Ray running): :func:`start_local_ray` starts a new single-node cluster
 whose every server listens on loopback only (node IP 127.0.0.1, no dashboard), with Ray's token authentication
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import ipaddress
 import itertools
 import math
 import numbers
@@ -59,6 +62,7 @@ from alpa_like.compiler.stage_construction import StageProgram, micro_batch_key_
 from alpa_like.compiler.trace import updated_inputs
 from alpa_like.runtime.instructions import MeshPrograms, Op
 from alpa_like.runtime.pipeshard_runtime import _piece_fn, input_donations
+from alpa_like.runtime.ray_nodes import answering, choose_nodes, cluster_nodes, mesh_nodes, with_placements
 from alpa_like.runtime.ray_worker import MeshInfo, MeshWorker, ShippedPiece, WorkerProgram, WorkerStepError
 
 PLATFORMS = ("cpu", "gpu")
@@ -68,12 +72,25 @@ FREE_BATCH = 256
 
 
 _CONSEQUENCES = {"StepAborted", "OwnerDiedError", "ObjectLostError", "ObjectFetchTimedOutError",
-                 "ReferenceCountingAssertionError", "RayActorError", "ActorDiedError"}
+                 "ReferenceCountingAssertionError", "RayActorError", "ActorDiedError", "ActorUnavailableError"}
 """Error types a worker sees when a peer failed first."""
 
 
 class RayStepError(RuntimeError):
     """A step failed on the Ray backend (the message names the mesh and the instruction)."""
+
+
+def died_at(progress: tuple[int, int, int] | None, exe_id: int, step: int | None,
+            instructions: Sequence[Any]) -> str:
+    """Where a lost worker was, from its progress record (executable, step, instruction index): the
+    instruction of ``step`` it had entered, else between steps, else unknown."""
+    if progress is None or progress[0] != exe_id:
+        return "(instruction unknown: no progress record of this executable readable from the driver)"
+    if progress[1] == step and progress[2] >= 0:
+        return f"at instruction #{progress[2]} `{instructions[progress[2]]}`"
+    if step is not None and progress[1] < step:
+        return f"before its first instruction of step {step} (it had entered #{progress[2]} of step {progress[1]})"
+    return "(instruction unknown)"
 
 
 # ------------------------------------------------------------------------------------------- the local Ray
@@ -186,6 +203,32 @@ def start_local_ray(*, num_cpus: int, startup_timeout: float, init: Callable[...
                            "servers would listen beyond this machine; it was shut down. Start Ray yourself "
                            "(ray.init(...)) before al.init to choose its addresses")
     return context
+
+
+def is_loopback_address(address: str) -> bool:
+    """Whether a Ray address (``"host:port"``) names this machine's loopback interface."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def connect_ray(address: str, init: Callable[..., Any] | None = None) -> None:
+    """Connects this process to the running Ray cluster at ``address`` (``"host:port"`` or ``"auto"``) as a
+    driver, without a dashboard or worker logs. A loopback address (a cluster started with
+    ``--node-ip-address=127.0.0.1``, as :class:`~alpa_like.runtime.ray_local_cluster.LocalCluster` does) is
+    dialled on loopback with the driver's node IP loopback too: Ray would otherwise swap 127.0.0.1 for the
+    machine's address, where such a cluster does not listen. ``init``: ``ray.init`` (a stand-in in tests)."""
+    import ray
+    init = init or ray.init
+    if not is_loopback_address(address):
+        init(address=address, include_dashboard=False, log_to_driver=False)
+        return
+    with _loopback_node_ip():
+        init(address=address, include_dashboard=False, log_to_driver=False, _node_ip_address=LOOPBACK)
 
 
 @dataclasses.dataclass
@@ -302,8 +345,10 @@ class RayCluster:
     Args:
       address: ``None``: the Ray this process is connected to, else ``RAY_ADDRESS``, else a new local Ray
         (:func:`start_local_ray`: loopback only); ``"host:port"`` or ``"auto"``: that running cluster, as its
-        owner started it.
-      num_nodes, num_devices_per_node: the cluster plans are made for.
+        owner started it (:func:`connect_ray`).
+      num_nodes, num_devices_per_node: the cluster plans are made for; default: every alive node with devices
+        (``GPU``, or ``CPU`` on the cpu platform), each with the fewest devices any of them has
+        (:mod:`~alpa_like.runtime.ray_nodes`). Plan node ``k`` runs on :attr:`nodes` ``[k]``.
       platform: ``"cpu"`` or ``"gpu"`` (default: JAX's default backend).
       step_timeout: seconds a step may take (``None``: no limit).
       startup_timeout: seconds starting the local Ray, a worker actor or an executable's programs may take.
@@ -332,20 +377,20 @@ class RayCluster:
             if address is None:
                 start_local_ray(num_cpus=max(2, os.cpu_count() or 2), startup_timeout=startup_timeout)
             else:
-                ray.init(address=address, include_dashboard=False, log_to_driver=False)
+                connect_ray(address)
             self.started_ray = True
         self.platform = platform
         try:
-            self.ray_nodes = sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n["NodeID"])
-            self.num_nodes = num_nodes or (len(self.ray_nodes) if address else 1)
-            if self.num_nodes > len(self.ray_nodes) and len(self.ray_nodes) > 1:
-                raise ValueError(f"al.init(cluster='ray'): num_nodes={self.num_nodes}, but the Ray cluster has "
-                                 f"{len(self.ray_nodes)} alive nodes")
+            alive = answering([n for n in ray.nodes() if n.get("Alive")])
+            self.nodes, self.num_devices_per_node = choose_nodes(cluster_nodes(alive, platform), platform,
+                                                                 num_nodes, num_devices_per_node)
+            """The Ray nodes plans are made for (:mod:`~alpa_like.runtime.ray_nodes`): node ``k`` of a plan
+            runs on ``nodes[k]``."""
         except BaseException:  # no backend object owns the Ray it started: stop it here
             if self.started_ray:
                 ray.shutdown()
             raise
-        self.num_devices_per_node = num_devices_per_node or len(jax.devices())
+        self.num_nodes = len(self.nodes)
         self.step_timeout = step_timeout
         self.compilation_cache_dir = compilation_cache_dir
         self.startup_timeout = startup_timeout
@@ -371,7 +416,8 @@ class RayCluster:
     # ------------------------------------------------------------------------------------------- actors
 
     def acquire(self, meshes: Sequence[tuple[int, int]]) -> list[Any]:
-        """One actor per (node, device count) mesh, distinct within the list; reused across calls."""
+        """One actor per (node, device count) mesh, distinct within the list, pinned to ``nodes[node]``;
+        reused across calls."""
         import ray
         used: dict[tuple[int, int], int] = {}
         actors, fresh = [], []
@@ -394,6 +440,9 @@ class RayCluster:
                 if info["num_devices"] < key[1]:
                     raise RuntimeError(f"Ray backend: the worker for node {key[0]} has {info['num_devices']} "
                                        f"devices, the mesh needs {key[1]}")
+                if info["node_id"] != self.nodes[key[0]].node_id:
+                    raise RuntimeError(f"Ray backend: the worker for {self.nodes[key[0]]} runs on Ray node "
+                                       f"{info['node_id'][:8]}")
         return actors
 
     def _start_actor(self, node: int, size: int, number: int):
@@ -408,9 +457,8 @@ class RayCluster:
         else:  # Ray sets CUDA_VISIBLE_DEVICES to the GPUs it assigns.
             options["num_gpus"] = size
         options["runtime_env"] = {"env_vars": env}
-        if len(self.ray_nodes) > 1:
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.ray_nodes[node]["NodeID"], soft=False)
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.nodes[node].node_id, soft=False)
         progress = os.path.join(self.temp_dir, f"worker{number}.progress")
         config = {"jax_default_matmul_precision": jax.config.jax_default_matmul_precision,
                   "jax_enable_x64": jax.config.jax_enable_x64}
@@ -580,19 +628,15 @@ class RayPipeshardExecutable:
         self.traced, self.plan, self.program, self.programs = traced, plan, program, programs
         self.cluster = cluster
         self.num_micro_batches = plan.num_micro_batches
-        m = cluster.num_devices_per_node
-        self.meshes, nodes = [], []
-        for q, stage in enumerate(plan.stages):
-            node_ids = {i // m for i in stage.device_ids}
-            if len(node_ids) != 1:
-                raise NotImplementedError(
-                    f"Ray backend: stage {q}'s mesh {stage.submesh_shape} spans nodes {sorted(node_ids)}; a mesh "
-                    "must fit on one node (one actor per mesh; multi-host meshes need jax.distributed)")
+        self.mesh_nodes = mesh_nodes(plan, cluster.nodes, cluster.num_devices_per_node)
+        """The plan's node of each mesh: mesh ``k`` runs on ``cluster.nodes[mesh_nodes[k]]``."""
+        self.plan = plan = with_placements(plan, cluster.nodes, self.mesh_nodes)
+        self.meshes = []
+        for stage in plan.stages:
             grid = np.asarray(stage.device_ids).reshape(stage.logical_mesh_shape)
             self.meshes.append(MeshInfo(logical_shape=tuple(stage.logical_mesh_shape),
                                         device_ids=tuple(tuple(int(i) for i in row) for row in grid)))
-            nodes.append(node_ids.pop())
-        self.workers = cluster.acquire([(n, len(info.flat_ids)) for n, info in zip(nodes, self.meshes)])
+        self.workers = cluster.acquire([(n, len(info.flat_ids)) for n, info in zip(self.mesh_nodes, self.meshes)])
         self._mesh_of_actor = {_actor_id(a): k for k, a in enumerate(self.workers)}
         self.exe_id = cluster.new_executable_id()
         draws = micro_batch_key_draws(program, self.num_micro_batches)
@@ -786,14 +830,14 @@ class RayPipeshardExecutable:
         cause = getattr(error, "cause", None)
         if isinstance(cause, WorkerStepError):
             return f"Ray backend: {what} failed on {cause}"
-        if isinstance(error, ray.exceptions.RayActorError):
-            progress = self.cluster.progress_of(self.workers[mesh])
-            if progress is not None and progress[0] == self.exe_id and progress[1] == step and progress[2] >= 0:
-                index = progress[2]
-                at = f"at instruction #{index} `{self.worker_programs[mesh].instructions[index]}`"
-            else:
-                at = "(instruction unknown: no progress record readable from the driver)"
-            return f"Ray backend: {what}: the worker of mesh {mesh} died {at}: {type(error).__name__}"
+        if isinstance(error, ray.exceptions.RayActorError):  # ActorUnavailableError too: a killed raylet's first
+            node = self.cluster.nodes[self.mesh_nodes[mesh]]
+            how = "became unreachable" if isinstance(error, ray.exceptions.ActorUnavailableError) else "died"
+            at = died_at(self.cluster.progress_of(self.workers[mesh]), self.exe_id, step,
+                         self.worker_programs[mesh].instructions)
+            return (f"Ray backend: {what}: the worker of mesh {mesh} on {node} {how} {at}: {type(error).__name__} "
+                    f"(a lost node, or a killed worker process; al.shutdown() and al.init(cluster='ray') start "
+                    "afresh on the nodes alive)")
         return f"Ray backend: {what} failed on mesh {mesh}: {type(error).__name__}: {error}"
 
     def _where(self, worker) -> str:

@@ -126,7 +126,13 @@ def load_spec(input_specs: dict[ValueId, ShardingSpec], value: ValueId, shape: S
 
 
 class MeshWorker:
-    """A Ray actor owning the devices of one mesh host (``ray.remote(MeshWorker)`` in the backend)."""
+    """A Ray actor owning the devices of one mesh host (``ray.remote(MeshWorker)`` in the backend).
+
+    Args:
+      jax_config: ``jax.config`` values to set.
+      progress_path: the progress record's file, in the driver's temporary directory; kept only where that
+        directory exists (a worker on the driver's host), else the worker keeps no record.
+    """
 
     def __init__(self, jax_config: dict[str, Any], progress_path: str | None = None):
         import jax
@@ -146,15 +152,18 @@ class MeshWorker:
         """Checkpoint path -> its write in progress (:meth:`start_save`)."""
         self._where = "idle"
         self._progress = None
-        if progress_path:
+        if progress_path and os.path.isdir(os.path.dirname(progress_path)):  # else: the driver is on another host
             self._progress = np.memmap(progress_path, dtype=np.int64, mode="w+", shape=(3,))
             self._progress[:] = -1
 
     # ------------------------------------------------------------------------------------ setup and handles
 
     def info(self) -> dict:
+        """The worker's process id, devices, platform and Ray node id (where Ray placed it)."""
         import jax
-        return {"pid": os.getpid(), "num_devices": len(self._devices), "platform": jax.default_backend()}
+        import ray
+        return {"pid": os.getpid(), "num_devices": len(self._devices), "platform": jax.default_backend(),
+                "node_id": ray.get_runtime_context().get_node_id()}
 
     def load_program(self, exe_id: int, program: WorkerProgram, peers: Sequence[Any]) -> int:
         """Deserialises the pieces and keeps the program; returns the number of pieces."""

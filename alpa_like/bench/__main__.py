@@ -5,6 +5,7 @@
     python -m alpa_like.bench wresnet --ablations                  # Table 3.8, equal layer/operator, Fig. 3.8
     python -m alpa_like.bench opt --models opt-125m opt-1.3b       # any subset of a suite
     python -m alpa_like.bench gpt --backend local                  # measured on this machine's devices
+    python -m alpa_like.bench opt --backend ray                    # measured on a local 2-node Ray cluster
     python -m alpa_like.bench repro                                # the seeds' numbers reproduced
     python -m alpa_like.bench docs                                 # docs/benchmarks.md from results/
 
@@ -14,6 +15,7 @@ Each suite prints a progress bar per case and a table, and writes its JSON rows 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -33,6 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="ClusterSpec preset the simulated backend plans for (default p3.16xlarge)")
     parser.add_argument("--backend", default="simulate", choices=BACKEND_NAMES,
                         help="simulate: plan and simulate the suite's sizes; local/ray: run small models and measure")
+    parser.add_argument("--address", help="--backend ray: the Ray cluster's address (host:port or 'auto'); "
+                        "default: a local cluster of 2 Ray nodes started for the run")
     parser.add_argument("--models", nargs="*", help="only these models of the suite")
     parser.add_argument("--micro-batches", type=int, help="micro-batches of our plans (default per suite)")
     parser.add_argument("--ablations", action="store_true", help="add intra-op-only and inter-op-only plans")
@@ -51,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--micro-batches must be >= 1, got {args.micro_batches}")
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
+    if args.address is not None and args.backend != "ray":
+        parser.error(f"--address is for --backend ray, got --backend {args.backend}")
     if args.command in ("repro", "docs") and args.backend != "simulate":
         parser.error(f"{args.command} has no --backend (it is analytic / reads saved results)")
     return args
@@ -90,6 +96,8 @@ def run_measured(args) -> int:
     from alpa_like.bench import backends, report
 
     runner = backends.BACKENDS[args.backend]
+    if args.backend == "ray":
+        runner = functools.partial(runner, address=args.address)
     workload = backends.local_workload(args.command)
     rows = []
     bar = _progress(backends.measured_methods(workload), f"{workload.name} on {args.backend}")
@@ -101,10 +109,12 @@ def run_measured(args) -> int:
             print(f"skipped: {e}", file=sys.stderr)
             continue
         rows.append({"suite": args.command, "model": workload.name, "batch": workload.global_batch,
-                     "backend": args.backend, **m.summary()})
-    lines = [["method", "measured ms", "predicted ms", "predicted/measured", "measured TFLOP/s per device"]]
-    lines += [[r["method"], f"{r['measured_s'] * 1e3:.1f}", f"{r['predicted_s'] * 1e3:.2f}",
-               f"{r['predicted_over_measured']:.2f}", f"{r['measured_tflops_per_device']:.4f}"] for r in rows]
+                     "backend": args.backend, "command": "python -m alpa_like.bench " + " ".join(sys.argv[1:]),
+                     **m.summary()})
+    lines = [["method", "devices", "measured ms", "predicted ms", "predicted/measured", "measured TFLOP/s per device"]]
+    lines += [[r["method"], f"{r['num_devices']} on {r['num_nodes']} node(s)", f"{r['measured_s'] * 1e3:.1f}",
+               f"{r['predicted_s'] * 1e3:.2f}", f"{r['predicted_over_measured']:.2f}",
+               f"{r['measured_tflops_per_device']:.4f}"] for r in rows]
     print(f"\n{workload.name}, batch {workload.global_batch}, {args.backend} backend, median of {args.steps} steps")
     print(report.format_terminal(lines))
     out = args.out or os.path.join(args.results_dir, f"bench_{args.command}_{args.backend}.json")

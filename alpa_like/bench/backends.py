@@ -2,7 +2,9 @@
 
 The interface is one function per backend, :data:`StepRunner`: ``runner(workload, method, steps) ->
 Measurement``. ``local`` runs on the devices of this process (the 8 virtual CPU devices here); ``ray`` runs
-the same code after ``al.init("ray")`` (the Ray backend runs pipeline plans).
+the same code after ``al.init("ray")`` (the Ray backend runs pipeline plans) on a Ray cluster at an address,
+or on a local cluster of :data:`LOCAL_RAY_NODES` Ray nodes it starts
+(:class:`~alpa_like.runtime.ray_local_cluster.LocalCluster`).
 
 Each measurement also carries the prediction for the same compiled plan: the instruction programs on the
 simulated backend's clock (pipeline plans) or the SPMD plan's modelled time, both for
@@ -11,6 +13,7 @@ the suite reports per case.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -25,9 +28,18 @@ from alpa_like.bench.flops import gpt_step_flops
 from alpa_like.bench.workloads import OPTIMIZERS, Workload, loss_train_step
 from alpa_like.models import gpt, moe, wide_resnet
 
-LOCAL_MODELS = {"gpt": ("gpt-small", 32), "opt": ("gpt-small", 32), "moe": ("moe-tiny", 32),
+SCALED_CONFIGS = {
+    "opt-125m-scaled": dataclasses.replace(models.get_config("opt-125m"), hidden_size=128, num_heads=2,
+                                           num_layers=4, seq_len=128, vocab_size=1024),
+}
+"""The OPT family's smallest shape scaled to run on this machine's CPU devices: opt-125m's head size (64), 4x
+MLP, pre-LN and learned positions, with width 768 -> 128, 12 -> 4 layers, sequence 2048 -> 128 and vocabulary
+50,272 -> 1,024."""
+LOCAL_MODELS = {"gpt": ("gpt-small", 32), "opt": ("opt-125m-scaled", 32), "moe": ("moe-tiny", 32),
                 "wresnet": ("wresnet-tiny", 32)}
 """Per suite, the model and batch size that run on the 8 CPU devices (the suites' own sizes cannot)."""
+LOCAL_RAY_NODES, LOCAL_RAY_DEVICES_PER_NODE = 2, 2
+"""The local Ray cluster ``--backend ray`` starts when given no address: nodes, and CPU devices per node."""
 
 
 class BackendUnavailable(RuntimeError):
@@ -43,9 +55,11 @@ class Measurement:
     """The cost model's step time for the same plan on ``ClusterSpec.local()``."""
     step_flops: float
     num_devices: int
+    num_nodes: int = 1
 
     def summary(self) -> dict:
         return {"method": self.method, "measured_s": self.measured_seconds, "predicted_s": self.predicted_seconds,
+                "num_nodes": self.num_nodes, "num_devices": self.num_devices,
                 "predicted_over_measured": self.predicted_seconds / self.measured_seconds,
                 "measured_tflops_per_device": self.step_flops / self.measured_seconds / self.num_devices / 1e12}
 
@@ -56,7 +70,7 @@ StepRunner = Callable[[Workload, object, int], Measurement]
 def local_workload(suite: str) -> Workload:
     """The suite's small model with real arrays (``LOCAL_MODELS``), FP32, with its suite's optimizer."""
     name, batch_size = LOCAL_MODELS[suite]
-    config = models.get_config(name)
+    config = SCALED_CONFIGS[name] if name in SCALED_CONFIGS else models.get_config(name)
     key, data_key = jax.random.PRNGKey(0), jax.random.PRNGKey(1)
     if isinstance(config, models.MoEConfig):
         tx = OPTIMIZERS["moe"]()
@@ -113,7 +127,8 @@ def _measure(workload: Workload, method, steps: int) -> Measurement:
         times.append(time.perf_counter() - start)
     flops = _step_flops(workload, exe)
     return Measurement(method=type(method).__name__, measured_seconds=statistics.median(times),
-                       predicted_seconds=_predicted(exe), step_flops=flops, num_devices=len(jax.devices()))
+                       predicted_seconds=_predicted(exe), step_flops=flops, num_devices=exe.plan.num_devices,
+                       num_nodes=exe.plan.cluster.num_nodes)
 
 
 def _step_flops(workload: Workload, exe) -> float:
@@ -132,17 +147,23 @@ def run_local(workload: Workload, method, steps: int) -> Measurement:
     return _measure(workload, method, steps)
 
 
-def run_ray(workload: Workload, method, steps: int) -> Measurement:
-    """Runs on a Ray cluster (``al.init("ray")``: the one in ``RAY_ADDRESS``, or a local one); the Ray backend
-    runs PipeshardParallel steps (an SPMD method there is a clear error)."""
+def run_ray(workload: Workload, method, steps: int, address: str | None = None) -> Measurement:
+    """Runs on the Ray cluster at ``address``, else on a local cluster of :data:`LOCAL_RAY_NODES` nodes with
+    :data:`LOCAL_RAY_DEVICES_PER_NODE` CPU devices each, started for the run and stopped after; plans use every
+    node. The Ray backend runs PipeshardParallel steps (an SPMD method there is a clear error)."""
     if not isinstance(method, al.PipeshardParallel):
         raise BackendUnavailable(f"--backend ray runs pipeline plans; {type(method).__name__} runs with "
                                  "--backend local")
-    al.init("ray")
-    try:
-        return _measure(workload, method, steps)
-    finally:
-        al.shutdown()
+    with contextlib.ExitStack() as stack:
+        if address is None:
+            from alpa_like.runtime.ray_local_cluster import LocalCluster
+            address = stack.enter_context(LocalCluster(num_nodes=LOCAL_RAY_NODES,
+                                                       num_cpus_per_node=LOCAL_RAY_DEVICES_PER_NODE)).address
+        al.init("ray", address=address)
+        try:
+            return _measure(workload, method, steps)
+        finally:
+            al.shutdown()
 
 
 BACKENDS: dict[str, StepRunner] = {"local": run_local, "ray": run_ray}

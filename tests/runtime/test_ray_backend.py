@@ -194,7 +194,8 @@ def test_a_worker_killed_mid_step_is_a_named_error_within_30_s(ray_session, cach
     killer = threading.Thread(target=kill_when_stalled, daemon=True)
     killer.start()
     start = time.monotonic()
-    with pytest.raises(RayStepError, match=rf"worker of mesh 1 died at instruction #{index} `RUN 1F1`"):
+    with pytest.raises(RayStepError, match=rf"worker of mesh 1 on Ray node 0 \(127\.0\.0\.1, id \w+, head\) died at "
+                                           rf"instruction #{index} `RUN 1F1`"):
         f(state1, batches[1])
     assert time.monotonic() - start < 30
     killer.join(5)

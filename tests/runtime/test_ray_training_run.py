@@ -127,7 +127,7 @@ def test_a_failed_check_after_starting_ray_shuts_it_down(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append("init"))
-    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "NodeID": "a"}, {"Alive": True, "NodeID": "b"}])
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "NodeID": n, "Resources": {"CPU": 1.0}} for n in "ab"])
     monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
     monkeypatch.setattr(ray_backend, "start_local_ray", lambda **kwargs: calls.append("start"))
     for address in ("127.0.0.1:6379", None):

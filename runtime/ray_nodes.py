@@ -1,0 +1,186 @@
+"""The nodes of a Ray cluster as the planner and the Ray backend see them, and where each mesh of a plan runs.
+
+``al.init(cluster="ray")`` reads the cluster's alive nodes (``ray.nodes()``) once:
+
+* a node counts when the GCS lists it alive and its raylet accepts a connection (:func:`answering`: the GCS
+  lists a lost node as alive until its health checks fail, tens of seconds later);
+* a node's devices come from its Ray resources: ``GPU`` on the ``"gpu"`` platform, ``CPU`` on ``"cpu"``
+  (``ray start --num-cpus N``: N virtual XLA CPU devices); nodes with none (e.g. a GPU cluster's CPU-only head)
+  are left out;
+* nodes are numbered head first, then by address and node id, so a plan's node ``k`` is the same Ray node for
+  every executable of the backend;
+* the planner's :class:`~alpa_like.compiler.cluster.ClusterSpec` has ``num_nodes`` of them (default: all) and
+  ``num_devices_per_node`` devices each (default: the fewest any of them has).
+
+A plan's device ``d`` is on node ``d // num_devices_per_node`` of its cluster (as the stage DP numbers them,
+:mod:`~alpa_like.compiler.submesh`); :func:`mesh_nodes` gives the node of every stage's mesh and refuses a
+plan that needs more nodes or devices than the Ray cluster has. An automatic stage option plans one-node
+meshes only (:func:`one_node_meshes`). The backend pins each mesh's actor to its node
+(``NodeAffinitySchedulingStrategy``, not soft) and prints the node in ``exe.plan`` (:func:`with_placements`).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from alpa_like.compiler.cluster import ClusterSpec
+from alpa_like.compiler.options import AutoStageOption
+from alpa_like.compiler.plan import ParallelPlan, StagePlan
+from alpa_like.compiler.submesh import submesh_shapes
+
+DEVICE_RESOURCES = {"cpu": "CPU", "gpu": "GPU"}
+"""The Ray resource that counts a node's devices, per platform."""
+HEAD_RESOURCE = "node:__internal_head__"
+"""The resource Ray gives the head node only."""
+PROBE_SECONDS = 2.0
+"""How long :func:`answering` waits for a raylet to accept a connection."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RayNode:
+    """One node of the Ray cluster, as the backend uses it."""
+
+    index: int
+    """The node's number in the plan's cluster (device ``d`` of a plan is on node ``d // devices per node``)."""
+    node_id: str
+    """Ray's node id (hex)."""
+    address: str
+    """The node's IP address (``NodeManagerAddress``)."""
+    num_devices: int
+    """Devices the node offers (its ``GPU`` or ``CPU`` resource)."""
+    is_head: bool = False
+
+    def __str__(self) -> str:
+        return f"Ray node {self.index} ({self.address}, id {self.node_id[:8]}{', head' if self.is_head else ''})"
+
+
+def node_devices(resources: Mapping[str, float], platform: str) -> int:
+    """The devices a node with Ray ``resources`` offers on ``platform`` (:data:`DEVICE_RESOURCES`)."""
+    if platform not in DEVICE_RESOURCES:
+        raise ValueError(f"platform must be one of {tuple(DEVICE_RESOURCES)}, got {platform!r}")
+    return int(resources.get(DEVICE_RESOURCES[platform], 0))
+
+
+def answering(nodes: Sequence[Mapping[str, Any]], timeout: float = PROBE_SECONDS,
+              connect: Callable[..., Any] = socket.create_connection) -> list[Mapping[str, Any]]:
+    """The nodes of ``ray.nodes()`` whose raylet accepts a TCP connection (at ``NodeManagerAddress:
+    NodeManagerPort``) within ``timeout`` seconds, probed in parallel; a node without that address is kept.
+
+    Ray's GCS marks a node dead only after its health checks fail (tens of seconds by default), so right after
+    a node is lost ``ray.nodes()`` still lists it as alive; ``al.init`` must not plan for it.
+    """
+    def answers(node) -> bool:
+        if "NodeManagerPort" not in node or "NodeManagerAddress" not in node:
+            return True
+        try:
+            connect((node["NodeManagerAddress"], node["NodeManagerPort"]), timeout=timeout).close()
+            return True
+        except OSError:
+            return False
+    if not nodes:
+        return []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(nodes))) as pool:
+        return [n for n, ok in zip(nodes, pool.map(answers, nodes), strict=True) if ok]
+
+
+def cluster_nodes(nodes: Sequence[Mapping[str, Any]], platform: str) -> tuple[RayNode, ...]:
+    """The alive nodes of ``ray.nodes()`` that have devices on ``platform``, numbered head first, then by
+    address and node id.
+
+    >>> nodes = [{"Alive": True, "NodeID": "bb", "NodeManagerAddress": "10.0.0.2", "Resources": {"CPU": 4.0}},
+    ...          {"Alive": False, "NodeID": "cc", "NodeManagerAddress": "10.0.0.3", "Resources": {"CPU": 4.0}},
+    ...          {"Alive": True, "NodeID": "aa", "NodeManagerAddress": "10.0.0.1",
+    ...           "Resources": {"CPU": 2.0, HEAD_RESOURCE: 1.0}}]
+    >>> [str(n) for n in cluster_nodes(nodes, "cpu")]
+    ['Ray node 0 (10.0.0.1, id aa, head)', 'Ray node 1 (10.0.0.2, id bb)']
+    >>> cluster_nodes(nodes, "gpu")
+    ()
+    """
+    alive = [n for n in nodes if n.get("Alive")]
+    usable = [n for n in alive if node_devices(n.get("Resources", {}), platform) > 0]
+    usable.sort(key=lambda n: (HEAD_RESOURCE not in n.get("Resources", {}), n.get("NodeManagerAddress", ""),
+                               n["NodeID"]))
+    return tuple(RayNode(index=k, node_id=n["NodeID"], address=n.get("NodeManagerAddress", "?"),
+                         num_devices=node_devices(n.get("Resources", {}), platform),
+                         is_head=HEAD_RESOURCE in n.get("Resources", {}))
+                 for k, n in enumerate(usable))
+
+
+def choose_nodes(nodes: Sequence[RayNode], platform: str, num_nodes: int | None = None,
+                 num_devices_per_node: int | None = None) -> tuple[tuple[RayNode, ...], int]:
+    """The nodes plans are made for and the devices per node: the first ``num_nodes`` of ``nodes`` (default:
+    all), each with ``num_devices_per_node`` devices (default: the fewest any of them offers).
+
+    On ``"cpu"`` an explicit ``num_devices_per_node`` may exceed a node's ``CPU`` resource (the devices are
+    virtual XLA CPU devices); on ``"gpu"`` it may not.
+
+    Raises:
+      ValueError: naming both counts, when the cluster has no node with devices, fewer nodes than
+        ``num_nodes``, or (on GPU) a chosen node with fewer devices than ``num_devices_per_node``.
+    """
+    resource = DEVICE_RESOURCES[platform]
+    if not nodes:
+        raise ValueError(f"al.init(cluster='ray'): the Ray cluster has no alive node with {resource} resources "
+                         f"(platform={platform!r})")
+    wanted = len(nodes) if num_nodes is None else num_nodes
+    if wanted > len(nodes):
+        raise ValueError(f"al.init(cluster='ray'): num_nodes={wanted}, but the Ray cluster has {len(nodes)} alive "
+                         f"nodes with {resource} resources")
+    chosen = tuple(nodes[:wanted])
+    fewest = min(chosen, key=lambda n: n.num_devices)
+    per_node = fewest.num_devices if num_devices_per_node is None else num_devices_per_node
+    if platform == "gpu" and per_node > fewest.num_devices:
+        raise ValueError(f"al.init(cluster='ray'): num_devices_per_node={per_node}, but {fewest} has "
+                         f"{fewest.num_devices} GPUs")
+    return chosen, per_node
+
+
+def mesh_nodes(plan: ParallelPlan, nodes: Sequence[RayNode], num_devices_per_node: int) -> tuple[int, ...]:
+    """The node of each stage's mesh: device ``d`` of the plan is on node ``d // M``, ``M`` the devices per node
+    of the plan's cluster.
+
+    Raises:
+      ValueError: naming both counts, when the plan's cluster has more nodes than ``nodes`` or more devices per
+        node than ``num_devices_per_node`` (the Ray backend's).
+      NotImplementedError: a stage's mesh spans nodes (one actor runs a mesh; a multi-host mesh would need
+        ``jax.distributed``).
+    """
+    cluster = plan.cluster
+    if cluster.num_nodes > len(nodes):
+        raise ValueError(f"Ray backend: the plan needs {cluster.num_nodes} nodes, but the Ray cluster has "
+                         f"{len(nodes)} (al.init(cluster='ray', num_nodes=...))")
+    if cluster.num_devices_per_node > num_devices_per_node:
+        raise ValueError(f"Ray backend: the plan needs {cluster.num_devices_per_node} devices per node, but the "
+                         f"Ray backend's nodes have {num_devices_per_node}")
+    return tuple(_stage_node(q, stage, cluster.num_devices_per_node) for q, stage in enumerate(plan.stages))
+
+
+def _stage_node(q: int, stage: StagePlan, per_node: int) -> int:
+    node_ids = sorted({i // per_node for i in stage.device_ids})
+    if len(node_ids) != 1:
+        raise NotImplementedError(
+            f"Ray backend: stage {q}'s mesh {stage.submesh_shape} spans nodes {node_ids}; a mesh must fit on one "
+            f"node (one actor per mesh; multi-host meshes need jax.distributed): give one-node submesh shapes "
+            f"(n = 1, m <= {per_node}) to ManualStageOption or AutoStageOption(submesh_shapes=...)")
+    return node_ids[0]
+
+
+def one_node_meshes(method: Any, cluster: ClusterSpec) -> Any:
+    """``method`` as the Ray backend plans it on ``cluster``: an ``AutoStageOption`` that lists no submesh shapes
+    of its own gets the one-node shapes ``(1, 1), (1, 2), ..., (1, M)``, since one actor runs each mesh on one
+    node; any other method, and any cluster of one node, is returned as it is."""
+    stage = getattr(method, "stage_option", None)
+    if cluster.num_nodes == 1 or not isinstance(stage, AutoStageOption) or stage.submesh_shapes is not None:
+        return method
+    shapes = submesh_shapes(1, cluster.num_devices_per_node)
+    return dataclasses.replace(method, stage_option=dataclasses.replace(stage, submesh_shapes=shapes))
+
+
+def with_placements(plan: ParallelPlan, nodes: Sequence[RayNode], stage_nodes: Sequence[int]) -> ParallelPlan:
+    """``plan`` with each stage's :attr:`~alpa_like.compiler.plan.StagePlan.placement` naming its Ray node."""
+    stages = tuple(dataclasses.replace(s, placement=str(nodes[k])) for s, k in zip(plan.stages, stage_nodes,
+                                                                                    strict=True))
+    return dataclasses.replace(plan, stages=stages)

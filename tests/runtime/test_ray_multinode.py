@@ -1,0 +1,187 @@
+"""The Ray backend on a cluster of several real Ray nodes (:class:`LocalCluster`: each node its own raylet and
+object store, all on this machine, talking over loopback).
+
+A process holds one Ray connection at a time, so the module's cluster replaces the session's local Ray
+(``ray_session``) while the module runs: the fixture shuts that Ray down first and starts it again after.
+"""
+import dataclasses
+import threading
+import time
+
+import jax
+import numpy as np
+import psutil
+import pytest
+
+import alpa_like as al
+from alpa_like import api
+from alpa_like.runtime.instructions import Op
+from alpa_like.runtime.ray_backend import RayStepError, start_local_ray
+from tests.helpers import assert_trees_close, reference_on_one_device, run_steps
+from tests.runtime.test_pipeshard_runtime import mlp_case, stages, train_step_for
+
+pytestmark = pytest.mark.ray
+
+DEVICES_PER_NODE = 2
+ONE_MESH_PER_NODE = stages(((0, 1), (2, 3)), ((1, DEVICES_PER_NODE),) * 2, ((DEVICES_PER_NODE, 1),) * 2)
+
+
+def ray_processes() -> set[int]:
+    """This process's descendants (Ray's node and worker processes among them)."""
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray = pytest.importorskip("ray")
+    from alpa_like.runtime.ray_local_cluster import LocalCluster
+    al.shutdown()
+    restart = ray.is_initialized()  # the session's local Ray: one Ray per process
+    if restart:
+        ray.shutdown()
+    before = ray_processes()
+    local = LocalCluster(num_nodes=2, num_cpus_per_node=DEVICES_PER_NODE)
+    yield local
+    al.shutdown()
+    local.shutdown()
+    deadline = time.monotonic() + 30
+    while ray_processes() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not ray_processes() - before, "processes of the local cluster left running"
+    if restart:
+        start_local_ray(num_cpus=2, startup_timeout=180)
+
+
+def test_meshes_run_on_the_plan_nodes_and_a_pipeline_across_nodes_equals_jit(cluster):
+    import ray
+    al.init(cluster="ray", address=cluster.address)
+    try:
+        backend = api._backend.ray
+        assert (backend.num_nodes, backend.num_devices_per_node) == (2, DEVICES_PER_NODE)  # from the nodes' CPUs
+        assert [n.node_id for n in backend.nodes] == [n.node_id for n in cluster.nodes]  # head first
+        loss_fn, state, batches = mlp_case()
+        step = train_step_for(loss_fn)
+        f = al.parallelize(step, method=al.PipeshardParallel(num_micro_batches=2, layer_option=al.ManualLayerOption(),
+                                                             stage_option=ONE_MESH_PER_NODE))
+        got, _ = run_steps(f, state, batches[:2])
+        exe = f.get_executable(got, batches[0])
+        assert exe.mesh_nodes == (0, 1)
+        placed = [ray.get(w.info.remote())["node_id"] for w in exe.workers]
+        assert placed == [backend.nodes[k].node_id for k in exe.mesh_nodes]
+        printed = str(exe.plan)
+        for k in exe.mesh_nodes:
+            assert f"on {backend.nodes[k]}" in printed
+        assert exe.last_step.worker_bytes > 0  # activations and gradients crossed nodes
+        ref, _ = reference_on_one_device(step, state, batches[:2])
+        assert_trees_close(got.params, ref.params, rtol=1e-5, atol=1e-6)
+    finally:
+        al.shutdown()
+
+
+def test_more_nodes_or_devices_than_the_cluster_has_are_refused(cluster):
+    with pytest.raises(ValueError, match="num_nodes=3, but the Ray cluster has 2 alive nodes with CPU resources"):
+        al.init(cluster="ray", address=cluster.address, num_nodes=3)
+    al.init(cluster="ray", address=cluster.address)
+    try:
+        loss_fn, state, batches = mlp_case()
+        one_node_of_four = dataclasses.replace(al.ClusterSpec.preset("p3.16xlarge"), num_devices_per_node=4)
+        f = al.parallelize(train_step_for(loss_fn), cluster=one_node_of_four, method=al.PipeshardParallel(
+            num_micro_batches=2, layer_option=al.ManualLayerOption(),
+            stage_option=stages(((0, 1), (2, 3)), ((1, 2),) * 2, ((2, 1),) * 2)))
+        with pytest.raises(ValueError, match="the plan needs 4 devices per node, but the Ray backend's nodes have 2"):
+            f.get_executable(state, batches[0])
+    finally:
+        al.shutdown()
+
+
+def test_the_benchmark_runs_on_every_node_of_a_given_cluster(cluster):
+    """``python -m alpa_like.bench opt --backend ray --address ...``'s run: the automatic plan spans both
+    nodes and its measured step comes with the simulator's prediction."""
+    from alpa_like.bench import backends
+    workload = backends.local_workload("opt")
+    method = backends.measured_methods(workload)[0]
+    m = backends.run_ray(workload, method, steps=1, address=cluster.address)
+    assert (m.num_nodes, m.num_devices) == (2, 2 * DEVICES_PER_NODE)
+    assert m.measured_seconds > 0 and m.predicted_seconds > 0
+
+
+def first_run_on(exe, mesh: int) -> int:
+    return next(i for i, ins in enumerate(exe.worker_programs[mesh].instructions) if ins.op is Op.RUN)
+
+
+def test_a_node_lost_between_steps_is_a_named_error_in_time(cluster):
+    import ray
+    loss_fn, state, batches = mlp_case()
+    f = al.parallelize(train_step_for(loss_fn), method=al.PipeshardParallel(
+        num_micro_batches=2, layer_option=al.ManualLayerOption(), stage_option=ONE_MESH_PER_NODE))
+    al.init(cluster="ray", address=cluster.address)
+    try:
+        state1, _ = f(state, batches[0])
+        node = api._backend.ray.nodes[1]
+        worker = psutil.Process(ray.get(f.get_executable(state1, batches[1]).workers[1].info.remote())["pid"])
+        cluster.remove_node(cluster.node(node.node_id))
+        worker.wait(30)  # exits once its raylet is gone: the node is lost before the next step starts
+        start = time.monotonic()
+        with pytest.raises(RayStepError, match=rf"step 1: the worker of mesh 1 on Ray node 1 \(127\.0\.0\.1, id "
+                                               rf"{node.node_id[:8]}\) \w+( \w+)? before its first instruction of "
+                                               r"step 1 \(it had entered #\d+ of step 0\)"):
+            f(state1, batches[1])
+        assert time.monotonic() - start < 30
+    finally:
+        al.shutdown()
+        cluster.add_node()
+
+
+@pytest.mark.slow
+def test_a_lost_node_is_a_named_error_in_time_and_training_resumes_from_the_checkpoint(cluster, tmp_path):
+    """The stage DP places meshes on both nodes; node 1's processes are killed while its mesh is inside a step;
+    the driver names the mesh, the node and the instruction within 30 s; on the node left, al.init re-plans and
+    the run continues from its checkpoint to the parameters plain jax.jit reaches."""
+    import ray
+    loss_fn, state, batches = mlp_case()
+    step = train_step_for(loss_fn)
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.ManualLayerOption(),
+                                  stage_option=al.AutoStageOption(show_progress=False))  # one-node meshes on Ray
+    f = al.parallelize(step, method=method)
+    al.init(cluster="ray", address=cluster.address)
+    state1, _ = f(state, batches[0])
+    al.save_checkpoint(tmp_path, state1, 1)
+    exe = f.get_executable(state1, batches[1])
+    mesh = exe.mesh_nodes.index(1)
+    victim, node = exe.workers[mesh], api._backend.ray.nodes[1]
+    index = first_run_on(exe, mesh)
+    ray.get(victim.set_fault.remote(index, "stall"))
+
+    def remove_node_when_stalled():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if f"instruction #{index} " in ray.get(victim.where.remote()):
+                cluster.remove_node(cluster.node(node.node_id))
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=remove_node_when_stalled, daemon=True)
+    killer.start()
+    start = time.monotonic()
+    instruction = exe.worker_programs[mesh].instructions[index]
+    with pytest.raises(RayStepError, match=rf"the worker of mesh {mesh} on Ray node 1 \(127\.0\.0\.1, id "
+                                           rf"{node.node_id[:8]}\) \w+( \w+)? at instruction #{index} "
+                                           rf"`{instruction}`"):
+        f(state1, batches[1])
+    assert time.monotonic() - start < 30
+    killer.join(30)
+    al.shutdown()
+
+    al.init(cluster="ray", address=cluster.address)
+    try:
+        assert api._backend.ray.num_nodes == 1
+        exe = f.get_executable(state1, batches[1])
+        assert set(exe.mesh_nodes) == {0}
+        restored = al.restore_checkpoint(tmp_path, like=exe)
+        got, _ = run_steps(f, restored, batches[1:])
+        got = jax.tree.map(np.asarray, got)
+    finally:
+        al.shutdown()
+        cluster.add_node()  # the module's cluster has two nodes again
+    ref, _ = reference_on_one_device(step, state, batches)
+    assert_trees_close(got.params, ref.params, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,140 @@
+"""Ray nodes as the planner sees them, the node of every mesh of a plan, and the driver's view of a lost worker:
+pure functions on ``ray.nodes()``-shaped data, no Ray started."""
+import dataclasses
+import doctest
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import alpa_like as al
+from alpa_like.compiler.layer_slicing import FORWARD
+from alpa_like.runtime.ray_backend import connect_ray, died_at, is_loopback_address
+from alpa_like.runtime.ray_nodes import (HEAD_RESOURCE, RayNode, answering, choose_nodes, cluster_nodes,
+                                         mesh_nodes, one_node_meshes, with_placements)
+from alpa_like.runtime.instructions import Instruction, Op
+from tests.helpers import make_train_step, mlp_batch, mlp_loss, mlp_state
+
+
+def ray_node(node_id, address="10.0.0.1", alive=True, head=False, port=None, **resources):
+    node = {"Alive": alive, "NodeID": node_id, "NodeManagerAddress": address,
+            "Resources": {**resources, **({HEAD_RESOURCE: 1.0} if head else {})}}
+    return node if port is None else {**node, "NodeManagerPort": port}
+
+
+NODES = [ray_node("cc", "10.0.0.2", CPU=4.0, GPU=2.0), ray_node("bb", "10.0.0.2", CPU=8.0, GPU=4.0),
+         ray_node("dd", "10.0.0.3", alive=False, CPU=4.0), ray_node("aa", "10.0.0.9", head=True, CPU=2.0)]
+
+
+def test_nodes_are_the_alive_ones_with_devices_head_first_then_by_address_and_id():
+    cpu = cluster_nodes(NODES, "cpu")
+    assert [(n.index, n.node_id, n.num_devices, n.is_head) for n in cpu] == [
+        (0, "aa", 2, True), (1, "bb", 8, False), (2, "cc", 4, False)]
+    gpu = cluster_nodes(NODES, "gpu")  # the head has no GPU
+    assert [(n.node_id, n.num_devices) for n in gpu] == [("bb", 4), ("cc", 2)]
+    assert str(gpu[0]) == "Ray node 0 (10.0.0.2, id bb)"
+
+
+def test_devices_per_node_default_to_the_fewest_and_a_bigger_request_names_both_counts():
+    cpu, gpu = cluster_nodes(NODES, "cpu"), cluster_nodes(NODES, "gpu")
+    assert choose_nodes(cpu, "cpu") == (cpu, 2)
+    assert choose_nodes(cpu, "cpu", num_nodes=2, num_devices_per_node=16) == (cpu[:2], 16)  # virtual CPU devices
+    assert choose_nodes(gpu, "gpu", num_nodes=1) == (gpu[:1], 4)
+    with pytest.raises(ValueError, match="num_nodes=4, but the Ray cluster has 3 alive nodes with CPU resources"):
+        choose_nodes(cpu, "cpu", num_nodes=4)
+    with pytest.raises(ValueError, match=r"num_devices_per_node=4, but Ray node 1 \(10.0.0.2, id cc\) has 2 GPUs"):
+        choose_nodes(gpu, "gpu", num_devices_per_node=4)
+    with pytest.raises(ValueError, match="no alive node with GPU resources"):
+        choose_nodes((), "gpu")
+
+
+def fake_plan(num_nodes, per_node, *device_ids):
+    cluster = SimpleNamespace(num_nodes=num_nodes, num_devices_per_node=per_node)
+    return SimpleNamespace(cluster=cluster, stages=[SimpleNamespace(device_ids=ids, submesh_shape=(1, len(ids)))
+                                                    for ids in device_ids])
+
+
+def test_each_mesh_runs_on_the_node_of_its_devices_and_a_plan_bigger_than_the_cluster_is_refused():
+    nodes = cluster_nodes(NODES, "cpu")
+    assert mesh_nodes(fake_plan(2, 2, (2, 3), (0, 1)), nodes, 2) == (1, 0)
+    assert mesh_nodes(fake_plan(3, 1, (0,), (1,), (2,)), nodes, 2) == (0, 1, 2)  # the plan's own devices per node
+    with pytest.raises(ValueError, match="the plan needs 4 nodes, but the Ray cluster has 3"):
+        mesh_nodes(fake_plan(4, 1, (0,), (1,), (2,), (3,)), nodes, 2)
+    with pytest.raises(ValueError, match="the plan needs 4 devices per node, but the Ray backend's nodes have 2"):
+        mesh_nodes(fake_plan(1, 4, (0, 1), (2, 3)), nodes, 2)
+    with pytest.raises(NotImplementedError, match=r"stage 0's mesh \(1, 2\) spans nodes \[0, 1\].*submesh_shapes"):
+        mesh_nodes(fake_plan(2, 2, (1, 2), (0, 3)), nodes, 2)
+
+
+def test_automatic_stages_on_several_nodes_use_one_node_meshes():
+    auto = al.PipeshardParallel(num_micro_batches=2, stage_option=al.AutoStageOption(show_progress=False))
+    two_nodes = dataclasses.replace(al.ClusterSpec.preset("p3.16xlarge"), num_nodes=2, num_devices_per_node=4)
+    assert one_node_meshes(auto, two_nodes).stage_option.submesh_shapes == ((1, 1), (1, 2), (1, 4))
+    one_node = dataclasses.replace(two_nodes, num_nodes=1)
+    given = dataclasses.replace(auto, stage_option=al.AutoStageOption(submesh_shapes=((2, 4),)))
+    manual = dataclasses.replace(auto, stage_option=al.ManualStageOption(
+        forward_stage_layer_ids=((0,), (1,)), submesh_physical_shapes=((1, 4),) * 2,
+        submesh_logical_shapes=((4, 1),) * 2))
+    assert one_node_meshes(auto, one_node) is auto
+    assert one_node_meshes(given, two_nodes) is given and one_node_meshes(manual, two_nodes) is manual
+
+
+@pytest.fixture(scope="module")
+def plan():
+    step = al.parallelize(make_train_step(mlp_loss), method=al.DataParallel())
+    return step.get_executable(mlp_state(), mlp_batch(np.random.default_rng(0))).plan
+
+
+def test_the_printed_plan_names_the_node_of_each_mesh_and_json_keeps_it(plan):
+    node = RayNode(index=1, node_id="3f63b52c4bd2d3a9", address="10.0.0.2", num_devices=8)
+    placed = with_placements(plan, [None, node], [1])
+    assert "on Ray node 1 (10.0.0.2, id 3f63b52c)" in str(placed)
+    assert "on Ray node" not in str(plan)
+    assert al.ParallelPlan.from_json(placed.to_json()) == placed
+    without = placed.to_dict()
+    del without["stages"][0]["placement"]  # a plan file written before the field existed
+    assert al.ParallelPlan.from_dict(without) == plan
+
+
+def test_raylets_that_refuse_a_connection_are_left_out():
+    refused = {("10.0.0.2", 7)}
+
+    def connect(address, timeout):
+        if address in refused:
+            raise ConnectionRefusedError
+        return SimpleNamespace(close=lambda: None)
+    nodes = [ray_node("a", "10.0.0.1", port=7), ray_node("b", "10.0.0.2", port=7), ray_node("c", "10.0.0.2")]
+    assert [n["NodeID"] for n in answering(nodes, connect=connect)] == ["a", "c"]  # c: no port to probe
+
+
+PROGRAM = [Instruction(Op.LOAD, 0, (3, -1)), Instruction(Op.RUN, 0, stage=0, phase=FORWARD, micro_batch=0)]
+
+
+@pytest.mark.parametrize("progress,step,expected", [
+    ((5, 2, 1), 2, "at instruction #1 `RUN 0F0`"),
+    ((5, 1, 1), 2, "before its first instruction of step 2 (it had entered #1 of step 1)"),
+    ((4, 2, 1), 2, "(instruction unknown: no progress record of this executable readable from the driver)"),
+    (None, 2, "(instruction unknown: no progress record of this executable readable from the driver)"),
+])
+def test_a_lost_worker_is_placed_by_its_progress_record(progress, step, expected):
+    assert died_at(progress, 5, step, PROGRAM) == expected
+
+
+def test_a_loopback_address_is_dialled_from_loopback():
+    calls = []
+    for address in ("127.0.0.1:6379", "localhost:6379", "[::1]:6379", "10.0.0.1:6379", "auto"):
+        connect_ray(address, init=lambda **kwargs: calls.append(kwargs.get("_node_ip_address")))
+    assert calls == ["127.0.0.1", "127.0.0.1", "127.0.0.1", None, None]
+    assert [is_loopback_address(a) for a in ("127.0.0.2:1", "example.com:1")] == [True, False]
+
+
+def test_a_worker_away_from_the_drivers_host_keeps_no_progress_record(tmp_path):
+    from alpa_like.runtime.ray_worker import MeshWorker
+    assert MeshWorker({}, str(tmp_path / "missing" / "worker0.progress"))._progress is None
+    here = MeshWorker({}, str(tmp_path / "worker0.progress"))
+    assert here._progress is not None and list(here._progress) == [-1, -1, -1]
+
+
+def test_doctests():
+    from alpa_like.runtime import ray_nodes
+    assert doctest.testmod(ray_nodes).failed == 0
