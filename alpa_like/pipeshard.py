@@ -98,6 +98,11 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
     the local MPMD backend's by default, another backend's through ``make_executable`` (same arguments).
     ``donate_argnums``' leaves are donated by the pipeline schedules of both backends; the TeraPipe schedule
     does not donate (with a warning)."""
+    if method.pipeline_schedule.splits_backward:
+        raise NotImplementedError(
+            f"pipeline_schedule={str(method.pipeline_schedule)!r} can be planned (al.plan) and simulated "
+            f"(alpa_like.compiler.schedules.make_schedule) but not yet run: no backend runs a backward split into "
+            f"input-gradient (B) and weight-gradient (W) executables; run with '1f1b' meanwhile")
     if method.pipeline_schedule == ScheduleName.TERAPIPE and make_executable is not PipeshardExecutable:
         raise NotImplementedError("pipeline_schedule='terapipe' runs on the local backend only (al.init('local'))")
     if make_executable is not PipeshardExecutable:  # other backends all-reduce gradients in every backward

@@ -143,14 +143,16 @@ def _fixed_solution(costs: StageCosts, layout, num_micro_batches: int, choose_vi
                                   step_seconds=costs.step_seconds_of(i, j, p)))
     stages = price_placed_stages(costs, stages, cluster.num_devices_per_node)
     t = [s.t_intra for s in stages]
-    return StageSolution(stages=tuple(stages), iteration_time=pipeline_latency(stages, num_micro_batches),
+    return StageSolution(stages=tuple(stages), iteration_time=pipeline_latency(stages, num_micro_batches, schedule),
                          t_max=max(t), num_micro_batches=num_micro_batches, num_t_max_evaluated=0)
 
 
 def settles_estimates(method: PipeshardParallel) -> bool:
     """Whether the planner simulates the DP's plans under :func:`estimate_tables`: the simulated backend
-    runs the schedule (one stage per mesh; not TeraPipe) and the DP chose the stages."""
+    runs the schedule (one stage per mesh; not TeraPipe, nor a zero-bubble one, which no instruction program
+    runs) and the DP chose the stages."""
     return (method.virtual_stages == 1 and method.pipeline_schedule != ScheduleName.TERAPIPE
+            and not method.pipeline_schedule.splits_backward
             and isinstance(method.stage_option, AutoStageOption))
 
 

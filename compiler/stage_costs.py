@@ -13,6 +13,7 @@ import numpy as np
 
 from alpa_like.compiler.indices import StageIdx, SubmeshIdx
 from alpa_like.compiler.logical_mesh import logical_shapes as all_logical_shapes
+from alpa_like.compiler.schedules import ScheduleName, schedule_name
 from alpa_like.compiler.submesh import Shape
 
 _GIB = 2**30
@@ -217,10 +218,11 @@ class StageSolution:
         return tuple(stage.num_layers for stage in self.stages)
 
     @classmethod
-    def of(cls, stages: Sequence[StageChoice], num_micro_batches: int, num_t_max_evaluated: int = 0) -> StageSolution:
-        """The solution made of ``stages``, its latency by :func:`pipeline_latency`."""
+    def of(cls, stages: Sequence[StageChoice], num_micro_batches: int, num_t_max_evaluated: int = 0,
+           schedule: ScheduleName | str = ScheduleName.ONE_F_ONE_B) -> StageSolution:
+        """The solution made of ``stages``, its latency by :func:`pipeline_latency` under ``schedule``."""
         times = [stage.t_intra for stage in stages]
-        return cls(stages=tuple(stages), iteration_time=pipeline_latency(stages, num_micro_batches),
+        return cls(stages=tuple(stages), iteration_time=pipeline_latency(stages, num_micro_batches, schedule),
                    t_max=max(times), num_micro_batches=num_micro_batches, num_t_max_evaluated=num_t_max_evaluated)
 
     def stage_of_layer(self, layer: int) -> StageIdx:
@@ -236,9 +238,13 @@ class StageSolution:
         return "\n".join([head] + [f"  stage {q}: {stage}" for q, stage in enumerate(self.stages)])
 
 
-def pipeline_latency(stages: Sequence[StageChoice], num_micro_batches: int) -> float:
+def pipeline_latency(stages: Sequence[StageChoice], num_micro_batches: int,
+                     schedule: ScheduleName | str = ScheduleName.ONE_F_ONE_B) -> float:
     """Eq. 3.2 for these stages plus the longest of their per-step terms, which run at the same time on their
-    own meshes: ``sum(t) + (B - 1) * max(t) + max(step)``.
+    own meshes: ``sum(t) + (B - 1) * max(t) + max(step)``. Under a zero-bubble schedule the fill and drain
+    is the schedule's share ``c`` of it (:attr:`~alpa_like.compiler.schedules.ScheduleName.bubble_weight`):
+    ``c * sum(t) + (B - c) * max(t) + max(step)``; with ``S`` equal stages of time ``t`` that is the
+    paper's ``B t + (S - 1)(T_F + T_B - T_W)`` for ZB-H1 with ``T_F = T_B = T_W = t / 3``.
 
     >>> a = StageChoice(layers=(0, 0), submesh_index=SubmeshIdx(0), submesh=(1, 1), logical_shape=(1, 1),
     ...                 view_index=0, variant="", t_intra=2.0, memory_per_device=0.0)
@@ -246,7 +252,9 @@ def pipeline_latency(stages: Sequence[StageChoice], num_micro_batches: int) -> f
     9.5
     """
     times = [stage.t_intra for stage in stages]
-    return sum(times) + (num_micro_batches - 1) * max(times) + max(stage.step_seconds for stage in stages)
+    weight = float(schedule_name(schedule).bubble_weight)
+    return (weight * sum(times) + (num_micro_batches - weight) * max(times)
+            + max(stage.step_seconds for stage in stages))
 
 
 def int_pair(value: object, what: str) -> tuple[int, int]:

@@ -184,13 +184,22 @@ def solve_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_micro_ba
     _check_inputs(costs, (n_nodes, per_node), device_memory, epsilon)
     num_devices = n_nodes * per_node
     sizes = costs.sizes
-    in_flight = micro_batches_in_flight(schedule, min(costs.num_layers, num_devices), batches)
-    eff, view = _effective_costs(costs, in_flight, device_memory)
+    max_stages = min(costs.num_layers, num_devices)
     placement = _Placement.of(costs, num_devices, per_node)
-
+    weight = float(schedule.bubble_weight)
     step = _step_costs(costs)
-    found, evaluated = _best_t_max(eff, sizes, num_devices, placement, batches, epsilon, prune)
-    if found is None:
+    answers = []  # (total, t_max, eff, view, in_flight) for each memory rule
+    evaluated = 0
+    for in_flight, depth in _memory_rules(schedule, max_stages, batches):
+        eff, view = _effective_costs(costs, in_flight, device_memory)
+        eff[depth:] = np.inf
+        answer, runs = _solve_rule(eff, sizes, num_devices, placement, batches, weight, epsilon, prune, step)
+        evaluated += runs
+        if answer is not None:
+            answers.append((*answer, view, in_flight))
+    if not answers:
+        in_flight = micro_batches_in_flight(schedule, max_stages, batches)
+        eff, _ = _effective_costs(costs, in_flight, device_memory)
         if placement is not None and placement.nic is not None and _best_t_max(eff, sizes, num_devices, None,
                                                                                 batches, epsilon, prune)[0]:
             raise ValueError(
@@ -198,6 +207,38 @@ def solve_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_micro_ba
                 f"whole-node meshes at node boundaries) fits the {n_nodes} x {per_node} cluster; with "
                 f"nic_wait (shared NICs) the stage DP considers only those, and only misaligned plans fit")
         raise _infeasible_error(costs, (n_nodes, per_node), in_flight, device_memory, schedule, batches)
+    _, t_max, eff, view, in_flight = min(answers, key=lambda answer: answer[0])
+    stages = _reconstruct(costs, eff, view, t_max, num_devices, in_flight, placement)
+    return StageSolution.of(price_placed_stages(costs, stages, per_node), batches, num_t_max_evaluated=evaluated,
+                            schedule=schedule)
+
+
+def _memory_rules(schedule: ScheduleName, max_stages: int, batches: int) -> list[tuple[np.ndarray, int]]:
+    """``(in_flight, depth)`` pairs: solve Eq. 3.3-3.4 once per pair over plans of at most ``depth`` stages,
+    the ``s``-th stage from the end holding ``in_flight[s - 1]`` micro-batches. One pair, Eq. 3.5's rule, for
+    the schedules whose stages hold :func:`micro_batches_in_flight`; for the zero-bubble ones, whose every
+    stage holds as many as the pipeline's depth ``S`` sets (``min(S, B)`` for ZB-H1, ``min(2S - 1, B)`` for
+    ZB-H2, counted from ``F`` to ``W``), one pair per ``S <= B``: each plan is priced exactly at its own
+    depth and never cheaper at a deeper one (more memory held), so the least answer is the optimum."""
+    if not schedule.splits_backward:
+        return [(micro_batches_in_flight(schedule, max_stages, batches), max_stages)]
+    return [(np.full(max_stages, _zero_bubble_held(schedule, depth, batches)), depth)
+            for depth in range(1, min(max_stages, batches) + 1)]
+
+
+def _zero_bubble_held(schedule: ScheduleName, depth: int, batches: int) -> int:
+    """Micro-batches every stage of a ``depth``-stage zero-bubble pipeline holds (its schedule's peak)."""
+    return min(depth if schedule == ScheduleName.ZB_H1 else 2 * depth - 1, batches)
+
+
+def _solve_rule(eff: np.ndarray, sizes: np.ndarray, num_devices: int, placement: _Placement | None, batches: int,
+                weight: float, epsilon: float, prune: bool, step: np.ndarray | None
+                ) -> tuple[tuple[float, float, np.ndarray] | None, int]:
+    """``((total, t_max, eff), runs)`` of the best plan on ``eff`` with the per-step terms (module docstring),
+    or ``(None, runs)`` when none exists."""
+    found, evaluated = _best_t_max(eff, sizes, num_devices, placement, batches, epsilon, prune, weight=weight)
+    if found is None:
+        return None, evaluated
     usable = np.isfinite(eff).any(axis=0) & np.isfinite(step) if step is not None else None
     levels = [] if step is None else _t_max_groups(np.unique(step[usable]), epsilon)
     top = levels[-1][1] if levels else 0.0
@@ -208,22 +249,24 @@ def solve_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_micro_ba
             break
         capped = np.where(step[None] <= level, eff, np.inf)
         found, runs = _best_t_max(capped, sizes, num_devices, placement, batches, epsilon, prune,
-                                  bound=best[0] - level if prune else math.inf)
+                                  bound=best[0] - level if prune else math.inf, weight=weight)
         evaluated += runs
         if found is not None and found[0] + level < best[0]:
             best = (found[0] + level, found[1], capped)
-    stages = _reconstruct(costs, best[2], view, best[1], num_devices, in_flight, placement)
-    return StageSolution.of(price_placed_stages(costs, stages, per_node), batches, num_t_max_evaluated=evaluated)
+    return best, evaluated
 
 
 def _best_t_max(eff: np.ndarray, sizes: np.ndarray, num_devices: int, placement: _Placement | None,
                 batches: int, epsilon: float, prune: bool,
-                bound: float = math.inf) -> tuple[tuple[float, float] | None, int]:
+                bound: float = math.inf, weight: float = 1.0) -> tuple[tuple[float, float] | None, int]:
     """Eq. 3.4 over the t_max candidates of ``eff`` (Alg. 2 lines 27-30, searched by :func:`_search`):
     ``((T*, t_max), runs)``, or ``(None, runs)`` when no plan exists or none costs less than ``bound`` (a
-    plan whose slowest stage takes ``t`` costs at least ``B t``); ``runs`` = DP runs spent."""
+    plan whose slowest stage takes ``t`` costs at least ``B t``); ``runs`` = DP runs spent. ``weight`` is the
+    schedule's :attr:`~alpa_like.compiler.schedules.ScheduleName.bubble_weight` ``c``: the objective is
+    ``c F + (B - c) t_max`` (Eq. 3.4 for ``c = 1``)."""
     def total(t_max: float) -> float:
-        return float(_best_finals(eff, t_max, sizes, num_devices, placement)[0].min()) + (batches - 1) * t_max
+        finals = float(_best_finals(eff, t_max, sizes, num_devices, placement)[0].min())
+        return weight * finals + (batches - weight) * t_max
 
     groups = [g for g in _t_max_groups(_stage_time_candidates(eff, placement), epsilon) if batches * g[0] < bound]
     solved: dict[int, float] = {}
@@ -235,7 +278,7 @@ def _best_t_max(eff: np.ndarray, sizes: np.ndarray, num_devices: int, placement:
 
     if not groups or not math.isfinite(solve(len(groups) - 1)):
         return None, len(solved)
-    best_g = _search(groups, solve, batches) if prune else min(range(len(groups)), key=solve)
+    best_g = _search(groups, solve, batches, weight) if prune else min(range(len(groups)), key=solve)
     return (solve(best_g), groups[best_g][1]), len(solved)
 
 
@@ -364,8 +407,11 @@ def _best_finals(eff: np.ndarray, t_max: float, sizes: np.ndarray, num_devices: 
 
 def micro_batches_in_flight(schedule: ScheduleName | str, max_stages: int, batches: int) -> np.ndarray:
     """Micro-batches of activations held by the ``s``-th stage from the end, ``s = 1..max_stages`` (Eq. 3.5's
-    multiplier of ``mem_act``)."""
+    multiplier of ``mem_act``). A zero-bubble schedule's stages all hold what a ``max_stages``-deep pipeline
+    sets (exact for a pipeline of ``max_stages`` stages, more than a shallower one holds)."""
     schedule = schedule_name(schedule)
+    if schedule.splits_backward:
+        return np.full(max_stages, _zero_bubble_held(schedule, max_stages, batches))
     s = np.arange(1, max_stages + 1)
     return np.full(max_stages, batches) if schedule.holds_every_micro_batch else np.minimum(s, batches)
 
@@ -524,7 +570,8 @@ def _t_max_groups(values: np.ndarray, epsilon: float) -> list[tuple[float, float
     return groups
 
 
-def _search(groups: list[tuple[float, float]], solve: Callable[[int], float], batches: int) -> int:
+def _search(groups: list[tuple[float, float]], solve: Callable[[int], float], batches: int,
+            weight: float = 1.0) -> int:
     """Index of the group with the least Eq. 3.4 value, solving as few groups as possible (exact).
 
     1. Bisection for the first feasible group (feasibility only grows with t_max).
@@ -535,7 +582,9 @@ def _search(groups: list[tuple[float, float]], solve: Callable[[int], float], ba
        split at its middle.
 
     Step 3 is ours (Alg. 2 scans every group up to the step-2 limit); it returns the same group as the full
-    scan, up to ties between equal ``T*`` values.
+    scan, up to ties between equal ``T*`` values. With a schedule's ``weight`` ``c`` (``T*(g) = c F(g) +
+    (B - c) t_g``, :func:`_best_t_max`) every step holds as written with ``B - c`` for ``B - 1``, as
+    ``c F >= c t`` keeps ``T* >= B t``.
     """
     lows = np.array([lo for lo, _ in groups])
     lo, hi = 0, len(groups) - 1  # Invariant: groups[hi] is feasible.
@@ -552,8 +601,8 @@ def _search(groups: list[tuple[float, float]], solve: Callable[[int], float], ba
             continue
         if solve(b) < best:
             best_g, best = b, solve(b)
-        f_b = solve(b) - (batches - 1) * groups[b][1]
-        if b - a <= 1 or f_b + (batches - 1) * groups[a + 1][1] >= best:  # Step 3.
+        f_b = solve(b) - (batches - weight) * groups[b][1]
+        if b - a <= 1 or f_b + (batches - weight) * groups[a + 1][1] >= best:  # Step 3.
             continue
         mid = (a + b) // 2
         intervals += [(mid, b), (a, mid)]  # Lower half first.

@@ -14,7 +14,7 @@ from alpa_like.compiler.indices import SubmeshIdx
 from alpa_like.compiler.schedules import ScheduleName, schedule_name
 from alpa_like.compiler.stage_construction import StagePiece, StageProgram, apply_order, micro_batch_key_draws
 from alpa_like.compiler.stage_costs import StageChoice, StageCosts, StageSolution, pipeline_latency
-from alpa_like.compiler.stage_dp import aligned_plans_only
+from alpa_like.compiler.stage_dp import aligned_plans_only, micro_batches_in_flight
 from alpa_like.compiler.stage_placement import contiguous_offsets, price_placed_stages
 
 
@@ -61,13 +61,14 @@ def brute_force_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_mi
     k, num_devices = costs.num_layers, n_nodes * per_node
     aligned_only = aligned_plans_only(costs, cluster_shape)
     best: tuple[float, tuple[StageChoice, ...]] | None = None
-    for num_stages in range(1, min(k, num_devices) + 1):
+    for num_stages in range(1, min(k, num_devices, batches if schedule.splits_backward else k) + 1):
+        held_by = micro_batches_in_flight(schedule, num_stages, batches)[::-1]  # first stage first
         for cuts in itertools.combinations(range(1, k), num_stages - 1):
             bounds = (0, *cuts, k)
             options = []
             for q in range(num_stages):
                 first, last = bounds[q], bounds[q + 1] - 1
-                held = batches if schedule.holds_every_micro_batch else min(num_stages - q, batches)
+                held = int(held_by[q])
                 options.append([
                     StageChoice(layers=(first, last), submesh_index=SubmeshIdx(p), submesh=sub,
                                 logical_shape=costs.logical_shapes[p][l], view_index=l,
@@ -84,10 +85,10 @@ def brute_force_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_mi
                                                        per_node) is None:
                     continue
                 plan = price_placed_stages(costs, plan, per_node)
-                value = pipeline_latency(plan, batches)
+                value = pipeline_latency(plan, batches, schedule)
                 if best is None or value < best[0]:
                     best = (value, plan)
-    return None if best is None else StageSolution.of(best[1], batches)
+    return None if best is None else StageSolution.of(best[1], batches, schedule=schedule)
 
 
 def _plans_with_devices(options: list[list[StageChoice]], num_devices: int):

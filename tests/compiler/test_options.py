@@ -22,5 +22,5 @@ def test_pipeline_schedule_takes_a_schedule_name_or_its_string():
     assert "pipeline_schedule='breadth_first'" in repr(by_string)  # plans hold the repr: it reads as written
     assert method_summary(repr(al.PipeshardParallel(pipeline_schedule="1f1b"))) == "PipeshardParallel()"
     with pytest.raises(ValueError, match=r"pipeline_schedule must be one of \('gpipe', '1f1b', 'interleaved_1f1b', "
-                                         r"'breadth_first', 'terapipe'\), got 'zb'"):
+                                         r"'breadth_first', 'terapipe', 'zb_h1', 'zb_h2'\), got 'zb'"):
         al.PipeshardParallel(pipeline_schedule="zb")

@@ -3,6 +3,7 @@ import dataclasses
 import doctest
 import math
 import time
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from alpa_like.compiler import stage_dp as stage_dp_module
 from alpa_like.compiler.logical_mesh import logical_shapes
-from alpa_like.compiler.schedules import ScheduleName
+from alpa_like.compiler.schedules import ScheduleName, make_schedule
 from alpa_like.compiler import stage_costs, stage_placement
 from alpa_like.compiler.stage_costs import StageCosts
 from alpa_like.compiler.stage_dp import micro_batches_in_flight, solve_stages
@@ -159,19 +160,20 @@ def check_solution(solution, costs, cluster, batches, device_memory, schedule="1
         assert costs.logical_shapes[p][l] == stage.logical_shape and costs.variants[p][l] == stage.variant
         assert costs.submeshes[p] == stage.submesh
         assert stage.t_intra == pytest.approx(placed_t_intra(costs, stages, cluster)[q], rel=1e-12, abs=1e-12)
-        held = batches if schedule == "gpipe" else min(len(stages) - q, batches)
+        held = micro_batches_in_flight(schedule, len(stages), batches)[len(stages) - 1 - q]
         memory = costs.mem_stage[i, j, p, l] + held * costs.mem_act[i, j, p, l]
         assert stage.memory_per_device == pytest.approx(memory)
         assert memory <= device_memory
     times = [stage.t_intra for stage in stages]
     assert solution.t_max == max(times)
-    assert solution.iteration_time == pytest.approx(sum(times) + (batches - 1) * max(times), rel=1e-12)
+    c = float(ScheduleName(schedule).bubble_weight)
+    assert solution.iteration_time == pytest.approx(c * sum(times) + (batches - c) * max(times), rel=1e-12)
     assign_devices(solution.submeshes, *cluster)  # Placeable (App. 3.11).
 
 
 @settings(max_examples=200, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), num_layers=st.integers(1, 5), cluster=st.sampled_from(SMALL_CLUSTERS),
-       batches=st.integers(1, 12), schedule=st.sampled_from(["1f1b", "gpipe"]))
+       batches=st.integers(1, 12), schedule=st.sampled_from(["1f1b", "gpipe", "zb_h1", "zb_h2"]))
 def test_dp_equals_brute_force(seed, num_layers, cluster, batches, schedule):
     costs = random_costs(seed, num_layers, cluster)
     expected = brute_force_stages(costs, cluster, batches, 10.0, schedule=schedule)
@@ -501,9 +503,37 @@ def test_every_pipeline_schedule_prices_memory_by_its_own_rule(schedule):
     """The DP takes any schedule name: breadth-first and TeraPipe hold every micro-batch as GPipe does,
     interleaved 1F1B holds 1F1B's ``min(s, B)`` (Eq. 3.5)."""
     in_flight = micro_batches_in_flight(schedule, 3, 8).tolist()
-    assert in_flight == ([8, 8, 8] if schedule.holds_every_micro_batch else [1, 2, 3])
+    zero_bubble = {ScheduleName.ZB_H1: [3, 3, 3], ScheduleName.ZB_H2: [5, 5, 5]}  # every stage: the depth's peak
+    assert in_flight == zero_bubble.get(schedule, [8, 8, 8] if schedule.holds_every_micro_batch else [1, 2, 3])
     layers = solve_stages(_two_layer_costs(4.0, 1.5), (1, 2), 4, 8.0, schedule=schedule).layers_per_stage
-    assert layers == ((2,) if schedule.holds_every_micro_batch else (1, 1))
+    # ZB-H2 holds 2 * 2 - 1 = 3 micro-batches on both of two stages: 4 + 3 * 1.5 > 8.
+    assert layers == ((2,) if schedule.holds_every_micro_batch or schedule == ScheduleName.ZB_H2 else (1, 1))
+
+
+@pytest.mark.parametrize("schedule,num_stages,batches", [
+    (name, s, b) for name in ("1f1b", "zb_h1", "zb_h2") for s in (1, 2, 3, 4) for b in (4, 5, 8)])
+def test_zero_bubble_latency_is_the_simulated_step_of_its_schedule(schedule, num_stages, batches):
+    """``S`` equal stages of time t = 3 (T_F = T_B = T_W = 1 under a split backward): the DP's objective is
+    the schedule simulator's step, ``(B + S - 1) t`` for 1F1B and ``B t + (S - 1) t / 3`` for ZB-H1 and ZB-H2
+    (the paper's ``(S - 1)(T_F + T_B - T_W)``); and the DP prices the plan it picks the same way."""
+    costs = StageCosts.from_fn(num_stages, [(1, 1)], lambda i, j, sub, view: (3.0 * (j - i + 1), 0.0, 0.0),
+                               logical_shapes=[[(1, 1)]])
+    solution = solve_stages(costs, (1, num_stages), batches, 1.0, schedule=schedule)
+    sched = make_schedule(schedule, num_stages, batches)
+    durations = (1, 1, 1) if sched.splits_backward else (1, 2)
+    assert solution.layers_per_stage == (1,) * num_stages
+    assert solution.iteration_time == pytest.approx(float(sched.timeline(*durations).makespan), rel=1e-12)
+    weight = 1 if schedule == "1f1b" else Fraction(1, 3)
+    assert solution.iteration_time == pytest.approx(float(batches * 3 + (num_stages - 1) * 3 * weight), rel=1e-12)
+
+
+def test_zero_bubble_prices_a_third_of_the_fill_and_drain():
+    """Four 1 s layers on four (1, 1) meshes, B = 4: ZB-H1's fill and drain is a third of 1F1B's, 4 + 3 / 3
+    = 5 against 4 + 3 = 7."""
+    costs = StageCosts.from_fn(4, [(1, 1)], lambda i, j, sub, view: (float(j - i + 1), 0.0, 0.0),
+                               logical_shapes=[[(1, 1)]])
+    assert solve_stages(costs, (1, 4), 4, 1.0, schedule="zb_h1").iteration_time == pytest.approx(5.0)
+    assert solve_stages(costs, (1, 4), 4, 1.0, schedule="1f1b").iteration_time == pytest.approx(7.0)
 
 
 def test_a_memory_lean_variant_is_chosen_exactly_where_the_fastest_does_not_fit():
@@ -559,7 +589,8 @@ def test_bad_inputs_are_rejected_with_their_values():
     with pytest.raises(ValueError, match=r"submeshes \[\(2, 2\)\] are not submesh shapes of the 1 x 4 cluster"):
         solve_stages(StageCosts.from_fn(1, [(2, 2)], lambda *a: (1.0, 0, 0)), (1, 4), 1, GIB)
     with pytest.raises(ValueError, match=r"unknown schedule 'zb'; valid: "
-                                         r"\['1f1b', 'breadth_first', 'gpipe', 'interleaved_1f1b', 'terapipe'\]"):
+                                         r"\['1f1b', 'breadth_first', 'gpipe', 'interleaved_1f1b', 'terapipe', "
+                                         r"'zb_h1', 'zb_h2'\]"):
         solve_stages(good, (1, 2), 4, GIB, schedule="zb")
     with pytest.raises(ValueError, match="num_micro_batches must be an int >= 1, got 0"):
         solve_stages(good, (1, 2), 0, GIB)
@@ -688,3 +719,21 @@ def test_step_seconds_are_checked():
         dataclasses.replace(costs, step_seconds=np.zeros((2, 2)))
     with pytest.raises(ValueError, match="step_seconds must hold finite numbers >= 0"):
         dataclasses.replace(costs, step_seconds=-np.ones((2, 2, 1)))
+
+
+def test_a_zero_bubble_schedule_is_planned_but_not_run():
+    """``al.plan`` plans a zero-bubble schedule with its own pricing (AutoStageOption); compiling it to run
+    raises NotImplementedError naming the schedule, as no backend runs a split backward."""
+    import alpa_like as al
+    from tests.helpers import make_train_step, mlp_batch, mlp_loss, mlp_state
+
+    sizes = (16, 32, 16)
+    state, batch = mlp_state(sizes=sizes), mlp_batch(np.random.default_rng(0), sizes=sizes)
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2),
+                                  stage_option=al.AutoStageOption(), pipeline_schedule="zb_h1")
+    cluster = al.ClusterSpec.preset("p3.16xlarge")
+    plan = al.plan(make_train_step(mlp_loss), state, batch, method=method, cluster=cluster)
+    assert plan.pipeline_schedule == ScheduleName.ZB_H1 and plan.estimated_iteration_time > 0
+    step = al.parallelize(make_train_step(mlp_loss), method=method)
+    with pytest.raises(NotImplementedError, match="'zb_h1' can be planned .* but not yet run"):
+        step(state, batch)
