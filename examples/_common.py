@@ -19,3 +19,18 @@ def write_results(path: str, rows: list) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1))
     print(f"wrote {out}")
+
+
+def seconds_per_step(step, state, batch, steps: int):
+    """Seconds per call of ``steps`` calls of ``step(state, batch) -> (state, loss)``, each fed the last
+    call's state (as in training), and that state."""
+    import time
+
+    import jax
+
+    jax.block_until_ready(state)
+    start = time.perf_counter()
+    for _ in range(steps):
+        state, loss = step(state, batch)
+    jax.block_until_ready((state, loss))
+    return (time.perf_counter() - start) / steps, state

@@ -37,7 +37,7 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
-from _common import use_cpu_devices, write_results  # noqa: E402
+from _common import seconds_per_step, use_cpu_devices, write_results  # noqa: E402
 
 use_cpu_devices()
 # GPT-1.3B at batch 8 needs most of an 80 GB device; JAX's default preallocation is 75% of it.
@@ -289,16 +289,6 @@ def first_step(name: str, loss_fn, state, batch, cluster: al.ClusterSpec, row: d
         row["predicted_step_s"] = plan.estimated_iteration_time
         row["predicted_peak_memory_bytes"] = plan.stages[0].peak_memory_per_device
     return step, state
-
-
-def seconds_per_step(step, state, batch, steps: int) -> tuple[float, object]:
-    """Seconds per step of ``steps`` steps, each fed the last one's state (as in training), and that state."""
-    jax.block_until_ready(state)
-    start = time.perf_counter()
-    for _ in range(steps):
-        state, loss = step(state, batch)
-    jax.block_until_ready((state, loss))
-    return (time.perf_counter() - start) / steps, state
 
 
 # -------------------------------------------------------------------------------------------------- report

@@ -14,11 +14,10 @@ that time's share of the step.
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
-from _common import use_cpu_devices, write_results  # noqa: E402
+from _common import seconds_per_step, use_cpu_devices, write_results  # noqa: E402
 
 use_cpu_devices()
 
@@ -65,16 +64,6 @@ def make_step(loss_fn, grad=al.value_and_grad):
     return train_step
 
 
-def time_steps(step, state, batch, steps: int) -> tuple[float, object]:
-    """Seconds per call of ``steps`` calls, each fed the last call's state (as in training)."""
-    jax.block_until_ready(state)
-    start = time.perf_counter()
-    for _ in range(steps):
-        state, loss = step(state, batch)
-    jax.block_until_ready((state, loss))
-    return (time.perf_counter() - start) / steps, state
-
-
 def method_overhead(case_name: str, case, rounds: int, steps: int) -> list[dict]:
     """One row per method: median seconds per step and median ratio to jax.jit over interleaved rounds."""
     loss_fn, params, batch = case
@@ -94,7 +83,7 @@ def method_overhead(case_name: str, case, rounds: int, steps: int) -> list[dict]
     seconds = {name: [] for name in variants}
     for _ in range(rounds):
         for name, step in variants.items():
-            per_step, states[name] = time_steps(step, states[name], batch, steps)
+            per_step, states[name] = seconds_per_step(step, states[name], batch, steps)
             seconds[name].append(per_step)
     al.shutdown()
     jit = seconds["jax.jit"]
@@ -116,7 +105,7 @@ def pipeline_driver(model: str, batch_size: int, micro_batches: int, steps: int)
     for _ in range(2):
         state, loss = step(state, batch)
     exe = step.get_executable(state, batch)
-    per_step, state = time_steps(step, state, batch, steps)
+    per_step, state = seconds_per_step(step, state, batch, steps)
     drivers, shares = [], []
     for _ in range(3):
         exe.run(state, batch, profile=True)
