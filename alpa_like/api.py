@@ -14,7 +14,8 @@ from alpa_like.compiler.cluster import ClusterSpec
 from alpa_like.compiler.trace import argument_names, leaf_aval, path_to_str
 from alpa_like.compiler.options import METHODS, CreateStateParallel, DataParallel, FollowParallel, PipeshardParallel
 from alpa_like.methods import spmd_layout
-from alpa_like.compiler.plan import ParallelPlan, memory_message
+from alpa_like.compiler.plan import ParallelPlan
+from alpa_like.compiler.plan_format import memory_message
 from alpa_like.compiler.pipeline import plan_spmd
 from alpa_like.compiler.spmd_planning import spmd_plan
 from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable

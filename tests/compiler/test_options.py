@@ -5,7 +5,7 @@ import pytest
 
 import alpa_like as al
 from alpa_like.compiler import options
-from alpa_like.compiler.plan import method_summary
+from alpa_like.compiler.plan_format import method_summary
 from alpa_like.compiler.schedules import ScheduleName
 
 

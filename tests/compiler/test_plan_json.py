@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import alpa_like as al
-from alpa_like.compiler import fields
+from alpa_like.compiler import fields, plan_format
 from alpa_like.compiler.plan import PlanCandidate
 from tests.helpers import make_train_step, mlp_loss
 
@@ -249,3 +249,4 @@ def test_mutated_plans_load_to_valid_plans_or_raise_value_error(valid_docs, data
 def test_doctests():
     assert doctest.testmod(fields).failed == 0
     assert doctest.testmod(plan_module).failed == 0
+    assert doctest.testmod(plan_format).failed == 0
