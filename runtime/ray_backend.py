@@ -28,15 +28,14 @@ becomes a :class:`RayStepError` naming the mesh and the instruction (and, for a 
 node was lost, the Ray node); the other workers are aborted, so the call never hangs. The executable is then
 unusable: ``al.shutdown()`` and ``al.init(...)`` start afresh, on the nodes then alive.
 
-The local Ray (``address=None`` and no Ray running): :func:`start_local_ray` starts a new single-node cluster
-whose every server listens on loopback only (node IP 127.0.0.1, no dashboard), with Ray's token authentication
-as Ray sets it for a new local cluster, and retries a start that timed out (see ``docs/ray.md``).
+The local Ray (``address=None`` and no Ray running): :func:`~alpa_like.runtime.ray_startup.start_local_ray`
+starts a new single-node cluster whose every server listens on loopback only (node IP 127.0.0.1, no
+dashboard), with Ray's token authentication as Ray sets it for a new local cluster, and retries a start that
+timed out (see ``docs/ray.md``). What ships to the workers is built by :mod:`~alpa_like.runtime.ray_programs`.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import ipaddress
 import itertools
 import math
 import numbers
@@ -47,7 +46,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -56,14 +55,15 @@ import numpy as np
 from alpa_like.compiler.cluster import ClusterSpec
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler import jax_compat
-from alpa_like.compiler.micro_batch_keys import KeyDraws
 from alpa_like.compiler.optional_imports import require
 from alpa_like.compiler.stage_construction import StageProgram, micro_batch_key_draws
 from alpa_like.compiler.trace import updated_inputs
 from alpa_like.runtime.instructions import MeshPrograms, Op
-from alpa_like.runtime.pipeshard_runtime import _piece_fn, input_donations
+from alpa_like.runtime.pipeshard_runtime import input_donations
 from alpa_like.runtime.ray_nodes import answering, choose_nodes, cluster_nodes, mesh_nodes, with_placements
-from alpa_like.runtime.ray_worker import MeshInfo, MeshWorker, ShippedPiece, WorkerProgram, WorkerStepError
+from alpa_like.runtime.ray_programs import export_piece, worker_programs
+from alpa_like.runtime.ray_startup import connect_ray, start_local_ray
+from alpa_like.runtime.ray_worker import MeshInfo, MeshWorker, WorkerStepError
 
 PLATFORMS = ("cpu", "gpu")
 POLL_SECONDS = 0.5
@@ -91,144 +91,6 @@ def died_at(progress: tuple[int, int, int] | None, exe_id: int, step: int | None
     if step is not None and progress[1] < step:
         return f"before its first instruction of step {step} (it had entered #{progress[2]} of step {progress[1]})"
     return "(instruction unknown)"
-
-
-# ------------------------------------------------------------------------------------------- the local Ray
-
-LOOPBACK = "127.0.0.1"
-GCS_PORT_WAIT_VARIABLE = "RAY_gcs_server_port_wait_time_s"
-"""Ray's limit (seconds, default 30) on waiting for the GCS server to bind its port."""
-
-
-def local_ray_options(num_cpus: int) -> dict[str, Any]:
-    """The ``ray.init`` arguments of the local Ray the backend starts: always a new cluster (``"local"``, never
-    one ``ray start`` left on the machine), node IP loopback, no dashboard, worker logs kept off the driver."""
-    return dict(address="local", _node_ip_address=LOOPBACK, include_dashboard=False, num_cpus=num_cpus,
-                log_to_driver=False)
-
-
-@contextlib.contextmanager
-def _loopback_node_ip():
-    """Lets ``ray.init(_node_ip_address="127.0.0.1")`` keep loopback as the node IP.
-
-    On Linux Ray swaps a loopback node IP for the machine's address (``services.resolve_ip_for_localhost``)
-    unless its multi-node mode is off, a flag it reads once at import (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``
-    into ``ray_constants.ENABLE_RAY_CLUSTER``). Given 127.0.0.1, the GCS, raylet, object manager, worker and
-    agent servers all bind loopback. Later lookups read the started node, so the flag is put back after.
-    """
-    from ray._private import ray_constants
-    saved = ray_constants.ENABLE_RAY_CLUSTER
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        yield
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved
-
-
-@contextlib.contextmanager
-def _gcs_port_wait(seconds: float):
-    """Ray's GCS port wait raised to ``seconds`` for the duration of a start, unless the user set it."""
-    if GCS_PORT_WAIT_VARIABLE in os.environ:
-        yield
-        return
-    os.environ[GCS_PORT_WAIT_VARIABLE] = str(max(1, math.ceil(seconds)))
-    try:
-        yield
-    finally:
-        os.environ.pop(GCS_PORT_WAIT_VARIABLE, None)
-
-
-def is_startup_timeout(error: BaseException) -> bool:
-    """Whether ``ray.init`` failed because a piece of Ray did not come up in time (Ray raises a bare
-    ``Exception("The current node timed out during startup...")`` when its raylet does not register within a
-    fixed 30 s)."""
-    return isinstance(error, TimeoutError) or "timed out" in str(error).lower()
-
-
-def _stop_half_started_node(error: BaseException) -> None:
-    """Stops the processes of the Ray node whose start raised ``error``: ``ray.init`` leaves them running (the
-    node never became the global node that ``ray.shutdown`` stops). The node is the ``self`` of a frame of
-    ``Node.__init__`` in the traceback; nothing happens when there is none."""
-    from ray._private.node import Node
-    tb = error.__traceback__
-    while tb is not None:
-        node = tb.tb_frame.f_locals.get("self")
-        if isinstance(node, Node):
-            node.kill_all_processes(check_alive=False, wait=True)
-            return
-        tb = tb.tb_next
-
-
-def start_local_ray(*, num_cpus: int, startup_timeout: float, init: Callable[..., Any] | None = None,
-                    clock: Callable[[], float] = time.monotonic):
-    """Starts the backend's local Ray (:func:`local_ray_options`) and returns ``init``'s context.
-
-    A start that times out (:func:`is_startup_timeout`; Ray's raylet wait is a fixed 30 s that a loaded
-    machine can exceed) has its half-started processes stopped and is tried again while ``startup_timeout``
-    seconds have not passed since the first try; Ray's GCS port wait is given what is left of them.
-
-    Args:
-      num_cpus: the CPUs the node offers to tasks and actors.
-      startup_timeout: seconds all tries together may take before the start fails.
-      init: ``ray.init`` (a stand-in in tests); ``clock``: seconds, monotonic.
-
-    Raises:
-      RuntimeError: every try timed out and ``startup_timeout`` is spent (the message says how to allow
-        longer), or the started node's IP is not loopback (Ray is then shut down).
-    """
-    import ray
-    init = init or ray.init
-    start, tries = clock(), 0
-    while True:
-        tries += 1
-        try:
-            with _loopback_node_ip(), _gcs_port_wait(startup_timeout - (clock() - start)):
-                context = init(**local_ray_options(num_cpus))
-            break
-        except Exception as e:  # noqa: BLE001  (Ray raises a bare Exception on a startup timeout)
-            if not is_startup_timeout(e):
-                raise
-            _stop_half_started_node(e)
-            elapsed = clock() - start
-            if elapsed >= startup_timeout:
-                raise RuntimeError(
-                    f"Ray backend: the local Ray's startup timed out ({tries} tries in {elapsed:.0f} s, "
-                    f"startup_timeout={startup_timeout:g} s; Ray said: {e}). The machine may be loaded: allow "
-                    "longer with al.init(cluster='ray', startup_timeout=...), or start Ray yourself "
-                    "(ray.init(...)) before al.init") from e
-    node_ip = context.address_info["node_ip_address"]
-    if node_ip != LOOPBACK:
-        ray.shutdown()
-        raise RuntimeError(f"Ray backend: the local Ray started with node IP {node_ip}, not {LOOPBACK}, so its "
-                           "servers would listen beyond this machine; it was shut down. Start Ray yourself "
-                           "(ray.init(...)) before al.init to choose its addresses")
-    return context
-
-
-def is_loopback_address(address: str) -> bool:
-    """Whether a Ray address (``"host:port"``) names this machine's loopback interface."""
-    host = address.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def connect_ray(address: str, init: Callable[..., Any] | None = None) -> None:
-    """Connects this process to the running Ray cluster at ``address`` (``"host:port"`` or ``"auto"``) as a
-    driver, without a dashboard or worker logs. A loopback address (a cluster started with
-    ``--node-ip-address=127.0.0.1``, as :class:`~alpa_like.runtime.ray_local_cluster.LocalCluster` does) is
-    dialled on loopback with the driver's node IP loopback too: Ray would otherwise swap 127.0.0.1 for the
-    machine's address, where such a cluster does not listen. ``init``: ``ray.init`` (a stand-in in tests)."""
-    import ray
-    init = init or ray.init
-    if not is_loopback_address(address):
-        init(address=address, include_dashboard=False, log_to_driver=False)
-        return
-    with _loopback_node_ip():
-        init(address=address, include_dashboard=False, log_to_driver=False, _node_ip_address=LOOPBACK)
 
 
 @dataclasses.dataclass
@@ -539,74 +401,6 @@ class RayCluster:
 def _is_positive_seconds(value) -> bool:
     """Whether ``value`` is a real number of seconds > 0 (not a bool)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0
-
-
-EXPORT_PLATFORMS = {"cpu": ("cpu",), "gpu": ("cuda",)}
-
-
-def export_piece(piece, platform: str = "cpu", draws: KeyDraws = ()) -> bytes:
-    """A stage piece as serialised ``jax.export`` StableHLO for ``platform``'s workers, exported for one
-    device (the worker's jit partitions it over its mesh); with ``draws`` it takes the micro-batch's index
-    last (:func:`~alpa_like.runtime.pipeshard_runtime._piece_fn`)."""
-    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in piece.jaxpr.in_avals]
-    if draws:
-        avals.append(jax.ShapeDtypeStruct((), np.uint32))
-    exported = jax.export.export(jax.jit(_piece_fn(piece, draws=draws)), platforms=EXPORT_PLATFORMS[platform])(*avals)
-    return bytes(exported.serialize())
-
-
-def worker_programs(program: StageProgram, programs: MeshPrograms, meshes: Sequence[MeshInfo],
-                    input_specs: dict, shipped: dict[tuple[int, str], bytes],
-                    num_micro_batches: int, returned: frozenset[int] = frozenset(),
-                    donations: dict[int, frozenset] | None = None) -> list[WorkerProgram]:
-    """Each mesh's :class:`WorkerProgram`: its instructions, the pieces of its stages, what it sends.
-
-    ``returned``: the step outputs that come back to the driver as values, each from the mesh that holds it
-    in ``programs.outputs`` (the others stay in the workers' stores). ``donations``: index of a RUN in
-    ``programs.instructions`` -> the donated inputs' buffers it donates
-    (:func:`~alpa_like.runtime.pipeshard_runtime.input_donations`); a buffer the mesh also sends to another
-    mesh is not donated (a background thread may still be reading it)."""
-    sends: list[dict] = [dict() for _ in meshes]
-    for ins in programs.instructions:
-        if ins.op is Op.RECV:
-            dsts = sends[ins.src_mesh].setdefault(ins.key, ())
-            if ins.mesh not in dsts:
-                sends[ins.src_mesh][ins.key] = dsts + (ins.mesh,)
-    out = []
-    draws = micro_batch_key_draws(program, num_micro_batches)
-    for k in range(len(meshes)):
-        instructions = programs.program(k)
-        stages = {ins.stage for ins in instructions if ins.op is Op.RUN}
-        pieces = {key: ShippedPiece(exported=shipped[key], inputs=p.inputs, outputs=p.outputs,
-                                    takes_micro_batch_index=key in draws)
-                  for key, p in program.pieces.items() if key[0] in stages}
-        loaded = {ins.key[0] for ins in instructions if ins.op is Op.LOAD}
-        constants = {v: np.asarray(c) for v, c in program.constants.items() if v in loaded}
-        held = held_at_end(program, instructions)
-        outputs = tuple((i, o[0]) for i, o in enumerate(programs.outputs)
-                        if o is not None and o[0] in held and i not in returned)
-        mine = tuple((i, o[0]) for i, o in enumerate(programs.outputs) if i in returned and o is not None and o[1] == k)
-        local = {g: j for j, g in enumerate(g for g, ins in enumerate(programs.instructions) if ins.mesh == k)}
-        donated = {local[g]: frozenset(keys - sends[k].keys()) for g, keys in (donations or {}).items() if g in local}
-        out.append(WorkerProgram(mesh=k, meshes=tuple(meshes), instructions=instructions, pieces=pieces,
-                                 sends=sends[k], input_specs=dict(input_specs), constants=constants,
-                                 num_micro_batches=num_micro_batches, outputs=outputs, returned=mine,
-                                 donations={j: keys for j, keys in donated.items() if keys},
-                                 per_example=program.per_example))
-    return out
-
-
-def held_at_end(program: StageProgram, instructions: Sequence) -> set:
-    """The buffers a mesh program holds when it ends: written (RUN, MEAN, LOAD, RECV) and not freed."""
-    held = set()
-    for ins in instructions:
-        if ins.op is Op.RUN:
-            held.update((v, ins.micro_batch) for v in program.piece(ins.stage, ins.phase).outputs)
-        elif ins.op in (Op.MEAN, Op.LOAD, Op.RECV):
-            held.add(ins.key)
-        elif ins.op is Op.FREE:
-            held.discard(ins.key)
-    return held
 
 
 class RayPipeshardExecutable:

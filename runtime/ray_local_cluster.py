@@ -9,7 +9,7 @@ one object store to the other, as between machines.
         ...
         cluster.remove_node(cluster.nodes[1])             # its raylet and workers killed: a lost node
 
-Like the backend's own local Ray (:func:`~alpa_like.runtime.ray_backend.start_local_ray`), every node listens
+Like the backend's own local Ray (:func:`~alpa_like.runtime.ray_startup.start_local_ray`), every node listens
 on 127.0.0.1 only, runs no dashboard and uses Ray's token authentication unless ``RAY_AUTH_MODE`` says
 otherwise. :meth:`LocalCluster.shutdown` (or leaving the ``with`` block) disconnects this process and stops
 every node's processes.
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from alpa_like.compiler.optional_imports import require
-from alpa_like.runtime.ray_backend import LOOPBACK, _loopback_node_ip
+from alpa_like.runtime.ray_startup import LOOPBACK, loopback_node_ip
 
 OBJECT_STORE_BYTES = 256 * 1024 * 1024
 """Each node's object store (Ray's test clusters default to 150 MiB)."""
@@ -54,7 +54,7 @@ class LocalCluster:
         self.num_cpus_per_node = num_cpus_per_node
         self.object_store_memory = object_store_memory
         _enable_token_auth()
-        with _loopback_node_ip():
+        with loopback_node_ip():
             self._cluster = cluster_utils.Cluster(initialize_head=True, head_node_args=self._node_args())
         try:
             for _ in range(num_nodes - 1):
@@ -79,7 +79,7 @@ class LocalCluster:
 
     def add_node(self) -> Any:
         """Starts one more node like the others; returns it once it has joined."""
-        with _loopback_node_ip():
+        with loopback_node_ip():
             return self._cluster.add_node(**self._node_args())
 
     def node(self, node_id: str) -> Any:

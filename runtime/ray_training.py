@@ -31,7 +31,8 @@ from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.stage_construction import StagePiece, StageProgram, ValueId
 from alpa_like.compiler.trace import TracedStep, leaf_aval
 from alpa_like.runtime.instructions import PER_STEP, Instruction, MeshPrograms, Op
-from alpa_like.runtime.ray_backend import EXPORT_PLATFORMS, RayPipeshardExecutable, RemoteArray, _get_all
+from alpa_like.runtime.ray_backend import RayPipeshardExecutable, RemoteArray, _get_all
+from alpa_like.runtime.ray_programs import EXPORT_PLATFORMS
 
 
 class RayCreateStateExecutable:

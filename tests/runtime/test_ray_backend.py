@@ -14,7 +14,8 @@ import pytest
 import alpa_like as al
 from alpa_like.pipeshard import compile_pipeshard
 from alpa_like.runtime.instructions import Op
-from alpa_like.runtime.ray_backend import RayStepError, RemoteArray, held_at_end, worker_programs
+from alpa_like.runtime.ray_backend import RayStepError, RemoteArray
+from alpa_like.runtime.ray_programs import held_at_end, worker_programs
 from alpa_like.runtime.ray_worker import MeshInfo
 from tests.helpers import assert_trees_close, reference_on_one_device, run_steps
 from tests.runtime.test_pipeshard_runtime import (assert_matches_dropout_loop, dropout_key_step, gpt_case, mlp_case,

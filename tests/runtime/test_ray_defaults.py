@@ -15,8 +15,8 @@ import pytest
 
 import alpa_like as al
 from alpa_like import api
-from alpa_like.runtime import ray_backend
-from alpa_like.runtime.ray_backend import LOOPBACK, start_local_ray
+from alpa_like.runtime import ray_startup
+from alpa_like.runtime.ray_startup import LOOPBACK, start_local_ray
 
 RAY_TIMEOUT = ("The current node timed out during startup. This could happen because some of the raylet failed "
                "to startup or the GCS has become overloaded.")  # Ray's message
@@ -84,7 +84,7 @@ class FakeInit:
 
     def __call__(self, **options):
         self.calls.append(options)
-        self.gcs_waits.append(os.environ.get(ray_backend.GCS_PORT_WAIT_VARIABLE))
+        self.gcs_waits.append(os.environ.get(ray_startup.GCS_PORT_WAIT_VARIABLE))
         self.now += self.seconds
         if self.errors:
             raise self.errors.pop(0)
@@ -93,7 +93,7 @@ class FakeInit:
 
 @pytest.fixture
 def no_gcs_wait_set(monkeypatch):
-    monkeypatch.delenv(ray_backend.GCS_PORT_WAIT_VARIABLE, raising=False)
+    monkeypatch.delenv(ray_startup.GCS_PORT_WAIT_VARIABLE, raising=False)
 
 
 def test_a_start_that_timed_out_is_tried_again_on_loopback(no_gcs_wait_set):
@@ -105,14 +105,14 @@ def test_a_start_that_timed_out_is_tried_again_on_loopback(no_gcs_wait_set):
                for c in init.calls)
     # Ray's GCS port wait gets what is left of the budget, and is unset again after.
     assert init.gcs_waits == ["180", "149"]
-    assert ray_backend.GCS_PORT_WAIT_VARIABLE not in os.environ
+    assert ray_startup.GCS_PORT_WAIT_VARIABLE not in os.environ
 
 
 def test_a_gcs_port_wait_the_user_set_is_kept(monkeypatch):
-    monkeypatch.setenv(ray_backend.GCS_PORT_WAIT_VARIABLE, "7")
+    monkeypatch.setenv(ray_startup.GCS_PORT_WAIT_VARIABLE, "7")
     init = FakeInit([])
     start_local_ray(num_cpus=2, startup_timeout=180, init=init, clock=init.clock)
-    assert init.gcs_waits == ["7"] and os.environ[ray_backend.GCS_PORT_WAIT_VARIABLE] == "7"
+    assert init.gcs_waits == ["7"] and os.environ[ray_startup.GCS_PORT_WAIT_VARIABLE] == "7"
 
 
 def test_a_spent_startup_timeout_raises_saying_what_happened_and_how_to_allow_longer(no_gcs_wait_set):

@@ -16,7 +16,8 @@ import pytest
 import alpa_like as al
 from alpa_like import api
 from alpa_like.runtime.instructions import Op
-from alpa_like.runtime.ray_backend import RayStepError, start_local_ray
+from alpa_like.runtime.ray_backend import RayStepError
+from alpa_like.runtime.ray_startup import start_local_ray
 from tests.helpers import assert_trees_close, reference_on_one_device, run_steps
 from tests.runtime.test_pipeshard_runtime import mlp_case, stages, train_step_for
 

@@ -1,0 +1,84 @@
+"""What the Ray backend's driver ships to its workers: every stage piece exported once with ``jax.export``
+(:func:`export_piece`), and each mesh's :class:`~alpa_like.runtime.ray_worker.WorkerProgram` (its
+instructions, the pieces of its stages, what it sends where: :func:`worker_programs`).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from alpa_like.compiler.micro_batch_keys import KeyDraws
+from alpa_like.compiler.stage_construction import StageProgram, micro_batch_key_draws
+from alpa_like.runtime.instructions import MeshPrograms, Op
+from alpa_like.runtime.pipeshard_runtime import _piece_fn
+from alpa_like.runtime.ray_worker import MeshInfo, ShippedPiece, WorkerProgram
+
+
+EXPORT_PLATFORMS = {"cpu": ("cpu",), "gpu": ("cuda",)}
+
+
+def export_piece(piece, platform: str = "cpu", draws: KeyDraws = ()) -> bytes:
+    """A stage piece as serialised ``jax.export`` StableHLO for ``platform``'s workers, exported for one
+    device (the worker's jit partitions it over its mesh); with ``draws`` it takes the micro-batch's index
+    last (:func:`~alpa_like.runtime.pipeshard_runtime._piece_fn`)."""
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in piece.jaxpr.in_avals]
+    if draws:
+        avals.append(jax.ShapeDtypeStruct((), np.uint32))
+    exported = jax.export.export(jax.jit(_piece_fn(piece, draws=draws)), platforms=EXPORT_PLATFORMS[platform])(*avals)
+    return bytes(exported.serialize())
+
+
+def worker_programs(program: StageProgram, programs: MeshPrograms, meshes: Sequence[MeshInfo],
+                    input_specs: dict, shipped: dict[tuple[int, str], bytes],
+                    num_micro_batches: int, returned: frozenset[int] = frozenset(),
+                    donations: dict[int, frozenset] | None = None) -> list[WorkerProgram]:
+    """Each mesh's :class:`WorkerProgram`: its instructions, the pieces of its stages, what it sends.
+
+    ``returned``: the step outputs that come back to the driver as values, each from the mesh that holds it
+    in ``programs.outputs`` (the others stay in the workers' stores). ``donations``: index of a RUN in
+    ``programs.instructions`` -> the donated inputs' buffers it donates
+    (:func:`~alpa_like.runtime.pipeshard_runtime.input_donations`); a buffer the mesh also sends to another
+    mesh is not donated (a background thread may still be reading it)."""
+    sends: list[dict] = [dict() for _ in meshes]
+    for ins in programs.instructions:
+        if ins.op is Op.RECV:
+            dsts = sends[ins.src_mesh].setdefault(ins.key, ())
+            if ins.mesh not in dsts:
+                sends[ins.src_mesh][ins.key] = dsts + (ins.mesh,)
+    out = []
+    draws = micro_batch_key_draws(program, num_micro_batches)
+    for k in range(len(meshes)):
+        instructions = programs.program(k)
+        stages = {ins.stage for ins in instructions if ins.op is Op.RUN}
+        pieces = {key: ShippedPiece(exported=shipped[key], inputs=p.inputs, outputs=p.outputs,
+                                    takes_micro_batch_index=key in draws)
+                  for key, p in program.pieces.items() if key[0] in stages}
+        loaded = {ins.key[0] for ins in instructions if ins.op is Op.LOAD}
+        constants = {v: np.asarray(c) for v, c in program.constants.items() if v in loaded}
+        held = held_at_end(program, instructions)
+        outputs = tuple((i, o[0]) for i, o in enumerate(programs.outputs)
+                        if o is not None and o[0] in held and i not in returned)
+        mine = tuple((i, o[0]) for i, o in enumerate(programs.outputs) if i in returned and o is not None and o[1] == k)
+        local = {g: j for j, g in enumerate(g for g, ins in enumerate(programs.instructions) if ins.mesh == k)}
+        donated = {local[g]: frozenset(keys - sends[k].keys()) for g, keys in (donations or {}).items() if g in local}
+        out.append(WorkerProgram(mesh=k, meshes=tuple(meshes), instructions=instructions, pieces=pieces,
+                                 sends=sends[k], input_specs=dict(input_specs), constants=constants,
+                                 num_micro_batches=num_micro_batches, outputs=outputs, returned=mine,
+                                 donations={j: keys for j, keys in donated.items() if keys},
+                                 per_example=program.per_example))
+    return out
+
+
+def held_at_end(program: StageProgram, instructions: Sequence) -> set:
+    """The buffers a mesh program holds when it ends: written (RUN, MEAN, LOAD, RECV) and not freed."""
+    held = set()
+    for ins in instructions:
+        if ins.op is Op.RUN:
+            held.update((v, ins.micro_batch) for v in program.piece(ins.stage, ins.phase).outputs)
+        elif ins.op in (Op.MEAN, Op.LOAD, Op.RECV):
+            held.add(ins.key)
+        elif ins.op is Op.FREE:
+            held.discard(ins.key)
+    return held
