@@ -101,10 +101,10 @@ class FollowSpmdExecutable:
         self._compiled = jax.jit(lambda *flat: _eval(closed, flat), in_shardings=self.in_shardings)
 
     def __call__(self, *args):
+        from alpa_like.runtime.mesh import has_layout
         from alpa_like.runtime.spmd import place_args
         flat = self.traced.flatten_args(args)
-        self.moved_state_leaves = sum(not (isinstance(flat[k], jax.Array) and flat[k].sharding == self.in_shardings[k])
-                                      for k in self._state_leaves)
+        self.moved_state_leaves = sum(not has_layout(flat[k], self.in_shardings[k]) for k in self._state_leaves)
         out = self._compiled(*place_args(flat, self.in_shardings))
         return jax.tree_util.tree_unflatten(self.traced.out_tree, out)
 

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.forward_pieces import ForwardPiece, forward_pieces
 from alpa_like.compiler.trace import TracedStep
-from alpa_like.runtime.mesh import named_sharding
+from alpa_like.runtime.mesh import has_layout, named_sharding
 from alpa_like.runtime.pipeshard_runtime import activation_spec
 
 
@@ -60,7 +60,7 @@ class ForwardPipelineExecutable:
         placed = self._placements.get(var, {})
         if mesh in placed:
             target = placed[mesh]
-            if not (isinstance(value, jax.Array) and value.sharding == target):
+            if not has_layout(value, target):
                 self.moved_state_leaves += 1
                 return jax.device_put(value, target)
             return value

@@ -22,3 +22,14 @@ def make_mesh(devices: Sequence[Any], shape: Sequence[int], axis_names: Sequence
 
 def named_sharding(mesh: Mesh, spec: ShardingSpec) -> NamedSharding:
     return NamedSharding(mesh, spec.to_partition_spec(tuple(mesh.axis_names)))
+
+
+def has_layout(x: Any, sharding: Any) -> bool:
+    """Whether ``x`` is a ``jax.Array`` laid out as ``sharding`` (equal, or the same layout spelled another
+    way: XLA returns ``P(None,)`` for a replicated ``P()``, ``P('y',)`` for ``P('y', None)``)."""
+    import jax
+
+    if not isinstance(x, jax.Array):
+        return False
+    have = x.sharding
+    return have == sharding or have.is_equivalent_to(sharding, x.ndim)

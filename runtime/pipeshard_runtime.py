@@ -39,7 +39,7 @@ from alpa_like.compiler.stage_construction import StageProgram, ValueId, micro_b
 from alpa_like.compiler.stage_sharding import StageSharding
 from alpa_like.compiler.trace import updated_inputs
 from alpa_like.runtime.instructions import PER_STEP, Instruction, MeshPrograms, Op, buffer_key
-from alpa_like.runtime.mesh import make_mesh, named_sharding
+from alpa_like.runtime.mesh import has_layout, make_mesh, named_sharding
 from alpa_like.runtime.resharding import layout_of, plan_resharding, reshard
 from alpa_like.runtime.partial_sums import eval_piece, stacked_pins, step_means
 from alpa_like.runtime.spmd import pin_hook, pins_after_inlining
@@ -230,7 +230,7 @@ class PipeshardExecutable:
             else:
                 key, mesh = out
                 outputs.append(buffers[mesh][key])
-                if (target := self._output_shardings.get(k)) is not None and outputs[-1].sharding != target:
+                if (target := self._output_shardings.get(k)) is not None and not has_layout(outputs[-1], target):
                     outputs[-1] = jax.device_put(outputs[-1], target)
                 if others:  # kept (with the array, so its id is not recycled) for the next step's LOADs
                     self._own_copies[id(outputs[-1])] = (outputs[-1], {m: buffers[m][key] for m in others})
@@ -397,7 +397,8 @@ class PipeshardExecutable:
             elif (own := self._own_copies.get(id(value))) is not None and own[0] is value and ins.mesh in own[1]:
                 value = own[1][ins.mesh]
                 stats.own_copy_loads += 1
-            loaded = jax.device_put(value, self._load_sharding(v, np.shape(value), ins.mesh))
+            target = self._load_sharding(v, np.shape(value), ins.mesh)
+            loaded = value if has_layout(value, target) else jax.device_put(value, target)
             if mb != PER_STEP and shares_buffers(loaded, value):
                 self._shared_loads.append(loaded)
             mesh_buffers[ins.key] = loaded

@@ -21,7 +21,7 @@ from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.trace import TracedStep
 from alpa_like.compiler.spmd_layout import SpmdLayout, batch_axes, largest_dim_spec
 from alpa_like.runtime import hlo_stats, partial_sums
-from alpa_like.runtime.mesh import make_mesh, named_sharding
+from alpa_like.runtime.mesh import has_layout, make_mesh, named_sharding
 
 
 def _pin_grads_hook(mesh, data_axes: Sequence[int]) -> jax_compat.EqnHook:
@@ -216,7 +216,7 @@ def place_args(flat: Sequence[Any], shardings: Sequence[NamedSharding]) -> list[
     """
     out = list(flat)
     moves = [i for i, (x, s) in enumerate(zip(flat, shardings, strict=True))
-             if not (isinstance(x, jax.Array) and x.sharding == s)]
+             if not has_layout(x, s)]
     if moves:
         moved = jax.device_put([flat[i] for i in moves], [shardings[i] for i in moves])
         for i, x in zip(moves, moved, strict=True):

@@ -64,7 +64,7 @@ class PlanResult:
                 "submeshes": [list(s.submesh_shape) for s in stages],
                 "logical_meshes": [list(s.logical_mesh_shape) for s in stages],
                 "dp_predicted_s": self.plan.estimated_iteration_time, "simulated_s": self.simulated_seconds,
-                "memory_per_device_gib": [s.memory_per_device / 2**30 for s in stages],
+                "memory_per_device_gib": [s.peak_memory_per_device / 2**30 for s in stages],
                 "stage_compute_s": [s.compute_seconds for s in stages],
                 "stage_intra_op_s": [s.communication_seconds for s in stages],
                 "planning_s": self.planning_seconds, "seconds_by_kind": self.seconds_by_kind,

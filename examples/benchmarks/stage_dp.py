@@ -65,7 +65,7 @@ def plan_row(name: str, num_gpus: int, micro_batches: int, logical_space: str, r
             "logical_meshes": [list(s.logical_mesh_shape) for s in plan.stages],
             "iteration_time_s": plan.estimated_iteration_time, "planning_s": seconds,
             "planning_breakdown_s": dict(plan.compile_times), "logical_shape_space": logical_space,
-            "remat": remat, "memory_per_device_gib": [s.memory_per_device / 2**30 for s in plan.stages]}
+            "remat": remat, "memory_per_device_gib": [s.peak_memory_per_device / 2**30 for s in plan.stages]}
 
 
 def main():

@@ -124,10 +124,10 @@ def test_memory_limit_is_respected():
     method = al.PipeshardParallel(num_micro_batches=16, layer_option=al.AutoLayerOption(layer_num=4),
                                   stage_option=QUIET)
     roomy = al.plan(step, state, batch, method=method, cluster=cluster)
-    peak = max(s.memory_per_device for s in roomy.stages)
+    peak = max(s.peak_memory_per_device for s in roomy.stages)
     tight = al.plan(step, state, batch, method=method,
                     cluster=dataclasses.replace(cluster, device_memory=int(peak * 0.9)))
-    assert max(s.memory_per_device for s in tight.stages) <= int(peak * 0.9)
+    assert max(s.peak_memory_per_device for s in tight.stages) <= int(peak * 0.9)
 
 
 def test_manual_and_uniform_stage_options():
@@ -144,7 +144,8 @@ def test_manual_and_uniform_stage_options():
     gpipe = al.plan(step, state, batch, cluster=cluster, method=al.PipeshardParallel(
         num_micro_batches=4, layer_option=al.AutoLayerOption(layer_num=4), stage_option=manual,
         pipeline_schedule="gpipe"))
-    one_f_one_b, all_four = [s.memory_per_device for s in plan.stages], [s.memory_per_device for s in gpipe.stages]
+    one_f_one_b = [s.peak_memory_per_device for s in plan.stages]
+    all_four = [s.peak_memory_per_device for s in gpipe.stages]
     assert all_four[0] > one_f_one_b[0] and all_four[1] > one_f_one_b[1]
     uniform = al.UniformStageOption(num_stages=4, show_progress=False)
     plan = al.plan(step, state, batch, cluster=cluster, method=al.PipeshardParallel(

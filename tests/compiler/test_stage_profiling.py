@@ -255,7 +255,7 @@ def test_plan_shards_every_weight_when_replicated_weights_do_not_fit(profile):
     assert [s.submesh_shape for s in plan.stages] == [(1, 2)], plan
     for t in plan.stages[0].inputs:
         assert t.spec.num_shards(plan.stages[0].logical_mesh_shape) == 2, plan
-    assert plan.stages[0].memory_per_device <= cluster.device_memory
+    assert plan.stages[0].peak_memory_per_device <= cluster.device_memory
 
 
 @pytest.fixture(scope="module")
