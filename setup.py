@@ -39,6 +39,7 @@ setup(
             "pytest-xdist>=3.5,<4",
             "hypothesis>=6.100,<7",
             "import-linter>=2.1,<3",  # the layers contract in .importlinter (tests/test_layers.py)
+            "filelock>=3",  # JAX's compilation cache shared by the test workers locks its files with it
         ],
     },
 )

@@ -28,6 +28,9 @@ if "ALPA_LIKE_CACHE_DIR" not in os.environ:
     _CLUSTER_CACHE = tempfile.mkdtemp(prefix="alpa-like-tests-cache-")
     atexit.register(shutil.rmtree, _CLUSTER_CACHE, ignore_errors=True)
     os.environ["ALPA_LIKE_CACHE_DIR"] = _CLUSTER_CACHE
+# A size limit turns on the cache's file lock: without it a process may read an entry another one is still
+# writing (an empty or truncated file, which JAX reports as a warning, an error where a test escalates them).
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 * 2**30))
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
@@ -55,7 +58,7 @@ def ray_session():
     """One small local Ray for the whole test session (tests marked ``ray`` use it)."""
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():  # as the backend starts one: loopback only
-        from alpa_like.runtime.ray_backend import start_local_ray
+        from alpa_like.runtime.ray_startup import start_local_ray
         start_local_ray(num_cpus=2, startup_timeout=180)
     yield ray
     ray.shutdown()

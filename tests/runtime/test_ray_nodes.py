@@ -9,7 +9,8 @@ import pytest
 
 import alpa_like as al
 from alpa_like.compiler.layer_slicing import FORWARD
-from alpa_like.runtime.ray_backend import connect_ray, died_at, is_loopback_address
+from alpa_like.runtime.ray_backend import died_at
+from alpa_like.runtime.ray_startup import connect_ray, is_loopback_address
 from alpa_like.runtime.ray_nodes import (HEAD_RESOURCE, RayNode, answering, choose_nodes, cluster_nodes,
                                          mesh_nodes, one_node_meshes, with_placements)
 from alpa_like.runtime.instructions import Instruction, Op
