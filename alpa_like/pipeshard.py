@@ -21,7 +21,8 @@ from alpa_like.compiler.cluster import ClusterSpec
 from alpa_like.compiler.options import PipeshardParallel
 from alpa_like.compiler import pipeline
 from alpa_like.compiler.plan import ParallelPlan
-from alpa_like.compiler.schedules import ScheduleName, make_schedule
+from alpa_like.compiler.schedule_tables import make_schedule
+from alpa_like.compiler.schedules import ScheduleName
 from alpa_like.compiler.sliced_step import SlicedStep
 from alpa_like.compiler.stage_construction import build_stage_program, micro_batch_key_draws
 from alpa_like.compiler.stage_costs import StageSolution
@@ -101,7 +102,7 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
     if method.pipeline_schedule.splits_backward:
         raise NotImplementedError(
             f"pipeline_schedule={str(method.pipeline_schedule)!r} can be planned (al.plan) and simulated "
-            f"(alpa_like.compiler.schedules.make_schedule) but not yet run: no backend runs a backward split into "
+            f"(alpa_like.compiler.schedule_tables.make_schedule) but not yet run: no backend runs a backward split into "
             f"input-gradient (B) and weight-gradient (W) executables; run with '1f1b' meanwhile")
     if method.pipeline_schedule == ScheduleName.TERAPIPE and make_executable is not PipeshardExecutable:
         raise NotImplementedError("pipeline_schedule='terapipe' runs on the local backend only (al.init('local'))")

@@ -36,7 +36,7 @@ the full-length trace. Each (shape, stage) forward is a jitted ``jax.vjp`` on th
 its residuals there; the backward applies it to the output cotangents. A slice's cached prefix is the
 previous slice's prefix extended by that slice's own keys and values (on the stage's mesh), and in the
 backward the prefix's cotangent is split back the same way. Forwards are issued unit by unit in sequence
-order, backwards in reverse (Fig. 2.1): the order is the schedule :func:`alpa_like.compiler.schedules.terapipe`
+order, backwards in reverse (Fig. 2.1): the order is the schedule :func:`alpa_like.compiler.schedule_tables.terapipe`
 builds for the scheme (plain data, ``TerapipeExecutable.schedule``), issued tick by tick (JAX's asynchronous
 dispatch lets the meshes overlap).
 
@@ -78,7 +78,8 @@ from alpa_like.compiler.token_slicing import BatchSlices, check_batch_slices, fo
 from alpa_like.compiler.tracing_hooks import TokenSliceContext, grad_hook, token_slice_context
 from alpa_like.runtime.mesh import make_mesh, named_sharding
 from alpa_like.runtime.pipeshard_runtime import MESH_AXES, activation_spec
-from alpa_like.compiler.schedules import Phase, Schedule, Task, terapipe
+from alpa_like.compiler.schedule_tables import terapipe
+from alpa_like.compiler.schedules import Phase, Schedule, Task
 
 __all__ = ["TerapipeContractError", "LossCall", "find_loss_call", "TerapipeExecutable", "slice_starts"]
 
@@ -394,7 +395,7 @@ class TerapipeExecutable:
         self._update = _UpdateProgram(program, self.call, traced, self.meshes, self._sharding)
         self.schedule: Schedule = terapipe(self.num_stages, len(self.batch_slices),
                                            tuple(len(lengths) for _, lengths in self.batch_slices))
-        """The order the step runs, as plain data (:func:`alpa_like.compiler.schedules.terapipe`); :meth:`run`
+        """The order the step runs, as plain data (:func:`alpa_like.compiler.schedule_tables.terapipe`); :meth:`run`
         issues its grid tick by tick. Any valid TeraPipe schedule of the same units can replace it."""
         self.last_tasks: tuple[Task, ...] = ()
         """The tasks the last step issued, in order."""

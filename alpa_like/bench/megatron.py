@@ -63,7 +63,8 @@ from alpa_like.compiler.layer_slicing import FORWARD
 from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.compiler.markers import is_marker
 from alpa_like.compiler.stage_profiling import inbound_bandwidth
-from alpa_like.compiler.schedules import Phase, ScheduleName, dependencies, make_schedule
+from alpa_like.compiler.schedule_tables import make_schedule
+from alpa_like.compiler.schedules import Phase, ScheduleName, dependencies
 from alpa_like.runtime.simulator import Nic, NicBook
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16, 32)

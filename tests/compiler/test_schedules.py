@@ -22,10 +22,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from alpa_like.compiler import schedules
-from alpa_like.compiler.schedules import (MeshIdx, Phase, Schedule, ScheduleName, Task, breadth_first,
-                                         backward, dependencies, forward, gpipe, interleaved_one_f_one_b, make_schedule,
-                                         one_f_one_b, weight_gradient, zb_h1, zb_h2)
+from alpa_like.compiler import schedule_tables, schedules
+from alpa_like.compiler.schedule_tables import (breadth_first, gpipe, interleaved_one_f_one_b, make_schedule,
+                                               one_f_one_b, zb_h1, zb_h2)
+from alpa_like.compiler.schedules import (MeshIdx, Phase, Schedule, ScheduleName, Task, backward, dependencies, forward,
+                                         weight_gradient)
 
 GOLDEN_DIR = pathlib.Path(__file__).parent / "golden"
 REGEN = os.environ.get("ALPA_LIKE_REGEN_GOLDEN") == "1"
@@ -290,6 +291,7 @@ def test_table_and_doctests():
         "tick  mesh0  mesh1", "   0  0F0    .", "   1  0F1    1F0", "   2  .      1F1", "   3  .      1B0",
         "   4  0B0    1B1", "   5  0B1    ."]
     assert doctest.testmod(schedules).failed == 0
+    assert doctest.testmod(schedule_tables).failed == 0
 
 
 # ------------------------------------------------------------------------------------------------ exports

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from alpa_like.compiler import stage_dp as stage_dp_module
 from alpa_like.compiler.logical_mesh import logical_shapes
-from alpa_like.compiler.schedules import ScheduleName, make_schedule
+from alpa_like.compiler.schedule_tables import make_schedule
+from alpa_like.compiler.schedules import ScheduleName
 from alpa_like.compiler import stage_costs, stage_placement
 from alpa_like.compiler.stage_costs import StageCosts
 from alpa_like.compiler.stage_dp import micro_batches_in_flight, solve_stages

@@ -139,7 +139,7 @@ def tied_programs(replicate: bool):
     from alpa_like.compiler.stage_construction import build_stage_program
     from alpa_like.compiler.sliced_step import slice_step
     from alpa_like.runtime.instructions import emit_programs
-    from alpa_like.compiler.schedules import make_schedule
+    from alpa_like.compiler.schedule_tables import make_schedule
     from tests.runtime.test_pipeshard_runtime import TIED_STAGES, tied_case
 
     loss_fn, state, batches = tied_case()
@@ -266,7 +266,7 @@ def test_programs_without_frees_simulate_the_same_step(case):
     """``emit_programs(..., free_buffers=False)`` is the same program without its FREEs, and the simulated
     backend gives it the same step, spans and per-kind seconds (less the zero FREE total)."""
     from alpa_like.runtime.instructions import Op, emit_programs
-    from alpa_like.compiler.schedules import make_schedule
+    from alpa_like.compiler.schedule_tables import make_schedule
 
     if case == "tied":
         plan, program, programs = tied_programs(True)

@@ -11,7 +11,8 @@ import alpa_like as al
 from alpa_like import models
 from alpa_like.models import gpt
 from alpa_like.runtime.mesh import named_sharding
-from alpa_like.compiler.schedules import Phase, Schedule, Task, _ticks_from_orders, make_schedule
+from alpa_like.compiler.schedule_tables import make_schedule
+from alpa_like.compiler.schedules import Phase, Schedule, Task, ticks_from_orders
 from alpa_like.runtime.terapipe_runtime import TerapipeContractError, slice_starts
 from tests.helpers import assert_trees_close, reference_on_one_device, run_steps
 from tests.runtime.test_pipeshard_runtime import stages, train_step_for
@@ -199,7 +200,7 @@ def one_f_one_b_over_slices(num_meshes, num_micro_batches, num_slices):
                for i in slices] for q in range(num_meshes)]
     return Schedule(name="terapipe_1f1b", num_meshes=num_meshes, num_stages=num_meshes,
                     num_micro_batches=num_micro_batches, stage_to_mesh=tuple(range(num_meshes)),
-                    ticks=_ticks_from_orders(orders, num_meshes, num_slices), num_slices=num_slices)
+                    ticks=ticks_from_orders(orders, num_meshes, num_slices), num_slices=num_slices)
 
 
 @SLOW
