@@ -84,12 +84,13 @@ class FollowSpmdExecutable:
 
     def __init__(self, fun, traced, train, state_leaves, train_leaves, static_argnums):
         from alpa_like.runtime.mesh import named_sharding
+        from alpa_like.runtime.pipeshard_runtime import activation_spec
 
         self.traced = traced
         self.train_executable = train
         mesh = train.mesh
         train_shardings = train.input_shardings()
-        shardings = [named_sharding(mesh, batch_spec(leaf.shape, tuple(mesh.devices.shape)))
+        shardings = [named_sharding(mesh, activation_spec(leaf.shape, tuple(mesh.devices.shape)))
                      for leaf in traced.in_leaves]
         for k, j in zip(state_leaves, train_leaves, strict=True):
             shardings[k] = train_shardings[j]
@@ -107,23 +108,6 @@ class FollowSpmdExecutable:
         self.moved_state_leaves = sum(not has_layout(flat[k], self.in_shardings[k]) for k in self._state_leaves)
         out = self._compiled(*place_args(flat, self.in_shardings))
         return jax.tree_util.tree_unflatten(self.traced.out_tree, out)
-
-
-def batch_spec(shape: Sequence[int], mesh_shape: Sequence[int]):
-    """Dim 0 split over every mesh axis, else over the one axis, that divides it; replicated otherwise.
-
-    >>> str(batch_spec((8, 3), (2, 4))), str(batch_spec((4, 3), (2, 4))), str(batch_spec((3,), (8,)))
-    ('S01R', 'S1R', 'R')
-    """
-    from alpa_like.compiler.sharding_spec import ShardingSpec
-    if not shape:
-        return ShardingSpec.replicated(0)
-    axes = tuple(range(len(mesh_shape)))
-    for group in (axes, *sorted(((a,) for a in axes), key=lambda g: -mesh_shape[g[0]])):
-        shards = int(np.prod([mesh_shape[a] for a in group]))
-        if shards > 1 and shape[0] % shards == 0:
-            return ShardingSpec(axes=(group,) + ((),) * (len(shape) - 1))
-    return ShardingSpec.replicated(len(shape))
 
 
 def _eval(closed, flat):

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from alpa_like.compiler.options import OPTION_CLASSES
 from alpa_like.compiler.schedules import ScheduleName
 from alpa_like.compiler.token_slicing import format_scheme
+from alpa_like.compiler.trace import below_root, updated_paths
 
 if TYPE_CHECKING:
     from alpa_like.compiler.plan import OpPlan, ParallelPlan, SolverReport, StagePlan, TensorPlan
@@ -213,14 +214,8 @@ def _tensor_rows(tensors: Sequence[TensorPlan], axis_names: Sequence[str], group
 
 def mirrored_outputs(stage: StagePlan) -> list[TensorPlan]:
     """Outputs laid out exactly like the input they update (``out.0.params.w`` like ``state.params.w``)."""
-    inputs = {(t.path.split(".", 1)[-1], t.shape, t.spec) for t in stage.inputs}
-    mirrored = []
-    for t in stage.outputs:
-        parts = t.path.split(".")
-        rest = ".".join(parts[2:] if len(parts) > 2 and parts[1].isdigit() else parts[1:])
-        if (rest, t.shape, t.spec) in inputs:
-            mirrored.append(t)
-    return mirrored
+    inputs = {(below_root(t.path), t.shape, t.spec) for t in stage.inputs}
+    return [t for t in stage.outputs if any((rest, t.shape, t.spec) in inputs for rest in updated_paths(t.path))]
 
 
 def _op_rows(ops: Sequence[OpPlan], group_layers: bool) -> list[OpPlan]:

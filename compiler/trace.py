@@ -107,14 +107,22 @@ def updated_inputs(in_leaves: Sequence[LeafInfo], out_leaves: Sequence[LeafInfo]
     """
     by_rest = {}
     for k, leaf in enumerate(in_leaves):
-        by_rest.setdefault((leaf.path.split(".", 1)[-1], leaf.shape, leaf.dtype), k)
-    found = []
-    for leaf in out_leaves:
-        parts = leaf.path.split(".")[1:]
-        rests = [".".join(parts)] + ([".".join(parts[1:])] if len(parts) > 1 and parts[0].isdigit() else [])
-        found.append(next((by_rest[key] for rest in rests if (key := (rest, leaf.shape, leaf.dtype)) in by_rest),
-                          None))
-    return found
+        by_rest.setdefault((below_root(leaf.path), leaf.shape, leaf.dtype), k)
+    return [next((by_rest[key] for rest in updated_paths(leaf.path)
+                  if (key := (rest, leaf.shape, leaf.dtype)) in by_rest), None) for leaf in out_leaves]
+
+
+def below_root(path: str) -> str:
+    """An input leaf's path below its argument's name: ``state.params.w`` -> ``params.w``."""
+    return path.split(".", 1)[-1]
+
+
+def updated_paths(output_path: str) -> list[str]:
+    """The input paths below the root (:func:`below_root`) that an output leaf may be the new value of: its
+    own path below ``out``, and below ``out`` and a tuple position (``out.0.params.w`` -> ``0.params.w``,
+    ``params.w``)."""
+    parts = output_path.split(".")[1:]
+    return [".".join(parts)] + ([".".join(parts[1:])] if len(parts) > 1 and parts[0].isdigit() else [])
 
 
 def _differs(leaf: Any, info: LeafInfo) -> bool:

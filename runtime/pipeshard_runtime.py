@@ -47,12 +47,18 @@ from alpa_like.runtime.spmd import pin_hook, pins_after_inlining
 MESH_AXES = ("x", "y")
 
 
-def activation_spec(shape: Sequence[int], mesh_shape: tuple[int, int]) -> ShardingSpec:
-    """Layout of a value received from another mesh: dim 0 (the micro-batch) split over as many mesh axes
-    as divide it, the rest replicated."""
+def activation_spec(shape: Sequence[int], mesh_shape: Sequence[int]) -> ShardingSpec:
+    """Layout of a value received from another mesh (or a batch read on a mesh): dim 0 (the micro-batch)
+    split over every mesh axis if that divides it, else over the first single axis that does; the rest
+    replicated.
+
+    >>> str(activation_spec((8, 3), (2, 4))), str(activation_spec((4, 3), (2, 4))), str(activation_spec((3,), (8,)))
+    ('S01R', 'S0R', 'R')
+    """
     if not shape:
         return ShardingSpec.replicated(0)
-    for axes in ((0, 1), (0,), (1,)):
+    every = tuple(range(len(mesh_shape)))
+    for axes in (every, *((a,) for a in every if (a,) != every)):
         shards = math.prod(mesh_shape[a] for a in axes)
         if shards > 1 and shape[0] % shards == 0:
             return ShardingSpec(axes=(axes,) + ((),) * (len(shape) - 1))
