@@ -40,6 +40,7 @@ setup(
             "hypothesis>=6.100,<7",
             "import-linter>=2.1,<3",  # the layers contract in .importlinter (tests/test_layers.py)
             "filelock>=3",  # JAX's compilation cache shared by the test workers locks its files with it
+            "psutil>=5",  # the Ray loopback test lists the listening sockets of Ray's processes
         ],
     },
 )

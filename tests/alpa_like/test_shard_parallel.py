@@ -90,7 +90,7 @@ def test_shard_parallel_matches_single_device_jit(model, mesh):
     assert_trees_close(par_metrics, ref_metrics, rtol=1e-5, atol=atol)
 
 
-def test_mlp_with_gradient_accumulation_matches_single_device_jit():
+def test_mlp_with_gradient_accumulation_matches_single_device_jit(fixed_cluster):
     step, state, batches = _mlp_case()
     ref_state, _ = reference_on_one_device(step, state, batches[:2])
     method = al.ShardParallel(num_micro_batches=2,
@@ -202,7 +202,7 @@ def _predicted_all_reduces(exe) -> dict[str, list[int]]:
     return out
 
 
-def test_compiled_collectives_match_the_ilp_for_mlp():
+def test_compiled_collectives_match_the_ilp_for_mlp(fixed_cluster):
     # On the 8 CPU devices (measured latency; XLA combines the gradients' all-reduces into one, which the ILP
     # prices) the ILP keeps the MLP data parallel: XLA compiles exactly the predicted all-reduce bytes, as one
     # combined all-reduce that names every matmul the plan all-reduces.
