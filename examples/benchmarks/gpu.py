@@ -75,7 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
     parser.add_argument("--timing-devices", type=int, default=1, help="devices the methods are timed on")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, help="methods timed")
+    parser.add_argument("--check-methods", nargs="+", default=list(METHODS), choices=METHODS,
+                        help="methods checked against jax.jit")
     parser.add_argument("--check-model", default="gpt-tiny", help="GPT config of the correctness check")
     parser.add_argument("--check-steps", type=int, default=3)
     parser.add_argument("--check-batch-size", type=int, default=8)
@@ -170,7 +172,7 @@ def check_methods(args, devices) -> list[dict]:
         al.init("local", devices=devices)
         cluster = cluster_for(devices)
         try:
-            for name in args.methods:
+            for name in args.check_methods:
                 state = sgd_state(host_params, CHECK_LEARNING_RATE)
                 row = {"method": name, "devices": len(devices)}
                 try:
