@@ -106,8 +106,6 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
             f"input-gradient (B) and weight-gradient (W) executables; run with '1f1b' meanwhile")
     if method.pipeline_schedule == ScheduleName.TERAPIPE and make_executable is not PipeshardExecutable:
         raise NotImplementedError("pipeline_schedule='terapipe' runs on the local backend only (al.init('local'))")
-    if make_executable is not PipeshardExecutable:  # other backends all-reduce gradients in every backward
-        method = dataclasses.replace(method, defer_gradient_sync=False)
     planned = pipeline.plan_pipeline(method, fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums,
                                      cluster=cluster or ClusterSpec.local(devices), simulate=simulated_seconds)
     method, sliced, plan, profile, solution = (planned.method, planned.sliced, planned.plan, planned.profile,
@@ -137,10 +135,10 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
     path_to_input = {leaf.path: program.step_inputs[k] for k, leaf in enumerate(sliced.traced.in_leaves)}
     input_specs = {path_to_input[t.path]: t.spec for s in plan.stages for t in s.inputs
                    if t.spec is not None and t.path in path_to_input}
-    extra = dict(donate_flat=[k for k, leaf in enumerate(sliced.traced.in_leaves) if leaf.arg_index in donate_argnums])
+    extra = dict(donate_flat=[k for k, leaf in enumerate(sliced.traced.in_leaves) if leaf.arg_index in donate_argnums],
+                 stage_shardings=shardings, defer_gradient_sync=method.defer_gradient_sync)
     if make_executable is PipeshardExecutable:
-        extra.update(stage_shardings=shardings, value_specs=value_specs(program, shardings, stage_to_mesh),
-                     defer_gradient_sync=method.defer_gradient_sync)
+        extra.update(value_specs=value_specs(program, shardings, stage_to_mesh))
     return make_executable(traced=sliced.traced, plan=plan, program=program, programs=programs,
                            devices=devices, input_specs=input_specs, **extra)
 

@@ -391,7 +391,7 @@ class PipeshardParallel:
     """Reduce each stage's gradients over its mesh once per step (Alpa, Megatron-LM) instead of in every
     backward: the backward pieces accumulate per-shard partial sums of the gradients that allow it
     (:mod:`alpa_like.compiler.gradient_sync`), reduced by the step's mean. False: every backward
-    all-reduces its gradients (GSPMD's default for a whole-array output). Local backend."""
+    all-reduces its gradients (GSPMD's default for a whole-array output). The local and the Ray backends."""
     share_slice_executables: bool = False
     """``pipeline_schedule="terapipe"`` only. True: token slices of equal length (and rows) share one
     executable per stage whatever their context: each reads its cached keys/values left-padded to the longest

@@ -20,7 +20,7 @@ import functools
 import math
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -110,41 +110,34 @@ class PipeshardExecutable:
         (:func:`input_donations`)."""
         self.traced = traced
         self.plan = plan
-        unpinned: frozenset = frozenset()
-        if defer_gradient_sync and stage_shardings:
-            program, unpinned = inline_backward_remat(program)
-            stage_shardings = [_pins_moved(program, q, sharding) for q, sharding in enumerate(stage_shardings)]
-        self.program = program
-        self.programs = programs
         self.num_micro_batches = plan.num_micro_batches
         by_id = {d.id: d for d in devices}
         self.meshes = [make_mesh([by_id[i] for i in stage.device_ids], stage.logical_mesh_shape, MESH_AXES)
                        for stage in plan.stages]
         self._input_specs = input_specs
         self.value_specs = dict(value_specs or {})
-        self.stage_shardings = tuple(stage_shardings or ())
-        self._hooks: dict[tuple[int, str], tuple] = {}
-        self.deferred: dict[int, DeferredGradients] = {}
+        self.programs = programs
+        deferral = GradientDeferral(program=program, stage_shardings=tuple(stage_shardings or ()))
+        if defer_gradient_sync and stage_shardings:
+            deferral = defer_gradients(program, stage_shardings, [tuple(m.devices.shape) for m in self.meshes],
+                                       programs.stage_to_mesh, self._load_spec)
+        self.program = program = deferral.program
+        self.stage_shardings = stage_shardings = deferral.stage_shardings
+        self.deferred: dict[int, DeferredGradients] = {q: deferral.deferred.get(q, NONE)
+                                                      for q in range(len(stage_shardings))}
         """Per stage, the gradients its backward piece outputs as stacks of partial sums."""
-        self._stack_targets: dict[ValueId, Any] = {}
+        self._stack_targets: dict[ValueId, Any] = {
+            dst: None if spec is None else named_sharding(self.meshes[programs.stage_to_mesh[q]], spec)
+            for dst, (q, spec) in deferral.stack_specs.items()}
         """Accumulators of stacks -> the sharding of their step mean (None: XLA's choice)."""
-        for q, sharding in enumerate(stage_shardings or ()):
+        self._hooks: dict[tuple[int, str], tuple] = {}
+        for q, sharding in enumerate(stage_shardings):
             mesh = self.meshes[programs.stage_to_mesh[q]]
-            deferred = NONE
-            if defer_gradient_sync:
-                deferred = deferred_gradients(program, q, sharding, tuple(mesh.devices.shape), unpinned,
-                                              self._arrival_specs(q) if unpinned else {})
-            self.deferred[q] = deferred
+            deferred = self.deferred.get(q, NONE)
             for phase in (FORWARD, BACKWARD, APPLY):
                 mine = deferred if phase == BACKWARD else NONE
                 self._hooks[(q, phase)] = (pin_hook(mesh, stacked_pins(sharding.value_pins, mine)),
                                            pin_hook(mesh, sharding.operand_pins), mine, mesh)
-            pinned = {var: spec for eqn, k, spec in sharding.value_pins for var in eqn.outvars[k:k + 1]}
-            for src, dst in program.accumulated:
-                var = program.values[src]
-                if var in deferred.outputs:
-                    spec = pinned.get(var)
-                    self._stack_targets[dst] = None if spec is None else named_sharding(mesh, spec)
         self._draws = micro_batch_key_draws(program, self.num_micro_batches)
         """(stage, phase) -> the piece's draws from per-step keys: it takes the micro-batch's index last."""
         self._jitted: dict[tuple, Any] = {}
@@ -416,21 +409,6 @@ class PipeshardExecutable:
         else:
             raise AssertionError(f"unexpected instruction {ins}")
 
-    def _arrival_specs(self, stage: int) -> dict[ValueId, ShardingSpec]:
-        """The layouts of the values ``stage``'s forward and backward pieces read from other stages' meshes or
-        from the step's inputs, as :meth:`_load_spec` lays them out (a received value: as :meth:`_move` does,
-        when the ILP gave it a layout)."""
-        mesh_index = self.programs.stage_to_mesh[stage]
-        out = {}
-        for phase in (FORWARD, BACKWARD):
-            piece = self.program.piece(stage, phase)
-            for var, v in zip(piece.jaxpr.jaxpr.invars, piece.inputs, strict=True):
-                home = self.program.home.get(v)
-                if home is not None and self.programs.stage_to_mesh[home] == mesh_index:
-                    continue  # made on this mesh: laid out as its producer's pin says, or as XLA chose
-                out[v] = self._load_spec(v, var.aval.shape, mesh_index)
-        return out
-
     def _load_spec(self, value_id, shape, mesh_index: int) -> ShardingSpec:
         spec = self.value_specs.get((value_id, mesh_index), self._input_specs.get(value_id))
         if spec is None or spec.ndim != len(shape):
@@ -649,3 +627,62 @@ def deferred_gradients(program: StageProgram, stage: int, sharding: StageShardin
         specs = {**{v: spec for v, spec in followed.items() if v in unpinned}, **specs}
     return deferrable_gradients(piece.jaxpr.jaxpr.eqns, gradients, piece.jaxpr.jaxpr.outvars, specs, operand_specs,
                                 mesh_shape)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GradientDeferral:
+    """A pipeline's gradient reduction deferred to the step's mean (:func:`defer_gradients`); without
+    ``deferred``, nothing is deferred."""
+
+    program: StageProgram
+    """The stage program with its backward pieces' checkpoint blocks inlined (:func:`inline_backward_remat`)."""
+    stage_shardings: tuple[StageSharding, ...]
+    """The ILP's pins, moved onto the inlined pieces."""
+    deferred: dict[int, DeferredGradients] = dataclasses.field(default_factory=dict)
+    """Per stage, the gradients its backward piece outputs as stacks of partial sums."""
+    stack_specs: dict[ValueId, tuple[int, ShardingSpec | None]] = dataclasses.field(default_factory=dict)
+    """Accumulator of a stack -> (its stage, the layout of its step mean; None: XLA's choice)."""
+
+
+def defer_gradients(program: StageProgram, stage_shardings: Sequence[StageSharding],
+                    mesh_shapes: Sequence[tuple[int, ...]], stage_to_mesh: Sequence[int],
+                    load_spec: Callable[[ValueId, tuple, int], ShardingSpec]) -> GradientDeferral:
+    """Which gradients every stage's backward piece keeps as stacks of partial sums, reduced once per step
+    (:func:`deferred_gradients`), for the local and the Ray backend alike.
+
+    Args:
+      program: the stage program.
+      stage_shardings: per stage, the ILP's layouts.
+      mesh_shapes: per mesh, its logical shape.
+      stage_to_mesh: the mesh of each stage.
+      load_spec: ``(value, shape, mesh) -> spec``: the layout a mesh loads or receives a value in.
+    """
+    program, unpinned = inline_backward_remat(program)
+    shardings = tuple(_pins_moved(program, q, sharding) for q, sharding in enumerate(stage_shardings))
+    deferred, stack_specs = {}, {}
+    for q, sharding in enumerate(shardings):
+        mesh = stage_to_mesh[q]
+        arrivals = arrival_specs(program, stage_to_mesh, q, load_spec) if unpinned else {}
+        deferred[q] = found = deferred_gradients(program, q, sharding, tuple(mesh_shapes[mesh]), unpinned, arrivals)
+        pinned = {var: spec for eqn, k, spec in sharding.value_pins for var in eqn.outvars[k:k + 1]}
+        for src, dst in program.accumulated:
+            var = program.values[src]
+            if var in found.outputs:
+                stack_specs[dst] = (q, pinned.get(var))
+    return GradientDeferral(program=program, stage_shardings=shardings, deferred=deferred, stack_specs=stack_specs)
+
+
+def arrival_specs(program: StageProgram, stage_to_mesh: Sequence[int], stage: int,
+                  load_spec: Callable[[ValueId, tuple, int], ShardingSpec]) -> dict[ValueId, ShardingSpec]:
+    """The layouts of the values ``stage``'s forward and backward pieces read from other stages' meshes or
+    from the step's inputs, as ``load_spec`` lays them out on the stage's mesh."""
+    mesh_index = stage_to_mesh[stage]
+    out = {}
+    for phase in (FORWARD, BACKWARD):
+        piece = program.piece(stage, phase)
+        for var, v in zip(piece.jaxpr.jaxpr.invars, piece.inputs, strict=True):
+            home = program.home.get(v)
+            if home is not None and stage_to_mesh[home] == mesh_index:
+                continue  # made on this mesh: laid out as its producer's pin says, or as XLA chose
+            out[v] = load_spec(v, var.aval.shape, mesh_index)
+    return out

@@ -59,11 +59,14 @@ from alpa_like.compiler.optional_imports import require
 from alpa_like.compiler.stage_construction import StageProgram, micro_batch_key_draws
 from alpa_like.compiler.trace import updated_inputs
 from alpa_like.runtime.instructions import MeshPrograms, Op
-from alpa_like.runtime.pipeshard_runtime import input_donations
+from alpa_like.compiler.gradient_sync import NONE, DeferredGradients
+from alpa_like.compiler.layer_slicing import BACKWARD
+from alpa_like.compiler.stage_sharding import StageSharding
+from alpa_like.runtime.pipeshard_runtime import GradientDeferral, defer_gradients, input_donations
 from alpa_like.runtime.ray_nodes import answering, choose_nodes, cluster_nodes, mesh_nodes, with_placements
 from alpa_like.runtime.ray_programs import export_piece, worker_programs
 from alpa_like.runtime.ray_startup import connect_ray, start_local_ray
-from alpa_like.runtime.ray_worker import MeshInfo, MeshWorker, WorkerStepError
+from alpa_like.runtime.ray_worker import MeshInfo, MeshWorker, WorkerStepError, load_spec
 
 PLATFORMS = ("cpu", "gpu")
 POLL_SECONDS = 0.5
@@ -416,7 +419,8 @@ class RayPipeshardExecutable:
 
     def __init__(self, *, traced, plan, program: StageProgram, programs: MeshPrograms, input_specs: dict,
                  cluster: RayCluster, devices=None, donate_flat: Sequence[int] = (),
-                 returned: frozenset[int] | None = None):
+                 returned: frozenset[int] | None = None, stage_shardings: Sequence[StageSharding] | None = None,
+                 defer_gradient_sync: bool = False):
         import ray
         del devices  # The workers own the devices.
         self.traced, self.plan, self.program, self.programs = traced, plan, program, programs
@@ -433,8 +437,18 @@ class RayPipeshardExecutable:
         self.workers = cluster.acquire([(n, len(info.flat_ids)) for n, info in zip(self.mesh_nodes, self.meshes)])
         self._mesh_of_actor = {_actor_id(a): k for k, a in enumerate(self.workers)}
         self.exe_id = cluster.new_executable_id()
+        deferral = GradientDeferral(program=program, stage_shardings=())
+        if defer_gradient_sync and stage_shardings:
+            deferral = defer_gradients(program, stage_shardings, [m.logical_shape for m in self.meshes],
+                                       programs.stage_to_mesh, self._load_spec(input_specs))
+        self.program = program = deferral.program
+        self.deferred: dict[int, DeferredGradients] = dict(deferral.deferred)
+        """Per stage, the gradients its backward piece outputs as stacks of partial sums, summed by the
+        worker's MEAN once per step (as on the local backend)."""
         draws = micro_batch_key_draws(program, self.num_micro_batches)
-        shipped = {key: export_piece(piece, cluster.platform, draws.get(key, ()))
+        shipped = {key: export_piece(piece, cluster.platform, draws.get(key, ()),
+                                     self.deferred.get(key[0], NONE) if key[1] == BACKWARD else NONE,
+                                     self.meshes[programs.stage_to_mesh[key[0]]].logical_shape)
                    for key, piece in program.pieces.items()}
         if returned is None:
             returned = frozenset(k for k, source in enumerate(updated_inputs(traced.in_leaves, traced.out_leaves))
@@ -443,7 +457,8 @@ class RayPipeshardExecutable:
         """The outputs sent back in the step reports (by default those that update no input)."""
         donations = input_donations(programs, program, [program.step_inputs[k] for k in donate_flat])
         self.worker_programs = worker_programs(program, programs, self.meshes, input_specs, shipped,
-                                               self.num_micro_batches, self._returned, donations)
+                                               self.num_micro_batches, self._returned, donations,
+                                               deferral.stack_specs)
         self._donated_on = {key[0]: p.mesh for p in self.worker_programs for keys in p.donations.values()
                             for key in keys}
         """Donated step input -> the mesh that donates it."""
@@ -465,6 +480,22 @@ class RayPipeshardExecutable:
 
     def __call__(self, *args):
         return self.run(*args)
+
+    def _load_spec(self, input_specs: dict):
+        """``(value, shape, mesh) -> spec``: the layout a worker loads or receives a value in
+        (:func:`~alpa_like.runtime.ray_worker.load_spec`)."""
+        def spec(value, shape, mesh: int) -> ShardingSpec:
+            return load_spec(input_specs, value, shape, self.meshes[mesh].logical_shape)
+        return spec
+
+    def get_hlo_text(self) -> str:
+        """The compiled HLO of every stage piece on its worker, for the layouts of its first run (a step must
+        have run), as :meth:`~alpa_like.runtime.pipeshard_runtime.PipeshardExecutable.get_hlo_text` gives it."""
+        texts = self._wait([w.hlo_text.remote(self.exe_id) for w in self.workers], "compiling the HLO texts",
+                           timeout=self.cluster.step_timeout)
+        if not any(texts):
+            raise RuntimeError("get_hlo_text: run one step first (stage pieces compile on the first step)")
+        return "\n".join(t for t in texts if t)
 
     # ------------------------------------------------------------------------------------------- a step
 

@@ -9,38 +9,50 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from alpa_like.compiler.gradient_sync import NONE, DeferredGradients
 from alpa_like.compiler.micro_batch_keys import KeyDraws
 from alpa_like.compiler.stage_construction import StageProgram, micro_batch_key_draws
 from alpa_like.runtime.instructions import MeshPrograms, Op
-from alpa_like.runtime.pipeshard_runtime import _piece_fn
+from alpa_like.runtime.pipeshard_runtime import MESH_AXES, _piece_fn
 from alpa_like.runtime.ray_worker import MeshInfo, ShippedPiece, WorkerProgram
 
 
 EXPORT_PLATFORMS = {"cpu": ("cpu",), "gpu": ("cuda",)}
 
 
-def export_piece(piece, platform: str = "cpu", draws: KeyDraws = ()) -> bytes:
+def export_piece(piece, platform: str = "cpu", draws: KeyDraws = (), deferred: DeferredGradients = NONE,
+                 mesh_shape: Sequence[int] = ()) -> bytes:
     """A stage piece as serialised ``jax.export`` StableHLO for ``platform``'s workers, exported for one
     device (the worker's jit partitions it over its mesh); with ``draws`` it takes the micro-batch's index
-    last (:func:`~alpa_like.runtime.pipeshard_runtime._piece_fn`)."""
+    last (:func:`~alpa_like.runtime.pipeshard_runtime._piece_fn`). With ``deferred`` gradients (a backward
+    piece's), those come out as stacks of partial sums laid out over the axes of a mesh of ``mesh_shape``
+    (an abstract mesh: the driver needs no device of it), which the worker's MEAN reduces once per step."""
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in piece.jaxpr.in_avals]
     if draws:
         avals.append(jax.ShapeDtypeStruct((), np.uint32))
-    exported = jax.export.export(jax.jit(_piece_fn(piece, draws=draws)), platforms=EXPORT_PLATFORMS[platform])(*avals)
+    mesh = None
+    if deferred:
+        mesh = jax.sharding.AbstractMesh(tuple(mesh_shape), MESH_AXES[:len(mesh_shape)],
+                                         axis_types=(jax.sharding.AxisType.Auto,) * len(mesh_shape))
+    fn = _piece_fn(piece, deferred=deferred, mesh=mesh, draws=draws)
+    exported = jax.export.export(jax.jit(fn), platforms=EXPORT_PLATFORMS[platform])(*avals)
     return bytes(exported.serialize())
 
 
 def worker_programs(program: StageProgram, programs: MeshPrograms, meshes: Sequence[MeshInfo],
                     input_specs: dict, shipped: dict[tuple[int, str], bytes],
                     num_micro_batches: int, returned: frozenset[int] = frozenset(),
-                    donations: dict[int, frozenset] | None = None) -> list[WorkerProgram]:
+                    donations: dict[int, frozenset] | None = None,
+                    stack_specs: dict | None = None) -> list[WorkerProgram]:
     """Each mesh's :class:`WorkerProgram`: its instructions, the pieces of its stages, what it sends.
 
     ``returned``: the step outputs that come back to the driver as values, each from the mesh that holds it
     in ``programs.outputs`` (the others stay in the workers' stores). ``donations``: index of a RUN in
     ``programs.instructions`` -> the donated inputs' buffers it donates
     (:func:`~alpa_like.runtime.pipeshard_runtime.input_donations`); a buffer the mesh also sends to another
-    mesh is not donated (a background thread may still be reading it)."""
+    mesh is not donated (a background thread may still be reading it). ``stack_specs``: accumulator of a
+    stack of partial sums -> (its stage, the layout of its step mean)
+    (:attr:`~alpa_like.runtime.pipeshard_runtime.GradientDeferral.stack_specs`)."""
     sends: list[dict] = [dict() for _ in meshes]
     for ins in programs.instructions:
         if ins.op is Op.RECV:
@@ -67,7 +79,9 @@ def worker_programs(program: StageProgram, programs: MeshPrograms, meshes: Seque
                                  sends=sends[k], input_specs=dict(input_specs), constants=constants,
                                  num_micro_batches=num_micro_batches, outputs=outputs, returned=mine,
                                  donations={j: keys for j, keys in donated.items() if keys},
-                                 per_example=program.per_example))
+                                 per_example=program.per_example,
+                                 stacks={dst: spec for dst, (q, spec) in (stack_specs or {}).items()
+                                         if q in stages}))
     return out
 
 

@@ -90,6 +90,10 @@ class WorkerProgram:
     per_example: frozenset[ValueId] = frozenset()
     """Accumulators of per-example values (``StageProgram.per_example``): ACC keeps each micro-batch's rows,
     MEAN puts them back together in the full batch's row order."""
+    stacks: dict[ValueId, ShardingSpec | None] = dataclasses.field(default_factory=dict)
+    """Accumulators of stacks of partial sums (gradients whose reduction waits for the step's mean:
+    :mod:`~alpa_like.compiler.gradient_sync`) -> the layout of their mean (None: XLA's choice). MEAN sums
+    each stack once per step."""
 
 
 class WorkerStepError(RuntimeError):
@@ -169,6 +173,10 @@ class MeshWorker:
         """Deserialises the pieces and keeps the program; returns the number of pieces."""
         self._loaded[exe_id] = _LoadedProgram(program, peers, self._devices)
         return len(program.pieces)
+
+    def hlo_text(self, exe_id: int) -> str:
+        """The compiled HLO of executable ``exe_id``'s pieces on this worker (:meth:`_LoadedProgram.hlo_text`)."""
+        return self._loaded[exe_id].hlo_text()
 
     def unload_program(self, exe_id: int) -> None:
         self._loaded.pop(exe_id, None)
@@ -353,6 +361,16 @@ class _LoadedProgram:
         self.donating: dict[tuple, Any] = {}
         self.fused: dict[tuple, Any] = {}
         self.plans: dict[tuple, Any] = {}
+        self.arg_specs: dict[tuple[int, str], list] = {}
+        """Per piece, its arguments' shapes and layouts on its first plain (unfused) RUN."""
+
+    def hlo_text(self) -> str:
+        """The compiled HLO of every piece that ran plain once, for the layouts of that run."""
+        texts = []
+        for (stage, phase), args in self.arg_specs.items():
+            compiled = self.jitted[(stage, phase)].lower(*args).compile()
+            texts.append(f"// stage {stage} {phase}\n{compiled.as_text()}")
+        return "\n".join(texts)
 
     def sharding(self, spec: ShardingSpec):
         from alpa_like.runtime.mesh import named_sharding
@@ -478,6 +496,7 @@ class _StepRun:
     def _run(self, ins: Instruction, accs: list[Instruction], donated=frozenset()) -> None:
         """RUN (with the ACCs of its outputs fused in once the totals exist), donating the inputs whose
         buffers are in ``donated``."""
+        import jax
         from alpa_like.runtime.pipeshard_runtime import donated_positions
         piece = self.program.pieces[(ins.stage, ins.phase)]
         buffers, acc = self.buffers, self.accumulators
@@ -498,6 +517,8 @@ class _StepRun:
             acc.update({a.target: x for a, x in zip(fused, sums, strict=True)})
         else:
             outs = self.loaded.call((ins.stage, ins.phase), donate)(*args)
+            self.loaded.arg_specs.setdefault((ins.stage, ins.phase), [
+                jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None)) for x in args])
         for v, x in zip(piece.outputs, outs, strict=True):
             buffers[(v, ins.micro_batch)] = x
         for a in accs:
@@ -526,9 +547,14 @@ class _StepRun:
             self.buffers[ins.key] = gather_rows(self.accumulators.pop(ins.key[0]))
             self._wrote(ins.key)
         group = [ins for ins in group if ins.key[0] not in self.program.per_example]
-        totals = [self.accumulators.pop(ins.key[0]) for ins in group]
-        _, means = step_means([], (), totals, self.program.num_micro_batches)
-        for ins, x in zip(group, means, strict=True):
+        stacked = [ins for ins in group if ins.key[0] in self.program.stacks]
+        plain = [ins for ins in group if ins.key[0] not in self.program.stacks]
+        specs = [self.program.stacks[ins.key[0]] for ins in stacked]
+        stack_means, plain_means = step_means(
+            [self.accumulators.pop(ins.key[0]) for ins in stacked],
+            tuple(None if spec is None else self.loaded.sharding(spec) for spec in specs),
+            [self.accumulators.pop(ins.key[0]) for ins in plain], self.program.num_micro_batches)
+        for ins, x in zip(stacked + plain, stack_means + plain_means, strict=True):
             self.buffers[ins.key] = x
             self._wrote(ins.key)
 
