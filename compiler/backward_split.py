@@ -197,8 +197,9 @@ def split_backward(closed: ClosedJaxpr, input_gradients: Sequence[int]) -> Backw
     consts = dict(zip(jaxpr.constvars, closed.consts, strict=True))
     b = _closed(b_eqns, [invars[k] for k in b_inputs], b_outvars, consts)
     w = _closed(w_eqns, [invars[k] for k in w_inputs] + saved, w_targets, consts)
+    saved_from = tuple(next(i for i, r in enumerate(b_outvars) if r is v) for v in saved)
     return BackwardSplit(b=b, w=w, b_inputs=b_inputs, b_outputs=b_outputs, w_inputs=w_inputs,
-                         w_outputs=w_outputs, saved_from=tuple(next(i for i, r in enumerate(b_outvars) if r is v) for v in saved))
+                         w_outputs=w_outputs, saved_from=saved_from)
 
 
 def _unit_outvars(eqns: Sequence[JaxprEqn], unit: Unit) -> list[Var]:
