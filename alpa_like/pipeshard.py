@@ -67,14 +67,18 @@ def simulate_plan(plan: ParallelPlan, sliced: SlicedStep, **options):
 
     The planner uses it where the stage DP's cost is an estimate the simulator resolves: when the DP's plans
     under the pricings of :func:`~alpa_like.compiler.stage_choice.estimate_tables` differ, each is simulated and
-    the fastest is kept (:func:`simulated_seconds`)."""
+    the fastest is kept (:func:`simulated_seconds`). A TeraPipe plan's programs run its token slicing
+    (``plan.token_slicing``: one unit per batch and token slice, each priced at its share of a micro-batch's
+    work, :attr:`~alpa_like.runtime.instructions.MeshPrograms.unit_shares`)."""
     stage_to_mesh = list(range(len(plan.stages)))
     program = build_stage_program(sliced.closed_jaxpr, sliced.pieces, [s.layer_ids for s in plan.stages],
                                   [r == "batch" for r in sliced.roles], stage_to_mesh=stage_to_mesh,
                                   after_grad=sliced.traced.after_grad)
-    sched = make_schedule(plan.pipeline_schedule or ScheduleName.ONE_F_ONE_B, num_meshes=len(plan.stages),
-                          num_micro_batches=plan.num_micro_batches)
-    programs = emit_programs(program, sched, stage_to_mesh=stage_to_mesh, free_buffers=False)
+    name = plan.pipeline_schedule or ScheduleName.ONE_F_ONE_B
+    slicing = plan.token_slicing if name == ScheduleName.TERAPIPE else ()
+    sched = make_schedule(name, num_meshes=len(plan.stages), num_micro_batches=plan.num_micro_batches,
+                          num_slices=tuple(len(lengths) for _, lengths in slicing) or 1)
+    programs = emit_programs(program, sched, stage_to_mesh=stage_to_mesh, free_buffers=False, token_slicing=slicing)
     return simulate(plan, program, programs, **options)
 
 

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
 from alpa_like.compiler.stage_construction import StageProgram, ValueId, apply_order
-from alpa_like.compiler.schedules import Phase, Schedule
+from alpa_like.compiler.schedules import Phase, Schedule, is_sliced, slices_of
 
 PER_STEP = -1
 Key = tuple[ValueId, int]
@@ -83,6 +83,12 @@ class MeshPrograms:
     """Per step output: the other meshes that hold the same buffer (a replicated update,
     :func:`~alpa_like.compiler.stage_construction.replicated_updates`); a runtime may keep their copies for
     the next step's LOAD of the value the step returned. Empty: none anywhere."""
+    unit_shares: tuple[float, ...] = ()
+    """A token-sliced schedule's (TeraPipe's): per unit (micro-batch ``k``'s token slice ``i`` is unit
+    ``sum(slices of k' < k) + i``, the ``micro_batch`` of its instructions' buffers), the share of an
+    average micro-batch's work it does, ``rows * length * M / (B * S)``. Empty: every micro-batch does one."""
+    units: tuple[tuple[int, int], ...] = ()
+    """A token-sliced schedule's: per unit, its (micro-batch, token slice). Empty: no token slices."""
 
     def program(self, mesh: int) -> tuple[Instruction, ...]:
         return tuple(i for i in self.instructions if i.mesh == mesh)
@@ -100,7 +106,8 @@ _PHASE_OF = {Phase.F: FORWARD, Phase.B: BACKWARD}
 
 
 def emit_programs(program: StageProgram, schedule: Schedule, stage_to_mesh: Sequence[int], *,
-                  free_buffers: bool = True) -> MeshPrograms:
+                  free_buffers: bool = True,
+                  token_slicing: Sequence[tuple[int, Sequence[int]]] = ()) -> MeshPrograms:
     """The instruction programs that run ``program`` under ``schedule`` (see the module docstring).
 
     Args:
@@ -110,6 +117,9 @@ def emit_programs(program: StageProgram, schedule: Schedule, stage_to_mesh: Sequ
       free_buffers: emit the ``FREE`` instructions (a runtime needs them; the simulated backend's clock, on
         which a FREE takes no time, gives the same step without them, and they are most of a long program's
         instructions).
+      token_slicing: for a token-sliced schedule (TeraPipe), the batch slices ``(rows, (lengths...))``
+        its micro-batches are: each (micro-batch, token slice) task runs on its own unit's buffers, whose
+        share of a micro-batch's work is :attr:`MeshPrograms.unit_shares`.
     """
     if schedule.num_stages != program.num_stages:
         raise ValueError(f"schedule has {schedule.num_stages} stages, the program {program.num_stages}")
@@ -168,10 +178,11 @@ def emit_programs(program: StageProgram, schedule: Schedule, stage_to_mesh: Sequ
             if v in accumulator_of:
                 out.append(Instruction(Op.ACC, mesh, key=key, target=accumulator_of[v]))
 
+    first_unit, shares = unit_offsets(schedule, token_slicing)
     for row in schedule.ticks:
         for task in row:
             if task is not None:
-                run(task.stage, _PHASE_OF[task.phase], task.micro_batch)
+                run(task.stage, _PHASE_OF[task.phase], first_unit[task.micro_batch] + (task.slice or 0))
     for src, dst in program.accumulated:
         mesh = stage_to_mesh[program.home.get(src, 0)]
         out.append(Instruction(Op.MEAN, mesh, key=(dst, PER_STEP)))
@@ -195,7 +206,35 @@ def emit_programs(program: StageProgram, schedule: Schedule, stage_to_mesh: Sequ
     instructions = _insert_frees(out, program, {o for o in outputs if o}, key_of) if free_buffers else out
     return MeshPrograms(instructions=tuple(instructions),
                         num_meshes=schedule.num_meshes, stage_to_mesh=tuple(stage_to_mesh), outputs=tuple(outputs),
-                        output_copies=tuple(copies) if any(copies) else ())
+                        output_copies=tuple(copies) if any(copies) else (), unit_shares=shares,
+                        units=tuple((k, i) for k, first in enumerate(first_unit)
+                                    for i in range(slices_of(schedule.num_slices, k))) if shares else ())
+
+
+def unit_offsets(schedule: Schedule, token_slicing: Sequence[tuple[int, Sequence[int]]] = ()):
+    """Per micro-batch of ``schedule``, the index of its first unit (its first token slice's buffers), and
+    per unit its share of an average micro-batch's work: ``rows * length * M / (B * S)`` of
+    ``token_slicing``'s batch slices, else equal slices of equal micro-batches (empty when nothing is
+    sliced: a unit is a micro-batch).
+
+    >>> from alpa_like.compiler.schedule_tables import terapipe
+    >>> unit_offsets(terapipe(2, 2, (2, 1)), ((1, (12, 4)), (1, (16,))))
+    ((0, 2), (0.75, 0.25, 1.0))
+    >>> unit_offsets(terapipe(2, 2, 2))
+    ((0, 2), (0.5, 0.5, 0.5, 0.5))
+    """
+    counts = [slices_of(schedule.num_slices, k) for k in range(schedule.num_micro_batches)]
+    first = tuple(sum(counts[:k]) for k in range(len(counts)))
+    if token_slicing:
+        if tuple(len(lengths) for _, lengths in token_slicing) != tuple(counts):
+            raise ValueError(f"token_slicing {tuple(token_slicing)} does not match the schedule's token slices "
+                             f"per micro-batch {tuple(counts)}")
+        tokens = sum(rows * sum(lengths) for rows, lengths in token_slicing)
+        return first, tuple(rows * length * len(counts) / tokens for rows, lengths in token_slicing
+                            for length in lengths)
+    if not is_sliced(schedule.num_slices):
+        return first, ()
+    return first, tuple(1 / count for count in counts for _ in range(count))
 
 
 def buffer_key(buffers, v: ValueId, micro_batch: int) -> Key:

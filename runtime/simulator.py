@@ -20,6 +20,9 @@ Every mesh has a clock. An instruction starts when its mesh is free and its inpu
   ``shared_host_compute`` a RECV's copies are summed, not overlapped
   (:meth:`~alpa_like.runtime.resharding.ReshardingPlan.serial_seconds`: one host's cores do every copy),
   over the inter-node link's per-device share when the meshes' nodes differ, and no NIC is modelled;
+* a token-sliced program (TeraPipe: :attr:`~alpa_like.runtime.instructions.MeshPrograms.unit_shares`): a
+  forward or backward RUN, a RECV and a per-unit LOAD of a unit (one token slice of a micro-batch) take its
+  share of the micro-batch's time (``rows * length`` tokens over an average micro-batch's);
 * ``LOAD``: host-to-device bytes at the intra-node bandwidth; ``ACC``, ``MEAN``, ``FREE``: free. On a
   cluster whose devices have their own compute (no ``shared_host_compute``: GPUs), a per-step LOAD of a
   non-batch input (parameters, optimizer state) onto a mesh whose own apply-grad updates it
@@ -308,6 +311,7 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
     by_kind: dict[str, float] = {}
     shared = cluster.shared_host_compute
     moves: dict[tuple[int, int, int], tuple[float, frozenset[Nic]]] = {}
+    shares = programs.unit_shares
 
     def move_cost(v: int, src: int, dst: int) -> tuple[float, frozenset[Nic]]:
         """:func:`transfer_cost` of value ``v`` from mesh ``src`` to ``dst`` (the same for every
@@ -339,6 +343,8 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
             if shared:
                 start = max([start, *(node_clock[n] for n in hosts(ins))])
             duration = stage_time[(ins.stage, ins.phase)]
+            if shares and mb != PER_STEP:
+                duration *= shares[mb]
             if measured is not None:
                 duration = measured.get(_strip_micro_batch(str(ins)), duration)
             for v in piece.outputs:
@@ -346,11 +352,14 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
             busy[mesh] += duration
             if ins.phase != APPLY:
                 phase = Phase.F if ins.phase == FORWARD else Phase.B
-                spans.append(Span(Task(StageIdx(ins.stage), MicroBatchIdx(mb), phase), MeshIdx(mesh),
+                k, i = programs.units[mb] if shares else (mb, None)
+                spans.append(Span(Task(StageIdx(ins.stage), MicroBatchIdx(k), phase, i), MeshIdx(mesh),
                                   start, start + duration))
         elif op is Op.RECV:
             start = max([start, ready.get((ins.src_mesh, ins.key), 0.0), *(node_clock[n] for n in hosts(ins))])
             duration, nics = move_cost(ins.key[0], ins.src_mesh, mesh)
+            if shares and ins.key[1] != PER_STEP:
+                duration *= shares[ins.key[1]]
             if measured is not None:
                 duration = measured.get(_strip_micro_batch(str(ins)), duration)
             start, end = nic_book.take(nics, start, duration)
@@ -363,7 +372,7 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
             aval = program.values[ins.key[0]].aval
             nbytes = math.prod(aval.shape) * jax_compat.numpy_dtype(aval.dtype).itemsize
             if ins.key[1] != PER_STEP:
-                nbytes //= m
+                nbytes = nbytes * (shares[ins.key[1]] if shares else 1) // m
             v = ins.key[0]
             if shared or ins.key[1] != PER_STEP or v in program.batch_inputs:
                 duration = cluster.intra_node_latency + nbytes / cluster.intra_node_bandwidth

@@ -458,3 +458,27 @@ def test_nic_book_serialises_and_conserves_work_on_random_transfers():
         starts, ends = book._starts[nic], book._ends[nic]
         assert all(e <= s for e, s in zip(ends, starts[1:]))
         assert sum(e - s for s, e in zip(starts, ends)) == pytest.approx(total, rel=1e-9)
+
+
+def test_a_terapipe_plan_is_priced_by_the_simulator_over_its_token_slices():
+    """TeraPipe's token-sliced schedule lowers to instruction programs with one unit per (micro-batch,
+    token slice), each priced at its share of a micro-batch: with equal stages, equal slices and free
+    communication the step is GPipe's over m n units, (m n + p - 1) (t_f + t_b) / n."""
+    from alpa_like.compiler.sliced_step import slice_step
+    from alpa_like.pipeshard import simulate_plan
+    from tests.runtime.test_terapipe_runtime import gpt_case
+
+    loss_fn, state, batches = gpt_case(num_layers=2)
+    step = train_step_for(loss_fn)
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2),
+                                  stage_option=stages(((0,), (1,)), ((1, 4),) * 2, ((1, 4),) * 2),
+                                  pipeline_schedule="terapipe", token_slices=(8, 8))
+    plan = al.plan(step, state, batches[0], method=method, cluster=al.ClusterSpec.preset("p3.16xlarge"))
+    assert plan.token_slicing == ((2, (8, 8)),) * 2
+    sliced = slice_step(method, step, (state, batches[0]), static_argnums=(), batch_argnums=(1,))
+    sim = simulate_plan(idealised(plan), sliced)
+    p, m, n = 2, 2, 2
+    assert sim.step_seconds == pytest.approx((m * n + p - 1) * 1.0 / (m * n))
+    assert sim.timeline.bubble_fraction("ideal") == pytest.approx((p - 1) / (m * n))
+    assert sorted(str(s.task) for s in sim.timeline.spans if s.mesh == 0) == sorted(
+        f"0{phase}{k}.{i}" for phase in "FB" for k in range(m) for i in range(n))
