@@ -333,9 +333,9 @@ class _Placement:
                    inside_before=(start % per_node != 0), inside_after=(end % per_node != 0),
                    first_shared=first_shared, last_shared=last_shared)
 
-    def stage_seconds(self, k: int, rows: np.ndarray, seconds: np.ndarray) -> np.ndarray:
-        """``[row, d]``: the time of stage ``(k..i, p)`` for each flat ``row = i * P + p`` starting with ``d``
-        devices left, with its inside-node savings and the shared NIC of its own node (not yet those of its
+    def stage_seconds(self, k, rows: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+        """``[row, d]``: the time of stage ``(k..i, p)`` for each flat ``row = i * P + p`` (``k`` one first
+        layer, or one per row) starting with ``d`` devices left, with its inside-node savings and the shared NIC of its own node (not yet those of its
         neighbours' nodes: :meth:`extra`); inf where it is misaligned."""
         last, mesh = np.divmod(rows, self.saving.shape[2])
         saving = self.saving[k, last, mesh]
@@ -346,7 +346,7 @@ class _Placement:
             placed = placed + nic[:, :1] * self.first_shared[mesh] + nic[:, 1:] * self.last_shared[mesh]
         return np.where(self.aligned[mesh], placed, np.inf)
 
-    def extra(self, k: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def extra(self, k, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``[row, 1]`` each: what stage ``(k..i, p)`` waits when the node before it (side 0) or after it
         (side 1) is shared: its :attr:`StageCosts.nic_wait`."""
         last, mesh = np.divmod(rows, self.saving.shape[2])
@@ -505,6 +505,7 @@ def _placed_dp(cost: np.ndarray, sizes: np.ndarray, num_devices: int, placement:
     num_stages, k_layers, _, num_meshes = cost.shape
     width = num_devices + 1
     flags = 2 if placement.nic is not None else 1
+    most_saved = placement.saving[:k_layers, :k_layers].sum(axis=-1)  # [k, i, p]: both sides inside a node
     prev = np.full((flags, flags, k_layers + 1, width), np.inf)
     prev[:, 0, k_layers, 0] = 0.0  # nothing left: of class 0
     finals = np.full(num_stages + 1, np.inf)
@@ -517,43 +518,80 @@ def _placed_dp(cost: np.ndarray, sizes: np.ndarray, num_devices: int, placement:
             shifted[..., p, size:] = prev[:, :, 1:top + 1, :width - size]
         shifted = shifted.reshape(flags, flags, top * num_meshes, width)
         level = cost[s - 1, :top, :top, :].reshape(top, top * num_meshes)
+        # A stage costs at least its table time less both savings, wherever it starts: rows above t_max
+        # even then are inf in every column, and leaving them out changes no minimum.
+        fastest = (cost[s - 1, :top, :top, :] - most_saved[:top, :top]).reshape(top, top * num_meshes)
+        fastest[:, ~np.isfinite(shifted).any(axis=(0, 1, 3))] = np.inf  # the stages after cannot follow
         current = np.full_like(prev, np.inf)
         best = np.full((flags, flags, top, width), -1, dtype=np.int64) if track else None
-        for k in range(top):
-            rows = np.flatnonzero(np.isfinite(level[k, k * num_meshes:])) + k * num_meshes
+        if not track:
+            _placed_level(level, fastest, shifted, placement, t_max, current)
+        for k in range(top if track else 0):
+            rows = np.flatnonzero(fastest[k, k * num_meshes:] <= t_max) + k * num_meshes
             if rows.size == 0:
                 continue
-            mesh = rows % num_meshes
-            own = placement.stage_seconds(k, rows, level[k, rows])
-            if flags == 1:
-                values = np.where(own <= t_max, own, np.inf) + shifted[0, 0, rows]
+            for (q, c), (values, code) in _placed_values(k, rows, level[k, rows], shifted, placement,
+                                                         t_max).items():
                 arg = values.argmin(axis=0)
-                current[0, 0, k] = values[arg, columns]
-                if track:
-                    best[0, 0, k] = np.where(np.isfinite(current[0, 0, k]), rows[arg] * 2, -1)
-                continue
-            before, after = placement.extra(k, rows)
-            last_shared = placement.last_shared[mesh]
-            rest = [np.where(last_shared, shifted[1, c, rows], shifted[0, c, rows]) for c in (0, 1)]
-            first_shared = placement.first_shared[mesh]
-            for q in (0, 1):
-                seconds = own + q * before
-                alone = np.where(seconds <= t_max, seconds, np.inf) + rest[0]
-                paying = np.where(seconds + after <= t_max, seconds + after, np.inf) + rest[1]
-                values = np.minimum(alone, paying)
-                code = rows[:, None] * 2 + (paying < alone)
-                for c in (0, 1):
-                    of_class = np.where(first_shared == c, values, np.inf)
-                    arg = of_class.argmin(axis=0)
-                    current[q, c, k] = of_class[arg, columns]
-                    if track:
-                        best[q, c, k] = np.where(np.isfinite(current[q, c, k]), code[arg, columns], -1)
+                current[q, c, k] = values[arg, columns]
+                best[q, c, k] = np.where(np.isfinite(current[q, c, k]), code[arg, columns], -1)
         choices.append(best)
         finals[s] = current[0, :, 0, num_devices].min()
         prev = current
         if not np.isfinite(prev).any():
             break
     return finals, choices
+
+
+_LEVEL_BLOCK = 1 << 20
+"""Elements per temporary array of :func:`_placed_level` (its memory, not its result)."""
+
+
+def _placed_values(k, rows: np.ndarray, seconds: np.ndarray, shifted: np.ndarray, placement: _Placement,
+                   t_max: float) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
+    """For each table ``(q, c)`` of :func:`_placed_dp`, ``[row, d]``: the total of stage ``(k..i, p)``
+    (flat ``rows``, ``i * P + p``; ``k`` one first layer or one per row; ``seconds`` its ``eff``) starting
+    with ``d`` devices left, followed by the best rest, and the choice code of that total (``row * 2 +`` the
+    class of the rest). Infinite where the stage exceeds ``t_max``, is misaligned, is not of class ``c``, or
+    nothing can follow."""
+    num_meshes = placement.saving.shape[2]
+    mesh = rows % num_meshes
+    own = placement.stage_seconds(k, rows, seconds)
+    if placement.nic is None:
+        values = np.where(own <= t_max, own, np.inf) + shifted[0, 0, rows]
+        return {(0, 0): (values, np.broadcast_to(rows[:, None] * 2, values.shape))}
+    before, after = placement.extra(k, rows)
+    last_shared = placement.last_shared[mesh]
+    rest = [np.where(last_shared, shifted[1, c, rows], shifted[0, c, rows]) for c in (0, 1)]
+    first_shared = placement.first_shared[mesh]
+    out = {}
+    for q in (0, 1):
+        seconds_q = own + q * before
+        alone = np.where(seconds_q <= t_max, seconds_q, np.inf) + rest[0]
+        paying = np.where(seconds_q + after <= t_max, seconds_q + after, np.inf) + rest[1]
+        values = np.minimum(alone, paying)
+        code = rows[:, None] * 2 + (paying < alone)
+        for c in (0, 1):
+            out[(q, c)] = (np.where(first_shared == c, values, np.inf), code)
+    return out
+
+
+def _placed_level(level: np.ndarray, fastest: np.ndarray, shifted: np.ndarray, placement: _Placement,
+                  t_max: float, current: np.ndarray) -> None:
+    """One level ``s`` of :func:`_placed_dp` without choices, every first layer ``k`` at once:
+    ``current[q, c, k] = min over rows of`` :func:`_placed_values` (the same numbers as the loop over ``k``
+    gives; a minimum does not depend on the order), in blocks of at most :data:`_LEVEL_BLOCK` elements."""
+    top, flat = level.shape
+    num_meshes = flat // top
+    upper = np.arange(flat)[None, :] >= (np.arange(top) * num_meshes)[:, None]
+    firsts, rows = np.nonzero(upper & (fastest <= t_max))  # by first layer, ascending
+    per_block = max(1, _LEVEL_BLOCK // current.shape[-1])
+    for start in range(0, firsts.size, per_block):
+        ks, rs = firsts[start:start + per_block], rows[start:start + per_block]
+        group_ks, starts = np.unique(ks, return_index=True)
+        for (q, c), (values, _) in _placed_values(ks, rs, level[ks, rs], shifted, placement, t_max).items():
+            smallest = np.minimum.reduceat(values, starts, axis=0)
+            current[q, c, group_ks] = np.minimum(current[q, c, group_ks], smallest)
 
 
 def _t_max_groups(values: np.ndarray, epsilon: float) -> list[tuple[float, float]]:

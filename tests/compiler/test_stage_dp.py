@@ -738,3 +738,24 @@ def test_a_zero_bubble_schedule_is_planned_but_not_run():
     step = al.parallelize(make_train_step(mlp_loss), method=method)
     with pytest.raises(NotImplementedError, match="'zb_h1' can be planned .* but not yet run"):
         step(state, batch)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_layers=st.integers(2, 6), cluster=st.sampled_from(SHARING_CLUSTERS),
+       nic=st.booleans(), block=st.sampled_from([1, 7, 1 << 20]), t_max=st.sampled_from([0.3, 1.0, 3.0, 100.0]))
+def test_placed_dp_without_choices_equals_the_tracked_loop(seed, num_layers, cluster, nic, block, t_max):
+    """The placed DP's levels computed for every first layer at once, in blocks of any size
+    (``_placed_level``), give the same table, bit for bit, as the loop over first layers that records the
+    choices."""
+    costs = with_boundary_saving(random_costs(seed, num_layers, cluster), seed + 1)
+    if nic:
+        costs = with_nic_wait(costs, seed + 3, 0.6)
+    num_devices = cluster[0] * cluster[1]
+    placement = stage_dp_module._Placement.of(costs, num_devices, cluster[1])
+    in_flight = micro_batches_in_flight("1f1b", min(num_layers, num_devices), 4)
+    eff, _ = stage_dp_module._effective_costs(costs, in_flight, 10.0)
+    tracked, _ = stage_dp_module._placed_dp(eff, costs.sizes, num_devices, placement, t_max, track=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(stage_dp_module, "_LEVEL_BLOCK", block)
+        untracked, _ = stage_dp_module._placed_dp(eff, costs.sizes, num_devices, placement, t_max)
+    np.testing.assert_array_equal(untracked, tracked)
