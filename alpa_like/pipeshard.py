@@ -116,8 +116,6 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
         warnings.warn("donate_argnums is not applied under the TeraPipe schedule: the step's inputs stay "
                       "allocated while it runs", stacklevel=3)
     local = make_executable is PipeshardExecutable
-    if method.pipeline_schedule == ScheduleName.TERAPIPE and not local:
-        raise NotImplementedError("pipeline_schedule='terapipe' runs on the local backend only (al.init('local'))")
     if not local:
         sliced = _without_effects(sliced, "on the Ray backend (jax.export ships no host callbacks)")
     if method.pipeline_schedule == ScheduleName.TERAPIPE:

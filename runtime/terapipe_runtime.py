@@ -68,7 +68,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Literal, Var
+from jax.extend.core import ClosedJaxpr, Literal, Var, no_effects
 
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.layer_slicing import APPLY, FORWARD
@@ -416,7 +416,7 @@ class TerapipeExecutable:
             keep = [not e.effects for e in closed.jaxpr.eqns]
             eqn_stage = [q for q, k in zip(eqn_stage, keep, strict=True) if k]
             closed = ClosedJaxpr(closed.jaxpr.replace(eqns=[e for e, k in zip(closed.jaxpr.eqns, keep, strict=True)
-                                                            if k], effects=jax.core.no_effects), closed.consts)
+                                                            if k], effects=no_effects), closed.consts)
         jaxpr = closed.jaxpr
         num_leaves = len(self.call.sources)
         leaf_vars = tuple(jaxpr.invars[:num_leaves])
