@@ -70,11 +70,12 @@ def test_the_table_lists_a_params_sharded_twin_for_multi_device_submeshes(profil
 
 
 def test_float32_layers_are_priced_at_the_fp32_rate(profile):
-    """The MLP is float32: on a V100 (p3.16xlarge) its matmuls run at 15.7 TFLOP/s, not the 125 of FP16."""
+    """The MLP is float32: on a V100 (p3.16xlarge) its matmuls run at 15.7 TFLOP/s, not the 125 of FP16 (the
+    layer's time is its products at that rate, plus their overheads and the element-wise traffic)."""
     cluster = al.ClusterSpec.preset("p3.16xlarge")
     matmuls = 3 * 2 * (ROWS // 4) * HIDDEN * HIDDEN  # forward, input gradient, weight gradient; 4 micro-batches
-    assert profile.layer_costs[(1, 0, 0)].compute_seconds == pytest.approx(matmuls / cluster.fp32_peak_flops,
-                                                                           rel=1e-2)
+    at_fp32 = matmuls / (cluster.fp32_peak_flops * cluster.matmul_efficiency)
+    assert at_fp32 <= profile.layer_costs[(1, 0, 0)].compute_seconds <= 1.2 * at_fp32
 
 
 def test_the_lean_variant_shards_every_weight_and_costs_time_not_memory(profile):
