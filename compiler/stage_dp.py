@@ -276,10 +276,23 @@ def _best_t_max(eff: np.ndarray, sizes: np.ndarray, num_devices: int, placement:
             solved[g] = total(groups[g][1])
         return solved[g]
 
-    if not groups or not math.isfinite(solve(len(groups) - 1)):
-        return None, len(solved)
-    best_g = _search(groups, solve, batches, weight) if prune else min(range(len(groups)), key=solve)
-    return (solve(best_g), groups[best_g][1]), len(solved)
+    if not prune or len(groups) < _BISECTED_GROUPS:
+        if not groups or not math.isfinite(solve(len(groups) - 1)):
+            return None, len(solved)
+        best_g = _search(groups, solve, batches, weight) if prune else min(range(len(groups)), key=solve)
+        return (solve(best_g), groups[best_g][1]), len(solved)
+    # The first group with a plan: the least slowest stage over all plans, one bottleneck DP run.
+    least = _least_t_max(eff, sizes, num_devices, placement)
+    first = int(np.searchsorted([hi for _, hi in groups], least, side="left"))
+    if first == len(groups):
+        return None, 1
+    best_g = _search(groups, solve, batches, weight, first_feasible=first)
+    return (solve(best_g), groups[best_g][1]), len(solved) + 1
+
+
+_BISECTED_GROUPS = 4
+"""From this many t_max groups on, :func:`_best_t_max` finds the first feasible one with one bottleneck DP run
+(:func:`_least_t_max`) instead of bisecting (two or more DP runs)."""
 
 
 def aligned_plans_only(costs: StageCosts, cluster_shape: tuple[int, int]) -> bool:
@@ -357,13 +370,20 @@ class _Placement:
 def _stage_time_candidates(eff: np.ndarray, placement: _Placement | None) -> np.ndarray:
     """The distinct finite stage times a plan can have: the t_max candidates of Alg. 2 line 27. Placed, a
     side of a stage is inside a node (its saving off), or crosses nodes through 0, 1 or 2 shared NICs (its
-    ``nic_wait`` on, 0-2 times)."""
+    ``nic_wait`` on, 0-2 times). Read one level ``s`` of ``eff`` at a time, each distinct level once (levels
+    differ only where memory binds)."""
+    levels = [q for q in range(len(eff)) if q == 0 or not np.array_equal(eff[q], eff[q - 1])]
+    return np.unique(np.concatenate([_level_time_candidates(eff[q], placement) for q in levels]))
+
+
+def _level_time_candidates(eff: np.ndarray, placement: _Placement | None) -> np.ndarray:
+    """:func:`_stage_time_candidates` of one level ``eff[s - 1]`` (``[k, i, p]``)."""
     finite = np.isfinite(eff)
     times = eff[finite]
     if placement is None:
         return np.unique(times)
 
-    def at_finite(table: np.ndarray) -> np.ndarray:  # [k, i, p] -> the finite entries of eff[s, k, i, p]
+    def at_finite(table: np.ndarray) -> np.ndarray:  # [k, i, p] -> its entries where eff is finite
         return np.broadcast_to(table, eff.shape)[finite]
 
     per_side = []
@@ -398,6 +418,19 @@ def _best_finals(eff: np.ndarray, t_max: float, sizes: np.ndarray, num_devices: 
         return placed
     plain = (*_dp(np.where(eff <= t_max, eff, np.inf), sizes, num_devices, np.add, track), False)
     return placed if placed[0].min() <= plain[0].min() else plain
+
+
+def _least_t_max(eff: np.ndarray, sizes: np.ndarray, num_devices: int, placement: _Placement | None) -> float:
+    """The least ``t_max`` at which :func:`_best_finals` has a plan (inf if none): Eq. 3.3 with ``max`` in place
+    of ``+`` over the same tables, each stage's time the one the DP compares with ``t_max`` (for the aligned
+    plans, with what it waits for its neighbours' shared NICs). :func:`_best_finals` is finite at ``t_max``
+    exactly when this is at most ``t_max``."""
+    least = math.inf
+    if placement is not None:
+        least = float(_placed_dp(eff, sizes, num_devices, placement, math.inf, combine=np.maximum)[0].min())
+    if placement is None or placement.nic is None:
+        least = min(least, float(_dp(eff, sizes, num_devices, np.maximum)[0].min()))
+    return least
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -488,7 +521,7 @@ def _dp(cost: np.ndarray, sizes: np.ndarray, num_devices: int, combine: np.ufunc
 
 
 def _placed_dp(cost: np.ndarray, sizes: np.ndarray, num_devices: int, placement: _Placement, t_max: float,
-               track: bool = False) -> tuple[np.ndarray, list]:
+               track: bool = False, combine: np.ufunc = np.add) -> tuple[np.ndarray, list]:
     """Eq. 3.3 over the aligned contiguous layouts only, each stage priced for its layout
     (``price_placed_stages``) and cut at ``t_max`` after pricing; ``cost`` is ``eff`` (not yet cut).
 
@@ -500,7 +533,8 @@ def _placed_dp(cost: np.ndarray, sizes: np.ndarray, num_devices: int, placement:
     boundary, waits its ``nic_wait[1]``). ``F_{q,c}(s, k, d)`` is the least total with the first stage of
     class ``c``; a stage takes the rest's ``q`` = whether it is itself the last mesh of a shared node, and
     the better of the rest's two classes. Without shared NICs there is one table (``q = c = 0``). Choices:
-    per ``s`` an array ``[q, c, k, d]`` of ``(i * P + p) * 2 + (class of the rest)``.
+    per ``s`` an array ``[q, c, k, d]`` of ``(i * P + p) * 2 + (class of the rest)``. ``combine=np.maximum``
+    (with ``t_max = inf``): the least slowest stage instead of the least total (:func:`_least_t_max`).
     """
     num_stages, k_layers, _, num_meshes = cost.shape
     width = num_devices + 1
@@ -525,13 +559,13 @@ def _placed_dp(cost: np.ndarray, sizes: np.ndarray, num_devices: int, placement:
         current = np.full_like(prev, np.inf)
         best = np.full((flags, flags, top, width), -1, dtype=np.int64) if track else None
         if not track:
-            _placed_level(level, fastest, shifted, placement, t_max, current)
+            _placed_level(level, fastest, shifted, placement, t_max, current, combine)
         for k in range(top if track else 0):
             rows = np.flatnonzero(fastest[k, k * num_meshes:] <= t_max) + k * num_meshes
             if rows.size == 0:
                 continue
             for (q, c), (values, code) in _placed_values(k, rows, level[k, rows], shifted, placement,
-                                                         t_max).items():
+                                                         t_max, combine).items():
                 arg = values.argmin(axis=0)
                 current[q, c, k] = values[arg, columns]
                 best[q, c, k] = np.where(np.isfinite(current[q, c, k]), code[arg, columns], -1)
@@ -548,17 +582,18 @@ _LEVEL_BLOCK = 1 << 20
 
 
 def _placed_values(k, rows: np.ndarray, seconds: np.ndarray, shifted: np.ndarray, placement: _Placement,
-                   t_max: float) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
+                   t_max: float, combine: np.ufunc = np.add) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
     """For each table ``(q, c)`` of :func:`_placed_dp`, ``[row, d]``: the total of stage ``(k..i, p)``
     (flat ``rows``, ``i * P + p``; ``k`` one first layer or one per row; ``seconds`` its ``eff``) starting
     with ``d`` devices left, followed by the best rest, and the choice code of that total (``row * 2 +`` the
     class of the rest). Infinite where the stage exceeds ``t_max``, is misaligned, is not of class ``c``, or
-    nothing can follow."""
+    nothing can follow. ``combine``: how the stage's time and the rest's make the total (``np.add``), or
+    ``np.maximum`` for the slowest stage."""
     num_meshes = placement.saving.shape[2]
     mesh = rows % num_meshes
     own = placement.stage_seconds(k, rows, seconds)
     if placement.nic is None:
-        values = np.where(own <= t_max, own, np.inf) + shifted[0, 0, rows]
+        values = combine(np.where(own <= t_max, own, np.inf), shifted[0, 0, rows])
         return {(0, 0): (values, np.broadcast_to(rows[:, None] * 2, values.shape))}
     before, after = placement.extra(k, rows)
     last_shared = placement.last_shared[mesh]
@@ -567,8 +602,8 @@ def _placed_values(k, rows: np.ndarray, seconds: np.ndarray, shifted: np.ndarray
     out = {}
     for q in (0, 1):
         seconds_q = own + q * before
-        alone = np.where(seconds_q <= t_max, seconds_q, np.inf) + rest[0]
-        paying = np.where(seconds_q + after <= t_max, seconds_q + after, np.inf) + rest[1]
+        alone = combine(np.where(seconds_q <= t_max, seconds_q, np.inf), rest[0])
+        paying = combine(np.where(seconds_q + after <= t_max, seconds_q + after, np.inf), rest[1])
         values = np.minimum(alone, paying)
         code = rows[:, None] * 2 + (paying < alone)
         for c in (0, 1):
@@ -577,19 +612,20 @@ def _placed_values(k, rows: np.ndarray, seconds: np.ndarray, shifted: np.ndarray
 
 
 def _placed_level(level: np.ndarray, fastest: np.ndarray, shifted: np.ndarray, placement: _Placement,
-                  t_max: float, current: np.ndarray) -> None:
+                  t_max: float, current: np.ndarray, combine: np.ufunc = np.add) -> None:
     """One level ``s`` of :func:`_placed_dp` without choices, every first layer ``k`` at once:
     ``current[q, c, k] = min over rows of`` :func:`_placed_values` (the same numbers as the loop over ``k``
     gives; a minimum does not depend on the order), in blocks of at most :data:`_LEVEL_BLOCK` elements."""
     top, flat = level.shape
     num_meshes = flat // top
     upper = np.arange(flat)[None, :] >= (np.arange(top) * num_meshes)[:, None]
-    firsts, rows = np.nonzero(upper & (fastest <= t_max))  # by first layer, ascending
+    firsts, rows = np.nonzero(upper & (fastest <= t_max) & np.isfinite(fastest))  # by first layer, ascending
     per_block = max(1, _LEVEL_BLOCK // current.shape[-1])
     for start in range(0, firsts.size, per_block):
         ks, rs = firsts[start:start + per_block], rows[start:start + per_block]
         group_ks, starts = np.unique(ks, return_index=True)
-        for (q, c), (values, _) in _placed_values(ks, rs, level[ks, rs], shifted, placement, t_max).items():
+        for (q, c), (values, _) in _placed_values(ks, rs, level[ks, rs], shifted, placement, t_max,
+                                                  combine).items():
             smallest = np.minimum.reduceat(values, starts, axis=0)
             current[q, c, group_ks] = np.minimum(current[q, c, group_ks], smallest)
 
@@ -609,10 +645,11 @@ def _t_max_groups(values: np.ndarray, epsilon: float) -> list[tuple[float, float
 
 
 def _search(groups: list[tuple[float, float]], solve: Callable[[int], float], batches: int,
-            weight: float = 1.0) -> int:
+            weight: float = 1.0, first_feasible: int | None = None) -> int:
     """Index of the group with the least Eq. 3.4 value, solving as few groups as possible (exact).
 
-    1. Bisection for the first feasible group (feasibility only grows with t_max).
+    1. Bisection for the first feasible group (feasibility only grows with t_max), unless the caller knows it
+       (``first_feasible``: :func:`_least_t_max`).
     2. Alg. 2's pruning: groups whose smallest value has ``B * t >= T*`` cannot help.
     3. For an interval ``a < b`` with ``b`` solved, every group ``g`` strictly between them has
        ``T*(g) = F(g) + (B - 1) t_g >= F(b) + (B - 1) t_{a+1}`` because ``F`` does not increase with t_max;
@@ -626,6 +663,8 @@ def _search(groups: list[tuple[float, float]], solve: Callable[[int], float], ba
     """
     lows = np.array([lo for lo, _ in groups])
     lo, hi = 0, len(groups) - 1  # Invariant: groups[hi] is feasible.
+    if first_feasible is not None:
+        lo = hi = first_feasible
     while lo < hi:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if math.isfinite(solve(mid)) else (mid + 1, hi)

@@ -759,3 +759,31 @@ def test_placed_dp_without_choices_equals_the_tracked_loop(seed, num_layers, clu
         patch.setattr(stage_dp_module, "_LEVEL_BLOCK", block)
         untracked, _ = stage_dp_module._placed_dp(eff, costs.sizes, num_devices, placement, t_max)
     np.testing.assert_array_equal(untracked, tracked)
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_layers=st.integers(1, 6), cluster=st.sampled_from(SHARING_CLUSTERS),
+       saving=st.booleans(), nic=st.booleans())
+def test_least_t_max_is_where_the_dp_first_has_a_plan(seed, num_layers, cluster, saving, nic):
+    """The bottleneck DP run gives the least t_max at which the DP's tables have a plan: at it the DP is
+    finite, just below it (the next smaller float) infinite, so the first feasible t_max group is found in
+    one run instead of a bisection."""
+    costs = random_costs(seed, num_layers, cluster)
+    if saving:
+        costs = with_boundary_saving(costs, seed + 1)
+    if nic:
+        costs = with_nic_wait(costs, seed + 3, 0.6)
+    num_devices = cluster[0] * cluster[1]
+    placement = stage_dp_module._Placement.of(costs, num_devices, cluster[1])
+    eff, _ = stage_dp_module._effective_costs(costs, micro_batches_in_flight("1f1b", min(num_layers, num_devices), 4),
+                                              10.0)
+    least = stage_dp_module._least_t_max(eff, costs.sizes, num_devices, placement)
+
+    def has_plan(t_max):
+        return np.isfinite(stage_dp_module._best_finals(eff, t_max, costs.sizes, num_devices, placement)[0]).any()
+
+    event("a plan exists" if math.isfinite(least) else "no plan")
+    if math.isfinite(least):
+        assert has_plan(least) and not has_plan(np.nextafter(least, -np.inf))
+    else:
+        assert not has_plan(1e30)
