@@ -268,7 +268,9 @@ def _best_t_max(eff: np.ndarray, sizes: np.ndarray, num_devices: int, placement:
         finals = float(_best_finals(eff, t_max, sizes, num_devices, placement)[0].min())
         return weight * finals + (batches - weight) * t_max
 
-    groups = [g for g in _t_max_groups(_stage_time_candidates(eff, placement), epsilon) if batches * g[0] < bound]
+    below = bound / batches + epsilon  # every group starting below bound / B holds only values below this
+    groups = [g for g in _t_max_groups(_stage_time_candidates(eff, placement, below), epsilon)
+              if batches * g[0] < bound]
     solved: dict[int, float] = {}
 
     def solve(g: int) -> float:
@@ -282,7 +284,7 @@ def _best_t_max(eff: np.ndarray, sizes: np.ndarray, num_devices: int, placement:
         best_g = _search(groups, solve, batches, weight) if prune else min(range(len(groups)), key=solve)
         return (solve(best_g), groups[best_g][1]), len(solved)
     # The first group with a plan: the least slowest stage over all plans, one bottleneck DP run.
-    least = _least_t_max(eff, sizes, num_devices, placement)
+    least = _least_t_max(eff, sizes, num_devices, placement, groups[-1][1])
     first = int(np.searchsorted([hi for _, hi in groups], least, side="left"))
     if first == len(groups):
         return None, 1
@@ -367,18 +369,20 @@ class _Placement:
         return nic[:, :1], nic[:, 1:]
 
 
-def _stage_time_candidates(eff: np.ndarray, placement: _Placement | None) -> np.ndarray:
-    """The distinct finite stage times a plan can have: the t_max candidates of Alg. 2 line 27. Placed, a
-    side of a stage is inside a node (its saving off), or crosses nodes through 0, 1 or 2 shared NICs (its
-    ``nic_wait`` on, 0-2 times). Read one level ``s`` of ``eff`` at a time, each distinct level once (levels
-    differ only where memory binds)."""
+def _stage_time_candidates(eff: np.ndarray, placement: _Placement | None, below: float = math.inf) -> np.ndarray:
+    """The distinct finite stage times a plan can have, those below ``below`` at least (some above may be
+    left out): the t_max candidates of Alg. 2 line 27. Placed, a side of a stage is inside a node (its
+    saving off), or crosses nodes through 0, 1 or 2 shared NICs (its ``nic_wait`` on, 0-2 times). Read one
+    level ``s`` of ``eff`` at a time, each distinct level once (levels differ only where memory binds)."""
     levels = [q for q in range(len(eff)) if q == 0 or not np.array_equal(eff[q], eff[q - 1])]
-    return np.unique(np.concatenate([_level_time_candidates(eff[q], placement) for q in levels]))
+    return np.unique(np.concatenate([_level_time_candidates(eff[q], placement, below) for q in levels]))
 
 
-def _level_time_candidates(eff: np.ndarray, placement: _Placement | None) -> np.ndarray:
-    """:func:`_stage_time_candidates` of one level ``eff[s - 1]`` (``[k, i, p]``)."""
-    finite = np.isfinite(eff)
+def _level_time_candidates(eff: np.ndarray, placement: _Placement | None, below: float) -> np.ndarray:
+    """:func:`_stage_time_candidates` of one level ``eff[s - 1]`` (``[k, i, p]``): entries whose times with
+    both savings off are not below ``below`` give no time below it and are skipped."""
+    cut = 0.0 if placement is None else placement.saving.sum(axis=-1)
+    finite = np.isfinite(eff) & (eff - cut < below)
     times = eff[finite]
     if placement is None:
         return np.unique(times)
@@ -420,16 +424,18 @@ def _best_finals(eff: np.ndarray, t_max: float, sizes: np.ndarray, num_devices: 
     return placed if placed[0].min() <= plain[0].min() else plain
 
 
-def _least_t_max(eff: np.ndarray, sizes: np.ndarray, num_devices: int, placement: _Placement | None) -> float:
-    """The least ``t_max`` at which :func:`_best_finals` has a plan (inf if none): Eq. 3.3 with ``max`` in place
-    of ``+`` over the same tables, each stage's time the one the DP compares with ``t_max`` (for the aligned
-    plans, with what it waits for its neighbours' shared NICs). :func:`_best_finals` is finite at ``t_max``
-    exactly when this is at most ``t_max``."""
+def _least_t_max(eff: np.ndarray, sizes: np.ndarray, num_devices: int, placement: _Placement | None,
+                 most: float = math.inf) -> float:
+    """The least ``t_max <= most`` at which :func:`_best_finals` has a plan (inf if none): Eq. 3.3 with ``max``
+    in place of ``+`` over the same tables, each stage's time the one the DP compares with ``t_max`` (for the
+    aligned plans, with what it waits for its neighbours' shared NICs), stages slower than ``most`` left out
+    (as the DP at ``most`` leaves them out). :func:`_best_finals` is finite at ``t_max <= most`` exactly when
+    this is at most ``t_max``."""
     least = math.inf
     if placement is not None:
-        least = float(_placed_dp(eff, sizes, num_devices, placement, math.inf, combine=np.maximum)[0].min())
+        least = float(_placed_dp(eff, sizes, num_devices, placement, most, combine=np.maximum)[0].min())
     if placement is None or placement.nic is None:
-        least = min(least, float(_dp(eff, sizes, num_devices, np.maximum)[0].min()))
+        least = min(least, float(_dp(np.where(eff <= most, eff, np.inf), sizes, num_devices, np.maximum)[0].min()))
     return least
 
 
