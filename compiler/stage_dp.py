@@ -561,7 +561,11 @@ def _placed_dp(cost: np.ndarray, sizes: np.ndarray, num_devices: int, placement:
         # A stage costs at least its table time less both savings, wherever it starts: rows above t_max
         # even then are inf in every column, and leaving them out changes no minimum.
         fastest = (cost[s - 1, :top, :top, :] - most_saved[:top, :top]).reshape(top, top * num_meshes)
-        fastest[:, ~np.isfinite(shifted).any(axis=(0, 1, 3))] = np.inf  # the stages after cannot follow
+        # The stages after cannot follow (i, p) when every finite F(s - 1, i + 1, .) needs more than the devices
+        # left beside p: the fewest devices of any finite entry, plus p's size, exceeds the cluster.
+        reachable = np.isfinite(prev[:, :, 1:top + 1, :]).any(axis=(0, 1))
+        fewest = np.where(reachable.any(axis=1), reachable.argmax(axis=1), width)
+        fastest[:, (fewest[:, None] + sizes[None, :] > num_devices).reshape(-1)] = np.inf
         current = np.full_like(prev, np.inf)
         best = np.full((flags, flags, top, width), -1, dtype=np.int64) if track else None
         if not track:
