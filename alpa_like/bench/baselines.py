@@ -76,13 +76,18 @@ class StepTotals:
     activation_bytes_per_sequence: float
     """Kept from forward to backward, summed over layers."""
     step_seconds: float
-    """``step_flops`` on one device, each equation at its rate (:func:`equation_seconds`)."""
+    """``step_flops`` on one device, each equation at its rate (:func:`equation_seconds`) without the
+    per-product overhead."""
     apply_seconds: float
-    """``apply_flops`` on one device."""
+    """``apply_flops`` on one device, likewise."""
+    fixed_seconds: float = 0.0
+    """The per-product overheads (``ComputeRates.matmul_overhead``) of the whole step: every device runs each
+    product's kernel however the work is split."""
 
     def compute_seconds(self, num_devices: int) -> float:
-        """The whole step's arithmetic split evenly over ``num_devices`` (data parallel, ZeRO-sharded update)."""
-        return (self.step_seconds + self.apply_seconds) / num_devices
+        """The whole step's arithmetic split evenly over ``num_devices`` (data parallel, ZeRO-sharded update),
+        plus the per-product overheads each device pays."""
+        return (self.step_seconds + self.apply_seconds) / num_devices + self.fixed_seconds
 
 
 def step_totals(sliced: Any, workload: Workload, num_micro_batches: int, rates: ComputeRates) -> StepTotals:
@@ -90,14 +95,18 @@ def step_totals(sliced: Any, workload: Workload, num_micro_batches: int, rates: 
     seconds at ``rates`` (``ClusterSpec.compute_rates``)."""
     per_mb = sum(s.forward_flops + s.backward_flops for s in sliced.summaries)
     sequences = workload.global_batch / num_micro_batches
+    plain = dataclasses.replace(rates, matmul_overhead=0.0)
     seconds = {FORWARD: 0.0, BACKWARD: 0.0, APPLY: 0.0}
+    fixed = dict(seconds)
     for eqn, piece in zip(sliced.jaxpr.eqns, sliced.pieces, strict=True):
         if piece is not None:
-            seconds[piece.phase] += equation_seconds(eqn, rates)
+            seconds[piece.phase] += equation_seconds(eqn, plain)
+            fixed[piece.phase] += equation_seconds(eqn, rates) - equation_seconds(eqn, plain)
     return StepTotals(step_flops=per_mb * num_micro_batches, apply_flops=sum(s.apply_flops for s in sliced.summaries),
                       activation_bytes_per_sequence=sum(s.activation_bytes for s in sliced.summaries) / sequences,
                       step_seconds=(seconds[FORWARD] + seconds[BACKWARD]) * num_micro_batches,
-                      apply_seconds=seconds[APPLY])
+                      apply_seconds=seconds[APPLY],
+                      fixed_seconds=(fixed[FORWARD] + fixed[BACKWARD]) * num_micro_batches + fixed[APPLY])
 
 
 def _micro_batch_counts(global_batch: int, num_devices: int) -> list[int]:

@@ -9,9 +9,11 @@ pipeline (Megatron's default), so a stage holds ``t * d`` consecutive devices.
 
 The cost model is the one our own planner uses, so the comparison is like for like:
 
-* compute: the traced layers' FLOPs (:class:`TransformerCosts`, taken from the same sliced step the stage
-  DP sees) at the device's peak FLOP/s: the GPT/OPT steps it prices have no float32 matrix product, so this
-  is the rate our plans pay too (``test_baselines.py`` checks it);
+* compute: the traced layers' equations (:class:`TransformerCosts`, taken from the same sliced step the stage
+  DP sees) priced by the cluster's compute model as our plans' are (:class:`LayerSeconds`; FLOPs at the
+  device's peak for costs given as FLOPs alone, e.g. the analytic ones of the reproductions);
+* launches: each chunk's forward, backward and optimizer update pays ``ClusterSpec.launch_overhead``, as each
+  RUN of our plans does on the simulated backend;
 * communication: the alpha-beta model of :class:`~alpa_like.compiler.logical_mesh.LogicalMesh` on the
   same :class:`~alpa_like.compiler.cluster.ClusterSpec` (tensor all-reduces on the ``t`` axis, the gradient all-reduce
   on the ``d`` axis, point-to-point sends between stages, across nodes with Megatron's scatter/gather
@@ -76,6 +78,31 @@ REPLAYED_CANDIDATES = 8
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerSeconds:
+    """Per-layer compute time under a cluster's compute model (:func:`~alpa_like.compiler.flops.
+    equation_seconds`), split into what scales with the work and what each kernel adds: a chunk of layers
+    ``L`` running ``b`` sequences split over ``t`` tensor-parallel devices takes ``sum(b * forward[l] / t +
+    forward_fixed[l] for l in L)`` for its forward (every device runs each of its products' kernels)."""
+
+    forward: tuple[float, ...]
+    """Seconds of each layer's forward for one sequence, without the per-product overheads."""
+    backward: tuple[float, ...]
+    """The same for each layer's backward (with its recomputed forward when remat is on)."""
+    apply: tuple[float, ...]
+    """Seconds of each layer's optimizer update per step, without the per-product overheads."""
+    forward_fixed: tuple[float, ...]
+    """Seconds each layer's forward adds per micro-batch whatever its size (``matmul_overhead`` per product)."""
+    backward_fixed: tuple[float, ...]
+    apply_fixed: tuple[float, ...]
+
+    def chunk(self, phase: str, layers, sequences: float, tensor_parallel: int) -> float:
+        """Seconds of ``phase`` ("forward", "backward" or "apply") of ``layers`` for ``sequences`` sequences
+        (1 for apply) split over ``tensor_parallel`` devices."""
+        scaled, fixed = getattr(self, phase), getattr(self, phase + "_fixed")
+        return sum(sequences * scaled[l] / tensor_parallel + fixed[l] for l in layers)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TransformerCosts:
     """Per-layer costs of a traced model, for one sequence (what the 3D-parallel model needs)."""
 
@@ -102,6 +129,9 @@ class TransformerCosts:
     """``(bytes per sequence, layers)`` of every batch input (tokens, labels) and the layers whose forwards
     read it: each chunk holding one of those layers loads its micro-batch slice from the host, as our own
     plans' meshes do (the simulated backend's per-micro-batch ``LOAD``)."""
+    seconds: LayerSeconds | None = None
+    """Each layer's time under the cluster's compute model (what our plans are priced with), or None: its
+    FLOPs at ``peak_flops``."""
 
     def __post_init__(self):
         n = len(self.forward_flops)
@@ -111,6 +141,11 @@ class TransformerCosts:
                                  f"{len(getattr(self, name))}")
         if n < 1:
             raise ValueError("TransformerCosts needs at least one layer")
+        if self.seconds is not None:
+            for f in dataclasses.fields(self.seconds):
+                if len(getattr(self.seconds, f.name)) != n:
+                    raise ValueError(f"TransformerCosts.seconds.{f.name} must have one entry per layer ({n}), got "
+                                     f"{len(getattr(self.seconds, f.name))}")
         for nbytes, layers in self.shared_params:
             if nbytes < 0 or len(layers) < 2 or any(not 0 <= l < n for l in layers):
                 raise ValueError(f"TransformerCosts.shared_params entries must be (bytes >= 0, two or more layer "
@@ -342,6 +377,16 @@ def load_seconds(cluster: ClusterSpec, costs: TransformerCosts, layers: range, s
                for nbytes, readers in costs.batch_inputs if any(l in layers for l in readers))
 
 
+def _compute_seconds(costs: TransformerCosts, cluster: ClusterSpec, phase: str, layers, sequences: float,
+                     tensor_parallel: int) -> float:
+    """Seconds of ``phase`` of ``layers`` for ``sequences`` sequences over ``tensor_parallel`` devices: the
+    cluster's compute model when ``costs.seconds`` holds it, else the FLOPs at ``cluster.peak_flops``."""
+    if costs.seconds is not None:
+        return costs.seconds.chunk(phase, layers, sequences, tensor_parallel)
+    flops = getattr(costs, phase + "_flops")
+    return sum(flops[l] for l in layers) * sequences / (tensor_parallel * cluster.peak_flops)
+
+
 def estimate(config: MegatronConfig, costs: TransformerCosts, cluster: ClusterSpec,
              global_batch: int) -> MegatronEstimate:
     """The modelled step time and memory of ``config`` (module docstring)."""
@@ -359,9 +404,9 @@ def estimate(config: MegatronConfig, costs: TransformerCosts, cluster: ClusterSp
     forward, backward, forward_sends, backward_sends = [], [], [], []
     for k in range(chunks):
         layers = range(k * per, (k + 1) * per)
-        forward.append(sum(costs.forward_flops[l] for l in layers) * b / (t * cluster.peak_flops)
+        forward.append(_compute_seconds(costs, cluster, "forward", layers, b, t) + cluster.launch_overhead
                        + per * fwd_reduces * all_reduce + load_seconds(cluster, costs, layers, b))
-        backward.append(sum(costs.backward_flops[l] for l in layers) * b / (t * cluster.peak_flops)
+        backward.append(_compute_seconds(costs, cluster, "backward", layers, b, t) + cluster.launch_overhead
                         + per * bwd_reduces * all_reduce)
         forward_sends.append(_send(cluster, config, k % p, (k + 1) % p, hidden) if k + 1 < chunks else None)
         backward_sends.append(_send(cluster, config, k % p, (k - 1) % p, hidden) if k > 0 else None)
@@ -374,8 +419,8 @@ def estimate(config: MegatronConfig, costs: TransformerCosts, cluster: ClusterSp
     for q in range(p):
         layers = [l for k in range(q, chunks, p) for l in range(k * per, (k + 1) * per)]
         params = sum(costs.param_bytes[l] for l in layers) / t
-        sync.append(mesh.all_reduce_cost(params, 0) + tied[q]
-                    + sum(costs.apply_flops[l] for l in layers) / (t * cluster.peak_flops))
+        sync.append(mesh.all_reduce_cost(params, 0) + tied[q] + _compute_seconds(costs, cluster, "apply", layers, 1, t)
+                    + cluster.launch_overhead)
         state = (2 * params + sum(costs.optimizer_bytes[l] for l in layers) / t) + replicas[q] / t
         activations = min(p - q, m) * b * sum(costs.activation_bytes[l] for l in layers) / t
         memory.append(state + activations)

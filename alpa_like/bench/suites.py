@@ -126,7 +126,8 @@ def run_case(case: Case, preset: str, ablations: bool = False) -> dict:
         row["ours"][variant] = summary
     row["baselines"] = {}
     if workload.family == "gpt":
-        search = megatron.grid_search(transformer_costs(sliced, workload, m), cluster, case.global_batch)
+        search = megatron.grid_search(transformer_costs(sliced, workload, m, cluster.compute_rates), cluster,
+                                     case.global_batch)
         found = megatron.best_replayed(search)
         entry = {"baseline": "megatron", "configs_evaluated": len(search.evaluated), "configs_fitting": search.num_fitting,
                  "configs_replayed": min(search.num_fitting, megatron.REPLAYED_CANDIDATES)}

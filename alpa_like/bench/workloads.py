@@ -20,8 +20,9 @@ from flax.training import train_state
 import alpa_like as al
 from alpa_like import models
 from alpa_like.bench import megatron
-from alpa_like.bench.megatron import TransformerCosts
-from alpa_like.compiler.layer_slicing import LayerSummary
+from alpa_like.bench.megatron import LayerSeconds, TransformerCosts
+from alpa_like.compiler.flops import ComputeRates, equation_seconds
+from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD, LayerSummary
 from alpa_like.models import gpt, moe, wide_resnet
 
 
@@ -167,9 +168,11 @@ def _wresnet_workload(name: str, config: models.WResNetConfig, global_batch: int
                     num_layers=sum(config.stage_sizes), remat=True)  # as Alpa's Wide-ResNet search suite
 
 
-def transformer_costs(sliced: Any, workload: Workload, num_micro_batches: int) -> TransformerCosts:
+def transformer_costs(sliced: Any, workload: Workload, num_micro_batches: int,
+                      rates: ComputeRates | None = None) -> TransformerCosts:
     """Per-sequence layer costs of a sliced GPT/MoE step (``alpa_like.compiler.sliced_step.slice_step``), whose
-    layers were traced on micro-batches of ``global_batch / num_micro_batches`` sequences."""
+    layers were traced on micro-batches of ``global_batch / num_micro_batches`` sequences; with ``rates``
+    (``ClusterSpec.compute_rates``), also each layer's time under that compute model."""
     per = workload.global_batch / num_micro_batches
     summaries = _fold_surplus_layers(sliced.summaries, workload.config.num_layers)
     # Optimizer state in proportion to each layer's parameters (Adam keeps two moments per parameter).
@@ -188,7 +191,27 @@ def transformer_costs(sliced: Any, workload: Workload, num_micro_batches: int) -
         hidden_bytes=float(config.seq_len * config.hidden_size * np.dtype(config.dtype).itemsize),
         num_heads=config.num_heads, recompute=workload.remat,
         shared_params=_folded_shared_params(sliced, config.num_layers),
-        batch_inputs=_folded_batch_inputs(sliced, config.num_layers, per))
+        batch_inputs=_folded_batch_inputs(sliced, config.num_layers, per),
+        seconds=None if rates is None else layer_seconds(sliced, config.num_layers, per, rates))
+
+
+def layer_seconds(sliced: Any, num_blocks: int, sequences: float, rates: ComputeRates) -> LayerSeconds:
+    """Each folded layer's (:func:`_fold_surplus_layers`) time at ``rates``: its pieces' equations priced by
+    :func:`~alpa_like.compiler.flops.equation_seconds` without the per-product overhead, per sequence (the
+    forward and backward were traced on ``sequences`` sequences), and that overhead times its products."""
+    plain = dataclasses.replace(rates, matmul_overhead=0.0)
+    phases = {FORWARD: "forward", BACKWARD: "backward", APPLY: "apply"}
+    scaled = {name: [0.0] * num_blocks for name in phases.values()}
+    fixed = {name: [0.0] * num_blocks for name in phases.values()}
+    for eqn, piece in zip(sliced.jaxpr.eqns, sliced.pieces, strict=True):
+        if piece is None:
+            continue
+        name, layer = phases[piece.phase], min(piece.layer, num_blocks - 1)
+        scaled[name][layer] += equation_seconds(eqn, plain)
+        fixed[name][layer] += equation_seconds(eqn, rates) - equation_seconds(eqn, plain)
+    per_sequence = {"forward": sequences, "backward": sequences, "apply": 1.0}
+    return LayerSeconds(**{name: tuple(v / per_sequence[name] for v in values) for name, values in scaled.items()},
+                        **{name + "_fixed": tuple(values) for name, values in fixed.items()})
 
 
 def _folded_batch_inputs(sliced: Any, num_blocks: int, sequences: float) -> tuple:

@@ -2,7 +2,10 @@
 still sees one layer per block."""
 import pytest
 
+import alpa_like as al
 from alpa_like.bench import ours
+from alpa_like.compiler.flops import equation_seconds
+from alpa_like.compiler.layer_slicing import BACKWARD, FORWARD
 from alpa_like.bench.workloads import logits_to_block_flops, make_workload, micro_batch_count_error, transformer_costs
 from alpa_like.compiler.options import AutoLayerOption
 
@@ -20,6 +23,21 @@ def test_megatron_sees_one_layer_per_block_with_the_logits_folded_into_the_last(
     assert costs.forward_flops[1] == (s[1].forward_flops + s[2].forward_flops) / per
     assert costs.param_bytes[1] == s[1].param_bytes + s[2].param_bytes
     assert sum(costs.backward_flops) * per == sum(x.backward_flops for x in s)
+
+
+def test_megatron_layer_seconds_add_up_to_the_step_priced_by_the_compute_model():
+    workload = make_workload("gpt-tiny", 8)
+    method = ours.pipeshard_method(workload, 2, layer_option=AutoLayerOption(layer_num=3, eps=None))
+    sliced = ours.slice_workload(workload, method)
+    rates = al.ClusterSpec.preset("h200").compute_rates
+    seconds = transformer_costs(sliced, workload, 2, rates).seconds
+    assert len(seconds.forward) == 2
+    for phase, name in ((FORWARD, "forward"), (BACKWARD, "backward")):
+        priced = sum(equation_seconds(e, rates) for e, p in zip(sliced.jaxpr.eqns, sliced.pieces) if p and p.phase == phase)
+        # one micro-batch of 4 sequences on one device: the scaled part 4 times, each product's overhead once
+        assert seconds.chunk(name, range(2), 4, 1) == pytest.approx(priced, rel=1e-12)
+    assert seconds.chunk("forward", range(2), 4, 2) < seconds.chunk("forward", range(2), 4, 1)
+    assert all(f > 0 for f in seconds.forward_fixed)  # the blocks' matmuls pay their overhead
 
 
 def test_gpt_gets_a_layer_for_the_logits():
