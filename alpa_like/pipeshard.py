@@ -201,7 +201,8 @@ def _compile_terapipe(method: PipeshardParallel, fun: Callable, args: Sequence[A
                               layer_assign=method.layer_option.layering().assign, devices=devices,
                               batch_slices=scheme, input_specs=specs,
                               share_contexts=method.share_slice_executables, make_executable=make_executable,
-                              run_effects=make_executable is PipeshardExecutable)
+                              run_effects=make_executable is PipeshardExecutable,
+                              defer_gradient_sync=method.defer_gradient_sync)
 
 
 def _loop_layers(plan: ParallelPlan, num_layers: int, virtual_stages: int):

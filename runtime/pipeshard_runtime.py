@@ -50,14 +50,18 @@ MESH_AXES = ("x", "y")
 def activation_spec(shape: Sequence[int], mesh_shape: Sequence[int]) -> ShardingSpec:
     """Layout of a value received from another mesh (or a batch read on a mesh): dim 0 (the micro-batch)
     split over every mesh axis if that divides it, else over the first single axis that does; the rest
-    replicated.
+    replicated. Axes of size 1 split nothing and are left out (so the spec is one a strategy names).
 
     >>> str(activation_spec((8, 3), (2, 4))), str(activation_spec((4, 3), (2, 4))), str(activation_spec((3,), (8,)))
     ('S01R', 'S0R', 'R')
+    >>> str(activation_spec((4, 3), (1, 4)))
+    'S1R'
     """
     if not shape:
         return ShardingSpec.replicated(0)
-    every = tuple(range(len(mesh_shape)))
+    every = tuple(a for a in range(len(mesh_shape)) if mesh_shape[a] > 1)
+    if not every:
+        return ShardingSpec.replicated(len(shape))
     for axes in (every, *((a,) for a in every if (a,) != every)):
         shards = math.prod(mesh_shape[a] for a in axes)
         if shards > 1 and shape[0] % shards == 0:
@@ -326,8 +330,8 @@ class PipeshardExecutable:
         else:
             with _quiet_unusable_donations():
                 outs = self._piece_executable(ins.stage, ins.phase, donate)(*args)
-            self._arg_specs.setdefault((ins.stage, ins.phase), [
-                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in args])
+        self._arg_specs.setdefault((ins.stage, ins.phase), [  # for get_hlo_text, fused or not
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in args])
         for v, x in zip(piece.outputs, outs, strict=True):
             mesh_buffers[(v, ins.micro_batch)] = x
         for a in accs:
@@ -632,17 +636,19 @@ def _pins_moved(program: StageProgram, stage: int, sharding: StageSharding) -> S
 
 
 def deferred_gradients(program: StageProgram, stage: int, sharding: StageSharding, mesh_shape: tuple[int, ...],
-                       unpinned: frozenset = frozenset(), arrivals: dict | None = None) -> DeferredGradients:
+                       unpinned: frozenset = frozenset(), arrivals: dict | None = None,
+                       kept_whole: frozenset = frozenset()) -> DeferredGradients:
     """The gradients of ``stage``'s backward piece whose mesh all-reduce can wait for the step's mean:
     accumulated values that no piece reads (:func:`~alpa_like.compiler.gradient_sync.deferrable_gradients`).
     The layouts are the ILP's; ``unpinned`` values (inside inlined checkpoint blocks) get those that follow
     (:func:`~alpa_like.compiler.propagation.follow_forward`) from them and from the ``arrivals``' (the
     stage's inputs from other meshes and the step, as they are laid out there) through the stage's forward,
-    whose outputs the backward reads, and its backward."""
+    whose outputs the backward reads, and its backward. ``kept_whole``: gradients not to defer."""
     piece = program.piece(stage, BACKWARD)
     read = {v for p in program.pieces.values() for v in p.inputs}
     gradients = [program.values[src] for src, dst in program.accumulated
-                 if src in piece.outputs and src not in read and dst not in program.per_example]
+                 if src in piece.outputs and src not in read and dst not in program.per_example
+                 and src not in kept_whole]
     operand_specs = {(id(eqn), k): spec for eqn, k, spec in sharding.operand_pins}
     specs = {**sharding.input_specs, **sharding.output_specs}
     if unpinned and len(mesh_shape) <= 2:  # the strategies behind follow_forward know 1-D and 2-D meshes
@@ -690,16 +696,52 @@ def defer_gradients(program: StageProgram, stage_shardings: Sequence[StageShardi
     program, unpinned = inline_backward_remat(program)
     shardings = tuple(_pins_moved(program, q, sharding) for q, sharding in enumerate(stage_shardings))
     deferred, stack_specs = {}, {}
+
+    def find(q: int, kept_whole: frozenset = frozenset()) -> DeferredGradients:
+        mine = unpinned if has_ilp_layouts(shardings[q]) else stage_values(program, q)
+        arrivals = arrival_specs(program, stage_to_mesh, q, load_spec) if mine else {}
+        return deferred_gradients(program, q, shardings[q], tuple(mesh_shapes[stage_to_mesh[q]]), mine, arrivals,
+                                  kept_whole)
+    deferred = {q: find(q) for q in range(len(shardings))}
+    kept_whole: set[ValueId] = set()
+    while mixed := mixed_accumulations(program, deferred) - kept_whole:
+        # An accumulator takes all its sources' gradients as stacks or none (several slice shapes' pieces).
+        kept_whole |= mixed
+        again = {q for src in mixed for (q, phase), p in program.pieces.items()
+                 if phase == BACKWARD and src in p.outputs}
+        deferred.update({q: find(q, frozenset(kept_whole)) for q in again})
     for q, sharding in enumerate(shardings):
-        mesh = stage_to_mesh[q]
-        arrivals = arrival_specs(program, stage_to_mesh, q, load_spec) if unpinned else {}
-        deferred[q] = found = deferred_gradients(program, q, sharding, tuple(mesh_shapes[mesh]), unpinned, arrivals)
+        found = deferred[q]
         pinned = {var: spec for eqn, k, spec in sharding.value_pins for var in eqn.outvars[k:k + 1]}
         for src, dst in program.accumulated:
             var = program.values[src]
             if var in found.outputs:
                 stack_specs[dst] = (q, pinned.get(var))
     return GradientDeferral(program=program, stage_shardings=shardings, deferred=deferred, stack_specs=stack_specs)
+
+
+def mixed_accumulations(program: StageProgram, deferred: dict[int, DeferredGradients]) -> set[ValueId]:
+    """The gradients accumulated into an accumulator that another source adds to as a whole value while
+    this one is a stack of partial sums, or the reverse (each backward piece's deferral decided alone)."""
+    made_by = {v: q for (q, phase), p in program.pieces.items() if phase == BACKWARD for v in p.outputs}
+    by_target: dict[ValueId, list[tuple[ValueId, bool]]] = {}
+    for src, dst in program.accumulated:
+        if src in made_by:
+            stacked = program.values[src] in deferred[made_by[src]].outputs
+            by_target.setdefault(dst, []).append((src, stacked))
+    return {src for sources in by_target.values() if len({s for _, s in sources}) > 1 for src, _ in sources}
+
+
+def has_ilp_layouts(sharding: StageSharding) -> bool:
+    """Whether the ILP laid out anything in the stage (a TeraPipe slice's re-traced pieces have no pins)."""
+    return bool(sharding.value_pins or sharding.operand_pins or sharding.input_specs or sharding.output_specs)
+
+
+def stage_values(program: StageProgram, stage: int) -> frozenset:
+    """Every value ``stage``'s forward and backward pieces read or compute: for a stage without the ILP's
+    layouts, those :func:`deferred_gradients` follows from the layouts of what arrives."""
+    jaxprs = [program.piece(stage, phase).jaxpr.jaxpr for phase in (FORWARD, BACKWARD)]
+    return frozenset([*(v for j in jaxprs for v in j.invars), *(v for j in jaxprs for e in j.eqns for v in e.outvars)])
 
 
 def arrival_specs(program: StageProgram, stage_to_mesh: Sequence[int], stage: int,

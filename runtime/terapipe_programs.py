@@ -91,7 +91,8 @@ def _zero_cotangent(aval):
 
 
 def _closed(fn, avals) -> ClosedJaxpr:
-    return jax.make_jaxpr(fn)(*avals)
+    """``fn``'s jaxpr, nested ``jit`` calls inlined (the layout analyses read the equations directly)."""
+    return jax_compat.inline_calls(jax.make_jaxpr(fn)(*avals))
 
 
 class _Values:
@@ -224,7 +225,7 @@ def lower_token_sliced(program: StageProgram, call, slice_programs: dict, units:
             if (stage, phase) not in pieces:
                 pieces[(stage, phase)] = StagePiece(stage=stage, phase=phase, jaxpr=_closed(lambda: [], []),
                                                     inputs=(), outputs=())
-    home = dict(program.home)
+    home: dict[ValueId, int] = {}  # every input of a piece arrives by LOAD, RECV or CARRY
     new = dataclasses.replace(program, num_stages=num_stages, pieces=pieces, values=tuple(vals.values),
                               constants=constants, accumulated=tuple(accumulated), home=home,
                               batch_inputs=frozenset(v for v, b in zip(leaf_vid, batch_leaf, strict=True) if b))

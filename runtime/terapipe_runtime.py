@@ -74,6 +74,7 @@ from alpa_like.compiler import jax_compat
 from alpa_like.compiler.layer_slicing import APPLY, FORWARD
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.stage_construction import StageProgram, ValueId
+from alpa_like.compiler.stage_sharding import StageSharding
 from alpa_like.compiler.token_slicing import BatchSlices, check_batch_slices, format_scheme, slice_contexts
 from alpa_like.compiler.tracing_hooks import TokenSliceContext, grad_hook, token_slice_context
 from alpa_like.compiler.schedule_tables import terapipe
@@ -286,7 +287,7 @@ class TerapipeExecutable:
                  layer_assign: Callable, devices: Sequence[Any] | None, batch_slices,
                  input_specs: dict[tuple[int, str], ShardingSpec], check_contract: bool = True,
                  share_contexts: bool = False, make_executable: Callable | None = None, run_effects: bool = True,
-                 executable_options: dict | None = None):
+                 defer_gradient_sync: bool = False):
         if traced.after_grad is not None:
             outputs = ", ".join(traced.out_leaves[k].path for k in traced.after_grad.outputs)
             raise ValueError(f"pipeline_schedule='terapipe' reads only the loss, the gradients and the step's inputs "
@@ -300,7 +301,6 @@ class TerapipeExecutable:
         self.num_micro_batches = plan.num_micro_batches
         self._devices = devices
         self._make = make_executable or PipeshardExecutable
-        self._options = dict(executable_options or {})
         self._run_effects = run_effects
         self.last_step_seconds = 0.0
 
@@ -342,6 +342,10 @@ class TerapipeExecutable:
         self.lowered: TokenSlicedProgram = lower_token_sliced(program, self.call, self.programs, self.units,
                                                               self.num_stages, self._batch_leaf, has_next)
         """The step as one stage program: a forward and a backward piece per (slice shape, stage)."""
+        self._options = {}
+        if defer_gradient_sync:  # the slices' pieces have no ILP pins: the layouts follow from what arrives
+            self._options = dict(defer_gradient_sync=True, stage_shardings=tuple(
+                StageSharding(value_pins=(), operand_pins=(), input_specs={}, output_specs={}) for _ in range(self.lowered.program.num_stages)))
         path_to_input = {leaf.path: program.step_inputs[k] for k, leaf in enumerate(traced.in_leaves)}
         self._value_specs = {(path_to_input[path], q): spec for (q, path), spec in input_specs.items()
                              if path in path_to_input}
@@ -374,7 +378,7 @@ class TerapipeExecutable:
         self._schedule = schedule
         self.mesh_programs: MeshPrograms = emit_token_sliced(self.lowered, schedule, self.units)
         """Each mesh's instruction program."""
-        value_specs = {**self._options.pop("value_specs", {}), **self._value_specs}
+        value_specs = dict(self._value_specs)
         first = {}
         for (v, _), spec in sorted(self._value_specs.items()):
             first.setdefault(v, spec)
