@@ -18,8 +18,8 @@ from alpa_like.runtime import hlo_stats
 from alpa_like.runtime.instructions import Instruction, Op, emit_programs
 from alpa_like.runtime.simulator import simulate
 from tests.helpers import assert_trees_close, micro_batch_loop, reference_on_one_device, run_steps
-from tests.runtime.test_pipeshard_runtime import (FOUR, SGD, TWO_STAGES, UNEVEN, gpt_case, mlp_case, moe_case, stages,
-                                                 train_step_for)
+from tests.runtime.test_pipeshard_runtime import (FOUR, SGD, TWO_STAGES, UNEVEN, gpt_case, live_micro_batches, mlp_case,
+                                                 moe_case, stages, train_step_for)
 
 CASES = {  # name: (builder, layer option, stage option, micro-batches, schedule)
     "mlp_2_stages_mb2_h1": (mlp_case, al.ManualLayerOption(), TWO_STAGES, 2, "zb_h1"),
@@ -205,3 +205,32 @@ def test_instruction_programs_name_w_and_need_a_split_program():
         state, batches[0])
     with pytest.raises(ValueError, match="split into B and W"):
         emit_programs(exe.program, make_schedule("zb_h1", 2, 2), stage_to_mesh=[0, 1])
+
+
+@pytest.mark.parametrize("schedule", ["zb_h1", "zb_h2"])
+def test_buffers_follow_the_schedule(schedule):
+    """Each mesh holds the buffers of as many micro-batches as the schedule has in flight (F to W: the
+    forward's residuals live until W, ZB-H2's extra memory), and the values B saves for W are freed right
+    after W."""
+    loss_fn, state, batches = gpt_case()
+    method = al.PipeshardParallel(num_micro_batches=8, layer_option=al.AutoLayerOption(layer_num=4),
+                                  stage_option=TWO_STAGES, pipeline_schedule=schedule)
+    exe = al.parallelize(train_step_for(loss_fn), method=method).get_executable(state, batches[0])
+    in_flight = make_schedule(schedule, 2, 8).peak_in_flight()
+    assert [live_micro_batches(exe, mesh) for mesh in (0, 1)] == list(in_flight) == (
+        [2, 2] if schedule == "zb_h1" else [3, 3])
+    program = exe.program
+    saved = {v for (q, phase), piece in program.pieces.items() if phase == BACKWARD for v in piece.outputs
+             if not any(v in other.inputs for (_, p), other in program.pieces.items() if p != WEIGHT)}
+    assert saved
+    instructions = exe.programs.instructions
+    for i, ins in enumerate(instructions):
+        if ins.op is Op.RUN and ins.phase == WEIGHT:
+            after = set()
+            for later in instructions[i + 1:]:
+                if later.mesh == ins.mesh and later.op not in (Op.FREE, Op.ACC):
+                    break
+                if later.mesh == ins.mesh and later.op is Op.FREE:
+                    after.add(later.key)
+            read = {(v, ins.micro_batch) for v in program.piece(ins.stage, WEIGHT).inputs if v in saved}
+            assert read and read <= after
