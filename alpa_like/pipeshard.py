@@ -105,8 +105,6 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
     the local MPMD backend's by default, another backend's through ``make_executable`` (same arguments).
     ``donate_argnums``' leaves are donated by the pipeline schedules of both backends; the TeraPipe schedule
     does not donate (with a warning)."""
-    if method.pipeline_schedule == ScheduleName.TERAPIPE and make_executable is not PipeshardExecutable:
-        raise NotImplementedError("pipeline_schedule='terapipe' runs on the local backend only (al.init('local'))")
     planned = pipeline.plan_pipeline(method, fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums,
                                      cluster=cluster or ClusterSpec.local(devices), simulate=simulated_seconds)
     method, sliced, plan, profile, solution = (planned.method, planned.sliced, planned.plan, planned.profile,
@@ -114,11 +112,11 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
     if donate_argnums and method.pipeline_schedule == ScheduleName.TERAPIPE:
         warnings.warn("donate_argnums is not applied under the TeraPipe schedule: the step's inputs stay "
                       "allocated while it runs", stacklevel=3)
-    if method.pipeline_schedule == ScheduleName.TERAPIPE:
-        return _compile_terapipe(method, fun, args, _without_effects(sliced, "under the TeraPipe schedule"),
-                                 plan, devices)
-    if make_executable is not PipeshardExecutable:
+    local = make_executable is PipeshardExecutable
+    if not local:
         sliced = _without_effects(sliced, "on the Ray backend (jax.export ships no host callbacks)")
+    if method.pipeline_schedule == ScheduleName.TERAPIPE:
+        return _compile_terapipe(method, fun, args, sliced, plan, devices, make_executable)
     stage_layers, stage_to_mesh = [s.layer_ids for s in plan.stages], list(range(len(plan.stages)))
     if method.virtual_stages > 1:
         plan, stage_layers, stage_to_mesh = _loop_layers(plan, len(sliced.summaries), method.virtual_stages)
@@ -175,9 +173,10 @@ def _optimizer_state_specs(param_specs: dict, in_leaves) -> dict:
 
 
 def _compile_terapipe(method: PipeshardParallel, fun: Callable, args: Sequence[Any], sliced: SlicedStep,
-                      plan: ParallelPlan, devices: Sequence[Any]) -> TerapipeExecutable:
-    """The TeraPipe runtime on the plan's stages with the method's token slices (every micro-batch) or the
-    plan's batch + token slicing."""
+                      plan: ParallelPlan, devices: Sequence[Any], make_executable: Callable) -> TerapipeExecutable:
+    """The TeraPipe step on the plan's stages with the method's token slices (every micro-batch) or the
+    plan's batch + token slicing, lowered to instruction programs that ``make_executable``'s backend runs
+    (the step's effects run where that backend runs them: the local one does)."""
     if method.virtual_stages != 1:
         raise ValueError("pipeline_schedule='terapipe' runs one stage per mesh (virtual_stages=1)")
     batch_leaves = [leaf for leaf in sliced.traced.in_leaves if leaf.is_batch and len(leaf.shape) > 1]
@@ -200,7 +199,8 @@ def _compile_terapipe(method: PipeshardParallel, fun: Callable, args: Sequence[A
     return TerapipeExecutable(fun=fun, args=args, traced=sliced.traced, plan=plan, program=program,
                               layer_assign=method.layer_option.layering().assign, devices=devices,
                               batch_slices=scheme, input_specs=specs,
-                              share_contexts=method.share_slice_executables)
+                              share_contexts=method.share_slice_executables, make_executable=make_executable,
+                              run_effects=make_executable is PipeshardExecutable)
 
 
 def _loop_layers(plan: ParallelPlan, num_layers: int, virtual_stages: int):

@@ -71,6 +71,15 @@ class ClusterSpec:
     launch_overhead: float = 0.0
     """Seconds the host spends launching one compiled executable on the devices (dispatch, argument
     handling, the runtime's thunk start-up), paid once per RUN instruction by the simulated backend."""
+    matmul_efficiency: float = 1.0
+    """Fraction in (0, 1] of ``peak_flops`` (or ``fp32_peak_flops``) a large matrix product or convolution
+    reaches (:class:`~alpa_like.compiler.flops.ComputeRates`)."""
+    matmul_overhead: float = 0.0
+    """Seconds every matrix product or convolution adds to its roofline time, so that small products run
+    below ``matmul_efficiency`` of the peak."""
+    fused_traffic: float = 1.0
+    """Fraction in (0, 1] of a non-matrix equation's operand and result bytes that reaches device memory in
+    a compiled (fused) program; used with ``memory_bandwidth``."""
     measured_at: str | None = None
     """When the speed fields were measured (:meth:`local`), as an ISO 8601 UTC time, e.g.
     ``"2026-11-26T07:30:00Z"``; None for presets and specs written by hand."""
@@ -89,7 +98,8 @@ class ClusterSpec:
         from alpa_like.compiler.flops import ComputeRates  # Local import: presets and JSON need no JAX.
 
         return ComputeRates(peak_flops=self.peak_flops, memory_bandwidth=self.memory_bandwidth,
-                            fp32_peak_flops=self.fp32_peak_flops)
+                            fp32_peak_flops=self.fp32_peak_flops, matmul_efficiency=self.matmul_efficiency,
+                            matmul_overhead=self.matmul_overhead, fused_traffic=self.fused_traffic)
 
     @classmethod
     def preset(cls, name: str, num_nodes: int = 1) -> ClusterSpec:
@@ -97,7 +107,10 @@ class ClusterSpec:
 
         Args:
           name: one of ``"p3.16xlarge"`` (Alpa's and TeraPipe's AWS testbed), ``"dgx-a100"``
-            (Megatron-LM's Selene) and ``"h100"`` (a DGX H100-like node).
+            (Megatron-LM's Selene), ``"h100"`` (a DGX H100-like node) and ``"h200"`` (the same with H200s).
+            Every preset prices compute with the GPU model fitted to measurements of one H200
+            (:data:`GPU_COMPUTE_MODEL`) and the memory bandwidth of its datasheet scaled by what the H200
+            reached of its own.
           num_nodes: number of nodes, >= 1.
 
         Raises:
@@ -231,6 +244,9 @@ class ClusterSpec:
             f"inter-node {self.inter_node_bandwidth / 1e9:.4g} GB/s, {self.inter_node_latency * 1e6:.3g} us"
             + ("" if self.memory_bandwidth is None else
                f"; memory {self.memory_bandwidth / 1e9:.4g} GB/s, launch {self.launch_overhead * 1e6:.3g} us")
+            + ("" if (self.matmul_efficiency, self.matmul_overhead) == (1.0, 0.0) else
+               f"; matmul {self.matmul_efficiency:.3g} of peak + {self.matmul_overhead * 1e6:.3g} us")
+            + ("" if self.fused_traffic == 1.0 else f"; fused traffic {self.fused_traffic:.3g}")
             + ("" if self.measured_at is None else f"; measured {self.measured_at}")
         )
 
@@ -249,8 +265,13 @@ def _validate(spec: ClusterSpec) -> None:
         fields.number(getattr(spec, field), field, positive=True)
     for field in ("memory_bandwidth", "fp32_peak_flops"):
         fields.optional(fields.number)(getattr(spec, field), field, positive=True)
-    for field in ("intra_node_latency", "inter_node_latency", "launch_overhead"):
+    for field in ("intra_node_latency", "inter_node_latency", "launch_overhead", "matmul_overhead"):
         fields.number(getattr(spec, field), field)
+    for field in ("matmul_efficiency", "fused_traffic"):
+        value = getattr(spec, field)
+        fields.number(value, field, positive=True)
+        if value > 1:
+            raise fields.invalid(field, "a number in (0, 1]", value)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -258,6 +279,28 @@ def _validate(spec: ClusterSpec) -> None:
 # Latencies are order-of-magnitude assumptions (the seeds give none): ~5 us for an NCCL collective over
 # NVLink, ~10 us over InfiniBand RDMA, ~50 us over TCP/Ethernet.
 # ---------------------------------------------------------------------------------------------------
+
+
+GPU_COMPUTE_MODEL: dict[str, float] = {
+    "matmul_efficiency": 0.805,
+    "matmul_overhead": 22.9e-6,
+    "fused_traffic": 0.133,
+    "launch_overhead": 24.5e-6,
+}
+"""The compute terms of every GPU preset, fitted by ``examples/benchmarks/gpu_cost_fit.py`` to one NVIDIA
+H200 running jax 0.11.2 (``examples/benchmarks/data/h200``): large 16-bit matrix products reached 0.805 of
+the datasheet peak, each matrix product of a training step added 22.9 us, a fused program moved 0.133 of the
+non-matrix equations' unfused bytes, and the fastest call of a jitted program took 24.5 us. Fitted on five
+GPT steps; on the six held out (GPTs, an MoE, a Wide-ResNet, GPT-1.3B) the plans' predictions are within
+10%. Other GPUs are not measured: they take the same terms with their own datasheet rates."""
+GPU_BANDWIDTH_SHARE = 4.18 / 4.8
+"""Share of the datasheet memory bandwidth element-wise ops and row sums over 256 MiB and more reached on the
+H200 (4.18 of 4.8 TB/s); the presets' ``memory_bandwidth`` is their datasheet bandwidth times this."""
+
+
+def _gpu_model(datasheet_bandwidth: float) -> dict[str, float]:
+    """The compute-model fields of a GPU preset whose datasheet memory bandwidth is ``datasheet_bandwidth``."""
+    return {"memory_bandwidth": datasheet_bandwidth * GPU_BANDWIDTH_SHARE, **GPU_COMPUTE_MODEL}
 
 
 def _p3_16xlarge(num_nodes: int) -> ClusterSpec:
@@ -279,6 +322,7 @@ def _p3_16xlarge(num_nodes: int) -> ClusterSpec:
         inter_node_bandwidth=25 * _GBIT_PER_S / 8,
         intra_node_latency=5e-6,
         inter_node_latency=50e-6,  # TCP over Ethernet (no EFA on p3.16xlarge).
+        **_gpu_model(900e9),  # NVIDIA V100 datasheet: 900 GB/s HBM2.
     )
 
 
@@ -301,6 +345,7 @@ def _dgx_a100(num_nodes: int) -> ClusterSpec:
         inter_node_bandwidth=200 * _GBIT_PER_S,
         intra_node_latency=5e-6,
         inter_node_latency=10e-6,
+        **_gpu_model(2.039e12),  # NVIDIA A100 80GB SXM datasheet: 2,039 GB/s HBM2e.
     )
 
 
@@ -322,6 +367,18 @@ def _h100(num_nodes: int) -> ClusterSpec:
         inter_node_bandwidth=400 * _GBIT_PER_S,
         intra_node_latency=5e-6,
         inter_node_latency=10e-6,
+        **_gpu_model(3.35e12),  # NVIDIA H100 SXM datasheet: 3.35 TB/s HBM3.
+    )
+
+
+def _h200(num_nodes: int) -> ClusterSpec:
+    """A DGX H200-like node: the H100 preset with H200 SXM 141 GB devices (the H100's compute rates)."""
+    return dataclasses.replace(
+        _h100(num_nodes),
+        name="h200",
+        device_name="H200-SXM-141GB",
+        device_memory=140 * _GIB,  # NVIDIA H200 datasheet: 141 GB HBM3e (nvidia-smi: 143,771 MiB).
+        **_gpu_model(4.8e12),  # NVIDIA H200 datasheet: 4.8 TB/s.
     )
 
 
@@ -329,6 +386,7 @@ _PRESETS: dict[str, Callable[[int], ClusterSpec]] = {
     "p3.16xlarge": _p3_16xlarge,
     "dgx-a100": _dgx_a100,
     "h100": _h100,
+    "h200": _h200,
 }
 
 

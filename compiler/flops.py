@@ -12,6 +12,12 @@ memory bandwidth. Element-wise and data-movement equations, which a FLOP count p
 memory-bound on CPUs and GPUs alike. A matrix product or convolution runs on the device's matrix units
 at the rate of its operands' precision (:class:`ComputeRates`): a V100's tensor cores take 16-bit operands
 (125 TFLOP/s) and its float32 products run at 15.7 TFLOP/s.
+
+Three terms make the roofline match a compiled program on a GPU (fitted to measurements by
+``examples/benchmarks/gpu_cost_fit.py``): a large matrix product reaches ``matmul_efficiency`` of the
+datasheet rate, every matrix product or convolution adds ``matmul_overhead`` seconds (so the achieved rate
+falls for small shapes: ``F / (F / R + overhead)``), and XLA's fusion keeps most intermediates of an
+element-wise chain on chip, so a non-matrix equation moves ``fused_traffic`` of its unfused bytes.
 """
 from __future__ import annotations
 
@@ -135,6 +141,15 @@ class ComputeRates:
     """FLOP/s of a matrix product or convolution with a float32 (or wider) operand, or None: ``peak_flops``.
     XLA's default precision runs such a product in float32 on a V100 (no tensor cores) and in TF32 on an
     A100 or H100 (JAX's "Matmul precision" page)."""
+    matmul_efficiency: float = 1.0
+    """Fraction in (0, 1] of the peak rate (``peak_flops`` or ``fp32_peak_flops``) a large matrix product or
+    convolution reaches."""
+    matmul_overhead: float = 0.0
+    """Seconds >= 0 every matrix product or convolution adds to its roofline time (its kernel's start and
+    tail): what makes small products run below ``matmul_efficiency`` of the peak."""
+    fused_traffic: float = 1.0
+    """Fraction in (0, 1] of a non-matrix equation's operand and result bytes that reaches device memory in
+    the compiled program (XLA fuses element-wise chains and keeps their intermediates on chip)."""
 
     def __post_init__(self) -> None:
         for name in ("peak_flops", "memory_bandwidth", "fp32_peak_flops"):
@@ -142,14 +157,22 @@ class ComputeRates:
             if (value is not None or name == "peak_flops") and not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"ComputeRates.{name} must be a number > 0"
                                  + ("" if name == "peak_flops" else " or None") + f", got {value!r}")
+        for name in ("matmul_efficiency", "fused_traffic"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value <= 1):
+                raise ValueError(f"ComputeRates.{name} must be a number in (0, 1], got {value!r}")
+        if not (isinstance(self.matmul_overhead, (int, float)) and self.matmul_overhead >= 0):
+            raise ValueError(f"ComputeRates.matmul_overhead must be a number >= 0, got {self.matmul_overhead!r}")
 
     def flop_rate(self, eqn: JaxprEqn) -> float:
-        """FLOP/s for ``eqn``: :attr:`fp32_peak_flops` for a ``dot_general`` or ``conv_general_dilated`` with
-        an operand of 32 or more bits (when set), else :attr:`peak_flops`."""
-        if (self.fp32_peak_flops is not None and eqn.primitive.name in _MATRIX
-                and any(_is_wide_float(v.aval) for v in eqn.invars[:2])):
-            return self.fp32_peak_flops
-        return self.peak_flops
+        """FLOP/s for ``eqn``: for a ``dot_general`` or ``conv_general_dilated``, :attr:`matmul_efficiency`
+        times :attr:`fp32_peak_flops` when an operand has 32 or more bits (and it is set), else times
+        :attr:`peak_flops`; :attr:`peak_flops` for every other equation."""
+        if eqn.primitive.name not in _MATRIX:
+            return self.peak_flops
+        if self.fp32_peak_flops is not None and any(_is_wide_float(v.aval) for v in eqn.invars[:2]):
+            return self.fp32_peak_flops * self.matmul_efficiency
+        return self.peak_flops * self.matmul_efficiency
 
 
 _MATRIX = frozenset({"dot_general", "conv_general_dilated"})
@@ -165,11 +188,14 @@ def _is_wide_float(aval) -> bool:
 
 
 def equation_seconds(eqn: JaxprEqn, rates: ComputeRates, num_devices: float = 1.0) -> float:
-    """Roofline time of one equation whose work is split evenly over ``num_devices`` devices:
-    ``max(flops / (n * flop rate), bytes / (n * memory_bandwidth))``, or the FLOP term alone when
-    ``rates.memory_bandwidth`` is None. The FLOP rate is :meth:`ComputeRates.flop_rate`. A nested jaxpr
-    (scan, jit, remat, cond) is priced equation by equation inside, so a body's memory-bound and
-    compute-bound parts do not hide each other.
+    """Roofline time of one equation whose work is split evenly over ``num_devices`` devices.
+
+    A matrix product or convolution costs ``max(flops / (n * flop rate), bytes / (n * memory_bandwidth))
+    + matmul_overhead`` (every device runs its own kernel); any other equation ``max(flops / (n *
+    peak_flops), fused_traffic * bytes / (n * memory_bandwidth))``. Without ``rates.memory_bandwidth`` the
+    memory terms drop out. The FLOP rate is :meth:`ComputeRates.flop_rate`. A nested jaxpr (scan, jit,
+    remat, cond) is priced equation by equation inside, so a body's memory-bound and compute-bound parts do
+    not hide each other.
 
     Args:
       eqn: a jaxpr equation.
@@ -181,10 +207,12 @@ def equation_seconds(eqn: JaxprEqn, rates: ComputeRates, num_devices: float = 1.
     subs = jax_compat.nested_jaxprs(eqn)
     if subs:
         return _nested_total(eqn, [jaxpr_seconds(j, rates, num_devices) for j in subs])
-    compute = eqn_flops(eqn) / (num_devices * rates.flop_rate(eqn))
-    if rates.memory_bandwidth is None:
-        return compute
-    return max(compute, eqn_bytes(eqn) / (num_devices * rates.memory_bandwidth))
+    matrix = eqn.primitive.name in _MATRIX
+    seconds = eqn_flops(eqn) / (num_devices * rates.flop_rate(eqn))
+    if rates.memory_bandwidth is not None:
+        traffic = eqn_bytes(eqn) * (1.0 if matrix else rates.fused_traffic)
+        seconds = max(seconds, traffic / (num_devices * rates.memory_bandwidth))
+    return seconds + rates.matmul_overhead if matrix else seconds
 
 
 def jaxpr_seconds(jaxpr: Jaxpr | ClosedJaxpr, rates: ComputeRates, num_devices: float = 1.0) -> float:

@@ -1,4 +1,4 @@
-"""The one place that touches JAX's jaxpr internals (jax 0.10.x): evaluation and call inlining.
+"""The one place that touches JAX's jaxpr internals (jax 0.10 and 0.11): evaluation and call inlining.
 
 Everything else in the compiler goes through these functions, so a JAX upgrade changes this file only.
 """
@@ -230,6 +230,17 @@ def nested_jaxprs(eqn: JaxprEqn) -> list[Jaxpr]:
             elif isinstance(item, Jaxpr):
                 subs.append(item)
     return subs
+
+
+def scan_counts(eqn: JaxprEqn) -> tuple[int, int]:
+    """``(consts, carries)`` of a ``scan`` equation, whose operands are its constants, then its carries, then
+    the scanned inputs (the body's invars likewise). jax 0.10 gives the two counts as the parameters
+    ``num_consts`` and ``num_carry``; jax 0.11 replaced them with ``ft_in``, a flat tree of the three groups."""
+    params = eqn.params
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carries, _ = (len(group) for group in params["ft_in"].unpack())
+    return consts, carries
 
 
 def body_operands(eqn: JaxprEqn) -> list[tuple[Jaxpr, list[Any], list[Any]]]:

@@ -201,7 +201,7 @@ class _Builder:
     def scan(self, eqn: JaxprEqn, operands: list[int | None], env: dict, index: int, top_level: bool) -> None:
         """Adds one iteration of a ``scan`` body (see the module docstring)."""
         body = eqn.params["jaxpr"]
-        num_consts, num_carry, length = eqn.params["num_consts"], eqn.params["num_carry"], eqn.params["length"]
+        (num_consts, num_carry), length = jax_compat.scan_counts(eqn), eqn.params["length"]
         outer_repeat = self.repeat
         self.repeat = outer_repeat * length
         inner_env = {}

@@ -141,8 +141,9 @@ def plan_and_profile(method: PipeshardParallel, sliced: SlicedStep, cluster: Clu
     with _timed(times, "intra-op solves"):
         submeshes, views = candidate_meshes(method.stage_option, cluster, len(sliced.summaries))
         profile = _profile(method, sliced, cluster, submeshes, views, progress)
+    progress.step(f"step 3/4: stage DP; the intra-op pass took {times['intra-op solves']:.1f} s: "
+                  f"{_solves_text(profile)}")
     with _timed(times, "stage DP"):
-        progress.step(f"step 3/4: stage DP ({profile.num_solves} distinct solves for {profile.num_pairs} pairs)")
         solution = choose_stages(method, profile.costs, cluster)
     with _timed(times, "other"):
         plan = plan_of_stages(method, sliced, cluster, profile, solution.stages, solution.iteration_time)
@@ -150,6 +151,7 @@ def plan_and_profile(method: PipeshardParallel, sliced: SlicedStep, cluster: Clu
         plan, solution = _settle_estimates(method, sliced, cluster, profile, plan, solution, simulate, progress,
                                            times)
     progress.step(f"step 4/4: done: {len(plan.stages)} stages, layers per stage {solution.layers_per_stage}")
+    progress.breakdown(times, profile, solution)
     plan = dataclasses.replace(plan, compile_times=tuple(times.items()))
     if method.pipeline_schedule == ScheduleName.TERAPIPE:
         with _timed(times, "token DP"):
@@ -200,6 +202,13 @@ def _settle_estimates(method: PipeshardParallel, sliced: SlicedStep, cluster: Cl
     return plan, solution
 
 
+def _solves_text(profile: StageProfile) -> str:
+    """The intra-op pass's counts in words."""
+    return (f"{profile.num_solves} ILP solves of {profile.num_jobs} distinct (layer structure, logical mesh) "
+            f"problems for {profile.num_pairs} (layer, submesh, logical mesh) entries ({profile.cache_hits} "
+            f"reused)")
+
+
 def _layout(solution: StageSolution) -> tuple:
     """What makes two solutions the same plan: each stage's layers, submesh and logical view."""
     return tuple((s.layers, s.submesh, s.view_index) for s in solution.stages)
@@ -213,12 +222,26 @@ def _timed(times: dict[str, float], name: str) -> Iterator[None]:
     times[name] = time.perf_counter() - start
 
 
+LONG_PLANNING_SECONDS = 60.0
+"""Planning that takes longer prints its breakdown (:meth:`Progress.breakdown`) even without progress."""
+
+
 class Progress:
     """Planning progress on stderr: numbered steps with elapsed time, and a bar for the intra-op solves."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self.start = time.perf_counter()
+
+    def breakdown(self, times: dict[str, float], profile: StageProfile, solution: StageSolution) -> None:
+        """One line: the seconds of every pass, the intra-op pass's counts and the stage DP's runs; printed
+        with progress, or when planning took longer than :data:`LONG_PLANNING_SECONDS`."""
+        total = sum(times.values())
+        if not self.enabled and total <= LONG_PLANNING_SECONDS:
+            return
+        parts = [f"{name} {seconds:.1f} s" for name, seconds in times.items()]
+        print(f"[alpa_like] planning took {total:.1f} s: {', '.join(parts)}; {_solves_text(profile)}; "
+              f"{solution.num_t_max_evaluated} stage DP runs", file=sys.stderr, flush=True)
 
     def step(self, text: str) -> None:
         if self.enabled:

@@ -49,9 +49,12 @@ run once, at its *largest* value, so every plan is admitted at a :math:`t_{max}`
 own slowest stage and the answer is within :math:`(B - 1)\epsilon` of the optimum. (Skipping a value that
 is within ``epsilon`` of the last solved one, the literal reading, can admit a plan only at a much larger
 :math:`t_{max}` and has no such bound.) Two exact shortcuts of ours cut the number of DP runs further:
-a bisection for the first run at which any plan exists (the runs below it give :math:`T^* = \infty`), and
-an interval bound (:math:`F` does not increase with :math:`t_{max}`, see ``_search``). ``prune=False``
-solves every run, for tests.
+the first run at which any plan exists (the runs below it give :math:`T^* = \infty`), found by one
+bottleneck DP run (Eq. 3.3 with ``max`` for ``+``: the least slowest stage over all plans; a bisection when
+there are only a few runs), and an interval bound (:math:`F` does not increase with :math:`t_{max}`, see
+``_search``). ``prune=False`` solves every run, for tests. Within a run, a stage whose table time less
+both of its boundary savings exceeds :math:`t_{max}`, or that no plan of the remaining stages can follow
+on the devices left, is not looked at.
 
 **Whole cluster.** As in Alpa the submeshes of a plan use all ``N * M`` devices, and every submesh must be
 one of :func:`alpa_like.compiler.submesh.submesh_shapes`, so :func:`~alpa_like.compiler.submesh.assign_devices`
@@ -123,7 +126,9 @@ t_max candidates): about 15 ms per DP and 0.2-0.5 s per solve with 13-30 DP runs
 With boundary savings every DP run solves the second (aligned) table too, over up to four times as many
 t_max candidates: GPT-39B's real table took 2.2 s instead of 0.2 s (``examples/benchmarks/stage_dp.py``).
 With shared NICs the aligned DP is the only one, with four tables (the two flags) and up to sixteen times as
-many t_max candidates (each side inside a node, or across through 0, 1 or 2 shared NICs).
+many t_max candidates (each side inside a node, or across through 0, 1 or 2 shared NICs); it computes a level
+for every first layer at once when it records no choices. GPT-39B's real table on 64 GPUs (49 layers,
+shared NICs, ``B = 64``): 48 DP runs, about 3.4 s (``examples/benchmarks/planning.py``).
 """
 from __future__ import annotations
 
@@ -268,7 +273,9 @@ def _best_t_max(eff: np.ndarray, sizes: np.ndarray, num_devices: int, placement:
         finals = float(_best_finals(eff, t_max, sizes, num_devices, placement)[0].min())
         return weight * finals + (batches - weight) * t_max
 
-    groups = [g for g in _t_max_groups(_stage_time_candidates(eff, placement), epsilon) if batches * g[0] < bound]
+    below = bound / batches + epsilon  # every group starting below bound / B holds only values below this
+    groups = [g for g in _t_max_groups(_stage_time_candidates(eff, placement, below), epsilon)
+              if batches * g[0] < bound]
     solved: dict[int, float] = {}
 
     def solve(g: int) -> float:
@@ -276,10 +283,23 @@ def _best_t_max(eff: np.ndarray, sizes: np.ndarray, num_devices: int, placement:
             solved[g] = total(groups[g][1])
         return solved[g]
 
-    if not groups or not math.isfinite(solve(len(groups) - 1)):
-        return None, len(solved)
-    best_g = _search(groups, solve, batches, weight) if prune else min(range(len(groups)), key=solve)
-    return (solve(best_g), groups[best_g][1]), len(solved)
+    if not prune or len(groups) < _BISECTED_GROUPS:
+        if not groups or not math.isfinite(solve(len(groups) - 1)):
+            return None, len(solved)
+        best_g = _search(groups, solve, batches, weight) if prune else min(range(len(groups)), key=solve)
+        return (solve(best_g), groups[best_g][1]), len(solved)
+    # The first group with a plan: the least slowest stage over all plans, one bottleneck DP run.
+    least = _least_t_max(eff, sizes, num_devices, placement, groups[-1][1])
+    first = int(np.searchsorted([hi for _, hi in groups], least, side="left"))
+    if first == len(groups):
+        return None, 1
+    best_g = _search(groups, solve, batches, weight, first_feasible=first)
+    return (solve(best_g), groups[best_g][1]), len(solved) + 1
+
+
+_BISECTED_GROUPS = 4
+"""From this many t_max groups on, :func:`_best_t_max` finds the first feasible one with one bottleneck DP run
+(:func:`_least_t_max`) instead of bisecting (two or more DP runs)."""
 
 
 def aligned_plans_only(costs: StageCosts, cluster_shape: tuple[int, int]) -> bool:
@@ -333,9 +353,9 @@ class _Placement:
                    inside_before=(start % per_node != 0), inside_after=(end % per_node != 0),
                    first_shared=first_shared, last_shared=last_shared)
 
-    def stage_seconds(self, k: int, rows: np.ndarray, seconds: np.ndarray) -> np.ndarray:
-        """``[row, d]``: the time of stage ``(k..i, p)`` for each flat ``row = i * P + p`` starting with ``d``
-        devices left, with its inside-node savings and the shared NIC of its own node (not yet those of its
+    def stage_seconds(self, k, rows: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+        """``[row, d]``: the time of stage ``(k..i, p)`` for each flat ``row = i * P + p`` (``k`` one first
+        layer, or one per row) starting with ``d`` devices left, with its inside-node savings and the shared NIC of its own node (not yet those of its
         neighbours' nodes: :meth:`extra`); inf where it is misaligned."""
         last, mesh = np.divmod(rows, self.saving.shape[2])
         saving = self.saving[k, last, mesh]
@@ -346,7 +366,7 @@ class _Placement:
             placed = placed + nic[:, :1] * self.first_shared[mesh] + nic[:, 1:] * self.last_shared[mesh]
         return np.where(self.aligned[mesh], placed, np.inf)
 
-    def extra(self, k: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def extra(self, k, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``[row, 1]`` each: what stage ``(k..i, p)`` waits when the node before it (side 0) or after it
         (side 1) is shared: its :attr:`StageCosts.nic_wait`."""
         last, mesh = np.divmod(rows, self.saving.shape[2])
@@ -354,16 +374,25 @@ class _Placement:
         return nic[:, :1], nic[:, 1:]
 
 
-def _stage_time_candidates(eff: np.ndarray, placement: _Placement | None) -> np.ndarray:
-    """The distinct finite stage times a plan can have: the t_max candidates of Alg. 2 line 27. Placed, a
-    side of a stage is inside a node (its saving off), or crosses nodes through 0, 1 or 2 shared NICs (its
-    ``nic_wait`` on, 0-2 times)."""
-    finite = np.isfinite(eff)
+def _stage_time_candidates(eff: np.ndarray, placement: _Placement | None, below: float = math.inf) -> np.ndarray:
+    """The distinct finite stage times a plan can have, those below ``below`` at least (some above may be
+    left out): the t_max candidates of Alg. 2 line 27. Placed, a side of a stage is inside a node (its
+    saving off), or crosses nodes through 0, 1 or 2 shared NICs (its ``nic_wait`` on, 0-2 times). Read one
+    level ``s`` of ``eff`` at a time, each distinct level once (levels differ only where memory binds)."""
+    levels = [q for q in range(len(eff)) if q == 0 or not np.array_equal(eff[q], eff[q - 1])]
+    return np.unique(np.concatenate([_level_time_candidates(eff[q], placement, below) for q in levels]))
+
+
+def _level_time_candidates(eff: np.ndarray, placement: _Placement | None, below: float) -> np.ndarray:
+    """:func:`_stage_time_candidates` of one level ``eff[s - 1]`` (``[k, i, p]``): entries whose times with
+    both savings off are not below ``below`` give no time below it and are skipped."""
+    cut = 0.0 if placement is None else placement.saving.sum(axis=-1)
+    finite = np.isfinite(eff) & (eff - cut < below)
     times = eff[finite]
     if placement is None:
         return np.unique(times)
 
-    def at_finite(table: np.ndarray) -> np.ndarray:  # [k, i, p] -> the finite entries of eff[s, k, i, p]
+    def at_finite(table: np.ndarray) -> np.ndarray:  # [k, i, p] -> its entries where eff is finite
         return np.broadcast_to(table, eff.shape)[finite]
 
     per_side = []
@@ -398,6 +427,21 @@ def _best_finals(eff: np.ndarray, t_max: float, sizes: np.ndarray, num_devices: 
         return placed
     plain = (*_dp(np.where(eff <= t_max, eff, np.inf), sizes, num_devices, np.add, track), False)
     return placed if placed[0].min() <= plain[0].min() else plain
+
+
+def _least_t_max(eff: np.ndarray, sizes: np.ndarray, num_devices: int, placement: _Placement | None,
+                 most: float = math.inf) -> float:
+    """The least ``t_max <= most`` at which :func:`_best_finals` has a plan (inf if none): Eq. 3.3 with ``max``
+    in place of ``+`` over the same tables, each stage's time the one the DP compares with ``t_max`` (for the
+    aligned plans, with what it waits for its neighbours' shared NICs), stages slower than ``most`` left out
+    (as the DP at ``most`` leaves them out). :func:`_best_finals` is finite at ``t_max <= most`` exactly when
+    this is at most ``t_max``."""
+    least = math.inf
+    if placement is not None:
+        least = float(_placed_dp(eff, sizes, num_devices, placement, most, combine=np.maximum)[0].min())
+    if placement is None or placement.nic is None:
+        least = min(least, float(_dp(np.where(eff <= most, eff, np.inf), sizes, num_devices, np.maximum)[0].min()))
+    return least
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -488,7 +532,7 @@ def _dp(cost: np.ndarray, sizes: np.ndarray, num_devices: int, combine: np.ufunc
 
 
 def _placed_dp(cost: np.ndarray, sizes: np.ndarray, num_devices: int, placement: _Placement, t_max: float,
-               track: bool = False) -> tuple[np.ndarray, list]:
+               track: bool = False, combine: np.ufunc = np.add) -> tuple[np.ndarray, list]:
     """Eq. 3.3 over the aligned contiguous layouts only, each stage priced for its layout
     (``price_placed_stages``) and cut at ``t_max`` after pricing; ``cost`` is ``eff`` (not yet cut).
 
@@ -500,11 +544,13 @@ def _placed_dp(cost: np.ndarray, sizes: np.ndarray, num_devices: int, placement:
     boundary, waits its ``nic_wait[1]``). ``F_{q,c}(s, k, d)`` is the least total with the first stage of
     class ``c``; a stage takes the rest's ``q`` = whether it is itself the last mesh of a shared node, and
     the better of the rest's two classes. Without shared NICs there is one table (``q = c = 0``). Choices:
-    per ``s`` an array ``[q, c, k, d]`` of ``(i * P + p) * 2 + (class of the rest)``.
+    per ``s`` an array ``[q, c, k, d]`` of ``(i * P + p) * 2 + (class of the rest)``. ``combine=np.maximum``
+    (with ``t_max = inf``): the least slowest stage instead of the least total (:func:`_least_t_max`).
     """
     num_stages, k_layers, _, num_meshes = cost.shape
     width = num_devices + 1
     flags = 2 if placement.nic is not None else 1
+    most_saved = placement.saving[:k_layers, :k_layers].sum(axis=-1)  # [k, i, p]: both sides inside a node
     prev = np.full((flags, flags, k_layers + 1, width), np.inf)
     prev[:, 0, k_layers, 0] = 0.0  # nothing left: of class 0
     finals = np.full(num_stages + 1, np.inf)
@@ -517,43 +563,86 @@ def _placed_dp(cost: np.ndarray, sizes: np.ndarray, num_devices: int, placement:
             shifted[..., p, size:] = prev[:, :, 1:top + 1, :width - size]
         shifted = shifted.reshape(flags, flags, top * num_meshes, width)
         level = cost[s - 1, :top, :top, :].reshape(top, top * num_meshes)
+        # A stage costs at least its table time less both savings, wherever it starts: rows above t_max
+        # even then are inf in every column, and leaving them out changes no minimum.
+        fastest = (cost[s - 1, :top, :top, :] - most_saved[:top, :top]).reshape(top, top * num_meshes)
+        # The stages after cannot follow (i, p) when every finite F(s - 1, i + 1, .) needs more than the devices
+        # left beside p: the fewest devices of any finite entry, plus p's size, exceeds the cluster.
+        reachable = np.isfinite(prev[:, :, 1:top + 1, :]).any(axis=(0, 1))
+        fewest = np.where(reachable.any(axis=1), reachable.argmax(axis=1), width)
+        fastest[:, (fewest[:, None] + sizes[None, :] > num_devices).reshape(-1)] = np.inf
         current = np.full_like(prev, np.inf)
         best = np.full((flags, flags, top, width), -1, dtype=np.int64) if track else None
-        for k in range(top):
-            rows = np.flatnonzero(np.isfinite(level[k, k * num_meshes:])) + k * num_meshes
+        if not track:
+            _placed_level(level, fastest, shifted, placement, t_max, current, combine)
+        for k in range(top if track else 0):
+            rows = np.flatnonzero(fastest[k, k * num_meshes:] <= t_max) + k * num_meshes
             if rows.size == 0:
                 continue
-            mesh = rows % num_meshes
-            own = placement.stage_seconds(k, rows, level[k, rows])
-            if flags == 1:
-                values = np.where(own <= t_max, own, np.inf) + shifted[0, 0, rows]
+            for (q, c), (values, code) in _placed_values(k, rows, level[k, rows], shifted, placement,
+                                                         t_max, combine).items():
                 arg = values.argmin(axis=0)
-                current[0, 0, k] = values[arg, columns]
-                if track:
-                    best[0, 0, k] = np.where(np.isfinite(current[0, 0, k]), rows[arg] * 2, -1)
-                continue
-            before, after = placement.extra(k, rows)
-            last_shared = placement.last_shared[mesh]
-            rest = [np.where(last_shared, shifted[1, c, rows], shifted[0, c, rows]) for c in (0, 1)]
-            first_shared = placement.first_shared[mesh]
-            for q in (0, 1):
-                seconds = own + q * before
-                alone = np.where(seconds <= t_max, seconds, np.inf) + rest[0]
-                paying = np.where(seconds + after <= t_max, seconds + after, np.inf) + rest[1]
-                values = np.minimum(alone, paying)
-                code = rows[:, None] * 2 + (paying < alone)
-                for c in (0, 1):
-                    of_class = np.where(first_shared == c, values, np.inf)
-                    arg = of_class.argmin(axis=0)
-                    current[q, c, k] = of_class[arg, columns]
-                    if track:
-                        best[q, c, k] = np.where(np.isfinite(current[q, c, k]), code[arg, columns], -1)
+                current[q, c, k] = values[arg, columns]
+                best[q, c, k] = np.where(np.isfinite(current[q, c, k]), code[arg, columns], -1)
         choices.append(best)
         finals[s] = current[0, :, 0, num_devices].min()
         prev = current
         if not np.isfinite(prev).any():
             break
     return finals, choices
+
+
+_LEVEL_BLOCK = 1 << 20
+"""Elements per temporary array of :func:`_placed_level` (its memory, not its result)."""
+
+
+def _placed_values(k, rows: np.ndarray, seconds: np.ndarray, shifted: np.ndarray, placement: _Placement,
+                   t_max: float, combine: np.ufunc = np.add) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
+    """For each table ``(q, c)`` of :func:`_placed_dp`, ``[row, d]``: the total of stage ``(k..i, p)``
+    (flat ``rows``, ``i * P + p``; ``k`` one first layer or one per row; ``seconds`` its ``eff``) starting
+    with ``d`` devices left, followed by the best rest, and the choice code of that total (``row * 2 +`` the
+    class of the rest). Infinite where the stage exceeds ``t_max``, is misaligned, is not of class ``c``, or
+    nothing can follow. ``combine``: how the stage's time and the rest's make the total (``np.add``), or
+    ``np.maximum`` for the slowest stage."""
+    num_meshes = placement.saving.shape[2]
+    mesh = rows % num_meshes
+    own = placement.stage_seconds(k, rows, seconds)
+    if placement.nic is None:
+        values = combine(np.where(own <= t_max, own, np.inf), shifted[0, 0, rows])
+        return {(0, 0): (values, np.broadcast_to(rows[:, None] * 2, values.shape))}
+    before, after = placement.extra(k, rows)
+    last_shared = placement.last_shared[mesh]
+    rest = [np.where(last_shared, shifted[1, c, rows], shifted[0, c, rows]) for c in (0, 1)]
+    first_shared = placement.first_shared[mesh]
+    out = {}
+    for q in (0, 1):
+        seconds_q = own + q * before
+        alone = combine(np.where(seconds_q <= t_max, seconds_q, np.inf), rest[0])
+        paying = combine(np.where(seconds_q + after <= t_max, seconds_q + after, np.inf), rest[1])
+        values = np.minimum(alone, paying)
+        code = rows[:, None] * 2 + (paying < alone)
+        for c in (0, 1):
+            out[(q, c)] = (np.where(first_shared == c, values, np.inf), code)
+    return out
+
+
+def _placed_level(level: np.ndarray, fastest: np.ndarray, shifted: np.ndarray, placement: _Placement,
+                  t_max: float, current: np.ndarray, combine: np.ufunc = np.add) -> None:
+    """One level ``s`` of :func:`_placed_dp` without choices, every first layer ``k`` at once:
+    ``current[q, c, k] = min over rows of`` :func:`_placed_values` (the same numbers as the loop over ``k``
+    gives; a minimum does not depend on the order), in blocks of at most :data:`_LEVEL_BLOCK` elements."""
+    top, flat = level.shape
+    num_meshes = flat // top
+    upper = np.arange(flat)[None, :] >= (np.arange(top) * num_meshes)[:, None]
+    firsts, rows = np.nonzero(upper & (fastest <= t_max) & np.isfinite(fastest))  # by first layer, ascending
+    per_block = max(1, _LEVEL_BLOCK // current.shape[-1])
+    for start in range(0, firsts.size, per_block):
+        ks, rs = firsts[start:start + per_block], rows[start:start + per_block]
+        group_ks, starts = np.unique(ks, return_index=True)
+        for (q, c), (values, _) in _placed_values(ks, rs, level[ks, rs], shifted, placement, t_max,
+                                                  combine).items():
+            smallest = np.minimum.reduceat(values, starts, axis=0)
+            current[q, c, group_ks] = np.minimum(current[q, c, group_ks], smallest)
 
 
 def _t_max_groups(values: np.ndarray, epsilon: float) -> list[tuple[float, float]]:
@@ -571,10 +660,11 @@ def _t_max_groups(values: np.ndarray, epsilon: float) -> list[tuple[float, float
 
 
 def _search(groups: list[tuple[float, float]], solve: Callable[[int], float], batches: int,
-            weight: float = 1.0) -> int:
+            weight: float = 1.0, first_feasible: int | None = None) -> int:
     """Index of the group with the least Eq. 3.4 value, solving as few groups as possible (exact).
 
-    1. Bisection for the first feasible group (feasibility only grows with t_max).
+    1. Bisection for the first feasible group (feasibility only grows with t_max), unless the caller knows it
+       (``first_feasible``: :func:`_least_t_max`).
     2. Alg. 2's pruning: groups whose smallest value has ``B * t >= T*`` cannot help.
     3. For an interval ``a < b`` with ``b`` solved, every group ``g`` strictly between them has
        ``T*(g) = F(g) + (B - 1) t_g >= F(b) + (B - 1) t_{a+1}`` because ``F`` does not increase with t_max;
@@ -588,6 +678,8 @@ def _search(groups: list[tuple[float, float]], solve: Callable[[int], float], ba
     """
     lows = np.array([lo for lo, _ in groups])
     lo, hi = 0, len(groups) - 1  # Invariant: groups[hi] is feasible.
+    if first_feasible is not None:
+        lo = hi = first_feasible
     while lo < hi:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if math.isfinite(solve(mid)) else (mid + 1, hi)

@@ -108,17 +108,31 @@ class LayerCost:
 def layer_jaxpr(jaxpr: Jaxpr, pieces: Sequence[Piece | None], layer: int) -> tuple[ClosedJaxpr, list[int]]:
     """The compute-grad equations (forward and backward) of ``layer`` as a ClosedJaxpr of its own, and for
     each of its inputs the index of the step input it is (-1 for values computed elsewhere)."""
-    eqns = [e for e, p in zip(jaxpr.eqns, pieces, strict=True)
-            if p is not None and p.layer == layer and p.phase in (FORWARD, BACKWARD)]
-    invars = jax_compat.free_vars(eqns)
-    used_outside = {v for e, p in zip(jaxpr.eqns, pieces, strict=True)
-                    if not (p is not None and p.layer == layer and p.phase in (FORWARD, BACKWARD))
-                    for v in jax_compat.eqn_inputs(e)}
-    used_outside.update(v for v in jaxpr.outvars if isinstance(v, Var))
-    outvars = [v for e in eqns for v in e.outvars if v in used_outside]
+    return layer_jaxprs(jaxpr, pieces, [layer])[0]
+
+
+def layer_jaxprs(jaxpr: Jaxpr, pieces: Sequence[Piece | None],
+                 layers: Sequence[int]) -> list[tuple[ClosedJaxpr, list[int]]]:
+    """:func:`layer_jaxpr` of each of ``layers``, reading the step's equations once for all of them."""
+    def compute_layer(p: Piece | None) -> int | None:
+        return p.layer if p is not None and p.phase in (FORWARD, BACKWARD) else None
+
+    owners = [compute_layer(p) for p in pieces]
+    readers: dict[Var, set[int | None]] = {}
+    for e, owner in zip(jaxpr.eqns, owners, strict=True):
+        for v in jax_compat.eqn_inputs(e):
+            readers.setdefault(v, set()).add(owner)
+    step_outputs = {v for v in jaxpr.outvars if isinstance(v, Var)}
     step_index = {v: i for i, v in enumerate(jaxpr.invars)}
-    closed = ClosedJaxpr(jax_compat.subjaxpr(eqns, invars, outvars), [])
-    return closed, [step_index.get(v, -1) for v in invars]
+    out = []
+    for layer in layers:
+        eqns = [e for e, owner in zip(jaxpr.eqns, owners, strict=True) if owner == layer]
+        invars = jax_compat.free_vars(eqns)
+        outvars = [v for e in eqns for v in e.outvars
+                   if v in step_outputs or any(r != layer for r in readers.get(v, ()))]
+        closed = ClosedJaxpr(jax_compat.subjaxpr(eqns, invars, outvars), [])
+        out.append((closed, [step_index.get(v, -1) for v in invars]))
+    return out
 
 
 def structure_key(closed: ClosedJaxpr) -> str:
@@ -207,6 +221,9 @@ class StageProfile:
     """Per layer, the step input index of each input of its jaxpr (-1: computed by another layer)."""
     num_pairs: int
     """(layer, submesh, logical shape) pairs in the table."""
+    num_jobs: int
+    """Distinct (layer structure, mesh) problems prepared; the other ``num_pairs - num_jobs`` (layer, submesh,
+    logical shape) entries reuse one of them (:attr:`cache_hits`)."""
     num_solves: int
     """ILP solves run: one per distinct (layer structure, mesh) after de-duplication, and one more for each
     memory variant that differs from the solve before it (:func:`_solve_job`)."""
@@ -214,6 +231,12 @@ class StageProfile:
     sender_limited: np.ndarray
     """``[i, j, p]``: :func:`sender_limited_extra`, what ``costs.t_intra`` leaves out when the stage's
     neighbours sit inside one node each."""
+
+    @property
+    def cache_hits(self) -> int:
+        """Table entries answered by a problem prepared for another entry: another layer of the same
+        structure, another submesh with the same logical mesh, or another memory variant of the entry."""
+        return self.num_pairs - self.num_jobs
 
     def input_spec(self, layer: int, submesh: int, entry: int, step_input: int) -> ShardingSpec | None:
         """The ILP's spec of step input ``step_input`` inside ``layer`` (None if the layer does not read it)."""
@@ -228,7 +251,7 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
                         submeshes: Sequence[Shape], logical_shapes: Sequence[Sequence[Shape]],
                         options: PassOptions, *, max_workers: int | None = None,
                         progress: Callable[[int, int], None] | None = None,
-                        memory_variants: bool = True) -> StageProfile:
+                        memory_variants: bool = True, share_solves: bool = True) -> StageProfile:
     """The :class:`StageCosts` table of Alg. 2 (see the module docstring) and the layer costs behind it.
 
     Args:
@@ -238,10 +261,12 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
       memory_variants: also profile the ``"params-sharded"`` variant on submeshes of more than one device,
         and the ``"params-half-sharded"`` one on submeshes of four or more. The table then lists each such
         submesh's views two or three times (``costs.variants`` says which is which).
+      share_solves: layers of one structure on one mesh share a solve (the module docstring); False solves
+        every layer on its own (the same table, slower: a reference for tests).
     """
     start = time.perf_counter()
     num_layers = len(summaries)
-    layers = [layer_jaxpr(jaxpr, pieces, l) for l in range(num_layers)]
+    layers = layer_jaxprs(jaxpr, pieces, range(num_layers))
     keys = [structure_key(closed) for closed, _ in layers]
     marker = next((e for e in jaxpr.eqns if is_marker(e, "grad")), None)
     gradients = set() if marker is None else {v for v in marker.invars if isinstance(v, Var)}
@@ -257,7 +282,7 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
         for p, sub in enumerate(submeshes):
             for e, (view, variant) in enumerate(entries[p]):
                 mesh = LogicalMesh.from_cluster(cluster, tuple(sub), view)
-                key = (keys[l], param_key, gradient_outputs[l], mesh)
+                key = (keys[l] if share_solves else l, param_key, gradient_outputs[l], mesh)
                 jobs.setdefault(key, (l, mesh))
                 pair_job[(l, p, e)] = (key, variant)
     job_keys = list(jobs)
@@ -301,7 +326,7 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
                        mem_act=_range_sums(act_layer))
     return StageProfile(costs=costs, layer_costs={pair: cost_of(pair) for pair in pair_job},
                         layer_inputs=tuple(tuple(inputs) for _, inputs in layers), num_pairs=len(pair_job),
-                        num_solves=num_solves, seconds=time.perf_counter() - start,
+                        num_jobs=len(job_keys), num_solves=num_solves, seconds=time.perf_counter() - start,
                         sender_limited=sender_limited_extra(received, devices, cluster))
 
 
@@ -317,6 +342,15 @@ class _SolveContext:
     rates: ComputeRates
     options: PassOptions
     memory_variants: bool
+    graphs: dict = dataclasses.field(default_factory=dict)
+    """Layer -> its op graph, built on a process's first job of the layer (each worker fills its own)."""
+
+    def graph(self, layer: int):
+        """The op graph of ``layer``'s jaxpr (:func:`~alpa_like.compiler.op_graph.build_op_graph`), built once
+        per process: the jobs of one layer on different meshes read the same graph."""
+        if layer not in self.graphs:
+            self.graphs[layer] = build_op_graph(self.layers[layer][0])
+        return self.graphs[layer]
 
 
 _FORKED: _SolveContext | None = None
@@ -340,7 +374,7 @@ def _solve_job(context: _SolveContext, index: int) -> tuple[int, tuple[LayerCost
     closed, inputs = context.layers[l]
     params = [i >= 0 and context.param_mask[i] for i in inputs]
     options = dataclasses.replace(context.options, gradient_outputs=context.gradient_outputs[l])
-    prepared = prepare(build_op_graph(closed), mesh, options)
+    prepared = prepare(context.graph(l), mesh, options)
     solved = [layer_cost(closed, params, mesh, context.rates, solve_prepared(prepared))]
     profiled = _variants(mesh.num_devices, context.memory_variants)
     for variant, fraction in ((PARAMS_HALF_SHARDED, 2), (PARAMS_SHARDED, 1)):

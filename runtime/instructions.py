@@ -18,6 +18,15 @@ mesh. Instructions:
   (:func:`~alpa_like.compiler.grad_accumulation.from_micro_batches`);
 * ``FREE v@mb``: the buffer's last use on this mesh is done.
 
+Token-sliced programs (TeraPipe: :mod:`~alpa_like.runtime.terapipe_programs`) name a unit (a batch slice's
+token slice) where others name a micro-batch, and add:
+
+* ``LOAD v@u [rows r0:r1, tokens t0:t1]``: a batch leaf's rows and tokens of unit ``u`` (``window``);
+* ``CARRY w@u -> v@u'``: hands buffer ``w@u`` (``source``; a per-step constant when its micro-batch is
+  ``PER_STEP``) to unit ``u'`` as ``v@u'`` on the same mesh, with ``pad`` zeros added on the left of its
+  token dim (dim 1; a negative ``pad`` drops that many leading tokens): a key/value prefix forward to the
+  next token slice, its cotangent back to the previous one.
+
 Buffers are freed as soon as their last reader on the mesh has run, so the memory a mesh holds follows the
 schedule (its peak in-flight activations).
 """
@@ -43,6 +52,7 @@ class Op(enum.StrEnum):
     ACC = "ACC"
     MEAN = "MEAN"
     FREE = "FREE"
+    CARRY = "CARRY"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +70,12 @@ class Instruction:
     """RECV: the mesh that holds the buffer."""
     target: ValueId | None = None
     """ACC: the accumulator (the grad marker's output)."""
+    source: Key | None = None
+    """CARRY: the buffer handed on."""
+    window: tuple[int, int, int, int] | None = None
+    """A token-sliced LOAD: (first row, rows, first token, tokens) of the batch leaf."""
+    pad: int = 0
+    """CARRY: zeros added on the left of dim 1 (negative: leading entries dropped)."""
 
     def __str__(self) -> str:
         if self.op is Op.RUN:
@@ -70,6 +86,12 @@ class Instruction:
             return f"RECV {buf} <- mesh {self.src_mesh}"
         if self.op is Op.ACC:
             return f"ACC {buf} -> v{self.target}"
+        if self.op is Op.CARRY:
+            src = f"v{self.source[0]}" + ("" if self.source[1] == PER_STEP else f"@{self.source[1]}")
+            return f"CARRY {src} -> {buf}" + (f" pad {self.pad}" if self.pad else "")
+        if self.window is not None:
+            r, rows, t, length = self.window
+            return f"LOAD {buf} [rows {r}:{r + rows}, tokens {t}:{t + length}]"
         return f"{self.op} {buf}"
 
 

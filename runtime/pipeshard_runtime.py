@@ -387,7 +387,11 @@ class PipeshardExecutable:
             if _is_deleted(value):
                 raise ValueError(f"step input {name} is a deleted array (donated to or deleted by an earlier "
                                  "call?): pass a live array")
-            if mb != PER_STEP:
+            if ins.window is not None:
+                if (v, ins.window) not in micro:
+                    micro[(v, ins.window)] = unit_window(value, ins.window)
+                value = micro[(v, ins.window)]
+            elif mb != PER_STEP:
                 if v not in micro:
                     micro[v] = _split_micro_batches(jax.numpy.asarray(value), self.num_micro_batches)
                 value = micro[v][mb]
@@ -407,6 +411,10 @@ class PipeshardExecutable:
             mesh_buffers[ins.key] = self._move(x, ins.key[0], ins.mesh, stats)
         elif ins.op is Op.FREE:
             mesh_buffers.pop(ins.key, None)
+        elif ins.op is Op.CARRY:
+            mesh_buffers[ins.key] = carried = pad_tokens(mesh_buffers[ins.source], ins.pad)
+            if ins.source[1] == PER_STEP and carried is mesh_buffers[ins.source]:
+                self._shared_loads.append(carried)  # a per-step constant's buffer: never donated
         else:
             raise AssertionError(f"unexpected instruction {ins}")
 
@@ -523,6 +531,28 @@ def _quiet_unusable_donations():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
         yield
+
+
+def unit_window(value, window: tuple[int, int, int, int]):
+    """Rows ``[r, r + rows)`` and tokens ``[t, t + length)`` (dims 0 and 1) of a batch leaf: a token-sliced
+    LOAD's ``window`` ``(r, rows, t, length)``."""
+    r, rows, t, length = window
+    return jax.numpy.asarray(value)[r:r + rows, t:t + length]
+
+
+def pad_tokens(x, pad: int):
+    """``x`` with ``pad`` zeros added before its dim-1 entries (``pad < 0``: its first ``-pad`` dropped): a
+    CARRY's (:mod:`~alpa_like.runtime.instructions`)."""
+    if pad == 0:
+        return x
+    return _pad_tokens(x, pad)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _pad_tokens(x, pad: int):
+    if pad < 0:
+        return x[:, -pad:]
+    return jax.numpy.pad(x, [(0, 0), (pad, 0)] + [(0, 0)] * (x.ndim - 2))
 
 
 @functools.partial(jax.jit, static_argnums=1)

@@ -91,7 +91,7 @@ def held_at_end(program: StageProgram, instructions: Sequence) -> set:
     for ins in instructions:
         if ins.op is Op.RUN:
             held.update((v, ins.micro_batch) for v in program.piece(ins.stage, ins.phase).outputs)
-        elif ins.op in (Op.MEAN, Op.LOAD, Op.RECV):
+        elif ins.op in (Op.MEAN, Op.LOAD, Op.RECV, Op.CARRY):
             held.add(ins.key)
         elif ins.op is Op.FREE:
             held.discard(ins.key)

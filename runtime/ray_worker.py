@@ -467,6 +467,8 @@ class _StepRun:
                 self._recv(ins)
             elif ins.op is Op.FREE:
                 self.buffers.pop(ins.key, None)
+            elif ins.op is Op.CARRY:
+                self._carry(ins)
             else:
                 raise AssertionError(f"unexpected instruction {ins}")
             self.count += 1
@@ -582,7 +584,12 @@ class _StepRun:
                 value = payload
             else:
                 raise AssertionError(kind)
-        if mb != PER_STEP:
+        if ins.window is not None:  # a token-sliced unit's rows and tokens
+            from alpa_like.runtime.pipeshard_runtime import unit_window
+            if (v, ins.window) not in self.micro:
+                self.micro[(v, ins.window)] = unit_window(value, ins.window)
+            value = self.micro[(v, ins.window)]
+        elif mb != PER_STEP:
             if v not in self.micro:
                 self.micro[v] = _split_micro_batches(jax.numpy.asarray(value), self.program.num_micro_batches)
             value = self.micro[v][mb]
@@ -592,6 +599,12 @@ class _StepRun:
         if kind == "handle" and mb == PER_STEP and not value.sharding.is_equivalent_to(sharding, len(shape)):
             self.relayouts += 1
         self.buffers[ins.key] = jax.device_put(value, sharding)
+        self._wrote(ins.key)
+
+    def _carry(self, ins: Instruction) -> None:
+        """CARRY: a buffer handed to another unit on this mesh, its token dim padded or trimmed."""
+        from alpa_like.runtime.pipeshard_runtime import pad_tokens
+        self.buffers[ins.key] = pad_tokens(self.buffers[ins.source], ins.pad)
         self._wrote(ins.key)
 
     def _recv(self, ins: Instruction) -> None:

@@ -32,22 +32,24 @@ slice *shape* ``(rows, context, length)`` with the slice's batch shapes and, as 
 values of the ``context`` earlier tokens of every attention call (:func:`alpa_like.nn.token_slice_context`);
 slices of the same shape (say equal batch slices with equal token slicings) share the traced program and
 its executables. The equations of each trace are assigned to the plan's stages by the layer assignment of
-the full-length trace. Each (shape, stage) forward is a jitted ``jax.vjp`` on the stage's mesh that keeps
-its residuals there; the backward applies it to the output cotangents. A slice's cached prefix is the
-previous slice's prefix extended by that slice's own keys and values (on the stage's mesh), and in the
-backward the prefix's cotangent is split back the same way. Forwards are issued unit by unit in sequence
-order, backwards in reverse (Fig. 2.1): the order is the schedule :func:`alpa_like.compiler.schedule_tables.terapipe`
-builds for the scheme (plain data, ``TerapipeExecutable.schedule``), issued tick by tick (JAX's asynchronous
-dispatch lets the meshes overlap).
+the full-length trace. Each (shape, stage) becomes a forward piece (a ``jax.vjp`` that returns its
+residuals) and a backward piece, lowered with the step's apply-grad pieces to the same per-mesh instruction
+programs every schedule runs (:mod:`alpa_like.runtime.terapipe_programs`): a slice's cached prefix is the
+previous slice's prefix extended by its own keys and values, handed on by ``CARRY`` on the stage's mesh,
+and its cotangent is handed back the same way. The order is the schedule
+:func:`alpa_like.compiler.schedule_tables.terapipe` builds for the scheme (plain data,
+``TerapipeExecutable.schedule``); the programs run on the local backend
+(:class:`~alpa_like.runtime.pipeshard_runtime.PipeshardExecutable`, which runs the step's effects) or the
+Ray backend, like any schedule's.
 
-Layouts (the plan's intra-op shardings): parameters and other step inputs are placed on each stage's
+Layouts (the plan's intra-op shardings): parameters and other step inputs are loaded on each stage's
 mesh with the ILP's spec of that leaf for the stage (``StagePlan.inputs``), batch slices and values sent
 between stages with their batch dim split over the mesh where it divides (as the pipeshard runtime's
-``activation_spec``); XLA propagates these layouts through each stage executable.
+``activation_spec``); XLA propagates these layouts through each stage piece.
 
 Update: everything after ``al.grad`` is the step's apply-grad pieces of
 :func:`alpa_like.compiler.stage_construction.build_stage_program`, each run on the mesh of the stage owning
-its layers' parameters, fed with the summed gradients and loss (so no parameter crosses meshes).
+its layers' parameters, fed with the step's mean gradients and loss (so no parameter crosses meshes).
 
 Limits: by default slices with equal lengths but different contexts are different shapes, so they do not
 share executables; ``share_slice_executables=True`` shares them by left-padding the cached prefix to the
@@ -59,7 +61,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -67,19 +68,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Literal, Var
-from jax.sharding import NamedSharding
+from jax.extend.core import ClosedJaxpr, Literal, Var, no_effects
 
 from alpa_like.compiler import jax_compat
-from alpa_like.compiler.layer_slicing import APPLY
+from alpa_like.compiler.layer_slicing import APPLY, FORWARD
 from alpa_like.compiler.sharding_spec import ShardingSpec
-from alpa_like.compiler.stage_construction import StageProgram
+from alpa_like.compiler.stage_construction import StageProgram, ValueId
 from alpa_like.compiler.token_slicing import BatchSlices, check_batch_slices, format_scheme, slice_contexts
 from alpa_like.compiler.tracing_hooks import TokenSliceContext, grad_hook, token_slice_context
-from alpa_like.runtime.mesh import make_mesh, named_sharding
-from alpa_like.runtime.pipeshard_runtime import MESH_AXES, activation_spec
 from alpa_like.compiler.schedule_tables import terapipe
-from alpa_like.compiler.schedules import Phase, Schedule, Task
+from alpa_like.compiler.schedules import Schedule, Task
+from alpa_like.runtime.instructions import MeshPrograms
+from alpa_like.runtime.mesh import named_sharding
+from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable, _piece_fn, activation_spec, pad_tokens, unit_window
+from alpa_like.runtime.terapipe_programs import TokenSlicedProgram, emit_token_sliced, lower_token_sliced
 
 __all__ = ["TerapipeContractError", "LossCall", "find_loss_call", "TerapipeExecutable", "slice_starts"]
 
@@ -259,68 +261,6 @@ def _split_stages(closed: ClosedJaxpr, eqn_stage: Sequence[int], num_stages: int
     return tuple(parts), producer
 
 
-def _inexact(aval) -> bool:
-    return jnp.issubdtype(aval.dtype, jnp.inexact)
-
-
-def _part_body(part: _StagePart):
-    """The stage part's equations as a function of its inputs, returning its outputs."""
-    def body(*values):
-        env = dict(zip(part.inputs, values, strict=True))
-        jax_compat.eval_eqns(part.eqns, env)
-        return [env[v] for v in part.outputs]
-    return body
-
-
-def _stage_functions(part: _StagePart):
-    """Jitted forward (outputs and the vjp closure, residuals kept where computed) and backward."""
-    diff = [_inexact(v.aval) for v in part.inputs]
-    out_avals = [v.aval for v in part.outputs]
-    body = _part_body(part)
-
-    def forward(*values):
-        def f(*differentiable):
-            it = iter(differentiable)
-            return body(*[next(it) if d else x for x, d in zip(values, diff, strict=True)])
-        return jax.vjp(f, *[x for x, d in zip(values, diff, strict=True) if d])
-
-    def backward(vjp, cotangents):
-        full = []
-        for c, aval in zip(cotangents, out_avals, strict=True):
-            if c is not None:
-                full.append(c)
-            elif _inexact(aval):
-                full.append(jnp.zeros(aval.shape, aval.dtype))
-            else:
-                full.append(np.zeros(aval.shape, jax.dtypes.float0))
-        return vjp(full)
-
-    return jax.jit(forward), jax.jit(backward), [v for v, d in zip(part.inputs, diff, strict=True) if d]
-
-
-@jax.jit
-def _append_tokens(prefix, new):
-    return jnp.concatenate([prefix, new], axis=1)
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _left_pad(prefix, tokens: int):
-    return jnp.pad(prefix, [(0, 0), (tokens, 0)] + [(0, 0)] * (prefix.ndim - 2))
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _drop_padding(cotangent, tokens: int):
-    return cotangent[:, tokens:]
-
-
-@functools.partial(jax.jit, static_argnums=2)
-def _split_prefix_cotangent(cotangent, carried, at: int):
-    """The cotangent of a prefix ``concat(earlier prefix, keys or values of the previous slice)``, plus what
-    later slices carried back to it, split at ``at`` tokens into (earlier prefix's, previous slice's)."""
-    total = cotangent if carried is None else cotangent + carried
-    return total[:, :at], total[:, at:]
-
-
 @dataclasses.dataclass(frozen=True)
 class _Unit:
     """One (batch slice, token slice) of the step."""
@@ -335,11 +275,18 @@ class _Unit:
 
 
 class TerapipeExecutable:
-    """A compiled TeraPipe step: call it like the original function."""
+    """A compiled TeraPipe step: call it like the original function.
+
+    The step's token slices are lowered to instruction programs
+    (:mod:`~alpa_like.runtime.terapipe_programs`) and run by a pipeline backend's executable: the local
+    MPMD backend's by default, another's through ``make_executable`` (the arguments of
+    :class:`~alpa_like.runtime.pipeshard_runtime.PipeshardExecutable`, ``input_specs`` per value)."""
 
     def __init__(self, *, fun: Callable, args: Sequence[Any], traced, plan, program: StageProgram,
-                 layer_assign: Callable, devices: Sequence[Any], batch_slices, input_specs: dict[tuple[int, str], ShardingSpec],
-                 check_contract: bool = True, share_contexts: bool = False):
+                 layer_assign: Callable, devices: Sequence[Any] | None, batch_slices,
+                 input_specs: dict[tuple[int, str], ShardingSpec], check_contract: bool = True,
+                 share_contexts: bool = False, make_executable: Callable | None = None, run_effects: bool = True,
+                 executable_options: dict | None = None):
         if traced.after_grad is not None:
             outputs = ", ".join(traced.out_leaves[k].path for k in traced.after_grad.outputs)
             raise ValueError(f"pipeline_schedule='terapipe' reads only the loss, the gradients and the step's inputs "
@@ -348,18 +295,18 @@ class TerapipeExecutable:
         self.traced = traced
         self.plan = plan
         self.call = find_loss_call(fun, args, traced)
-        by_id = {d.id: d for d in devices}
-        self.meshes = [make_mesh([by_id[i] for i in s.device_ids], s.logical_mesh_shape, MESH_AXES)
-                       for s in plan.stages]
-        self.num_stages = len(self.meshes)
-        self._input_specs = dict(input_specs)
-        self._check_contract = check_contract
+        _check_update(program, self.call)
+        self.num_stages = len(plan.stages)
+        self.num_micro_batches = plan.num_micro_batches
+        self._devices = devices
+        self._make = make_executable or PipeshardExecutable
+        self._options = dict(executable_options or {})
+        self._run_effects = run_effects
         self.last_step_seconds = 0.0
 
         leaves = [traced.in_leaves[s] for s in self.call.sources]
         invars = traced.closed_jaxpr.jaxpr.invars
         self._leaf_dtypes = tuple(invars[s].aval.dtype for s in self.call.sources)  # a typed key's is no string
-        self._leaf_paths = tuple(leaf.path for leaf in leaves)
         self._batch_leaf = tuple(leaf.is_batch for leaf in leaves)
         self.seq_len = _check_batch_leaves(leaves, self._batch_leaf)
         self.batch_size = next(leaf.shape[0] for leaf, b in zip(leaves, self._batch_leaf, strict=True) if b)
@@ -379,57 +326,97 @@ class TerapipeExecutable:
                              f"hold layers {sorted(stage_of_layer)}")
         eqn_stage = [stage_of_layer[l] for l in layers]
         signature = [e.primitive.name for e in reference.jaxpr.eqns]
+        scale = self.num_micro_batches / (self.batch_size * self.seq_len)
         self.programs: dict[tuple[int, int, int], _SliceProgram] = {}
-        self._fwd, self._bwd, self._diff_inputs = {}, {}, {}
+        """Slice shape ``(rows, context, length)`` -> its loss, traced and cut into the plan's stages."""
         for unit in self.units:
-            if unit.key in self.programs:
-                continue
-            rows, context, length = unit.key
-            closed = _trace_slice(self.call, self._leaf_avals(rows), self._batch_leaf, length, context, kv_avals,
-                                  rows * length / (self.batch_size * self.seq_len), self.share_contexts)
-            stages = _transfer_stages(signature, eqn_stage, [e.primitive.name for e in closed.jaxpr.eqns])
-            self.programs[unit.key] = prog = self._program(closed, stages)
-            for q, part in enumerate(prog.parts):
-                self._fwd[unit.key, q], self._bwd[unit.key, q], self._diff_inputs[unit.key, q] = \
-                    _stage_functions(part)
-        self._update = _UpdateProgram(program, self.call, traced, self.meshes, self._sharding)
-        self.schedule: Schedule = terapipe(self.num_stages, len(self.batch_slices),
-                                           tuple(len(lengths) for _, lengths in self.batch_slices))
-        """The order the step runs, as plain data (:func:`alpa_like.compiler.schedule_tables.terapipe`); :meth:`run`
-        issues its grid tick by tick. Any valid TeraPipe schedule of the same units can replace it."""
-        self.last_tasks: tuple[Task, ...] = ()
-        """The tasks the last step issued, in order."""
-        self._check_unit, self._check_fwd = None, {}
+            if unit.key not in self.programs:
+                rows, context, length = unit.key
+                closed = _trace_slice(self.call, self._leaf_avals(rows), self._batch_leaf, length, context, kv_avals,
+                                      rows * length * scale, self.share_contexts)
+                stages = _transfer_stages(signature, eqn_stage, [e.primitive.name for e in closed.jaxpr.eqns])
+                self.programs[unit.key] = self._program(closed, stages)
+        last = {k: len(lengths) - 1 for k, (_, lengths) in enumerate(self.batch_slices)}
+        has_next = {key: any(u.index < last[u.batch_slice] for u in self.units if u.key == key)
+                    for key in self.programs}
+        self.lowered: TokenSlicedProgram = lower_token_sliced(program, self.call, self.programs, self.units,
+                                                              self.num_stages, self._batch_leaf, has_next)
+        """The step as one stage program: a forward and a backward piece per (slice shape, stage)."""
+        path_to_input = {leaf.path: program.step_inputs[k] for k, leaf in enumerate(traced.in_leaves)}
+        self._value_specs = {(path_to_input[path], q): spec for (q, path), spec in input_specs.items()
+                             if path in path_to_input}
+        self._check_unit, self._check_lowered = None, None
         if check_contract:
             self._check_unit = _contract_check_unit(self.batch_slices, self.seq_len)
         if self._check_unit is not None:
             rows, _, _ = self._check_unit.key
             closed = _trace_slice(self.call, self._leaf_avals(rows), self._batch_leaf, self.seq_len, 0, kv_avals,
-                                  rows / self.batch_size, self.share_contexts)
+                                  rows * self.seq_len * scale, self.share_contexts)
             stages = _transfer_stages(signature, eqn_stage, [e.primitive.name for e in closed.jaxpr.eqns])
-            self._check_program = self._program(closed, stages)
-            self._check_fwd = {q: jax.jit(_part_body(part)) for q, part in enumerate(self._check_program.parts)}
+            whole = {self._check_unit.key: self._program(closed, stages)}
+            self._check_lowered = lower_token_sliced(program, self.call, whole, (self._check_unit,), self.num_stages,
+                                                     self._batch_leaf, {self._check_unit.key: False})
         self._check_contract = self._check_unit is not None
+        self._check_fns: dict[tuple[int, int], Callable] = {}
+        self.last_tasks: tuple[Task, ...] = ()
+        """The tasks the last step ran, in the order of its programs."""
+        self.schedule = terapipe(self.num_stages, len(self.batch_slices),
+                                 tuple(len(lengths) for _, lengths in self.batch_slices))
+
+    @property
+    def schedule(self) -> Schedule:
+        """The order the step runs, as plain data (:func:`alpa_like.compiler.schedule_tables.terapipe`); any
+        valid TeraPipe schedule of the same units can replace it (the programs are emitted again)."""
+        return self._schedule
+
+    @schedule.setter
+    def schedule(self, schedule: Schedule) -> None:
+        self._schedule = schedule
+        self.mesh_programs: MeshPrograms = emit_token_sliced(self.lowered, schedule, self.units)
+        """Each mesh's instruction program."""
+        value_specs = {**self._options.pop("value_specs", {}), **self._value_specs}
+        first = {}
+        for (v, _), spec in sorted(self._value_specs.items()):
+            first.setdefault(v, spec)
+        extra = dict(self._options)
+        if self._make is PipeshardExecutable:
+            extra["value_specs"] = value_specs
+        self.executor = self._make(traced=self.traced, plan=self.plan, program=self.lowered.program,
+                                   programs=self.mesh_programs, devices=self._devices, input_specs=first, **extra)
+        """The backend's executable that runs :attr:`mesh_programs`."""
+
+    @property
+    def meshes(self):
+        return self.executor.meshes
+
+    @property
+    def last_step(self):
+        return self.executor.last_step
+
+    def get_hlo_text(self) -> str:
+        return self.executor.get_hlo_text()
+
+    def input_placements(self):
+        return self.executor.input_placements()
+
+    def input_shardings(self):
+        return self.executor.input_shardings()
 
     @property
     def num_executables(self) -> int:
-        """Distinct (slice shape, stage) forward executables (units of equal (rows, context, length) share)."""
-        return len(self._fwd)
+        """Distinct (slice shape, stage) forward pieces (units of equal (rows, context, length) share)."""
+        return len(self.programs) * self.num_stages
 
     def _leaf_avals(self, rows: int):
         return [jax.ShapeDtypeStruct((rows, *l.shape[1:]) if b else tuple(l.shape), dtype)
                 for l, b, dtype in zip(self._leaves, self._batch_leaf, self._leaf_dtypes, strict=True)]
 
-    def _sharding(self, q: int, path: str | None, shape) -> NamedSharding:
-        """Layout on stage ``q``'s mesh: the plan's (ILP's) spec of the input leaf at ``path`` if it has one,
-        else the batch dim split over the mesh (as the pipeshard runtime lays out what it loads)."""
-        mesh = self.meshes[q]
-        spec = self._input_specs.get((q, path))
-        if spec is None or spec.ndim != len(shape):
-            spec = activation_spec(shape, tuple(mesh.devices.shape))
-        return named_sharding(mesh, spec)
-
     def _program(self, closed: ClosedJaxpr, eqn_stage) -> _SliceProgram:
+        if not self._run_effects:  # a backend that ships no host callbacks: the effects are left out
+            keep = [not e.effects for e in closed.jaxpr.eqns]
+            eqn_stage = [q for q, k in zip(eqn_stage, keep, strict=True) if k]
+            closed = ClosedJaxpr(closed.jaxpr.replace(eqns=[e for e, k in zip(closed.jaxpr.eqns, keep, strict=True)
+                                                            if k], effects=no_effects), closed.consts)
         jaxpr = closed.jaxpr
         num_leaves = len(self.call.sources)
         leaf_vars = tuple(jaxpr.invars[:num_leaves])
@@ -452,171 +439,93 @@ class TerapipeExecutable:
 
     def run(self, *args):
         start_time = time.perf_counter()
-        flat = self.traced.flatten_args(args)
-        call = self.call
-        leaves = [flat[s] for s in call.sources]
-        host = {j: np.asarray(x) for j, x in enumerate(leaves) if self._batch_leaf[j]}
-        placed: dict[tuple, Any] = {}
-
-        def leaf_on(j: int, q: int, unit: _Unit):
-            if self._batch_leaf[j]:
-                key = (j, q, unit.batch_slice, unit.index)
-                if key not in placed:
-                    rows, _, length = unit.key
-                    part = host[j][unit.row_start:unit.row_start + rows, unit.token_start:unit.token_start + length]
-                    placed[key] = jax.device_put(part, self._sharding(q, None, part.shape))
-                return placed[key]
-            return self._param_on(placed, flat, call.sources[j], q)
-
-        env: dict[tuple[int, int], dict] = {}
-        prefixes: dict[tuple[int, int, int, int], Any] = {}
-        vjps: dict[tuple[int, int, int], Any] = {}
-        cts: dict[tuple[int, int], dict] = {}
-        carried: dict[tuple[int, int, int], Any] = {}
-        grads: dict[int, Any] = {}
-        losses: dict[int, list] = {}
-        issued = []
-        for row in self.schedule.ticks:
-            for task in row:
-                if task is None:
-                    continue
-                unit = self.units_by[task.micro_batch][task.slice or 0]
-                if task.phase == Phase.F:
-                    self._forward(task.stage, unit, env, prefixes, vjps, leaf_on)
-                else:
-                    self._backward(task.stage, unit, env, vjps, cts, carried, grads, losses)
-                issued.append(task)
-        self.last_tasks = tuple(issued)
-        grad_leaves = [grads.get(j) for j in call.grad_order]
-        loss = _sum_on_first([x for k in sorted(losses) for x in losses[k]])
         if self._check_contract:
-            self._verify_loss(_sum_on_first(losses[self._check_unit.batch_slice]), leaf_on)
-        out = self._update.run(flat, grad_leaves, loss, lambda k, q: self._param_on(placed, flat, k, q))
+            self._verify_loss(self.traced.flatten_args(args))
+        out = self.executor.run(*args)
+        self.last_tasks = tuple(t for row in self._schedule.ticks for t in row if t is not None)
         self.last_step_seconds = time.perf_counter() - start_time
-        return jax.tree_util.tree_unflatten(self.traced.out_tree, out)
-
-    def _param_on(self, placed: dict, flat, k: int, q: int):
-        """Step input ``k`` (a parameter, optimizer state, ...) on stage ``q``'s mesh in the plan's layout,
-        placed once per step."""
-        if (k, q) not in placed:
-            leaf = self.traced.in_leaves[k]
-            placed[(k, q)] = jax.device_put(flat[k], self._sharding(q, leaf.path, np.shape(flat[k])))
-        return placed[(k, q)]
-
-    def _forward(self, q: int, unit: _Unit, env, prefixes, vjps, leaf_on, prog: _SliceProgram | None = None):
-        """Stage ``q``'s forward of ``unit``; with ``prog`` given (the contract check), forward only."""
-        check = prog is not None
-        prog = prog if check else self.programs[unit.key]
-        part = prog.parts[q]
-        k, i = unit.batch_slice, unit.index
-        local = env.setdefault((k, i), {})
-        leaf_index = {v: j for j, v in enumerate(prog.leaf_vars)}
-        consts = dict(zip(prog.closed.jaxpr.constvars, prog.closed.consts, strict=True))
-        values = []
-        for v in part.inputs:
-            if v in local:
-                x = local[v]
-                values.append(x if prog.producer.get(v) == q else
-                              jax.device_put(x, self._sharding(q, None, x.shape)))
-            elif v in leaf_index:
-                values.append(leaf_on(leaf_index[v], q, unit))
-            elif v in prog.prefix_vars:
-                values.append(self._prefix(q, unit, prog.prefix_vars[v], v.aval, env, prefixes))
-            elif v is prog.valid_var:
-                values.append(jax.device_put(np.int32(unit.token_start), self._sharding(q, None, ())))
-            elif v in consts:
-                values.append(jax.device_put(consts[v], self._sharding(q, None, np.shape(consts[v]))))
-            else:
-                raise RuntimeError(f"stage {q} of slice {unit} reads {v}, which nothing provides")
-        if check:
-            local.update(zip(part.outputs, self._check_fwd[q](*values), strict=True))
-            return
-        outs, vjp = self._fwd[unit.key, q](*values)
-        local.update(zip(part.outputs, outs, strict=True))
-        vjps[(q, k, i)] = vjp
-
-    def _prefix(self, q: int, unit: _Unit, call_kv: tuple[int, int], aval, env, prefixes):
-        """Keys or values of the earlier slices of the same sequence: the previous slice's prefix extended
-        by the previous slice's own keys or values (all on stage ``q``'s mesh). With shared contexts the
-        program reads it left-padded with zeros to its key's context (the padding is masked out)."""
-        n, kv = call_kv
-        k, i = unit.batch_slice, unit.index
-        if i <= 0:  # the first slice, or the contract check's whole sequences (index -1): no context
-            shape = (aval.shape[0], 0, *aval.shape[2:])
-            value = jax.device_put(jnp.zeros(shape, aval.dtype), self._sharding(q, None, shape))
-        else:
-            previous = self.programs[self.units_by[k][i - 1].key]
-            value = _append_tokens(prefixes[(k, i - 1, n, kv)], env[(k, i - 1)][previous.kv_vars[n][kv]])
-        prefixes[(k, i, n, kv)] = value
-        padding = aval.shape[1] - value.shape[1]
-        return _left_pad(value, padding) if padding else value
-
-    @functools.cached_property
-    def units_by(self) -> dict[int, list[_Unit]]:
-        out: dict[int, list[_Unit]] = {}
-        for unit in self.units:
-            out.setdefault(unit.batch_slice, []).append(unit)
         return out
 
-    def _backward(self, q: int, unit: _Unit, env, vjps, cts, carried, grads, losses):
-        prog = self.programs[unit.key]
-        part = prog.parts[q]
-        k, i = unit.batch_slice, unit.index
-        pending = cts.setdefault((k, i), {})
-        if prog.loss_var in part.outputs:
-            losses.setdefault(k, []).append(env[(k, i)][prog.loss_var])
-            pending[prog.loss_var] = jnp.ones((), prog.loss_var.aval.dtype)
-        cotangents = [pending.pop(v, None) for v in part.outputs]
-        inputs_ct = self._bwd[unit.key, q](vjps.pop((q, k, i)), cotangents)
-        leaf_index = {v: j for j, v in enumerate(prog.leaf_vars)}
-        for v, g in zip(self._diff_inputs[unit.key, q], inputs_ct, strict=True):
-            if v in prog.producer:
-                source = prog.producer[v]
-                _accumulate(pending, v, jax.device_put(g, self._sharding(source, None, g.shape)))
-            elif v in leaf_index:
-                j = leaf_index[v]
-                if self.call.differentiated[j]:
-                    grads[j] = g if j not in grads else grads[j] + jax.device_put(g, grads[j].sharding)
-            elif v in prog.prefix_vars:
-                n, kv = prog.prefix_vars[v]
-                extra = carried.pop((k, n, kv), None)
-                if i == 0:
-                    continue
-                if g.shape[1] != unit.token_start:  # shared contexts: drop the padding's (zero) cotangent
-                    g = _drop_padding(g, g.shape[1] - unit.token_start)
-                previous = self.units_by[k][i - 1]
-                earlier, own = _split_prefix_cotangent(g, extra, previous.token_start)
-                carried[(k, n, kv)] = earlier
-                _accumulate(cts.setdefault((k, i - 1), {}), self.programs[previous.key].kv_vars[n][kv], own)
-
-    def _verify_loss(self, sliced, leaf_on) -> None:
+    def _verify_loss(self, flat) -> None:
         """Contract points 3-4, first step only: the weighted losses of the token slices of one batch slice
-        (the smallest one that is sliced) must add up to the loss of its whole sequences. The whole
-        sequences run forward only, through the plan's stages on their meshes (no parameter moves, no
-        backward): one extra forward of that batch slice's rows."""
+        (the smallest one that is cut) must add up to the loss of its whole sequences. Both run forward only,
+        through the plan's stages (on their meshes on the local backend)."""
         self._check_contract = False
         unit = self._check_unit
-        env: dict = {}
-        for q in range(self.num_stages):
-            self._forward(q, unit, env, {}, None, leaf_on, prog=self._check_program)
-        whole = env[(unit.batch_slice, unit.index)][self._check_program.loss_var]
-        if not np.allclose(np.asarray(sliced), np.asarray(whole), rtol=1e-4, atol=1e-6):
+        mine = tuple(u for u in self.units if u.batch_slice == unit.batch_slice)
+        sliced = sum(float(x) for x in self._forward_losses(self.lowered, mine, flat))
+        whole = float(self._forward_losses(self._check_lowered, (unit,), flat)[0])
+        if not np.allclose(sliced, whole, rtol=1e-4, atol=1e-6):
             rows = unit.key[0]
             raise TerapipeContractError(
                 f"token slicing {format_scheme(self.batch_slices)}: batch slice {unit.batch_slice} ({rows} rows, "
-                f"slices {list(self.batch_slices[unit.batch_slice][1])}) gives weighted loss {float(sliced):.6g} "
-                f"but its whole sequences give {float(whole):.6g}: the model breaks the TeraPipe contract. "
+                f"slices {list(self.batch_slices[unit.batch_slice][1])}) gives weighted loss {sliced:.6g} "
+                f"but its whole sequences give {whole:.6g}: the model breaks the TeraPipe contract. "
                 "Positions must come from the "
                 "inputs (e.g. batch['position_ids'], sliced like the tokens; not arange(seq) inside the model), "
                 "every cross-token operation must be alpa_like.nn.causal_self_attention, and the loss must be a "
                 "mean over all batch x sequence tokens")
 
+    def _forward_losses(self, lowered: TokenSlicedProgram, units: Sequence[_Unit], flat) -> list:
+        """The weighted loss of each of ``units`` (one sequence's token slices in order), forward pieces only."""
+        program, P = lowered.program, self.num_stages
+        given = dict(zip(program.step_inputs, flat, strict=True))
+        given.update(program.constants)
+        env: dict[tuple[ValueId, int], Any] = {}
+        losses = []
+        for n, unit in enumerate(units):
+            shape = lowered.shape_index[unit.key]
+            for q in range(P):
+                piece = program.piece(shape * P + q, FORWARD)
+                args = [self._place(self._check_input(lowered, v, n, units, env, given, q), q) for v in piece.inputs]
+                fn = self._check_fns.get((id(lowered), piece.stage))
+                if fn is None:
+                    fn = self._check_fns[(id(lowered), piece.stage)] = jax.jit(_piece_fn(piece))
+                env.update(((v, n), x) for v, x in zip(piece.outputs, fn(*args), strict=True))
+            losses.append(env[(lowered.loss_values[shape], n)])
+        return losses
 
-def _sum_on_first(values):
-    total = values[0]
-    for x in values[1:]:
-        total = total + jax.device_put(x, total.sharding)
-    return total
+    def _check_input(self, lowered: TokenSlicedProgram, v: ValueId, n: int, units, env, given, q: int):
+        unit = units[n]
+        if v in lowered.batch_leaves:
+            return unit_window(given[v], (unit.row_start, unit.key[0], unit.token_start, unit.key[2]))
+        what = lowered.carried.get(v)
+        if what is None:
+            return env[(v, n)] if (v, n) in env else given[v]
+        if what.kind == "valid":
+            return given[lowered.zeros[("valid", unit.token_start)]]
+        if unit.index <= 0:
+            return given[lowered.zeros[("prefix", unit.key, q, *what.call_kv)]]
+        prev = units[n - 1]
+        x = env[(lowered.next_prefix[(lowered.shape_index[prev.key], q, *what.call_kv)], n - 1)]
+        return pad_tokens(x, unit.key[1] - prev.key[1] - prev.key[2])
+
+    def _place(self, x, q: int):
+        """``x`` on stage ``q``'s mesh when the backend runs in this process, else as it is."""
+        if self._make is not PipeshardExecutable:
+            return x
+        mesh = self.executor.meshes[q]
+        return jax.device_put(x, named_sharding(mesh, activation_spec(np.shape(x), tuple(mesh.devices.shape))))
+
+
+def _check_update(program: StageProgram, call: LossCall) -> None:
+    """What runs after al.grad reads only the loss, the gradients and the step's inputs (and what they make)."""
+    expected = len(call.grad_order) + int(call.with_value)
+    if len(program.accumulated) != expected:
+        raise TerapipeContractError(f"al.grad's results have {len(program.accumulated)} array leaves, expected "
+                                    f"{expected} (the loss and one gradient per differentiated leaf)")
+    known = set(program.step_inputs) | set(program.constants) | {dst for _, dst in program.accumulated}
+    applies = [program.piece(q, APPLY) for q in range(program.num_stages)]
+    for piece in applies:
+        known.update(piece.outputs)
+    if any(v not in known for piece in applies for v in piece.inputs):
+        raise TerapipeContractError(
+            "pipeline_schedule='terapipe': the update (after al.grad) reads values of the loss's forward or "
+            "backward pass other than al.grad's results; only the loss, gradients and step inputs can be "
+            "read after al.grad on this path")
+    if any(v is not None and v not in known for v in program.step_outputs):
+        raise TerapipeContractError("pipeline_schedule='terapipe': the step returns a value of the loss's "
+                                    "forward pass; return only al.grad's results and the updated state")
 
 
 def _contract_check_unit(batch_slices: BatchSlices, seq_len: int) -> _Unit | None:
@@ -645,94 +554,6 @@ def _units(batch_slices: BatchSlices, share_contexts: bool = False) -> tuple[_Un
                  for i, (start, context, length) in enumerate(zip(slice_starts(lengths), contexts[k], lengths)))
 
 
-class _UpdateProgram:
-    """Everything after ``al.grad`` (the optimizer update): the step's apply-grad pieces, each run on the
-    mesh of the stage that owns its layers' parameters (as the pipeshard runtime does), fed with the
-    gradients and loss the slices summed up."""
-
-    def __init__(self, program: StageProgram, call: LossCall, traced, meshes, sharding: Callable):
-        self.program = program
-        self.meshes = meshes
-        self._sharding = sharding
-        self._step_input = {vid: k for k, vid in enumerate(program.step_inputs)}
-        grad_outputs = [o for _, o in program.accumulated]
-        expected = len(call.grad_order) + int(call.with_value)
-        if len(program.accumulated) != expected:
-            raise TerapipeContractError(f"al.grad's results have {len(program.accumulated)} array leaves, expected "
-                                        f"{expected} (the loss and one gradient per differentiated leaf)")
-        self._from_grad = {o: n for n, o in enumerate(grad_outputs)}
-        self._with_value = call.with_value
-        self._result_paths = ([None] if call.with_value else []) + [
-            traced.in_leaves[call.sources[j]].path for j in call.grad_order]
-        self._jitted = {q: jax.jit(_piece_fn(program.piece(q, APPLY))) for q in range(program.num_stages)}
-
-    def run(self, flat, grad_leaves, loss, step_input_on: Callable):
-        """The step's outputs, given the summed gradients (None: zero) and loss."""
-        program = self.program
-        results = ([loss] if self._with_value else []) + list(grad_leaves)
-        env: dict[int, tuple[Any, int | None]] = {}  # value id -> (value, mesh or None)
-        done, pending = set(), list(range(program.num_stages))
-        while pending:
-            progressed = False
-            for q in list(pending):
-                piece = program.piece(q, APPLY)
-                args = [self._value(vid, q, flat, results, env, step_input_on) for vid in piece.inputs]
-                if any(a is _MISSING for a in args):
-                    continue
-                outs = self._jitted[q](*args)
-                env.update({vid: (x, q) for vid, x in zip(piece.outputs, outs, strict=True)})
-                pending.remove(q)
-                done.add(q)
-                progressed = True
-            if not progressed:
-                raise TerapipeContractError(
-                    "pipeline_schedule='terapipe': the update (after al.grad) reads values of the loss's forward or "
-                    "backward pass other than al.grad's results; only the loss, gradients and step inputs can be "
-                    "read after al.grad on this path")
-        outputs = []
-        for n, vid in enumerate(program.step_outputs):
-            if vid is None:
-                outputs.append(program.literal_outputs[n])
-                continue
-            value = self._value(vid, None, flat, results, env, step_input_on)
-            if value is _MISSING:
-                raise TerapipeContractError("pipeline_schedule='terapipe': the step returns a value of the loss's "
-                                            "forward pass; return only al.grad's results and the updated state")
-            outputs.append(value)
-        return outputs
-
-    def _value(self, vid, q, flat, results, env, step_input_on):
-        """Value ``vid`` on stage ``q``'s mesh (``q`` None: wherever it is)."""
-        if vid in self._from_grad:
-            x = results[self._from_grad[vid]]
-            if x is None:
-                aval = self.program.values[vid].aval
-                x = jnp.zeros(aval.shape, aval.dtype)
-            if q is None:
-                return x
-            # A gradient in its parameter's layout (a no-op when XLA already produced it so).
-            return jax.device_put(x, self._sharding(q, self._result_paths[self._from_grad[vid]], x.shape))
-        if vid in self._step_input:
-            k = self._step_input[vid]
-            return flat[k] if q is None else step_input_on(k, q)
-        if vid in self.program.constants:
-            c = self.program.constants[vid]
-            return c if q is None else jax.device_put(c, self._sharding(q, None, np.shape(c)))
-        if vid in env:
-            x, where = env[vid]
-            return x if q is None or where == q else jax.device_put(x, self._sharding(q, None, x.shape))
-        return _MISSING
-
-
-_MISSING = object()
-
-
-def _piece_fn(piece):
-    def run(*args):
-        return jax_compat.eval_closed_jaxpr(piece.jaxpr, *args)
-    return run
-
-
 def _transfer_stages(reference: Sequence[str], reference_stage: Sequence[int], names: Sequence[str]) -> list[int]:
     """Stage of every equation of a slice's trace, from the full-length trace's assignment.
 
@@ -750,10 +571,6 @@ def _transfer_stages(reference: Sequence[str], reference_stage: Sequence[int], n
         current = current if q is None else max(current, q)
         out.append(current)
     return out
-
-
-def _accumulate(store: dict, key, value) -> None:
-    store[key] = value if key not in store else store[key] + value
 
 
 def _check_batch_leaves(leaves, batch_mask) -> int:

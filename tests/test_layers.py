@@ -6,6 +6,7 @@ The installed package maps ``alpa_like.compiler`` and ``alpa_like.runtime`` to t
 and ``runtime/`` folders, where import-linter (which walks the package's folder) does not look; the test lays
 the three folders out as one package in a temporary directory and lints that copy.
 """
+import os
 import shutil
 import subprocess
 import sys
@@ -25,13 +26,20 @@ def _package_copy(tmp_path: Path) -> Path:
 
 
 def _lint(tmp_path: Path) -> subprocess.CompletedProcess:
-    pytest.importorskip("importlinter")
+    importlinter = pytest.importorskip("importlinter")
     config = tmp_path / ".importlinter"
     shutil.copy(ROOT / ".importlinter", config)
     code = ("import sys; from importlinter.cli import lint_imports; "
             f"sys.exit(lint_imports(config_filename={str(config)!r}, no_cache=True))")
     return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
-                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=300)
+                          env={"PYTHONPATH": os.pathsep.join((str(tmp_path), _site_of(importlinter))),
+                               "PATH": "/usr/bin:/bin"}, timeout=300)
+
+
+def _site_of(module) -> str:
+    """The folder ``module``'s package was imported from (the child finds import-linter and its needs there
+    wherever they are installed, e.g. a folder on PYTHONPATH)."""
+    return str(Path(module.__file__).resolve().parents[1])
 
 
 def test_no_floor_imports_a_floor_above_it(tmp_path):

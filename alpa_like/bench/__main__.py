@@ -23,7 +23,7 @@ from alpa_like.compiler.optional_imports import require
 
 SUITES = ("gpt", "moe", "wresnet", "opt")
 COMMANDS = SUITES + ("repro", "docs")
-CLUSTERS = ("p3.16xlarge", "dgx-a100", "h100")
+CLUSTERS = ("p3.16xlarge", "dgx-a100", "h100", "h200")
 BACKEND_NAMES = ("simulate", "local", "ray")
 
 

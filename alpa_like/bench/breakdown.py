@@ -232,7 +232,7 @@ def format_rows(rows: list[dict]) -> str:
 
     what_if = any("no_nic_contention_s" in r for r in rows)
     lines = [["plan", "stages", "simulated s", "DP s", "RUN s (all meshes)", "RECV s (all meshes)",
-              "per stage: compute + intra-op = busy s"]
+              "per stage: compute + intra-op, busy s (RUNs with their launches)"]
              + (["NICs unshared s", "free transfers s"] if what_if else [])]
     for r in rows:
         if r.get("error"):
@@ -240,7 +240,7 @@ def format_rows(rows: list[dict]) -> str:
             continue
         kinds = r["seconds_by_kind"]
         run = sum(v for k, v in kinds.items() if k.startswith("RUN"))
-        stages = "; ".join(f"{c:.2f}+{i:.2f}={b:.2f}"
+        stages = "; ".join(f"{c:.2f}+{i:.2f}, {b:.2f}"
                            for c, i, b in zip(r["stage_compute_s"], r["stage_intra_op_s"], r["busy_s"]))
         lines.append([r["variant"], plan_text(r), f"{r['simulated_s']:.2f}", f"{r['dp_predicted_s']:.2f}",
                       f"{run:.2f}", f"{kinds.get('RECV', 0.0):.2f}", stages]

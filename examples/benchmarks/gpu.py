@@ -14,7 +14,7 @@ and scipy installed:
    milliseconds per step over rounds, the ratio to ``jax.jit`` in the same round, the achieved TFLOP/s per
    device (Megatron-LM's analytic FLOPs without recomputation: ``alpa_like.bench.flops.gpt_step_flops``)
    and the cost model's predicted step time (``plan.estimated_iteration_time``) for a cluster of the timed
-   devices: the datasheet preset of the GPU family (``"h100"`` for H100 and H200, ``"dgx-a100"``,
+   devices: the datasheet preset of the GPU family (``"h100"``, ``"h200"``, ``"dgx-a100"``,
    ``"p3.16xlarge"`` for V100) with the memory JAX may use on the device, else ``ClusterSpec.local``
    (measured), and its estimated peak memory per device. A method whose estimate exceeds the device's
    memory (which ``parallelize`` refuses) is run anyway, under the same cluster with the estimate as its
@@ -63,8 +63,8 @@ RTOL, ATOL = 1e-5, 1e-6
 """Correctness tolerance (float32; the summation order of the batch's gradient differs across devices)."""
 CHECK_LEARNING_RATE = 0.1
 TIMING_LEARNING_RATE = 1e-4
-GPU_PRESETS = (("H100", "h100"), ("H200", "h100"), ("A100", "dgx-a100"), ("V100", "p3.16xlarge"))
-"""(substring of ``device_kind``, ClusterSpec preset): H200 has the H100's FLOP rates."""
+GPU_PRESETS = (("H100", "h100"), ("H200", "h200"), ("A100", "dgx-a100"), ("V100", "p3.16xlarge"))
+"""(substring of ``device_kind``, ClusterSpec preset)."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -111,9 +111,10 @@ def case_config(case: dict[str, Any]):
     return dataclasses.replace(models.get_config(case["base"]), dtype=DTYPES[case["dtype"]], **case["overrides"])
 
 
-def build_step(case: dict[str, Any], rng: jax.Array):
-    """``(step, state, batch)`` of ``case``: ``step(state, batch) -> (state, loss)``, plain SGD, unjitted;
-    ``state`` and ``batch`` are arrays (on the default device)."""
+def build_step(case: dict[str, Any], rng: jax.Array, grad=jax.value_and_grad):
+    """``(step, state, batch)`` of ``case``: ``step(state, batch) -> (state, loss)``, plain SGD, unjitted,
+    differentiating with ``grad`` (``jax.value_and_grad`` or ``al.value_and_grad``); ``state`` and
+    ``batch`` are arrays (on the default device)."""
     config = case_config(case)
     init_rng, batch_rng = jax.random.split(rng)
     if case["family"] == "wresnet":
@@ -124,7 +125,7 @@ def build_step(case: dict[str, Any], rng: jax.Array):
         state = _sgd_state(variables["params"], {"batch_stats": variables.get("batch_stats", {})})
 
         def step(state, batch):
-            (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            (loss, stats), grads = grad(loss_fn, has_aux=True)(
                 state.params, state.extra["batch_stats"], batch)
             return state.apply_gradients(grads=grads).replace(extra={"batch_stats": stats}), loss
         return step, state, batch
@@ -140,7 +141,7 @@ def build_step(case: dict[str, Any], rng: jax.Array):
     state = _sgd_state(params, {})
 
     def step(state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+        loss, grads = grad(loss_fn)(state.params, batch)
         return state.apply_gradients(grads=grads), loss
     return step, state, batch
 

@@ -20,12 +20,18 @@ TEST_WORKERS=$(( CORES > 8 ? CORES - 6 : 1 ))
 SUITE_SECONDS=${SUITE_SECONDS:-430}
 command -v taskset >/dev/null || taskset() { shift 2; "$@"; }
 
-$PY -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || cat "$OUT/install.log"
+if ! $PY -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1; then
+    # setup.py's package_dir maps compiler/ and runtime/ into alpa_like: lay that tree out by hand
+    rm -rf /tmp/alpa-like-src && mkdir -p /tmp/alpa-like-src && cp -r alpa_like /tmp/alpa-like-src/ \
+        && cp -r compiler runtime /tmp/alpa-like-src/alpa_like/ && echo "pip failed; using a copied tree" >>"$OUT/install.log"
+    export PYTHONPATH=/tmp/alpa-like-src${PYTHONPATH:+:$PYTHONPATH}
+    SUITE_PYTHONPATH=/tmp/alpa-like-src${SUITE_PYTHONPATH:+:$SUITE_PYTHONPATH}
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv >"$OUT/nvidia-smi.txt" 2>&1
 $PY -c "import jax, flax, optax, numpy; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'numpy', numpy.__version__, jax.devices())" | tee "$OUT/versions.txt"
 
 (JAX_PLATFORMS=cpu PYTHONPATH=${SUITE_PYTHONPATH:-} timeout "$SUITE_SECONDS" taskset -c "$TEST_CORES" \
-    $PY -m pytest tests -q -n "$TEST_WORKERS" --dist loadgroup -rfE --junitxml="$OUT/suite.xml" \
+    $PY -P -m pytest tests -q -n "$TEST_WORKERS" --dist loadgroup -rfE --junitxml="$OUT/suite.xml" \
     >"$OUT/suite.log" 2>&1; echo "suite exit $?" >>"$OUT/suite.log") &
 
 JAX_COMPILATION_CACHE_DIR=/tmp/alpa-like-gpu-jax-cache taskset -c "$GPU_CORES" $PY examples/benchmarks/gpu_costs.py --time-budget "${COSTS_SECONDS:-170}" \

@@ -94,8 +94,9 @@ class FakeGpu:
 
 def test_the_cost_model_cluster_of_a_gpu_is_its_family_preset_with_the_memory_jax_may_use(gpu):
     spec = gpu.cluster_for([FakeGpu("NVIDIA H200")])
-    assert (spec.name, spec.num_devices, spec.device_name) == ("h100", 1, "NVIDIA H200")
-    assert spec.peak_flops == al.ClusterSpec.preset("h100").peak_flops and spec.device_memory == 70 * 2**30
+    assert (spec.name, spec.num_devices, spec.device_name) == ("h200", 1, "NVIDIA H200")
+    assert spec.memory_bandwidth == al.ClusterSpec.preset("h200").memory_bandwidth and spec.device_memory == 70 * 2**30
+    assert gpu.cluster_for([FakeGpu("NVIDIA H100 80GB HBM3")]).name == "h100"
     assert gpu.cluster_for([FakeGpu("NVIDIA A100-SXM4-80GB")] * 2).peak_flops == 312e12
 
 

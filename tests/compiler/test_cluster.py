@@ -14,14 +14,17 @@ GIB = 2**30
 # Public fields: adding one is an API change (and needs a docstring with units).
 FIELDS = ("name", "num_nodes", "num_devices_per_node", "device_name", "peak_flops", "device_memory",
           "intra_node_bandwidth", "inter_node_bandwidth", "intra_node_latency", "inter_node_latency",
-          "shared_host_compute", "memory_bandwidth", "fp32_peak_flops", "launch_overhead", "measured_at")
+          "shared_host_compute", "memory_bandwidth", "fp32_peak_flops", "launch_overhead", "matmul_efficiency",
+          "matmul_overhead", "fused_traffic", "measured_at")
 
 PRESETS = {
     # name: (device_name, peak_flops, fp32_peak_flops, device_memory, intra bytes/s, inter bytes/s per device)
     "p3.16xlarge": ("V100-SXM2-16GB", 125e12, 15.7e12, 16 * GIB, 150e9, 25e9 / 8 / 8),
     "dgx-a100": ("A100-SXM4-80GB", 312e12, 156e12, 80 * GIB, 300e9, 200e9 / 8),
     "h100": ("H100-SXM5-80GB", 989e12, 494.5e12, 80 * GIB, 450e9, 400e9 / 8),
+    "h200": ("H200-SXM-141GB", 989e12, 494.5e12, 140 * GIB, 450e9, 400e9 / 8),
 }
+DATASHEET_MEMORY_BANDWIDTH = {"p3.16xlarge": 900e9, "dgx-a100": 2.039e12, "h100": 3.35e12, "h200": 4.8e12}
 
 
 def _spec(**overrides):
@@ -68,7 +71,8 @@ def test_preset_rejects_bad_num_nodes(num_nodes):
     ("intra_node_bandwidth", -1.0), ("inter_node_bandwidth", float("nan")), ("intra_node_latency", -1e-6),
     ("inter_node_latency", "1us"), ("name", ""), ("memory_bandwidth", 0.0), ("memory_bandwidth", "fast"),
     ("fp32_peak_flops", 0.0), ("fp32_peak_flops", True),
-    ("launch_overhead", -1e-6),
+    ("launch_overhead", -1e-6), ("matmul_overhead", -1e-6), ("matmul_efficiency", 0.0),
+    ("matmul_efficiency", 1.5), ("fused_traffic", 0.0), ("fused_traffic", 2.0),
 ])
 def test_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -185,10 +189,29 @@ def test_doctests():
     assert doctest.testmod(cluster_module).failed == 0
 
 
-def test_presets_have_no_memory_term():
-    for name in PRESETS:
-        spec = ClusterSpec.preset(name)
-        assert (spec.memory_bandwidth, spec.launch_overhead) == (None, 0.0)
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_gpu_presets_price_compute_with_the_fitted_gpu_model(name):
+    spec = ClusterSpec.preset(name)
+    model = cluster_module.GPU_COMPUTE_MODEL
+    assert spec.memory_bandwidth == pytest.approx(DATASHEET_MEMORY_BANDWIDTH[name] * cluster_module.GPU_BANDWIDTH_SHARE)
+    assert (spec.matmul_efficiency, spec.matmul_overhead, spec.fused_traffic, spec.launch_overhead) == (
+        model["matmul_efficiency"], model["matmul_overhead"], model["fused_traffic"], model["launch_overhead"])
+    rates = spec.compute_rates
+    assert (rates.matmul_efficiency, rates.matmul_overhead, rates.fused_traffic) == (
+        spec.matmul_efficiency, spec.matmul_overhead, spec.fused_traffic)
+
+
+def test_the_gpu_model_is_the_fit_of_the_committed_measurements():
+    """The presets' constants are what examples/benchmarks/gpu_cost_fit.py wrote from the H200 data (to the
+    three significant digits the constants keep)."""
+    from pathlib import Path
+    fit = json.loads((Path(__file__).parents[2] / "examples/benchmarks/data/h200/gpu_cost_fit.json").read_text())
+    fit = fit["rows"]
+    model = cluster_module.GPU_COMPUTE_MODEL
+    for key in ("matmul_efficiency", "matmul_overhead", "fused_traffic", "launch_overhead"):
+        assert model[key] == pytest.approx(fit[key], rel=5e-3), key
+    assert cluster_module.GPU_BANDWIDTH_SHARE * 4.8e12 == pytest.approx(fit["bandwidth"], rel=5e-3)
+    assert fit["max_held_out_error"] < 0.15
 
 
 def test_local_measures_memory_bandwidth_and_launch_overhead():

@@ -94,6 +94,31 @@ def test_without_memory_bandwidth_the_roofline_is_the_flop_model():
         5 * (max(body_mm, 4 * (8 * 16 + 16 * 16 + 8 * 16) / 1e6) + body_tanh))
 
 
+def test_gpu_terms_efficiency_overhead_and_fused_traffic():
+    jaxpr = jax.make_jaxpr(lambda x, w: jnp.tanh(x @ w))(jnp.ones((64, 64)), jnp.ones((64, 64)))
+    mm, tanh = jaxpr.jaxpr.eqns
+    rates = ComputeRates(1e9, 1e8, matmul_efficiency=0.5, matmul_overhead=1e-3, fused_traffic=0.25)
+    assert rates.flop_rate(mm) == 0.5e9 and rates.flop_rate(tanh) == 1e9
+    # A product: its roofline at half the peak, plus the overhead (paid once per device, not split).
+    mm_time = max(2 * 64**3 / 0.5e9, 3 * 64 * 64 * 4 / 1e8)
+    assert equation_seconds(mm, rates) == pytest.approx(mm_time + 1e-3)
+    assert equation_seconds(mm, rates, num_devices=4) == pytest.approx(mm_time / 4 + 1e-3)
+    # Anything else: a quarter of its bytes.
+    assert equation_seconds(tanh, rates) == pytest.approx(0.25 * 2 * 4096 * 4 / 1e8)
+    # Without a memory bandwidth, the overhead stays and the traffic has no effect.
+    flop_only = ComputeRates(1e9, matmul_efficiency=0.5, matmul_overhead=1e-3, fused_traffic=0.25)
+    assert jaxpr_seconds(jaxpr, flop_only) == pytest.approx(2 * 64**3 / 0.5e9 + 1e-3 + 4096 / 1e9)
+    fp32 = ComputeRates(125e12, fp32_peak_flops=15.7e12, matmul_efficiency=0.8)
+    assert fp32.flop_rate(mm) == pytest.approx(0.8 * 15.7e12)
+
+
+@pytest.mark.parametrize("kwargs", [{"matmul_efficiency": 0.0}, {"matmul_efficiency": 1.2},
+                                    {"fused_traffic": 0.0}, {"fused_traffic": 1.5}, {"matmul_overhead": -1.0}])
+def test_compute_rates_reject_gpu_terms_out_of_range(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        ComputeRates(1e9, **kwargs)
+
+
 @pytest.mark.parametrize("rates", [(0.0,), (1e9, 0.0), (1e9, None, -1.0)])
 def test_compute_rates_reject_non_positive_rates(rates):
     with pytest.raises(ValueError, match="ComputeRates"):

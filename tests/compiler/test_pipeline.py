@@ -36,3 +36,28 @@ def test_plan_pipeline_returns_the_plan_and_what_code_generation_needs():
                                                                 "other"]
     assert _without_times(planned.plan) == _without_times(al.plan(step, state, batch, method=method,
                                                                   cluster=CLUSTER))
+
+
+def test_planning_with_progress_prints_its_breakdown(capsys, monkeypatch):
+    """With progress on, planning ends with one line: the seconds of every pass, the intra-op pass's solves,
+    problems, entries and reused entries, and the stage DP's runs; without progress it prints that line only
+    when planning takes longer than LONG_PLANNING_SECONDS."""
+    from alpa_like.compiler import pipeline
+
+    step, state, batch = make_train_step(mlp_loss), mlp_state(), mlp_batch(np.random.default_rng(0))
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2),
+                                  stage_option=al.AutoStageOption(show_progress=True))
+    planned = plan_pipeline(method, step, (state, batch), **STEP_ARGS)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "planning took" in line]
+    assert len(lines) == 1, lines
+    profile = planned.profile
+    for text in ("trace and layers", "intra-op solves", "stage DP", f"{profile.num_solves} ILP solves of "
+                 f"{profile.num_jobs} distinct", f"for {profile.num_pairs} (layer, submesh, logical mesh) entries "
+                 f"({profile.cache_hits} reused)", f"{planned.solution.num_t_max_evaluated} stage DP runs"):
+        assert text in lines[0], (text, lines[0])
+    quiet = dataclasses.replace(method, stage_option=al.AutoStageOption(show_progress=False))
+    plan_pipeline(quiet, step, (state, batch), **STEP_ARGS)
+    assert "planning took" not in capsys.readouterr().err
+    monkeypatch.setattr(pipeline, "LONG_PLANNING_SECONDS", 0.0)
+    plan_pipeline(quiet, step, (state, batch), **STEP_ARGS)
+    assert "planning took" in capsys.readouterr().err

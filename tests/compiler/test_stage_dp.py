@@ -739,3 +739,52 @@ def test_a_zero_bubble_schedule_is_planned_and_run():
     assert plan.pipeline_schedule == ScheduleName.ZB_H1 and plan.estimated_iteration_time > 0
     step = al.parallelize(make_train_step(mlp_loss), method=method)
     assert_trees_close(step(state, batch), jax.jit(make_train_step(mlp_loss))(state, batch), rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_layers=st.integers(2, 6), cluster=st.sampled_from(SHARING_CLUSTERS),
+       nic=st.booleans(), block=st.sampled_from([1, 7, 1 << 20]), t_max=st.sampled_from([0.3, 1.0, 3.0, 100.0]))
+def test_placed_dp_without_choices_equals_the_tracked_loop(seed, num_layers, cluster, nic, block, t_max):
+    """The placed DP's levels computed for every first layer at once, in blocks of any size
+    (``_placed_level``), give the same table, bit for bit, as the loop over first layers that records the
+    choices."""
+    costs = with_boundary_saving(random_costs(seed, num_layers, cluster), seed + 1)
+    if nic:
+        costs = with_nic_wait(costs, seed + 3, 0.6)
+    num_devices = cluster[0] * cluster[1]
+    placement = stage_dp_module._Placement.of(costs, num_devices, cluster[1])
+    in_flight = micro_batches_in_flight("1f1b", min(num_layers, num_devices), 4)
+    eff, _ = stage_dp_module._effective_costs(costs, in_flight, 10.0)
+    tracked, _ = stage_dp_module._placed_dp(eff, costs.sizes, num_devices, placement, t_max, track=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(stage_dp_module, "_LEVEL_BLOCK", block)
+        untracked, _ = stage_dp_module._placed_dp(eff, costs.sizes, num_devices, placement, t_max)
+    np.testing.assert_array_equal(untracked, tracked)
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_layers=st.integers(1, 6), cluster=st.sampled_from(SHARING_CLUSTERS),
+       saving=st.booleans(), nic=st.booleans())
+def test_least_t_max_is_where_the_dp_first_has_a_plan(seed, num_layers, cluster, saving, nic):
+    """The bottleneck DP run gives the least t_max at which the DP's tables have a plan: at it the DP is
+    finite, just below it (the next smaller float) infinite, so the first feasible t_max group is found in
+    one run instead of a bisection."""
+    costs = random_costs(seed, num_layers, cluster)
+    if saving:
+        costs = with_boundary_saving(costs, seed + 1)
+    if nic:
+        costs = with_nic_wait(costs, seed + 3, 0.6)
+    num_devices = cluster[0] * cluster[1]
+    placement = stage_dp_module._Placement.of(costs, num_devices, cluster[1])
+    eff, _ = stage_dp_module._effective_costs(costs, micro_batches_in_flight("1f1b", min(num_layers, num_devices), 4),
+                                              10.0)
+    least = stage_dp_module._least_t_max(eff, costs.sizes, num_devices, placement)
+
+    def has_plan(t_max):
+        return np.isfinite(stage_dp_module._best_finals(eff, t_max, costs.sizes, num_devices, placement)[0]).any()
+
+    event("a plan exists" if math.isfinite(least) else "no plan")
+    if math.isfinite(least):
+        assert has_plan(least) and not has_plan(np.nextafter(least, -np.inf))
+    else:
+        assert not has_plan(1e30)

@@ -70,11 +70,12 @@ def test_the_table_lists_a_params_sharded_twin_for_multi_device_submeshes(profil
 
 
 def test_float32_layers_are_priced_at_the_fp32_rate(profile):
-    """The MLP is float32: on a V100 (p3.16xlarge) its matmuls run at 15.7 TFLOP/s, not the 125 of FP16."""
+    """The MLP is float32: on a V100 (p3.16xlarge) its matmuls run at 15.7 TFLOP/s, not the 125 of FP16 (the
+    layer's time is its products at that rate, plus their overheads and the element-wise traffic)."""
     cluster = al.ClusterSpec.preset("p3.16xlarge")
     matmuls = 3 * 2 * (ROWS // 4) * HIDDEN * HIDDEN  # forward, input gradient, weight gradient; 4 micro-batches
-    assert profile.layer_costs[(1, 0, 0)].compute_seconds == pytest.approx(matmuls / cluster.fp32_peak_flops,
-                                                                           rel=1e-2)
+    at_fp32 = matmuls / (cluster.fp32_peak_flops * cluster.matmul_efficiency)
+    assert at_fp32 <= profile.layer_costs[(1, 0, 0)].compute_seconds <= 1.2 * at_fp32
 
 
 def test_the_lean_variant_shards_every_weight_and_costs_time_not_memory(profile):
@@ -314,3 +315,40 @@ def test_a_stage_holding_a_replicated_update_holds_its_optimizer_state(tied_gpt)
     held = replica_state_bytes(sliced.jaxpr, sliced.pieces, k)
     first, last = np.meshgrid(np.arange(k), np.arange(k), indexing="ij")
     np.testing.assert_array_equal(held, np.where((first == 0) & (last < k - 1), 2 * embedding, 0))
+
+
+def test_shared_solves_give_the_table_of_solving_every_layer_on_its_own(sliced_profile_inputs, profile):
+    """Layers of one structure share their solves (and each process builds a layer's op graph once): the table
+    and every layer's specs equal those of one solve per layer and mesh, and the shared entries are counted."""
+    sliced = sliced_profile_inputs
+    cluster = al.ClusterSpec.preset("p3.16xlarge")
+    param_mask = [r == "param" for r in sliced.roles]
+    optimizer_bytes = [sum(sliced.traced.in_leaves[i].nbytes for i in inputs) for inputs in sliced.optimizer_inputs]
+    alone = profile_stage_costs(sliced.jaxpr, sliced.pieces, sliced.summaries, param_mask, optimizer_bytes, cluster,
+                                [(1, 1), (1, 2)], [[(1, 1)], [(1, 2)]], PassOptions(rates=cluster.compute_rates),
+                                share_solves=False, max_workers=1)
+    for name in ("t_intra", "mem_stage", "mem_act"):
+        np.testing.assert_array_equal(getattr(alone.costs, name), getattr(profile.costs, name))
+    assert alone.layer_costs == profile.layer_costs
+    assert (alone.num_jobs, profile.num_jobs) == (LAYERS * 2, 3 * 2)  # layers 1 and 2 alike; 2 meshes
+    assert profile.cache_hits == profile.num_pairs - profile.num_jobs > alone.cache_hits
+
+
+def test_layer_jaxprs_read_once_equal_each_layer_read_alone(sliced_profile_inputs):
+    """Every layer's compute-grad jaxpr and inputs, extracted for all layers in one pass over the step, are
+    those of the definition: its forward and backward equations, outputs read by any other equation or
+    the step."""
+    from alpa_like.compiler import jax_compat
+    from alpa_like.compiler.layer_slicing import BACKWARD, FORWARD
+    from alpa_like.compiler.stage_profiling import layer_jaxprs, structure_key
+
+    jaxpr, pieces = sliced_profile_inputs.jaxpr, sliced_profile_inputs.pieces
+    for layer, (closed, inputs) in enumerate(layer_jaxprs(jaxpr, pieces, range(LAYERS))):
+        mine = [e for e, p in zip(jaxpr.eqns, pieces) if p is not None and p.layer == layer
+                and p.phase in (FORWARD, BACKWARD)]
+        outside = {v for e in jaxpr.eqns if not any(e is m for m in mine) for v in jax_compat.eqn_inputs(e)}
+        outside |= {v for v in jaxpr.outvars if isinstance(v, jax.extend.core.Var)}
+        assert closed.jaxpr.eqns == mine
+        assert closed.jaxpr.outvars == [v for e in mine for v in e.outvars if v in outside]
+        assert inputs == [list(jaxpr.invars).index(v) if v in jaxpr.invars else -1 for v in closed.jaxpr.invars]
+        assert structure_key(closed)

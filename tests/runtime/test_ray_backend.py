@@ -273,6 +273,7 @@ def test_worker_programs_project_the_global_program(schedule):
 
 def test_a_dropped_executable_after_shutdown_makes_no_remote_call():
     # Its finalizer runs at the latest at interpreter exit; a remote call then would start a new local Ray.
+    pytest.importorskip("ray")
     from types import SimpleNamespace
 
     from alpa_like.runtime.ray_backend import _unload

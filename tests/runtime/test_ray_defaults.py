@@ -13,6 +13,8 @@ import types
 
 import pytest
 
+pytest.importorskip("ray")  # every test here starts Ray, or stands in for ray.init inside Ray's start-up
+
 import alpa_like as al
 from alpa_like import api
 from alpa_like.runtime import ray_startup

@@ -122,6 +122,7 @@ def test_a_lost_worker_is_placed_by_its_progress_record(progress, step, expected
 
 
 def test_a_loopback_address_is_dialled_from_loopback():
+    pytest.importorskip("ray")
     calls = []
     for address in ("127.0.0.1:6379", "localhost:6379", "[::1]:6379", "10.0.0.1:6379", "auto"):
         connect_ray(address, init=lambda **kwargs: calls.append(kwargs.get("_node_ip_address")))

@@ -122,7 +122,7 @@ def test_donated_state_is_consumed_on_its_workers(ray_backend_4):
 
 def test_a_failed_check_after_starting_ray_shuts_it_down(monkeypatch):
     """A RayCluster whose checks fail after it started (or connected) Ray leaves no Ray running."""
-    import ray
+    ray = pytest.importorskip("ray")
     calls = []
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)

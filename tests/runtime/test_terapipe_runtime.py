@@ -156,24 +156,6 @@ def test_dropout_from_a_per_step_key_is_a_warning():
         al.parallelize(step, method=method)(state, {"x": jnp.ones((2, 8, 4))}, jax.random.key(0))
 
 
-def test_debug_callbacks_are_dropped_with_a_warning():
-    """TeraPipe's runtime differentiates each token slice itself and runs no effects: a warning names them."""
-    def loss_fn(params, batch):
-        jax.debug.print("rows {}", batch["x"].shape[0])
-        return jnp.mean((batch["x"] @ params["w"]) ** 2)
-
-    def step(state, batch):
-        loss, grads = al.value_and_grad(loss_fn)(state.params, batch)
-        return state.apply_gradients(grads=grads), loss
-    state = train_state.TrainState.create(apply_fn=None, params={"w": jnp.ones((4, 4))}, tx=SGD)
-    method = al.PipeshardParallel(layer_option=al.AutoLayerOption(layer_num=1),
-                                  stage_option=stages(((0,),), ((1, 8),), ((1, 8),)),
-                                  pipeline_schedule="terapipe", token_slices=(4, 4))
-    with pytest.warns(UserWarning, match="does not run the step's debug_print .* under the TeraPipe schedule"), \
-            pytest.raises(TerapipeContractError):
-        al.parallelize(step, method=method)(state, {"x": jnp.ones((2, 8, 4))})
-
-
 def test_token_slices_option_is_checked():
     with pytest.raises(ValueError, match="token_slices needs pipeline_schedule='terapipe'"):
         al.PipeshardParallel(token_slices=(4, 4))

@@ -1,0 +1,47 @@
+"""TeraPipe on the Ray backend: the token-sliced step's instruction programs run by the Ray workers."""
+import jax
+import numpy as np
+import pytest
+
+import alpa_like as al
+from alpa_like.runtime.instructions import Op
+from alpa_like.runtime.ray_backend import RayPipeshardExecutable
+from tests.helpers import assert_trees_close, reference_on_one_device, run_steps
+from tests.runtime.test_pipeshard_runtime import stages, train_step_for
+from tests.runtime.test_ray_backend import NUM_DEVICES, init_ray
+from tests.runtime.test_terapipe_runtime import gpt_case
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def ray_backend(ray_session, tmp_path_factory):
+    init_ray(str(tmp_path_factory.mktemp("xla_cache")))
+    yield
+    al.shutdown()
+
+
+@pytest.mark.slow  # a worker per mesh compiles four pieces per slice shape, plus the contract check: ~60 s
+def test_terapipe_on_ray_matches_jit(ray_backend):
+    """Two meshes of two devices, two micro-batches of token slices (10, 6): the workers run the programs
+    (token-window LOADs, CARRYs of the key/value prefixes) and the parameters after three SGD steps and the
+    losses equal jax.jit's on one device."""
+    loss_fn, state, batches = gpt_case(num_layers=2)
+    step = train_step_for(loss_fn)
+    half = NUM_DEVICES // 2
+    method = al.PipeshardParallel(num_micro_batches=2, pipeline_schedule="terapipe", token_slices=(10, 6),
+                                  layer_option=al.AutoLayerOption(layer_num=2),
+                                  stage_option=stages(((0,), (1,)), ((1, half),) * 2, ((1, half),) * 2))
+    parallel = al.parallelize(step, method=method)
+    got_state, got_losses = run_steps(parallel, state, batches)
+    exe = parallel.get_executable(state, batches[0])
+    assert isinstance(exe.executor, RayPipeshardExecutable)
+    assert any(ins.op is Op.CARRY for ins in exe.mesh_programs.instructions)
+    ref_state, ref_losses = reference_on_one_device(step, state, batches)
+    assert_trees_close(jax_values(got_state.params), ref_state.params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(jax_values(got_losses), ref_losses, rtol=1e-5, atol=1e-6)
+
+
+def jax_values(tree):
+    """Remote arrays fetched to the driver."""
+    return jax.tree_util.tree_map(lambda x: np.asarray(x), tree)

@@ -1,0 +1,59 @@
+"""TeraPipe lowered to the pipeline's instruction programs (runtime/terapipe_programs.py): the local backend
+runs them like any schedule's, with the step's effects, and their programs carry prefixes between slices."""
+import jax
+import pytest
+
+import alpa_like as al
+from alpa_like.runtime.instructions import Op
+from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable
+from tests.helpers import assert_trees_close, reference_on_one_device, run_steps
+from tests.runtime.test_pipeshard_runtime import stages, train_step_for
+from tests.runtime.test_terapipe_runtime import gpt_case
+
+TWO_LAYERS = dict(layer_option=al.AutoLayerOption(layer_num=2),
+                  stage_option=stages(((0,), (1,)), ((1, 4),) * 2, ((1, 4),) * 2))
+
+
+@pytest.mark.slow  # four XLA compiles per slice shape and stage, and the contract check's forwards: ~40 s
+def test_terapipe_runs_as_instruction_programs_on_the_local_backend():
+    """Two meshes, two micro-batches of slices (10, 6): the step is the local backend's executable running
+    programs that LOAD token windows and CARRY each slice's key/value prefix to the next slice (and its
+    cotangent back); parameters after three SGD steps equal jax.jit's."""
+    loss_fn, state, batches = gpt_case(num_layers=2)
+    step = train_step_for(loss_fn)
+    method = al.PipeshardParallel(num_micro_batches=2, pipeline_schedule="terapipe", token_slices=(10, 6),
+                                  **TWO_LAYERS)
+    parallel = al.parallelize(step, method=method)
+    exe = parallel.get_executable(state, batches[0])
+    assert isinstance(exe.executor, PipeshardExecutable)
+    instructions = exe.mesh_programs.instructions
+    carries = [ins for ins in instructions if ins.op is Op.CARRY and ins.source[1] != -1]
+    assert {(ins.source[1], ins.key[1]) for ins in carries} == {(0, 1), (1, 0), (2, 3), (3, 2)}  # both ways
+    windows = {ins.window for ins in instructions if ins.op is Op.LOAD and ins.window}
+    assert windows == {(0, 2, 0, 10), (0, 2, 10, 6), (2, 2, 0, 10), (2, 2, 10, 6)}
+    ref_state, ref_losses = reference_on_one_device(step, state, batches)
+    got_state, got_losses = run_steps(parallel, state, batches)
+    assert_trees_close(got_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow  # one XLA compile of a one-layer GPT per piece: ~25 s
+def test_an_effect_in_the_loss_runs_once_per_token_slice():
+    """A jax.debug.callback in the loss fires once per unit's forward (a micro-batch's token slice), as the
+    other schedules fire theirs once per micro-batch, each seeing the slice's tokens."""
+    loss_fn, state, batches = gpt_case(num_layers=1, batch_size=2)
+    seen = []
+
+    def loss_with_effect(params, batch):
+        jax.debug.callback(lambda ids: seen.append(ids.shape), batch["input_ids"])
+        return loss_fn(params, batch)
+    method = al.PipeshardParallel(num_micro_batches=1, pipeline_schedule="terapipe", token_slices=(12, 4),
+                                  layer_option=al.AutoLayerOption(layer_num=1),
+                                  stage_option=stages(((0,),), ((1, 8),), ((1, 8),)))
+    parallel = al.parallelize(train_step_for(loss_with_effect), method=method)
+    state, _ = parallel(state, batches[0])  # the first step also runs the contract check's forwards
+    jax.effects_barrier()
+    seen.clear()
+    parallel(state, batches[1])
+    jax.effects_barrier()
+    assert sorted(seen) == [(2, 4), (2, 12)]
