@@ -22,7 +22,7 @@ from alpa_like.compiler.options import PipeshardParallel
 from alpa_like.compiler import pipeline
 from alpa_like.compiler.plan import ParallelPlan
 from alpa_like.compiler.schedule_tables import make_schedule
-from alpa_like.compiler.schedules import ScheduleName
+from alpa_like.compiler.schedules import ScheduleName, schedule_name
 from alpa_like.compiler.sliced_step import SlicedStep
 from alpa_like.compiler.stage_construction import build_stage_program, micro_batch_key_draws
 from alpa_like.compiler.stage_costs import StageSolution
@@ -30,7 +30,7 @@ from alpa_like.compiler.stage_profiling import StageProfile
 from alpa_like.compiler.stage_sharding import StageSharding, stage_shardings
 from alpa_like.compiler.token_slicing import token_slicing_scheme
 from alpa_like.runtime.instructions import emit_programs
-from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable
+from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable, split_weight_gradients
 from alpa_like.runtime.simulator import simulate
 from alpa_like.runtime.terapipe_runtime import TerapipeExecutable
 
@@ -76,6 +76,8 @@ def simulate_plan(plan: ParallelPlan, sliced: SlicedStep, **options):
                                   after_grad=sliced.traced.after_grad)
     name = plan.pipeline_schedule or ScheduleName.ONE_F_ONE_B
     slicing = plan.token_slicing if name == ScheduleName.TERAPIPE else ()
+    if schedule_name(name).splits_backward:
+        program = split_weight_gradients(program)[0]
     sched = make_schedule(name, num_meshes=len(plan.stages), num_micro_batches=plan.num_micro_batches,
                           num_slices=tuple(len(lengths) for _, lengths in slicing) or 1)
     programs = emit_programs(program, sched, stage_to_mesh=stage_to_mesh, free_buffers=False, token_slicing=slicing)
@@ -103,11 +105,6 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
     the local MPMD backend's by default, another backend's through ``make_executable`` (same arguments).
     ``donate_argnums``' leaves are donated by the pipeline schedules of both backends; the TeraPipe schedule
     does not donate (with a warning)."""
-    if method.pipeline_schedule.splits_backward:
-        raise NotImplementedError(
-            f"pipeline_schedule={str(method.pipeline_schedule)!r} can be planned (al.plan) and simulated "
-            f"(alpa_like.compiler.schedule_tables.make_schedule) but not yet run: no backend runs a backward split into "
-            f"input-gradient (B) and weight-gradient (W) executables; run with '1f1b' meanwhile")
     planned = pipeline.plan_pipeline(method, fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums,
                                      cluster=cluster or ClusterSpec.local(devices), simulate=simulated_seconds)
     method, sliced, plan, profile, solution = (planned.method, planned.sliced, planned.plan, planned.profile,
@@ -131,6 +128,8 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
     program = build_stage_program(sliced.closed_jaxpr, sliced.pieces, stage_layers,
                                   [r == "batch" for r in sliced.roles], stage_to_mesh=stage_to_mesh,
                                   after_grad=sliced.traced.after_grad)
+    if method.pipeline_schedule.splits_backward:  # B and W pieces, the ILP's pins moved onto them
+        program, shardings = split_weight_gradients(program, shardings)
     schedule = make_schedule(method.pipeline_schedule, num_meshes=len(plan.stages),
                              num_micro_batches=method.num_micro_batches, virtual_stages=method.virtual_stages)
     programs = emit_programs(program, schedule, stage_to_mesh=stage_to_mesh)

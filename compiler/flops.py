@@ -31,7 +31,7 @@ from alpa_like.compiler import jax_compat
 
 _FREE = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "convert_element_type",
                    "alpa_marker", "copy", "copy_p", "iota", "stop_gradient", "transpose", "slice",
-                   "dynamic_slice", "concatenate", "pad", "select_n"})
+                   "dynamic_slice", "concatenate", "pad", "select_n", "optimization_barrier"})
 
 
 # Equations that only relabel a buffer (no bytes move once XLA has compiled them).

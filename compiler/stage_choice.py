@@ -149,10 +149,8 @@ def _fixed_solution(costs: StageCosts, layout, num_micro_batches: int, choose_vi
 
 def settles_estimates(method: PipeshardParallel) -> bool:
     """Whether the planner simulates the DP's plans under :func:`estimate_tables`: the simulated backend
-    runs the schedule (one stage per mesh; not TeraPipe, nor a zero-bubble one, which no instruction program
-    runs) and the DP chose the stages."""
+    runs the schedule (one stage per mesh; not TeraPipe) and the DP chose the stages."""
     return (method.virtual_stages == 1 and method.pipeline_schedule != ScheduleName.TERAPIPE
-            and not method.pipeline_schedule.splits_backward
             and isinstance(method.stage_option, AutoStageOption))
 
 

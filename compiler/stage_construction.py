@@ -323,8 +323,8 @@ def updating_stages(program: StageProgram) -> dict[ValueId, frozenset[int]]:
 
 
 def micro_batch_key_draws(program: StageProgram, num_micro_batches: int) -> dict[tuple[int, str], KeyDraws]:
-    """Per forward and backward piece, its equations that read key roots (the step's key, a key made from a
-    seed) and those operands: the runtimes fold the micro-batch's index into them
+    """Per forward and backward piece (a split backward's ``W`` too), its equations that read key roots (the
+    step's key, a key made from a seed) and those operands: the runtimes fold the micro-batch's index into them
     (:mod:`~alpa_like.compiler.micro_batch_keys`), as gradient accumulation does, so that micro-batches
     do not share a dropout mask. Pieces without any are left out, and every piece when there is one
     micro-batch (the step's own draws, as under jax.jit).
@@ -336,7 +336,9 @@ def micro_batch_key_draws(program: StageProgram, num_micro_batches: int) -> dict
     if num_micro_batches == 1:
         return {}
     stages = range(program.num_stages)
-    computed = [program.piece(q, FORWARD) for q in stages] + [program.piece(q, BACKWARD) for q in reversed(stages)]
+    computed = [program.piece(q, FORWARD) for q in stages] + [  # a split backward's W after its B
+        piece for q in reversed(stages) for (s, phase), piece in sorted(program.pieces.items(), key=_backward_first)
+        if s == q and phase not in (FORWARD, APPLY)]
     read_later = {v for (_, phase), piece in program.pieces.items() if phase == APPLY for v in piece.inputs}
     read_later |= {v for v in program.step_outputs if v is not None}
     for piece in computed:
@@ -362,6 +364,13 @@ def micro_batch_key_draws(program: StageProgram, num_micro_batches: int) -> dict
         if draws:
             found[(piece.stage, piece.phase)] = draws
     return found
+
+
+def _backward_first(item) -> tuple:
+    """Sorts ``program.pieces``' items of one stage: the backward before any other piece (a split
+    backward's ``W``, which reads what its ``B`` saves)."""
+    (stage, phase), _ = item
+    return stage, phase != BACKWARD, phase
 
 
 def _key_data(pieces: Sequence[StagePiece]) -> dict[ValueId, object]:

@@ -45,6 +45,10 @@ class StageSharding:
     """Values the stage's layers read but do not compute -> the layout the first reader's ILP chose."""
     output_specs: dict[Var, ShardingSpec] = dataclasses.field(repr=False)
     """Values the stage's layers compute -> their pinned layout."""
+    unpinned: frozenset[Var] = dataclasses.field(default=frozenset(), repr=False)
+    """Values of the stage's pieces that no pin names because they were inside a checkpoint block when the
+    ILP solved (set once the blocks are inlined, before a backward is split into ``B`` and ``W``): their
+    layouts follow from the pinned ones."""
 
 
 def stage_shardings(jaxpr: Jaxpr, pieces: Sequence[Piece | None], stage_layers: Sequence[Sequence[int]],

@@ -8,7 +8,9 @@ mesh. Instructions:
 * ``LOAD v@mb``: the driver puts a step input (or one micro-batch of a batch leaf) on the mesh; ``LOAD v`` of
   a batch leaf puts the whole batch there, for an apply-grad that reads it;
 * ``RECV v@mb <- mesh k``: cross-mesh resharding of a buffer another mesh computed;
-* ``RUN qPmb``: stage ``q``'s piece ``P`` (F, B or A = apply-grad) on micro-batch ``mb``;
+* ``RUN qPmb``: stage ``q``'s piece ``P`` (F, B or A = apply-grad; W = the weight gradients of a backward
+  split for a zero-bubble schedule, :func:`~alpa_like.compiler.backward_split.split_backwards`) on
+  micro-batch ``mb``;
 * ``ACC v@mb -> w``: adds a gradient (or loss) of one micro-batch into accumulator ``w``; a per-example
   value (``StageProgram.per_example``: an aux such as logits) is kept as micro-batch ``mb``'s rows instead;
 * ``MEAN w``: divides an accumulator by the number of micro-batches (after the last backward); a per-example
@@ -34,6 +36,7 @@ import dataclasses
 import enum
 from collections.abc import Sequence
 
+from alpa_like.compiler.backward_split import WEIGHT
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
 from alpa_like.compiler.stage_construction import StageProgram, ValueId, apply_order
 from alpa_like.compiler.schedules import Phase, Schedule, is_sliced, slices_of
@@ -76,7 +79,7 @@ class Instruction:
 
     def __str__(self) -> str:
         if self.op is Op.RUN:
-            phase = {FORWARD: "F", BACKWARD: "B", APPLY: "A"}[self.phase]
+            phase = {FORWARD: "F", BACKWARD: "B", WEIGHT: "W", APPLY: "A"}[self.phase]
             return f"RUN {self.stage}{phase}{'' if self.micro_batch == PER_STEP else self.micro_batch}"
         buf = f"v{self.key[0]}" + ("" if self.key[1] == PER_STEP else f"@{self.key[1]}")
         if self.op is Op.RECV:
@@ -124,7 +127,7 @@ class MeshPrograms:
         return "\n".join(lines)
 
 
-_PHASE_OF = {Phase.F: FORWARD, Phase.B: BACKWARD}
+_PHASE_OF = {Phase.F: FORWARD, Phase.B: BACKWARD, Phase.W: WEIGHT}
 
 
 def emit_programs(program: StageProgram, schedule: Schedule, stage_to_mesh: Sequence[int], *,
@@ -145,9 +148,14 @@ def emit_programs(program: StageProgram, schedule: Schedule, stage_to_mesh: Sequ
     """
     if schedule.num_stages != program.num_stages:
         raise ValueError(f"schedule has {schedule.num_stages} stages, the program {program.num_stages}")
+    split = any(phase == WEIGHT for _, phase in program.pieces)
+    if schedule.splits_backward != split:
+        raise ValueError(f"schedule {schedule.name!r} {'has' if schedule.splits_backward else 'has no'} W tasks "
+                         f"but the program's backwards are {'' if split else 'not '}split into B and W pieces "
+                         "(alpa_like.compiler.backward_split.split_backwards)")
     per_micro_batch = set(program.batch_inputs)
     for (_, phase), piece in program.pieces.items():
-        if phase in (FORWARD, BACKWARD):
+        if phase != APPLY:
             per_micro_batch.update(piece.outputs)
     step_inputs = set(program.step_inputs) | set(program.constants)
     accumulator_of = dict(program.accumulated)

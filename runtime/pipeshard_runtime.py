@@ -32,6 +32,7 @@ from alpa_like.compiler import jax_compat
 from alpa_like.compiler.grad_accumulation import from_micro_batches, to_micro_batches
 from alpa_like.compiler.micro_batch_keys import KeyDraws, fold_micro_batch_index, seeds_keys
 from alpa_like.compiler.sharding_spec import ShardingSpec
+from alpa_like.compiler.backward_split import PHASES_SPLIT, WEIGHT, pins_after_split, split_backwards
 from alpa_like.compiler.gradient_sync import NONE, DeferredGradients, deferrable_gradients
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
 from alpa_like.compiler.propagation import follow_layouts
@@ -138,8 +139,8 @@ class PipeshardExecutable:
         for q, sharding in enumerate(stage_shardings):
             mesh = self.meshes[programs.stage_to_mesh[q]]
             deferred = self.deferred.get(q, NONE)
-            for phase in (FORWARD, BACKWARD, APPLY):
-                mine = deferred if phase == BACKWARD else NONE
+            for phase in stage_phases(program, q):
+                mine = deferred if phase == gradient_phase(program, q) else NONE
                 self._hooks[(q, phase)] = (pin_hook(mesh, stacked_pins(sharding.value_pins, mine)),
                                            pin_hook(mesh, sharding.operand_pins), mine, mesh)
         self._draws = micro_batch_key_draws(program, self.num_micro_batches)
@@ -629,7 +630,7 @@ def inline_backward_remat(program: StageProgram) -> tuple[StageProgram, frozense
 def _pins_moved(program: StageProgram, stage: int, sharding: StageSharding) -> StageSharding:
     """``sharding`` with its pins moved onto ``stage``'s pieces once their checkpoint blocks are inlined
     (:func:`~alpa_like.runtime.spmd.pins_after_inlining`)."""
-    eqns = [e for phase in (FORWARD, BACKWARD, APPLY) for e in program.piece(stage, phase).jaxpr.jaxpr.eqns]
+    eqns = [e for phase in stage_phases(program, stage) for e in program.piece(stage, phase).jaxpr.jaxpr.eqns]
     return dataclasses.replace(sharding,
                                value_pins=tuple(pins_after_inlining(sharding.value_pins, eqns, operands=False)),
                                operand_pins=tuple(pins_after_inlining(sharding.operand_pins, eqns, operands=True)))
@@ -638,13 +639,14 @@ def _pins_moved(program: StageProgram, stage: int, sharding: StageSharding) -> S
 def deferred_gradients(program: StageProgram, stage: int, sharding: StageSharding, mesh_shape: tuple[int, ...],
                        unpinned: frozenset = frozenset(), arrivals: dict | None = None,
                        kept_whole: frozenset = frozenset()) -> DeferredGradients:
-    """The gradients of ``stage``'s backward piece whose mesh all-reduce can wait for the step's mean:
-    accumulated values that no piece reads (:func:`~alpa_like.compiler.gradient_sync.deferrable_gradients`).
+    """The gradients of ``stage``'s backward piece (its ``W`` when split: :func:`gradient_phase`) whose mesh
+    all-reduce can wait for the step's mean: accumulated values that no piece reads
+    (:func:`~alpa_like.compiler.gradient_sync.deferrable_gradients`).
     The layouts are the ILP's; ``unpinned`` values (inside inlined checkpoint blocks) get those that follow
     (:func:`~alpa_like.compiler.propagation.follow_forward`) from them and from the ``arrivals``' (the
     stage's inputs from other meshes and the step, as they are laid out there) through the stage's forward,
     whose outputs the backward reads, and its backward. ``kept_whole``: gradients not to defer."""
-    piece = program.piece(stage, BACKWARD)
+    piece = program.piece(stage, gradient_phase(program, stage))
     read = {v for p in program.pieces.values() for v in p.inputs}
     gradients = [program.values[src] for src, dst in program.accumulated
                  if src in piece.outputs and src not in read and dst not in program.per_example
@@ -653,7 +655,7 @@ def deferred_gradients(program: StageProgram, stage: int, sharding: StageShardin
     specs = {**sharding.input_specs, **sharding.output_specs}
     if unpinned and len(mesh_shape) <= 2:  # the strategies behind follow_forward know 1-D and 2-D meshes
         known = dict(arrivals or {})
-        for phase in (FORWARD, BACKWARD):  # the forward's outputs are the backward's residuals
+        for phase in _computing(program, stage):  # the forward's outputs are the backward's residuals
             part = program.piece(stage, phase)
             jaxpr = part.jaxpr.jaxpr
             given = {var: known[v] for var, v in zip(jaxpr.invars, part.inputs, strict=True) if v in known}
@@ -694,6 +696,7 @@ def defer_gradients(program: StageProgram, stage_shardings: Sequence[StageShardi
       load_spec: ``(value, shape, mesh) -> spec``: the layout a mesh loads or receives a value in.
     """
     program, unpinned = inline_backward_remat(program)
+    unpinned = unpinned.union(*(s.unpinned for s in stage_shardings))
     shardings = tuple(_pins_moved(program, q, sharding) for q, sharding in enumerate(stage_shardings))
     deferred, stack_specs = {}, {}
 
@@ -708,7 +711,7 @@ def defer_gradients(program: StageProgram, stage_shardings: Sequence[StageShardi
         # An accumulator takes all its sources' gradients as stacks or none (several slice shapes' pieces).
         kept_whole |= mixed
         again = {q for src in mixed for (q, phase), p in program.pieces.items()
-                 if phase == BACKWARD and src in p.outputs}
+                 if phase == gradient_phase(program, q) and src in p.outputs}
         deferred.update({q: find(q, frozenset(kept_whole)) for q in again})
     for q, sharding in enumerate(shardings):
         found = deferred[q]
@@ -750,7 +753,7 @@ def arrival_specs(program: StageProgram, stage_to_mesh: Sequence[int], stage: in
     from the step's inputs, as ``load_spec`` lays them out on the stage's mesh."""
     mesh_index = stage_to_mesh[stage]
     out = {}
-    for phase in (FORWARD, BACKWARD):
+    for phase in _computing(program, stage):
         piece = program.piece(stage, phase)
         for var, v in zip(piece.jaxpr.jaxpr.invars, piece.inputs, strict=True):
             home = program.home.get(v)
@@ -758,3 +761,42 @@ def arrival_specs(program: StageProgram, stage_to_mesh: Sequence[int], stage: in
                 continue  # made on this mesh: laid out as its producer's pin says, or as XLA chose
             out[v] = load_spec(v, var.aval.shape, mesh_index)
     return out
+
+
+def stage_phases(program: StageProgram, stage: int) -> tuple[str, ...]:
+    """The phases of ``stage``'s pieces in the order a micro-batch runs them, the apply-grad last: forward,
+    backward (its ``B`` when split), ``W`` when the backward is split
+    (:func:`~alpa_like.compiler.backward_split.split_backwards`), apply-grad."""
+    return tuple(phase for phase in PHASES_SPLIT if (stage, phase) in program.pieces)
+
+
+def _computing(program: StageProgram, stage: int) -> tuple[str, ...]:
+    """:func:`stage_phases` without the apply-grad: the pieces run per micro-batch."""
+    return tuple(phase for phase in stage_phases(program, stage) if phase != APPLY)
+
+
+def gradient_phase(program: StageProgram, stage: int) -> str:
+    """The phase of ``stage``'s piece that makes its accumulated gradients: ``W`` when its backward is split
+    into ``B`` and ``W``, else the backward."""
+    return WEIGHT if (stage, WEIGHT) in program.pieces else BACKWARD
+
+
+def split_weight_gradients(program: StageProgram, stage_shardings: Sequence[StageSharding] = ()
+                           ) -> tuple[StageProgram, tuple[StageSharding, ...]]:
+    """``program`` with every stage's backward split into ``B`` (input gradients) and ``W`` (weight
+    gradients) for a zero-bubble schedule (:func:`~alpa_like.compiler.backward_split.split_backwards`),
+    after its checkpoint blocks are inlined (:func:`inline_backward_remat`) so that the weight gradients a
+    block computes go to ``W`` (a block kept as a call runs whole in ``B``); and ``stage_shardings``' pins
+    moved onto the inlined, then split pieces
+    (:func:`~alpa_like.compiler.backward_split.pins_after_split`), each remembering the inlined values no
+    pin names (:attr:`StageSharding.unpinned`, for :func:`defer_gradients`)."""
+    program, unpinned = inline_backward_remat(program)
+    moved = [_pins_moved(program, q, sharding) for q, sharding in enumerate(stage_shardings)]
+    program = split_backwards(program)
+    shardings = []
+    for q, sharding in enumerate(moved):
+        eqns = [e for phase in stage_phases(program, q) for e in program.piece(q, phase).jaxpr.jaxpr.eqns]
+        shardings.append(dataclasses.replace(
+            sharding, value_pins=tuple(pins_after_split(sharding.value_pins, eqns)),
+            operand_pins=tuple(pins_after_split(sharding.operand_pins, eqns)), unpinned=unpinned))
+    return program, tuple(shardings)

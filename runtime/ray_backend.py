@@ -60,9 +60,8 @@ from alpa_like.compiler.stage_construction import StageProgram, micro_batch_key_
 from alpa_like.compiler.trace import updated_inputs
 from alpa_like.runtime.instructions import MeshPrograms, Op
 from alpa_like.compiler.gradient_sync import NONE, DeferredGradients
-from alpa_like.compiler.layer_slicing import BACKWARD
 from alpa_like.compiler.stage_sharding import StageSharding
-from alpa_like.runtime.pipeshard_runtime import GradientDeferral, defer_gradients, input_donations
+from alpa_like.runtime.pipeshard_runtime import GradientDeferral, defer_gradients, gradient_phase, input_donations
 from alpa_like.runtime.ray_nodes import answering, choose_nodes, cluster_nodes, mesh_nodes, with_placements
 from alpa_like.runtime.ray_programs import export_piece, worker_programs
 from alpa_like.runtime.ray_startup import connect_ray, start_local_ray
@@ -446,8 +445,9 @@ class RayPipeshardExecutable:
         """Per stage, the gradients its backward piece outputs as stacks of partial sums, summed by the
         worker's MEAN once per step (as on the local backend)."""
         draws = micro_batch_key_draws(program, self.num_micro_batches)
+        graded = {(q, gradient_phase(program, q)) for q in range(program.num_stages)}  # B, or W when split
         shipped = {key: export_piece(piece, cluster.platform, draws.get(key, ()),
-                                     self.deferred.get(key[0], NONE) if key[1] == BACKWARD else NONE,
+                                     self.deferred.get(key[0], NONE) if key in graded else NONE,
                                      self.meshes[programs.stage_to_mesh[key[0]]].logical_shape)
                    for key, piece in program.pieces.items()}
         if returned is None:

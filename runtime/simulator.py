@@ -4,7 +4,8 @@ Every mesh has a clock. An instruction starts when its mesh is free and its inpu
 
 * ``RUN qFmb`` / ``RUN qBmb``: the stage's modelled time per micro-batch (the plan's compute plus intra-op
   communication, divided over the micro-batches), split 1 : 2 between forward and backward as in
-  Megatron-LM's analysis; ``RUN qA``: the stage's apply-grad FLOPs at the device peak. When the cluster
+  Megatron-LM's analysis (a backward split into ``B`` and ``W``, ``RUN qWmb``, shares its part by the
+  pieces' FLOPs); ``RUN qA``: the stage's apply-grad FLOPs at the device peak. When the cluster
   has a ``memory_bandwidth``, the compute part of every RUN is instead the roofline of the piece's own
   jaxpr (:func:`~alpa_like.compiler.flops.jaxpr_seconds`: per equation the larger of FLOP time and memory
   time, work split over the mesh's devices), so element-wise work is priced and forward and backward get
@@ -56,7 +57,8 @@ import math
 import numpy as np
 
 from alpa_like.compiler import jax_compat
-from alpa_like.compiler.flops import jaxpr_seconds
+from alpa_like.compiler.backward_split import WEIGHT
+from alpa_like.compiler.flops import jaxpr_flops, jaxpr_seconds
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
 from alpa_like.compiler.stage_construction import StageProgram, updating_stages
 from alpa_like.runtime.instructions import PER_STEP, MeshPrograms, Op
@@ -239,7 +241,21 @@ def instruction_kind(text: str) -> str:
     return head[0]
 
 
-_RUN_KIND = {FORWARD: "RUN F", BACKWARD: "RUN B", APPLY: "RUN A"}
+_RUN_KIND = {FORWARD: "RUN F", BACKWARD: "RUN B", WEIGHT: "RUN W", APPLY: "RUN A"}
+_SPAN_PHASE = {FORWARD: Phase.F, BACKWARD: Phase.B, WEIGHT: Phase.W}
+
+
+def _phase_shares(program: StageProgram, stage: int) -> list[tuple[str, float]]:
+    """Per piece of ``stage``, the share of a micro-batch's modelled time it takes: forward and backward
+    1 : 2, a backward split into ``B`` and ``W`` (:func:`~alpa_like.compiler.backward_split.split_backwards`)
+    sharing the backward's two thirds in proportion to their jaxprs' FLOPs (which add up to the backward's);
+    the apply-grad none (it is priced from its own jaxpr)."""
+    if (stage, WEIGHT) not in program.pieces:
+        return [(FORWARD, _FORWARD_SHARE), (BACKWARD, 1 - _FORWARD_SHARE), (APPLY, 0.0)]
+    b, w = (jaxpr_flops(program.piece(stage, phase).jaxpr) for phase in (BACKWARD, WEIGHT))
+    b_share = b / (b + w) if b + w else 0.5
+    return [(FORWARD, _FORWARD_SHARE), (BACKWARD, (1 - _FORWARD_SHARE) * b_share),
+            (WEIGHT, (1 - _FORWARD_SHARE) * (1 - b_share)), (APPLY, 0.0)]
 
 
 _OP_KIND = {op: op.value for op in Op}
@@ -295,7 +311,7 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
                    else 1.0)
         per_mb = (stage_plan.compute_seconds / speedup + stage_plan.communication_seconds) / m / chunks
         comm_per_mb = stage_plan.communication_seconds / m / chunks
-        for phase, share in ((FORWARD, _FORWARD_SHARE), (BACKWARD, 1 - _FORWARD_SHARE), (APPLY, 0.0)):
+        for phase, share in _phase_shares(program, q):
             if phase != APPLY and cluster.memory_bandwidth is None:  # FLOP-only: the plan's time split 1 : 2
                 seconds = per_mb * share
             else:
@@ -351,7 +367,7 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
                 ready[(mesh, (v, mb))] = start + duration
             busy[mesh] += duration
             if ins.phase != APPLY:
-                phase = Phase.F if ins.phase == FORWARD else Phase.B
+                phase = _SPAN_PHASE[ins.phase]
                 k, i = programs.units[mb] if shares else (mb, None)
                 spans.append(Span(Task(StageIdx(ins.stage), MicroBatchIdx(k), phase, i), MeshIdx(mesh),
                                   start, start + duration))
