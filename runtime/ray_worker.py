@@ -519,8 +519,8 @@ class _StepRun:
             acc.update({a.target: x for a, x in zip(fused, sums, strict=True)})
         else:
             outs = self.loaded.call((ins.stage, ins.phase), donate)(*args)
-            self.loaded.arg_specs.setdefault((ins.stage, ins.phase), [
-                jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None)) for x in args])
+        self.loaded.arg_specs.setdefault((ins.stage, ins.phase), [  # for hlo_text, fused or not
+            jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None)) for x in args])
         for v, x in zip(piece.outputs, outs, strict=True):
             buffers[(v, ins.micro_batch)] = x
         for a in accs:
