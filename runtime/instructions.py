@@ -114,6 +114,9 @@ class MeshPrograms:
     average micro-batch's work it does, ``rows * length * M / (B * S)``. Empty: every micro-batch does one."""
     units: tuple[tuple[int, int], ...] = ()
     """A token-sliced schedule's: per unit, its (micro-batch, token slice). Empty: no token slices."""
+    stage_of: tuple[int, ...] = ()
+    """Per stage of the program, the pipeline stage whose work its pieces do (TeraPipe's programs run one
+    variant of each stage per slice shape: :mod:`~alpa_like.runtime.terapipe_programs`). Empty: itself."""
 
     def program(self, mesh: int) -> tuple[Instruction, ...]:
         return tuple(i for i in self.instructions if i.mesh == mesh)

@@ -23,7 +23,9 @@ Every mesh has a clock. An instruction starts when its mesh is free and its inpu
   over the inter-node link's per-device share when the meshes' nodes differ, and no NIC is modelled;
 * a token-sliced program (TeraPipe: :attr:`~alpa_like.runtime.instructions.MeshPrograms.unit_shares`): a
   forward or backward RUN, a RECV and a per-unit LOAD of a unit (one token slice of a micro-batch) take its
-  share of the micro-batch's time (``rows * length`` tokens over an average micro-batch's);
+  share of the micro-batch's time (``rows * length`` tokens over an average micro-batch's); the programs a
+  TeraPipe step runs have one variant of each stage per slice shape (``MeshPrograms.stage_of``), each priced
+  as its stage, and ``CARRY`` (a buffer handed to the next token slice on the mesh) takes no time;
 * ``LOAD``: host-to-device bytes at the intra-node bandwidth; ``ACC``, ``MEAN``, ``FREE``: free. On a
   cluster whose devices have their own compute (no ``shared_host_compute``: GPUs), a per-step LOAD of a
   non-batch input (parameters, optimizer state) onto a mesh whose own apply-grad updates it
@@ -301,10 +303,11 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
     node_clock = dict.fromkeys(range(cluster.num_nodes), 0.0)
     nic_book = NicBook() if nic_contention else _NoNics()
     stage_time = {}
+    stage_of = programs.stage_of or tuple(range(program.num_stages))
     for q in range(program.num_stages):
         mesh = programs.stage_to_mesh[q]
         stage_plan = plan.stages[mesh]
-        chunks = sum(1 for s in programs.stage_to_mesh if s == mesh)
+        chunks = len({stage_of[s] for s, on in enumerate(programs.stage_to_mesh) if on == mesh})
         devices = len(stage_plan.device_ids)
         # With shared host cores a mesh computes with every core of its hosts while the others wait.
         speedup = (cluster.num_devices_per_node * len(nodes_of[mesh]) / devices if cluster.shared_host_compute
@@ -312,7 +315,8 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
         per_mb = (stage_plan.compute_seconds / speedup + stage_plan.communication_seconds) / m / chunks
         comm_per_mb = stage_plan.communication_seconds / m / chunks
         for phase, share in _phase_shares(program, q):
-            if phase != APPLY and cluster.memory_bandwidth is None:  # FLOP-only: the plan's time split 1 : 2
+            # FLOP-only, or a slice shape's variant (its jaxpr is one unit's): the plan's time split 1 : 2
+            if phase != APPLY and (cluster.memory_bandwidth is None or programs.stage_of):
                 seconds = per_mb * share
             else:
                 seconds = (jaxpr_seconds(program.piece(q, phase).jaxpr, cluster.compute_rates, devices * speedup)
@@ -369,8 +373,8 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
             if ins.phase != APPLY:
                 phase = _SPAN_PHASE[ins.phase]
                 k, i = programs.units[mb] if shares else (mb, None)
-                spans.append(Span(Task(StageIdx(ins.stage), MicroBatchIdx(k), phase, i), MeshIdx(mesh),
-                                  start, start + duration))
+                task = Task(StageIdx(stage_of[ins.stage]), MicroBatchIdx(k), phase, i)
+                spans.append(Span(task, MeshIdx(mesh), start, start + duration))
         elif op is Op.RECV:
             start = max([start, ready.get((ins.src_mesh, ins.key), 0.0), *(node_clock[n] for n in hosts(ins))])
             duration, nics = move_cost(ins.key[0], ins.src_mesh, mesh)
@@ -404,6 +408,9 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
         elif op is Op.ACC or op is Op.MEAN:
             start = max(start, ready.get((mesh, ins.key), start))
             ready[(mesh, ins.key)] = start
+        elif op is Op.CARRY:  # a buffer handed to another unit on the mesh: takes no time
+            start = max(start, ready.get((mesh, ins.source), start))
+            ready[(mesh, ins.key)] = start
         clock[mesh] = start + duration
         kind = _kind(ins)
         by_kind[kind] = by_kind.get(kind, 0.0) + duration
@@ -413,7 +420,7 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
             if traced is not None:
                 traced.append((mesh, str(ins), start, start + duration))
     timeline = Timeline(name=plan.pipeline_schedule or "pipeline", num_meshes=programs.num_meshes,
-                        num_stages=program.num_stages, spans=tuple(sorted(spans, key=lambda s: (s.mesh, s.start))))
+                        num_stages=len(set(stage_of)), spans=tuple(sorted(spans, key=lambda s: (s.mesh, s.start))))
     return Simulation(step_seconds=max(clock), timeline=timeline, busy_seconds=tuple(busy),
                       transfer_seconds=transfers, seconds_by_kind=by_kind,
                       instruction_spans=None if traced is None else tuple(traced))

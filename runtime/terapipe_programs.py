@@ -349,7 +349,9 @@ def emit_token_sliced(tp: TokenSlicedProgram, schedule: Schedule, units: Sequenc
                       free_buffers: bool = True) -> MeshPrograms:
     """The per-mesh programs that run ``tp`` under a TeraPipe ``schedule`` whose micro-batches are the batch
     slices of ``units`` (``terapipe_runtime._Unit``: batch slice, token slice, shape, first row and token)
-    and whose tasks' slices are their token slices; then the gradients' means and the apply pieces."""
+    and whose tasks' slices are their token slices; then the gradients' means and the apply pieces. Each
+    unit's share of a micro-batch's work (``MeshPrograms.unit_shares``) and each virtual stage's pipeline
+    stage (``MeshPrograms.stage_of``: its mesh) let the simulated backend price the programs that run."""
     program, P = tp.program, tp.num_meshes
     index = {(u.batch_slice, u.index): n for n, u in enumerate(units)}
     step_inputs = set(program.step_inputs) | set(program.constants)
@@ -460,9 +462,13 @@ def emit_token_sliced(tp: TokenSlicedProgram, schedule: Schedule, units: Sequenc
         outputs.append((key, min(holders)))
         copies.append(tuple(sorted(holders - {min(holders)})))
     instructions = _with_frees(out, reads, program, {o[0] for o in outputs if o}) if free_buffers else out
+    num_slices = len({u.batch_slice for u in units})
+    tokens = sum(u.key[0] * u.key[2] for u in units)
     return MeshPrograms(instructions=tuple(instructions), num_meshes=P, stage_to_mesh=tp.stage_to_mesh,
                         outputs=tuple(outputs), output_copies=tuple(copies) if any(copies) else (),
-                        units=tuple((u.batch_slice, u.index) for u in units))
+                        units=tuple((u.batch_slice, u.index) for u in units),
+                        unit_shares=tuple(u.key[0] * u.key[2] * num_slices / tokens for u in units),
+                        stage_of=tp.stage_to_mesh)
 
 
 def _with_frees(instructions: list[Instruction], reads: list, program: StageProgram, keep: set) -> list[Instruction]:

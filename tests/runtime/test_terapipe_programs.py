@@ -92,3 +92,22 @@ def test_terapipe_reduces_gradients_once_per_step():
                                       if c.kind in ("all-reduce", "reduce-scatter"))
     assert {q: len(d.outputs) > 0 for q, d in exe.executor.deferred.items() if q < 4} == dict.fromkeys(range(4), True)
     assert sorted(reduced) == [0, 1, 2, 3] and max(reduced.values()) <= 32 * 4
+
+
+def test_the_programs_that_run_are_priced_by_the_simulator():
+    """The programs a TeraPipe step runs (one variant of each stage per slice shape, CARRYs between token
+    slices) on the simulated backend: with equal stages, equal slices and free communication the step is
+    GPipe's over the m n units, (m n + p - 1)(t_f + t_b)/n, as for the plan's programs (test_simulator)."""
+    from alpa_like.runtime.simulator import simulate
+    from tests.runtime.test_simulator import idealised
+
+    loss_fn, state, batches = gpt_case(num_layers=2)
+    method = al.PipeshardParallel(num_micro_batches=2, pipeline_schedule="terapipe", token_slices=(8, 8),
+                                  **TWO_LAYERS)
+    exe = al.parallelize(train_step_for(loss_fn), method=method).get_executable(state, batches[0])
+    sim = simulate(idealised(exe.plan), exe.lowered.program, exe.mesh_programs)
+    p, m, n = 2, 2, 2
+    assert sim.step_seconds == pytest.approx((m * n + p - 1) * 1.0 / (m * n))
+    assert sim.timeline.bubble_fraction("ideal") == pytest.approx((p - 1) / (m * n))
+    assert sorted(str(s.task) for s in sim.timeline.spans if s.mesh == 1) == sorted(
+        f"1{phase}{k}.{i}" for phase in "FB" for k in range(m) for i in range(n))
