@@ -30,7 +30,8 @@ from alpa_like.compiler.stage_profiling import StageProfile
 from alpa_like.compiler.stage_sharding import StageSharding, stage_shardings
 from alpa_like.compiler.token_slicing import token_slicing_scheme
 from alpa_like.runtime.instructions import emit_programs
-from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable, split_weight_gradients
+from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable
+from alpa_like.runtime.stage_gradients import split_weight_gradients
 from alpa_like.runtime.simulator import simulate
 from alpa_like.runtime.terapipe_runtime import TerapipeExecutable
 

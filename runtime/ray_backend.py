@@ -61,7 +61,8 @@ from alpa_like.compiler.trace import updated_inputs
 from alpa_like.runtime.instructions import MeshPrograms, Op
 from alpa_like.compiler.gradient_sync import NONE, DeferredGradients
 from alpa_like.compiler.stage_sharding import StageSharding
-from alpa_like.runtime.pipeshard_runtime import GradientDeferral, defer_gradients, gradient_phase, input_donations
+from alpa_like.runtime.pipeshard_runtime import input_donations
+from alpa_like.runtime.stage_gradients import GradientDeferral, defer_gradients, gradient_phase
 from alpa_like.runtime.ray_nodes import answering, choose_nodes, cluster_nodes, mesh_nodes, with_placements
 from alpa_like.runtime.ray_programs import export_piece, worker_programs
 from alpa_like.runtime.ray_startup import connect_ray, start_local_ray

@@ -52,7 +52,7 @@ def worker_programs(program: StageProgram, programs: MeshPrograms, meshes: Seque
     (:func:`~alpa_like.runtime.pipeshard_runtime.input_donations`); a buffer the mesh also sends to another
     mesh is not donated (a background thread may still be reading it). ``stack_specs``: accumulator of a
     stack of partial sums -> (its stage, the layout of its step mean)
-    (:attr:`~alpa_like.runtime.pipeshard_runtime.GradientDeferral.stack_specs`)."""
+    (:attr:`~alpa_like.runtime.stage_gradients.GradientDeferral.stack_specs`)."""
     sends: list[dict] = [dict() for _ in meshes]
     for ins in programs.instructions:
         if ins.op is Op.RECV:

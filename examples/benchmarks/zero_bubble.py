@@ -37,7 +37,7 @@ from alpa_like.compiler.stage_construction import build_stage_program  # noqa: E
 from alpa_like.models import gpt  # noqa: E402
 from alpa_like.pipeshard import plan_sliced  # noqa: E402
 from alpa_like.runtime.instructions import emit_programs  # noqa: E402
-from alpa_like.runtime.pipeshard_runtime import split_weight_gradients  # noqa: E402
+from alpa_like.runtime.stage_gradients import split_weight_gradients  # noqa: E402
 from alpa_like.runtime.simulator import simulate  # noqa: E402
 
 SCHEDULES = [("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_h2", 1)]

@@ -317,7 +317,7 @@ def test_data_parallel_stages_reduce_gradients_once_per_step(defer, remat, fixed
     # 64 rows per micro-batch against 16 x 16 weights: the ILP splits the batch over each stage's 4 devices
     # (on the fixed cluster: under load, this machine's measured latency once made it keep the batch whole).
     # remat_layer=True: each layer's backward is a jax.checkpoint call computing its weight gradients inside,
-    # inlined as JAX lowers it (pipeshard_runtime.inline_backward_remat) so that they are deferred too.
+    # inlined as JAX lowers it (stage_gradients.inline_backward_remat) so that they are deferred too.
     loss_fn, state, _ = mlp_case()
     rng = np.random.default_rng(1)
     batches = [{"x": jnp.asarray(rng.normal(size=(256, 16)), jnp.float32),
