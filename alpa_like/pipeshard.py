@@ -191,10 +191,13 @@ def _compile_terapipe(method: PipeshardParallel, fun: Callable, args: Sequence[A
         scheme = plan.token_slicing or ((rows, (seq,)),) * method.num_micro_batches
     program = build_stage_program(sliced.closed_jaxpr, sliced.pieces, [s.layer_ids for s in plan.stages],
                                   [r == "batch" for r in sliced.roles])
-    if micro_batch_key_draws(program, num_micro_batches=2):  # any draw from a per-step key in the loss
-        warnings.warn("pipeline_schedule='terapipe' runs the loss once per token slice and micro-batch with the "
-                      "same keys: a dropout mask drawn from a per-step key repeats in every slice and micro-batch "
-                      "(the other schedules draw one per micro-batch)", stacklevel=4)
+    num_units = sum(len(lengths) for _, lengths in scheme)
+    if num_units > 1 and micro_batch_key_draws(program, num_micro_batches=2):  # a draw from a per-step key
+        warnings.warn(f"pipeline_schedule='terapipe' folds each unit's index (a micro-batch's token slice; "
+                      f"{num_units} units, in exe.units order) into the keys of the loss's random draws, as the "
+                      "other schedules fold each micro-batch's: every token slice of every micro-batch draws its "
+                      "own numbers (unit 0 the step's), so a dropout mask is not the rows and tokens of the "
+                      "unsliced step's", stacklevel=4)
     specs = {(q, t.path): t.spec for q, s in enumerate(plan.stages) for t in s.inputs if t.spec is not None}
     specs.update(_optimizer_state_specs(specs, sliced.traced.in_leaves))
     return TerapipeExecutable(fun=fun, args=args, traced=sliced.traced, plan=plan, program=program,

@@ -72,6 +72,7 @@ from jax.extend.core import ClosedJaxpr, Literal, Var, no_effects
 
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.layer_slicing import APPLY, FORWARD
+from alpa_like.compiler.micro_batch_keys import draws_random_numbers
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.stage_construction import StageProgram, ValueId
 from alpa_like.compiler.stage_sharding import StageSharding
@@ -484,7 +485,7 @@ class TerapipeExecutable:
                 args = [self._place(self._check_input(lowered, v, n, units, env, given, q), q) for v in piece.inputs]
                 fn = self._check_fns.get((id(lowered), piece.stage))
                 if fn is None:
-                    fn = self._check_fns[(id(lowered), piece.stage)] = jax.jit(_piece_fn(piece))
+                    fn = self._check_fns[(id(lowered), piece.stage)] = jax.jit(_with_zero_random_bits(piece.jaxpr))
                 env.update(((v, n), x) for v, x in zip(piece.outputs, fn(*args), strict=True))
             losses.append(env[(lowered.loss_values[shape], n)])
         return losses
@@ -510,6 +511,31 @@ class TerapipeExecutable:
             return x
         mesh = self.executor.meshes[q]
         return jax.device_put(x, named_sharding(mesh, activation_spec(np.shape(x), tuple(mesh.devices.shape))))
+
+
+def _with_zero_random_bits(closed: ClosedJaxpr) -> Callable:
+    """``closed`` as a function whose random bits (``random_bits``, in nested ``jit`` and ``checkpoint`` calls
+    too) are all zero:
+    every draw then gives one value in every element (a uniform its minimum, a Bernoulli mask keeps all),
+    whatever its shape, so a token slice's draws equal the rows of its whole sequence's. The contract check
+    compares the two with it (forward only); a draw inside another body (``scan``, ``cond``) stays random."""
+    def evaluate(jaxpr, consts, args):
+        env = dict(zip(jaxpr.constvars, consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+        for eqn in jaxpr.eqns:
+            invals = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
+            if eqn.primitive.name == "random_bits":
+                outvals = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
+            elif jax_compat.is_call(eqn) and draws_random_numbers(eqn):
+                inner = eqn.params["jaxpr"]
+                outvals = evaluate(inner.jaxpr, inner.consts, invals)
+            elif eqn.primitive.name in jax_compat.REMAT_PRIMITIVES and draws_random_numbers(eqn):
+                outvals = evaluate(eqn.params["jaxpr"], (), invals)
+            else:
+                outvals = jax_compat.bind_eqn(eqn, invals)
+            env.update(zip(eqn.outvars, outvals, strict=True))
+        return [v.val if isinstance(v, Literal) else env[v] for v in jaxpr.outvars]
+    return lambda *args: evaluate(closed.jaxpr, closed.consts, args)
 
 
 def _check_update(program: StageProgram, call: LossCall) -> None:
