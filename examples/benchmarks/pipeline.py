@@ -38,17 +38,14 @@ from alpa_like.runtime.simulator import measured_durations, measured_seconds_by_
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("breadth_first", 2)]
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="gpt-small")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--micro-batches", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--out", default="results/pipeline.json")
-    args = parser.parse_args()
-    config = models.get_config(args.model)
+def measure_schedules(model_name: str, batch_size: int, micro_batches: int, steps: int,
+                      schedules=SCHEDULES) -> tuple[list[dict], al.ClusterSpec]:
+    """One row per ``(schedule, virtual stages)`` of ``schedules``: ``model_name`` planned as two stages of
+    four CPU devices, measured (median of ``steps`` steps), simulated, calibrated and profiled (module
+    docstring); and the cluster the plans were made for (``ClusterSpec.local()``)."""
+    config = models.get_config(model_name)
     model = gpt.GPTModel(config)
-    batch = gpt.gpt_batch(config, args.batch_size, jax.random.PRNGKey(1))
+    batch = gpt.gpt_batch(config, batch_size, jax.random.PRNGKey(1))
     params = model.init(jax.random.PRNGKey(0), batch["input_ids"])["params"]
     loss_fn = gpt.gpt_loss(model)
 
@@ -57,9 +54,9 @@ def main():
         return state.apply_gradients(grads=grads), loss
 
     rows = []
-    for schedule, virtual in SCHEDULES:
+    for schedule, virtual in schedules:
         method = al.PipeshardParallel(
-            num_micro_batches=args.micro_batches, layer_option=al.AutoLayerOption(layer_num=config.num_layers),
+            num_micro_batches=micro_batches, layer_option=al.AutoLayerOption(layer_num=config.num_layers),
             stage_option=al.UniformStageOption(num_stages=2, show_progress=False), pipeline_schedule=schedule,
             virtual_stages=virtual)
         state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
@@ -69,7 +66,7 @@ def main():
             state, loss = step(state, batch)
         jax.block_until_ready(loss)
         times = []
-        for _ in range(args.steps):
+        for _ in range(steps):
             start = time.perf_counter()
             state, loss = step(state, batch)
             jax.block_until_ready((state, loss))
@@ -91,6 +88,18 @@ def main():
                      "measured_by_kind_s": measured_seconds_by_kind(prof.spans),
                      "simulated_by_kind_s": dict(sim.seconds_by_kind)})
         print(f"{schedule}: {measured * 1e3:.1f} ms", file=sys.stderr)
+    return rows, exe.plan.cluster
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gpt-small")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", default="results/pipeline.json")
+    args = parser.parse_args()
+    rows, cluster = measure_schedules(args.model, args.batch_size, args.micro_batches, args.steps)
     print(f"{args.model}, batch {args.batch_size}, {args.micro_batches} micro-batches, 2 stages x 4 CPU devices, "
           f"median of {args.steps} steps")
     print(f"{'schedule':18} {'v':>2} {'measured ms':>12} {'simulated ms':>13} {'sim/meas':>9} "
@@ -100,7 +109,6 @@ def main():
               f"{r['simulated_over_measured']:>9.2f} {r['calibrated_s'] * 1e3:>14.1f} "
               f"{r['calibrated_over_measured']:>9.2f} {r['executables_s'] * 1e3:>8.1f} {r['driver_s'] * 1e3:>10.1f} "
               f"{r['driver_share']:>9.1%} {r['bubble']:>7.1%}")
-    cluster = exe.plan.cluster  # ClusterSpec.local(), measured once per process
     print(f"\nper instruction kind, summed over the step (profiled: each instruction waited for), ms; "
           f"cost model: {cluster.peak_flops / 1e9:.3g} GFLOP/s and {cluster.memory_bandwidth / 1e9:.3g} GB/s "
           f"per device, launch {cluster.launch_overhead * 1e6:.0f} us")

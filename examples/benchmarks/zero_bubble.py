@@ -14,19 +14,18 @@
     python examples/benchmarks/zero_bubble.py --out results/zero_bubble.json
 """
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
+sys.path.insert(0, str(Path(__file__).parent))
 from _common import use_cpu_devices, write_results  # noqa: E402
 
 use_cpu_devices()
 
-import jax  # noqa: E402
-import optax  # noqa: E402
-from flax.training import train_state  # noqa: E402
+import pipeline  # noqa: E402  (examples/benchmarks/pipeline.py: the measured schedules)
+
 
 import alpa_like as al  # noqa: E402
 from alpa_like import models  # noqa: E402
@@ -34,7 +33,6 @@ from alpa_like.bench.ours import slice_workload  # noqa: E402
 from alpa_like.bench.workloads import cluster_for, make_workload  # noqa: E402
 from alpa_like.compiler.schedule_tables import make_schedule  # noqa: E402
 from alpa_like.compiler.stage_construction import build_stage_program  # noqa: E402
-from alpa_like.models import gpt  # noqa: E402
 from alpa_like.pipeshard import plan_sliced  # noqa: E402
 from alpa_like.runtime.instructions import emit_programs  # noqa: E402
 from alpa_like.runtime.stage_gradients import split_weight_gradients  # noqa: E402
@@ -98,40 +96,13 @@ def simulated_rows(args) -> list[dict]:
 
 
 def measured_rows(args) -> list[dict]:
-    config = models.get_config(args.model)
-    model = gpt.GPTModel(config)
-    batch = gpt.gpt_batch(config, args.batch_size, jax.random.PRNGKey(1))
-    params = model.init(jax.random.PRNGKey(0), batch["input_ids"])["params"]
-    loss_fn = gpt.gpt_loss(model)
-
-    def train_step(state, batch):
-        loss, grads = al.value_and_grad(loss_fn)(state.params, batch)
-        return state.apply_gradients(grads=grads), loss
-
-    rows = []
-    for schedule, virtual in SCHEDULES:
-        method = al.PipeshardParallel(
-            num_micro_batches=args.micro_batches, layer_option=al.AutoLayerOption(layer_num=config.num_layers),
-            stage_option=al.UniformStageOption(num_stages=2, show_progress=False), pipeline_schedule=schedule,
-            virtual_stages=virtual)
-        state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
-        step = al.parallelize(train_step, method=method)
-        exe = step.get_executable(state, batch)
-        for _ in range(2):  # compile and warm up
-            state, loss = step(state, batch)
-        jax.block_until_ready(loss)
-        times = []
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            state, loss = step(state, batch)
-            jax.block_until_ready((state, loss))
-            times.append(time.perf_counter() - start)
-        sim = simulate(exe.plan, exe.program, exe.programs, value_specs=exe.value_specs)
-        rows.append({"part": "measured", "model": args.model, "schedule": schedule, "virtual_stages": virtual,
-                     "micro_batches": args.micro_batches, "measured_s": statistics.median(times),
-                     "simulated_s": sim.step_seconds, "bubble": float(sim.timeline.bubble_fraction())})
-        print(f"{schedule}: {statistics.median(times) * 1e3:.1f} ms", file=sys.stderr)
-    return rows
+    """The schedules measured on the CPU devices (``pipeline.measure_schedules``), beside their simulated
+    time and bubble."""
+    measured, _ = pipeline.measure_schedules(args.model, args.batch_size, args.micro_batches, args.steps, SCHEDULES)
+    return [{"part": "measured", "model": args.model, "schedule": r["schedule"],
+             "virtual_stages": r["virtual_stages"], "micro_batches": args.micro_batches,
+             "measured_s": r["measured_s"], "simulated_s": r["simulated_s"], "bubble": r["bubble"]}
+            for r in measured]
 
 
 def main():
