@@ -160,15 +160,18 @@ def stage_values(program: StageProgram, stage: int) -> frozenset:
 def arrival_specs(program: StageProgram, stage_to_mesh: Sequence[int], stage: int,
                   load_spec: Callable[[ValueId, tuple, int], ShardingSpec]) -> dict[ValueId, ShardingSpec]:
     """The layouts of the values ``stage``'s forward and backward pieces read from other stages' meshes or
-    from the step's inputs, as ``load_spec`` lays them out on the stage's mesh."""
+    from the step's inputs, as ``load_spec`` lays them out on the stage's mesh. A value a piece on the same
+    mesh makes (the forward's residuals the backward reads; a program without home stages, TeraPipe's, names
+    them only so) does not arrive."""
     mesh_index = stage_to_mesh[stage]
+    made_here = {v for (q, phase), p in program.pieces.items() if stage_to_mesh[q] == mesh_index for v in p.outputs}
     out = {}
     for phase in _computing(program, stage):
         piece = program.piece(stage, phase)
         for var, v in zip(piece.jaxpr.jaxpr.invars, piece.inputs, strict=True):
             home = program.home.get(v)
-            if home is not None and stage_to_mesh[home] == mesh_index:
-                continue  # made on this mesh: laid out as its producer's pin says, or as XLA chose
+            if v in made_here or (home is not None and stage_to_mesh[home] == mesh_index):
+                continue  # made (or held) on this mesh: laid out as its producer's pin says, or as XLA chose
             out[v] = load_spec(v, var.aval.shape, mesh_index)
     return out
 

@@ -69,10 +69,10 @@ def test_an_effect_in_the_loss_runs_once_per_token_slice():
 def test_terapipe_reduces_gradients_once_per_step():
     """Data-parallel meshes (each unit's 4 rows split over a mesh's 4 devices): the backward pieces of every
     slice shape keep their weight gradients as stacks of partial sums (layouts followed from what the
-    pieces load and receive, the slices having no ILP pins), summed once per step by MEAN. What a backward
-    piece still all-reduces is one 32-float vector (the final LayerNorm's bias, whose gradient reads the
-    logits' cotangent times the word embedding in the layout the plan splits), against ~59 KB of weight
-    gradients each piece reduces without deferral."""
+    pieces load and receive, the slices having no ILP pins; the forward's residuals keep the layouts the
+    forward gives them), summed once per step by MEAN: no backward piece all-reduces anything, against ~59 KB
+    of weight gradients each piece reduces without deferral (the final LayerNorm's bias among them, whose
+    gradient reads the logits' cotangent times the forward's transposed word embedding)."""
     loss_fn, state, batches = gpt_case(num_layers=2, batch_size=8)
     batches = batches[:2]
     step = train_step_for(loss_fn)
@@ -91,7 +91,7 @@ def test_terapipe_reduces_gradients_once_per_step():
             reduced[int(stage)] = sum(c.result_bytes for c in hlo_stats.collectives(part)
                                       if c.kind in ("all-reduce", "reduce-scatter"))
     assert {q: len(d.outputs) > 0 for q, d in exe.executor.deferred.items() if q < 4} == dict.fromkeys(range(4), True)
-    assert sorted(reduced) == [0, 1, 2, 3] and max(reduced.values()) <= 32 * 4
+    assert reduced == dict.fromkeys(range(4), 0)
 
 
 def test_the_programs_that_run_are_priced_by_the_simulator():
