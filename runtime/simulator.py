@@ -42,6 +42,13 @@ Every mesh has a clock. An instruction starts when its mesh is free and its inpu
   With ``shared_host_compute`` (XLA's CPU devices) every LOAD pays host-to-device, as measured
   (``examples/benchmarks/pipeline.py``).
 
+A runtime whose instructions cost more than their devices' work and bytes (the Ray backend: a Python worker
+interprets each instruction, a RECV's parcel is an actor call and an object in Ray's object store, a step is
+the driver's calls and the workers' reports) is priced with its :class:`DispatchCosts`: every RUN, RECV and
+LOAD lasts ``instruction_seconds`` longer, a RECV's bytes leave ``transfer_seconds`` after the sending mesh
+wrote them (the parcel's latency, which the receiving mesh waits for only when it is not busy elsewhere), and
+the step lasts ``step_seconds`` longer.
+
 When the cluster's devices share their host's cores (``ClusterSpec.shared_host_compute``: XLA's virtual
 CPU devices), each node also has a clock: RUN, RECV and LOAD instructions of different meshes on one node
 take turns instead of overlapping, and a RUN computes with the whole node (``num_devices_per_node`` devices
@@ -70,6 +77,28 @@ from alpa_like.compiler.indices import MeshIdx, MicroBatchIdx, StageIdx
 from alpa_like.compiler.schedules import Phase, Span, Task, Timeline
 
 _FORWARD_SHARE = 1 / 3
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DispatchCosts:
+    """Fixed seconds a runtime adds to the instructions it runs, beyond the devices' work and the bytes'
+    transfer time (the Ray backend's: :func:`~alpa_like.runtime.ray_dispatch.measure_dispatch_costs`).
+    Every field is a finite number >= 0."""
+
+    step_seconds: float = 0.0
+    """Once per step: the driver's calls to the workers and their reports."""
+    instruction_seconds: float = 0.0
+    """Per RUN, RECV and LOAD: the worker interpreting it and dispatching its work."""
+    transfer_seconds: float = 0.0
+    """Per RECV: the latency of a parcel between two workers, from the sender's write to the first byte at
+    the receiver (an actor call, the object store)."""
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"DispatchCosts: {field.name} must be a finite number of seconds >= 0, "
+                                 f"got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -286,7 +315,8 @@ def _strip_micro_batch(text: str) -> str:
 
 def simulate(plan, program: StageProgram, programs: MeshPrograms,
              measured: dict[str, float] | None = None, value_specs: dict | None = None,
-             trace: bool = False, nic_contention: bool = True) -> Simulation:
+             trace: bool = False, nic_contention: bool = True,
+             dispatch: DispatchCosts | None = None) -> Simulation:
     """Runs ``programs`` on the clock described in the module docstring. With ``measured`` (from
     :func:`measured_durations`) RUN, RECV and LOAD take their measured median durations instead of the
     cost model's: the schedule and the dependencies are then the only model (a calibrated simulation).
@@ -294,7 +324,13 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
     ``value_specs``: the layouts its stages' ILP solutions give them); a RECV is planned between those
     layouts, :func:`activation_spec`'s where none is given. ``trace``: also return every RUN, RECV and LOAD
     as a span (:attr:`Simulation.instruction_spans`). ``nic_contention=False``: every transfer has its NICs
-    to itself (a what-if: how much of the step is transfers waiting for each other)."""
+    to itself (a what-if: how much of the step is transfers waiting for each other). ``dispatch``: the
+    runtime's fixed costs (:class:`DispatchCosts`), added to the modelled durations (a measured duration
+    already holds them)."""
+    if dispatch is not None and not isinstance(dispatch, DispatchCosts):
+        raise TypeError(f"simulate: dispatch must be a DispatchCosts or None, got {type(dispatch).__name__}")
+    dispatch = dispatch or DispatchCosts()
+    per_instruction, per_transfer = dispatch.instruction_seconds, dispatch.transfer_seconds
     value_specs = value_specs or {}
     cluster = plan.cluster
     m = plan.num_micro_batches
@@ -365,6 +401,7 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
             duration = stage_time[(ins.stage, ins.phase)]
             if shares and mb != PER_STEP:
                 duration *= shares[mb]
+            duration += per_instruction
             if measured is not None:
                 duration = measured.get(_strip_micro_batch(str(ins)), duration)
             for v in piece.outputs:
@@ -376,14 +413,16 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
                 task = Task(StageIdx(stage_of[ins.stage]), MicroBatchIdx(k), phase, i)
                 spans.append(Span(task, MeshIdx(mesh), start, start + duration))
         elif op is Op.RECV:
-            start = max([start, ready.get((ins.src_mesh, ins.key), 0.0), *(node_clock[n] for n in hosts(ins))])
             duration, nics = move_cost(ins.key[0], ins.src_mesh, mesh)
             if shares and ins.key[1] != PER_STEP:
                 duration *= shares[ins.key[1]]
-            if measured is not None:
-                duration = measured.get(_strip_micro_batch(str(ins)), duration)
-            start, end = nic_book.take(nics, start, duration)
-            duration = end - start
+            latency, fixed = per_transfer, per_instruction  # the parcel's latency; the worker's own part
+            if measured is not None and (text := _strip_micro_batch(str(ins))) in measured:
+                duration, latency, fixed = measured[text], 0.0, 0.0
+            start = max([start, ready.get((ins.src_mesh, ins.key), 0.0) + latency,
+                         *(node_clock[n] for n in hosts(ins))])
+            first, end = nic_book.take(nics, start + fixed, duration)
+            start, duration = first - fixed, end - first + fixed  # the worker's part just before the first byte
             transfers += duration
             ready[(mesh, ins.key)] = start + duration
         elif op is Op.LOAD:
@@ -400,6 +439,7 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
                 duration = 0.0
             else:  # the previous step's apply-grad left the value on another mesh
                 duration, nics = move_cost(v, min(owners), mesh)
+            duration += per_instruction
             if measured is not None:
                 duration = measured.get(_strip_micro_batch(str(ins)), duration)
             start, end = nic_book.take(nics, start, duration)
@@ -421,6 +461,6 @@ def simulate(plan, program: StageProgram, programs: MeshPrograms,
                 traced.append((mesh, str(ins), start, start + duration))
     timeline = Timeline(name=plan.pipeline_schedule or "pipeline", num_meshes=programs.num_meshes,
                         num_stages=len(set(stage_of)), spans=tuple(sorted(spans, key=lambda s: (s.mesh, s.start))))
-    return Simulation(step_seconds=max(clock), timeline=timeline, busy_seconds=tuple(busy),
+    return Simulation(step_seconds=max(clock) + dispatch.step_seconds, timeline=timeline, busy_seconds=tuple(busy),
                       transfer_seconds=transfers, seconds_by_kind=by_kind,
                       instruction_spans=None if traced is None else tuple(traced))

@@ -1,4 +1,5 @@
 """The simulated backend runs the same instruction programs against the cost model's clock."""
+import collections
 import dataclasses
 import functools
 
@@ -482,3 +483,43 @@ def test_a_terapipe_plan_is_priced_by_the_simulator_over_its_token_slices():
     assert sim.timeline.bubble_fraction("ideal") == pytest.approx((p - 1) / (m * n))
     assert sorted(str(s.task) for s in sim.timeline.spans if s.mesh == 0) == sorted(
         f"0{phase}{k}.{i}" for phase in "FB" for k in range(m) for i in range(n))
+
+
+def test_dispatch_costs_delay_receives_and_add_to_instructions_and_the_step():
+    """A runtime's fixed costs (the Ray backend's): on the textbook GPipe pipeline (p = 2 equal stages, free
+    bytes), a parcel latency r < t_f hides in the steady state but not on the critical path's three crossings
+    (stage 0's first forward -> stage 1, stage 1's first backward -> stage 0, and the tied embedding's gradient
+    parts the meshes exchange, both ways at once, before their apply-grads): step = (m + p - 1)(t_f + t_b) +
+    3 r; the step's own cost s adds once; each RUN, RECV and LOAD pays the per-instruction cost d."""
+    from alpa_like.runtime.instructions import Op
+    from alpa_like.runtime.simulator import DispatchCosts, instruction_kind
+
+    exe = executable("gpipe", num_micro_batches=4)
+    plan = idealised(exe.plan)
+    p, m, r, s, d = 2, 4, 0.01, 0.5, 1e-3
+    t_f_plus_t_b = 1.0 / m
+    assert r < t_f_plus_t_b / 3  # t_f = (t_f + t_b) / 3
+    latency = simulate(plan, exe.program, exe.programs, dispatch=DispatchCosts(transfer_seconds=r))
+    assert latency.step_seconds == pytest.approx((m + p - 1) * t_f_plus_t_b + 3 * r)
+    step = simulate(plan, exe.program, exe.programs, dispatch=DispatchCosts(step_seconds=s))
+    assert step.step_seconds == pytest.approx((m + p - 1) * t_f_plus_t_b + s)
+    base = simulate(plan, exe.program, exe.programs, nic_contention=False)
+    per = simulate(plan, exe.program, exe.programs, nic_contention=False,
+                   dispatch=DispatchCosts(instruction_seconds=d))
+    counts = collections.Counter(instruction_kind(str(ins)) for ins in exe.programs.instructions
+                                 if ins.op in (Op.RUN, Op.RECV, Op.LOAD))
+    assert counts["RECV"] and counts["LOAD"]
+    for kind, n in counts.items():
+        assert per.seconds_by_kind[kind] == pytest.approx(base.seconds_by_kind[kind] + n * d), kind
+
+
+def test_dispatch_costs_are_checked():
+    from alpa_like.runtime.simulator import DispatchCosts
+
+    with pytest.raises(ValueError, match="transfer_seconds"):
+        DispatchCosts(transfer_seconds=-1.0)
+    with pytest.raises(ValueError, match="step_seconds"):
+        DispatchCosts(step_seconds=float("nan"))
+    exe = executable("gpipe", num_micro_batches=2)
+    with pytest.raises(TypeError, match="dispatch"):
+        simulate(exe.plan, exe.program, exe.programs, dispatch={"step_seconds": 1.0})
