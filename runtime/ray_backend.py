@@ -64,9 +64,9 @@ from alpa_like.compiler.stage_sharding import StageSharding
 from alpa_like.runtime.pipeshard_runtime import input_donations
 from alpa_like.runtime.stage_gradients import GradientDeferral, defer_gradients, gradient_phase
 from alpa_like.runtime.ray_nodes import answering, choose_nodes, cluster_nodes, mesh_nodes, with_placements
-from alpa_like.runtime.ray_programs import export_piece, worker_programs
+from alpa_like.runtime.ray_programs import export_piece, mesh_load_spec, worker_programs
 from alpa_like.runtime.ray_startup import connect_ray, start_local_ray
-from alpa_like.runtime.ray_worker import MeshInfo, MeshWorker, WorkerStepError, load_spec
+from alpa_like.runtime.ray_worker import MeshInfo, MeshWorker, WorkerStepError
 
 PLATFORMS = ("cpu", "gpu")
 POLL_SECONDS = 0.5
@@ -415,12 +415,13 @@ class RayPipeshardExecutable:
     is donated by the last RUN that reads it on the mesh that loads it, and a :class:`RemoteArray` given for
     it is then :attr:`RemoteArray.donated` (a driver array was copied to the workers and stays valid).
     ``returned``: the outputs that come back as NumPy arrays (default: those that update no input).
+    ``value_specs``: ``(value, mesh) -> spec`` of a step input loaded in another layout on that mesh.
     """
 
     def __init__(self, *, traced, plan, program: StageProgram, programs: MeshPrograms, input_specs: dict,
                  cluster: RayCluster, devices=None, donate_flat: Sequence[int] = (),
                  returned: frozenset[int] | None = None, stage_shardings: Sequence[StageSharding] | None = None,
-                 defer_gradient_sync: bool = False):
+                 defer_gradient_sync: bool = False, value_specs: dict | None = None):
         import ray
         del devices  # The workers own the devices.
         self.traced, self.plan, self.program, self.programs = traced, plan, program, programs
@@ -440,7 +441,7 @@ class RayPipeshardExecutable:
         deferral = GradientDeferral(program=program, stage_shardings=())
         if defer_gradient_sync and stage_shardings:
             deferral = defer_gradients(program, stage_shardings, [m.logical_shape for m in self.meshes],
-                                       programs.stage_to_mesh, self._load_spec(input_specs))
+                                       programs.stage_to_mesh, mesh_load_spec(input_specs, value_specs, self.meshes))
         self.program = program = deferral.program
         self.deferred: dict[int, DeferredGradients] = dict(deferral.deferred)
         """Per stage, the gradients its backward piece outputs as stacks of partial sums, summed by the
@@ -459,7 +460,7 @@ class RayPipeshardExecutable:
         donations = input_donations(programs, program, [program.step_inputs[k] for k in donate_flat])
         self.worker_programs = worker_programs(program, programs, self.meshes, input_specs, shipped,
                                                self.num_micro_batches, self._returned, donations,
-                                               deferral.stack_specs)
+                                               deferral.stack_specs, value_specs)
         self._donated_on = {key[0]: p.mesh for p in self.worker_programs for keys in p.donations.values()
                             for key in keys}
         """Donated step input -> the mesh that donates it."""
@@ -481,13 +482,6 @@ class RayPipeshardExecutable:
 
     def __call__(self, *args):
         return self.run(*args)
-
-    def _load_spec(self, input_specs: dict):
-        """``(value, shape, mesh) -> spec``: the layout a worker loads or receives a value in
-        (:func:`~alpa_like.runtime.ray_worker.load_spec`)."""
-        def spec(value, shape, mesh: int) -> ShardingSpec:
-            return load_spec(input_specs, value, shape, self.meshes[mesh].logical_shape)
-        return spec
 
     def get_hlo_text(self) -> str:
         """The compiled HLO of every stage piece on its worker, for the layouts of its first run (a step must

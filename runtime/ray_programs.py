@@ -4,17 +4,18 @@ instructions, the pieces of its stages, what it sends where: :func:`worker_progr
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 
 from alpa_like.compiler.gradient_sync import NONE, DeferredGradients
 from alpa_like.compiler.micro_batch_keys import KeyDraws
-from alpa_like.compiler.stage_construction import StageProgram, micro_batch_key_draws
+from alpa_like.compiler.sharding_spec import ShardingSpec
+from alpa_like.compiler.stage_construction import StageProgram, ValueId, micro_batch_key_draws
 from alpa_like.runtime.instructions import MeshPrograms, Op
 from alpa_like.runtime.pipeshard_runtime import MESH_AXES, _piece_fn
-from alpa_like.runtime.ray_worker import MeshInfo, ShippedPiece, WorkerProgram
+from alpa_like.runtime.ray_worker import MeshInfo, ShippedPiece, WorkerProgram, load_spec
 
 
 EXPORT_PLATFORMS = {"cpu": ("cpu",), "gpu": ("cuda",)}
@@ -43,7 +44,7 @@ def worker_programs(program: StageProgram, programs: MeshPrograms, meshes: Seque
                     input_specs: dict, shipped: dict[tuple[int, str], bytes],
                     num_micro_batches: int, returned: frozenset[int] = frozenset(),
                     donations: dict[int, frozenset] | None = None,
-                    stack_specs: dict | None = None) -> list[WorkerProgram]:
+                    stack_specs: dict | None = None, value_specs: dict | None = None) -> list[WorkerProgram]:
     """Each mesh's :class:`WorkerProgram`: its instructions, the pieces of its stages, what it sends.
 
     ``returned``: the step outputs that come back to the driver as values, each from the mesh that holds it
@@ -52,7 +53,8 @@ def worker_programs(program: StageProgram, programs: MeshPrograms, meshes: Seque
     (:func:`~alpa_like.runtime.pipeshard_runtime.input_donations`); a buffer the mesh also sends to another
     mesh is not donated (a background thread may still be reading it). ``stack_specs``: accumulator of a
     stack of partial sums -> (its stage, the layout of its step mean)
-    (:attr:`~alpa_like.runtime.stage_gradients.GradientDeferral.stack_specs`)."""
+    (:attr:`~alpa_like.runtime.stage_gradients.GradientDeferral.stack_specs`). ``input_specs`` and
+    ``value_specs``: the step inputs' layouts (:func:`mesh_input_specs`)."""
     sends: list[dict] = [dict() for _ in meshes]
     for ins in programs.instructions:
         if ins.op is Op.RECV:
@@ -76,13 +78,33 @@ def worker_programs(program: StageProgram, programs: MeshPrograms, meshes: Seque
         local = {g: j for j, g in enumerate(g for g, ins in enumerate(programs.instructions) if ins.mesh == k)}
         donated = {local[g]: frozenset(keys - sends[k].keys()) for g, keys in (donations or {}).items() if g in local}
         out.append(WorkerProgram(mesh=k, meshes=tuple(meshes), instructions=instructions, pieces=pieces,
-                                 sends=sends[k], input_specs=dict(input_specs), constants=constants,
+                                 sends=sends[k], input_specs=mesh_input_specs(input_specs, value_specs, k),
+                                 constants=constants,
                                  num_micro_batches=num_micro_batches, outputs=outputs, returned=mine,
                                  donations={j: keys for j, keys in donated.items() if keys},
                                  per_example=program.per_example,
                                  stacks={dst: spec for dst, (q, spec) in (stack_specs or {}).items()
                                          if q in stages}))
     return out
+
+
+def mesh_input_specs(input_specs: dict[ValueId, ShardingSpec],
+                     value_specs: dict[tuple[ValueId, int], ShardingSpec] | None, mesh: int) -> dict:
+    """The layouts ``mesh`` loads step inputs in: ``input_specs`` (value -> spec, on every mesh) with
+    ``value_specs``' ``(value, mesh) -> spec`` for this mesh over them (a parameter several stages read,
+    each in its own layout: TeraPipe's per-stage specs)."""
+    return {**input_specs, **{v: spec for (v, m), spec in (value_specs or {}).items() if m == mesh}}
+
+
+def mesh_load_spec(input_specs: dict, value_specs: dict | None, meshes: Sequence[MeshInfo]
+                   ) -> Callable[[ValueId, tuple, int], ShardingSpec]:
+    """``(value, shape, mesh) -> spec``: the layout a worker loads or receives a value in
+    (:func:`~alpa_like.runtime.ray_worker.load_spec` of :func:`mesh_input_specs`)."""
+    specs = [mesh_input_specs(input_specs, value_specs, k) for k in range(len(meshes))]
+
+    def spec(value, shape, mesh: int) -> ShardingSpec:
+        return load_spec(specs[mesh], value, shape, meshes[mesh].logical_shape)
+    return spec
 
 
 def held_at_end(program: StageProgram, instructions: Sequence) -> set:

@@ -282,7 +282,8 @@ class TerapipeExecutable:
     The step's token slices are lowered to instruction programs
     (:mod:`~alpa_like.runtime.terapipe_programs`) and run by a pipeline backend's executable: the local
     MPMD backend's by default, another's through ``make_executable`` (the arguments of
-    :class:`~alpa_like.runtime.pipeshard_runtime.PipeshardExecutable`, ``input_specs`` per value)."""
+    :class:`~alpa_like.runtime.pipeshard_runtime.PipeshardExecutable`: ``input_specs`` per value, the first
+    stage's that reads it, and ``value_specs`` per (value, mesh), each stage's)."""
 
     def __init__(self, *, fun: Callable, args: Sequence[Any], traced, plan, program: StageProgram,
                  layer_assign: Callable, devices: Sequence[Any] | None, batch_slices,
@@ -383,9 +384,7 @@ class TerapipeExecutable:
         first = {}
         for (v, _), spec in sorted(self._value_specs.items()):
             first.setdefault(v, spec)
-        extra = dict(self._options)
-        if self._make is PipeshardExecutable:
-            extra["value_specs"] = value_specs
+        extra = dict(self._options, value_specs=value_specs)  # each stage's layouts of its parameters
         self.executor = self._make(traced=self.traced, plan=self.plan, program=self.lowered.program,
                                    programs=self.mesh_programs, devices=self._devices, input_specs=first, **extra)
         """The backend's executable that runs :attr:`mesh_programs`."""
