@@ -3,7 +3,7 @@ import pytest
 
 import alpa_like as al
 from tests.helpers import assert_trees_close, reference_on_one_device, run_steps
-from tests.runtime.test_pipeshard_runtime import gpt_case, mlp_case, train_step_for
+from tests.runtime.test_pipeshard_runtime import gpt_case, mlp_case, moe_case, train_step_for
 from tests.runtime.test_ray_backend import MESHES, cache_dir, method_for, ray_backend  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.ray
@@ -12,7 +12,8 @@ pytestmark = pytest.mark.ray
 @pytest.mark.parametrize("build,meshes,schedule,num_micro_batches,manual", [
     (mlp_case, "2_meshes", "zb_h1", 2, True),
     pytest.param(gpt_case, "3_meshes", "zb_h2", 4, False, marks=pytest.mark.slow),
-], ids=["mlp_2_meshes_zb_h1", "gpt_3_meshes_zb_h2"])
+    pytest.param(moe_case, "2_meshes", "zb_h1", 2, False, marks=pytest.mark.slow),
+], ids=["mlp_2_meshes_zb_h1", "gpt_3_meshes_zb_h2", "moe_2_meshes_zb_h1"])
 def test_zero_bubble_schedules_match_jit_on_ray(ray_backend, build, meshes, schedule,  # noqa: F811
                                                 num_micro_batches, manual):
     loss_fn, state, batches = build()
