@@ -355,8 +355,9 @@ class _Placement:
 
     def stage_seconds(self, k, rows: np.ndarray, seconds: np.ndarray) -> np.ndarray:
         """``[row, d]``: the time of stage ``(k..i, p)`` for each flat ``row = i * P + p`` (``k`` one first
-        layer, or one per row) starting with ``d`` devices left, with its inside-node savings and the shared NIC of its own node (not yet those of its
-        neighbours' nodes: :meth:`extra`); inf where it is misaligned."""
+        layer, or one per row) starting with ``d`` devices left, with its inside-node savings and the shared
+        NIC of its own node (not yet those of its neighbours' nodes: :meth:`extra`); inf where it is
+        misaligned."""
         last, mesh = np.divmod(rows, self.saving.shape[2])
         saving = self.saving[k, last, mesh]
         placed = np.maximum(seconds[:, None] - saving[:, :1] * self.inside_before[mesh]

@@ -13,9 +13,9 @@ backend settling the DP's estimates):
   large simulated cluster (default 1,024 GPUs).
 
 ``--reference FILE`` compares every planned case with the plans recorded in FILE (the rows of an earlier
-run's JSON) and reports each difference; ``--check-reuse`` also plans each case with every solve and DP
-shortcut off (:data:`EXACT_OPTIONS`) and compares. The machine's load (``os.getloadavg``) is recorded before
-and after each part: timings on a shared machine are only as good as that load.
+run's JSON, with the same cost model) and reports each difference (the exit status is then 1). The machine's
+load (``os.getloadavg``) is recorded before and after each part: timings on a shared machine are only as good
+as that load.
 
     python examples/benchmarks/planning.py                                # GPT-39B on 64 GPUs
     python examples/benchmarks/planning.py --suite --out results/planning.json
@@ -38,8 +38,6 @@ from alpa_like.compiler.options import AutoStageOption  # noqa: E402
 from alpa_like.pipeshard import plan_and_profile  # noqa: E402
 
 DEFAULT_CASES = ("gpt-39b:64",)
-EXACT_OPTIONS = {"reuse_solves": False}
-"""``AutoStageOption`` fields that turn the planner's shortcuts off, for ``--check-reuse``."""
 
 
 def load() -> list[float]:
@@ -73,15 +71,13 @@ def same_plan(a: dict, b: dict, rtol: float = 1e-9) -> bool:
     return a["stages"] == b["stages"] and abs(ta - tb) <= rtol * max(abs(ta), abs(tb))
 
 
-def plan_case(model: str, gpus: int, micro_batches: int, stage_fields: dict | None = None,
-              show_progress: bool = True) -> dict:
+def plan_case(model: str, gpus: int, micro_batches: int, show_progress: bool = True) -> dict:
     """Traces and plans one case as the bench does; its time, breakdown and plan signature."""
     workload = workloads.make_workload(model, suites.GLOBAL_BATCH.get(model.split("-")[0], 1024))
     cluster = workloads.cluster_for(gpus)
-    option = AutoStageOption(show_progress=show_progress, **(stage_fields or {}))
+    option = AutoStageOption(show_progress=show_progress)
     method = ours.pipeshard_method(workload, micro_batches, stage_option=option)
-    row = {"model": model, "gpus": gpus, "micro_batches": micro_batches, "stage_fields": stage_fields or {},
-           "load_before": load()}
+    row = {"model": model, "gpus": gpus, "micro_batches": micro_batches, "load_before": load()}
     start = time.perf_counter()
     sliced = ours.slice_workload(workload, method)
     try:
@@ -144,8 +140,6 @@ def main():
     parser.add_argument("--suite", action="store_true", help="time the whole bench gpt suite")
     parser.add_argument("--large", action="store_true", help="plan opt-175b on --large-gpus GPUs")
     parser.add_argument("--large-gpus", type=int, default=1024)
-    parser.add_argument("--check-reuse", action="store_true",
-                        help="also plan each case with the planner's shortcuts off and compare")
     parser.add_argument("--reference", help="JSON of an earlier run whose plans each case must equal")
     parser.add_argument("--quiet", action="store_true", help="no planner progress on stderr")
     parser.add_argument("--out", default="results/planning.json")
@@ -163,12 +157,6 @@ def main():
         rows.append(row)
         print(header)
         print_row(row)
-        if args.check_reuse and "plan" in row:
-            exact = plan_case(model, gpus, m, EXACT_OPTIONS, show_progress=not args.quiet)
-            rows.append(exact)
-            print_row(exact)
-            if "plan" not in exact or not same_plan(row["plan"], exact["plan"]):
-                problems.append(f"{model} on {gpus} GPUs: the plan with shortcuts differs from the one without")
     if args.suite:
         print(f"== the gpt suite, load {load()}", file=sys.stderr)
         suite = run_suite()
