@@ -6,10 +6,12 @@ pieces it runs as ``jax.export`` StableHLO bytes, and the layout of every mesh. 
 ``run_step`` call per worker. Cross-mesh values never pass through the driver:
 
 * a worker that writes a buffer another mesh ``RECV``s cuts it into the pieces of the resharding plan
-  (:func:`~alpa_like.runtime.resharding.plan_resharding`, with the local all-gather rewrite), puts them in the
-  Ray object store and hands the object ref to the receiver with a ``deliver`` actor call (a background thread
-  does this, so the worker keeps dispatching its own program);
-* the receiver's ``RECV`` waits for that ref, fetches the pieces onto its devices and assembles them
+  (:func:`~alpa_like.runtime.resharding.plan_resharding`, with the local all-gather rewrite) and hands them to
+  the receiver as the argument of a ``deliver`` actor call: Ray inlines a small parcel in the call and puts a
+  large one in its object store once, fetching it onto the receiver's node before the call runs (a background
+  thread sends, so the worker keeps dispatching its own program);
+* the receiver's ``RECV`` waits for that parcel, puts the pieces on its devices (on CPU a view of the
+  object store's memory, no copy) and assembles them
   (:func:`~alpa_like.runtime.resharding.assemble_received`), including the local all-gathers.
 
 Step outputs stay in the worker's handle store (``fetch`` and ``free`` act on it); a handle passed back as a
@@ -255,13 +257,13 @@ class MeshWorker:
 
     # ----------------------------------------------------------------------------------- worker to worker
 
-    def deliver(self, exe_id: int, step: int, keys: Sequence, refs: list) -> None:
-        """Called by a peer: the object ref of a parcel holding the buffers ``keys`` (in order), which this
-        worker will RECV (or LOAD) in ``step``."""
-        parcel = _Parcel(refs[0])
+    def deliver(self, exe_id: int, step: int, keys: Sequence, parcel: list) -> None:
+        """Called by a peer: a parcel holding the buffers ``keys`` (in order), which this worker will RECV
+        (or LOAD) in ``step``. The parcel is the call's argument: Ray inlines a small one in the call and
+        puts a large one in the object store once, fetching it onto this node before the call runs."""
         with self._cond:
-            for i, key in enumerate(keys):
-                self._mailbox[(exe_id, step, key)] = (parcel, i)
+            for key, item in zip(keys, parcel, strict=True):
+                self._mailbox[(exe_id, step, key)] = item
             self._cond.notify_all()
 
     def abort(self, exe_id: int, step: int) -> None:
@@ -278,8 +280,7 @@ class MeshWorker:
                 if failed is not None:  # this worker's own send failed: its peers would wait forever
                     raise failed
                 self._cond.wait(RECV_POLL_SECONDS)
-            parcel, i = self._mailbox.pop((exe_id, step, key))
-        return parcel.items()[i]
+            return self._mailbox.pop((exe_id, step, key))
 
     # ----------------------------------------------------------------------------------------- one step
 
@@ -325,19 +326,6 @@ class MeshWorker:
         return {"mesh": loaded.program.mesh, "seconds": time.perf_counter() - start,
                 "bytes_sent": run.bytes_sent, "input_bytes_sent": run.input_bytes_sent, "instructions": run.count,
                 "donated_buffers": run.donated, "input_relayouts": run.relayouts, "outputs": returned}
-
-
-class _Parcel:
-    """The buffers one peer sent in one message: fetched from the object store on first use."""
-
-    def __init__(self, ref):
-        self.ref, self._items = ref, None
-
-    def items(self) -> list:
-        if self._items is None:
-            import ray
-            self._items = ray.get(self.ref)
-        return self._items
 
 
 class _LoadedProgram:
@@ -635,10 +623,8 @@ class _StepRun:
             raise
 
     def _send_parcel(self, dst: int, items: list) -> None:
-        import ray
         parcel = [self._pieces(x, dst, spec, is_input=key[0] == "input") for key, x, spec in items]
-        ref = ray.put(parcel)
-        self.loaded.peers[dst].deliver.remote(self.exe_id, self.step, [key for key, _, _ in items], [ref])
+        self.loaded.peers[dst].deliver.remote(self.exe_id, self.step, [key for key, _, _ in items], parcel)
 
     def _pieces(self, x, dst: int, dst_spec: ShardingSpec, is_input: bool) -> dict:
         """One buffer cut into the pieces its resharding plan sends to mesh ``dst``."""

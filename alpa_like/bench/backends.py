@@ -56,9 +56,15 @@ class Measurement:
     step_flops: float
     num_devices: int
     num_nodes: int = 1
+    dispatch: dict[str, float] | None = None
+    """On the Ray backend: the fixed costs measured on its workers
+    (:func:`~alpa_like.runtime.ray_dispatch.measure_dispatch_costs`), which ``predicted_seconds`` includes."""
+    predicted_without_dispatch_seconds: float | None = None
+    """On the Ray backend: the prediction without those costs (the devices' work and the bytes only)."""
 
     def summary(self) -> dict:
         return {"method": self.method, "measured_s": self.measured_seconds, "predicted_s": self.predicted_seconds,
+                "predicted_without_dispatch_s": self.predicted_without_dispatch_seconds, "dispatch": self.dispatch,
                 "num_nodes": self.num_nodes, "num_devices": self.num_devices,
                 "predicted_over_measured": self.predicted_seconds / self.measured_seconds,
                 "measured_tflops_per_device": self.step_flops / self.measured_seconds / self.num_devices / 1e12}
@@ -104,11 +110,24 @@ def local_workload(suite: str) -> Workload:
                     args=(state, batch), num_layers=sum(config.stage_sizes), remat=False)
 
 
-def _predicted(exe) -> float:
+def _predicted(exe, dispatch=None) -> float:
+    """The simulated step of a pipeline executable (with a runtime's ``dispatch`` costs), else the SPMD plan's
+    modelled time."""
     if hasattr(exe, "programs"):
         from alpa_like.runtime.simulator import simulate
-        return simulate(exe.plan, exe.program, exe.programs, value_specs=getattr(exe, "value_specs", None)).step_seconds
+        return simulate(exe.plan, exe.program, exe.programs, value_specs=getattr(exe, "value_specs", None),
+                        dispatch=dispatch).step_seconds
     return exe.plan.estimated_iteration_time
+
+
+def _ray_dispatch(exe):
+    """The Ray backend's fixed costs measured on the executable's first two workers (None for a local
+    executable or one worker)."""
+    workers = list(dict.fromkeys(getattr(exe, "workers", ())))
+    if len(workers) < 2:
+        return None
+    from alpa_like.runtime.ray_dispatch import measure_dispatch_costs
+    return measure_dispatch_costs(exe.cluster, workers[:2])
 
 
 def _measure(workload: Workload, method, steps: int) -> Measurement:
@@ -126,9 +145,12 @@ def _measure(workload: Workload, method, steps: int) -> Measurement:
         jax.block_until_ready((state, out))
         times.append(time.perf_counter() - start)
     flops = _step_flops(workload, exe)
+    dispatch = _ray_dispatch(exe)
     return Measurement(method=type(method).__name__, measured_seconds=statistics.median(times),
-                       predicted_seconds=_predicted(exe), step_flops=flops, num_devices=exe.plan.num_devices,
-                       num_nodes=exe.plan.cluster.num_nodes)
+                       predicted_seconds=_predicted(exe, dispatch), step_flops=flops, num_devices=exe.plan.num_devices,
+                       num_nodes=exe.plan.cluster.num_nodes,
+                       dispatch=None if dispatch is None else dataclasses.asdict(dispatch),
+                       predicted_without_dispatch_seconds=None if dispatch is None else _predicted(exe))
 
 
 def _step_flops(workload: Workload, exe) -> float:

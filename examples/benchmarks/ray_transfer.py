@@ -7,14 +7,16 @@ nodes (0 -> 1: across nodes; 0 -> 0: within node 0):
 
 * resharding: two of the backend's worker actors (one per mesh, a (2, 1) mesh of 2 virtual CPU devices each)
   run a one-instruction program per step: mesh 0 ``LOAD`` s a float32 array held in its store, which sends it
-  to mesh 1 cut into its resharding plan's pieces (one object in the object store, one actor call), and mesh
-  1 ``RECV`` s it and assembles it on its devices: the code path of every pipeline ``RECV``;
+  to mesh 1 cut into its resharding plan's pieces (the argument of one actor call: inlined in the call when
+  small, else one object in the object store), and mesh 1 ``RECV`` s it and assembles it on its devices: the
+  code path of every pipeline ``RECV``;
 * raw: two plain actors on the same nodes: one ``ray.put`` s an array of the same bytes, the other
   ``ray.get`` s it.
 
 Each transfer is timed on the driver from its calls to both actors until both have answered; the two kinds
 take turns transfer by transfer (so the shared machine's load hits both alike), and the table shows the median
-of ``--repeats`` transfers of each kind per size and the throughput (bytes / time).
+of ``--repeats`` transfers of each kind per size and the throughput (bytes / time). Sizes are MiB, fractions
+allowed (``--sizes 0.03125`` is 32 KiB: the fixed cost of a transfer).
 
     python examples/benchmarks/ray_transfer.py --out results/ray_transfer.json
 """
@@ -116,9 +118,9 @@ def alternate(fns, repeats: int) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
-def measure(backend, src: int, dst: int, mib: int, repeats: int) -> dict:
+def measure(backend, src: int, dst: int, mib: float, repeats: int) -> dict:
     import ray
-    array = np.arange(mib * 2**20 // 4, dtype=np.float32).reshape(-1, COLUMNS)
+    array = np.arange(int(mib * 2**20) // 4, dtype=np.float32).reshape(-1, COLUMNS)
     workers = backend.acquire([(src, 2), (dst, 2)])
     move = Resharding(backend, workers, array)
     sender, receiver = probes(backend, src, dst, array.nbytes)
@@ -133,7 +135,7 @@ def measure(backend, src: int, dst: int, mib: int, repeats: int) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 64], help="MiB per transfer")
+    parser.add_argument("--sizes", type=float, nargs="+", default=[1, 16, 64], help="MiB per transfer")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", default="results/ray_transfer.json")
     args = parser.parse_args()
@@ -149,7 +151,7 @@ def main():
     print(f"{'nodes':7} {'MiB':>5} {'resharding ms':>14} {'raw ms':>9} {'resharding GB/s':>16} {'raw GB/s':>9} "
           f"{'ratio':>6}")
     for r in rows:
-        print(f"{r['nodes']:7} {r['mib']:5d} {r['resharding_ms']:14.1f} {r['raw_ms']:9.1f} "
+        print(f"{r['nodes']:7} {r['mib']:5g} {r['resharding_ms']:14.1f} {r['raw_ms']:9.1f} "
               f"{r['resharding_gb_s']:16.2f} {r['raw_gb_s']:9.2f} {r['ratio']:6.2f}")
     write_results(args.out, rows)
 
