@@ -63,7 +63,8 @@ from alpa_like.compiler.gradient_sync import NONE, DeferredGradients
 from alpa_like.compiler.stage_sharding import StageSharding
 from alpa_like.runtime.pipeshard_runtime import input_donations
 from alpa_like.runtime.stage_gradients import GradientDeferral, defer_gradients, gradient_phase
-from alpa_like.runtime.ray_nodes import answering, choose_nodes, cluster_nodes, mesh_nodes, with_placements
+from alpa_like.runtime.ray_nodes import (HeadWatch, answering, choose_nodes, cluster_nodes, died_at, head_text,
+                                          mesh_nodes, with_placements)
 from alpa_like.runtime.ray_programs import export_piece, mesh_load_spec, worker_programs
 from alpa_like.runtime.ray_startup import connect_ray, start_local_ray
 from alpa_like.runtime.ray_worker import MeshInfo, MeshWorker, WorkerStepError
@@ -81,19 +82,6 @@ _CONSEQUENCES = {"StepAborted", "OwnerDiedError", "ObjectLostError", "ObjectFetc
 
 class RayStepError(RuntimeError):
     """A step failed on the Ray backend (the message names the mesh and the instruction)."""
-
-
-def died_at(progress: tuple[int, int, int] | None, exe_id: int, step: int | None,
-            instructions: Sequence[Any]) -> str:
-    """Where a lost worker was, from its progress record (executable, step, instruction index): the
-    instruction of ``step`` it had entered, else between steps, else unknown."""
-    if progress is None or progress[0] != exe_id:
-        return "(instruction unknown: no progress record of this executable readable from the driver)"
-    if progress[1] == step and progress[2] >= 0:
-        return f"at instruction #{progress[2]} `{instructions[progress[2]]}`"
-    if step is not None and progress[1] < step:
-        return f"before its first instruction of step {step} (it had entered #{progress[2]} of step {progress[1]})"
-    return "(instruction unknown)"
 
 
 @dataclasses.dataclass
@@ -256,6 +244,9 @@ class RayCluster:
                 ray.shutdown()
             raise
         self.num_nodes = len(self.nodes)
+        gcs = ray.get_runtime_context().gcs_address
+        self.head_watch = HeadWatch(gcs, head_text(self.nodes, gcs))
+        """Probed while a step waits: a lost head fails the step at once (:class:`~.ray_nodes.HeadWatch`)."""
         self.step_timeout = step_timeout
         self.compilation_cache_dir = compilation_cache_dir
         self.startup_timeout = startup_timeout
@@ -611,6 +602,9 @@ class RayPipeshardExecutable:
         while pending:
             wait = POLL_SECONDS if deadline is None else max(0.0, min(POLL_SECONDS, deadline - time.monotonic()))
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait)
+            if not ready and (lost := self.cluster.head_watch.lost()):  # no Ray call answers: do not abort
+                self.failed = f"Ray backend: {what}: {lost}"
+                raise RayStepError(self.failed)
             for ref in ready:
                 mesh = pending.pop(ref)
                 try:

@@ -17,12 +17,18 @@ A plan's device ``d`` is on node ``d // num_devices_per_node`` of its cluster (a
 plan that needs more nodes or devices than the Ray cluster has. An automatic stage option plans one-node
 meshes only (:func:`one_node_meshes`). The backend pins each mesh's actor to its node
 (``NodeAffinitySchedulingStrategy``, not soft) and prints the node in ``exe.plan`` (:func:`with_placements`).
+
+Losses: a lost worker node's workers die with it; where each was comes from its progress record
+(:func:`died_at`). A lost head takes the GCS with it (actors, objects and the node table), so no Ray call of
+the driver answers any more: the backend's waits probe the GCS's port (:class:`HeadWatch`) and fail fast,
+naming the head.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
 import socket
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -37,6 +43,8 @@ HEAD_RESOURCE = "node:__internal_head__"
 """The resource Ray gives the head node only."""
 PROBE_SECONDS = 2.0
 """How long :func:`answering` waits for a raylet to accept a connection."""
+HEAD_CHECK_SECONDS = 2.0
+"""How often a :class:`HeadWatch` probes the GCS while the driver waits."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -184,3 +192,58 @@ def with_placements(plan: ParallelPlan, nodes: Sequence[RayNode], stage_nodes: S
     stages = tuple(dataclasses.replace(s, placement=str(nodes[k])) for s, k in zip(plan.stages, stage_nodes,
                                                                                     strict=True))
     return dataclasses.replace(plan, stages=stages)
+
+
+def died_at(progress: tuple[int, int, int] | None, exe_id: int, step: int | None,
+            instructions: Sequence[Any]) -> str:
+    """Where a lost worker was, from its progress record (executable, step, instruction index): the
+    instruction of ``step`` it had entered, else between steps, else unknown."""
+    if progress is None or progress[0] != exe_id:
+        return "(instruction unknown: no progress record of this executable readable from the driver)"
+    if progress[1] == step and progress[2] >= 0:
+        return f"at instruction #{progress[2]} `{instructions[progress[2]]}`"
+    if step is not None and progress[1] < step:
+        return f"before its first instruction of step {step} (it had entered #{progress[2]} of step {progress[1]})"
+    return "(instruction unknown)"
+
+
+def head_text(nodes: Sequence[RayNode], gcs_address: str) -> str:
+    """The head as messages name it: its :class:`RayNode` when the plans use it, and its GCS address."""
+    head = next((n for n in nodes if n.is_head), None)
+    return f"the head node ({head}, GCS at {gcs_address})" if head else f"the head node (GCS at {gcs_address})"
+
+
+class HeadWatch:
+    """Whether the Ray cluster's head still answers: its GCS port accepts a TCP connection within ``timeout``
+    seconds. :meth:`lost` probes at most every ``every`` seconds (else it answers None at once).
+
+    Args:
+      gcs_address: ``"host:port"`` of the GCS (``ray.get_runtime_context().gcs_address``).
+      head: how messages name the head (:func:`head_text`).
+    """
+
+    def __init__(self, gcs_address: str, head: str, *, every: float = HEAD_CHECK_SECONDS,
+                 timeout: float = PROBE_SECONDS, connect: Callable[..., Any] = socket.create_connection,
+                 clock: Callable[[], float] = time.monotonic):
+        host, _, port = gcs_address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"HeadWatch: gcs_address must be 'host:port', got {gcs_address!r}")
+        self.where, self.head = (host.strip("[]"), int(port)), head
+        self.every, self.timeout, self.connect, self.clock = every, timeout, connect, clock
+        self._next = clock() + every
+
+    def lost(self) -> str | None:
+        """None while the head answers (or before the next probe is due), else a message naming the head."""
+        now = self.clock()
+        if now < self._next:
+            return None
+        self._next = now + self.every
+        try:
+            self.connect(self.where, timeout=self.timeout).close()
+            return None
+        except OSError as e:
+            return (f"{self.head} does not answer ({type(e).__name__}: {e}): the Ray cluster is gone with its GCS, "
+                    "and with it every worker and object of this job; the driver cannot continue. Start the "
+                    "cluster again, then al.init(cluster='ray', address=...) and restore the last checkpoint (a "
+                    "driver on the head machine is lost with it; Ray ends a driver whose GCS stays unreachable "
+                    "for 60 s)")

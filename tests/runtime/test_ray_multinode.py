@@ -97,13 +97,16 @@ def test_more_nodes_or_devices_than_the_cluster_has_are_refused(cluster):
 
 def test_the_benchmark_runs_on_every_node_of_a_given_cluster(cluster):
     """``python -m alpa_like.bench opt --backend ray --address ...``'s run: the automatic plan spans both
-    nodes and its measured step comes with the simulator's prediction."""
+    nodes and its measured step comes with the simulator's prediction, which includes the Ray backend's fixed
+    costs measured on the executable's workers."""
     from alpa_like.bench import backends
     workload = backends.local_workload("opt")
     method = backends.measured_methods(workload)[0]
     m = backends.run_ray(workload, method, steps=1, address=cluster.address)
     assert (m.num_nodes, m.num_devices) == (2, 2 * DEVICES_PER_NODE)
     assert m.measured_seconds > 0 and m.predicted_seconds > 0
+    assert set(m.dispatch) == {"step_seconds", "instruction_seconds", "transfer_seconds"}
+    assert m.dispatch["step_seconds"] > 0 and m.predicted_seconds > m.predicted_without_dispatch_seconds > 0
 
 
 def first_run_on(exe, mesh: int) -> int:
@@ -186,3 +189,63 @@ def test_a_lost_node_is_a_named_error_in_time_and_training_resumes_from_the_chec
         cluster.add_node()  # the module's cluster has two nodes again
     ref, _ = reference_on_one_device(step, state, batches)
     assert_trees_close(got.params, ref.params, rtol=1e-5, atol=1e-6)
+
+
+LOSE_THE_HEAD = """
+import os, sys, time
+sys.path.insert(0, os.getcwd())
+import ray
+import alpa_like as al
+from alpa_like import api
+from alpa_like.runtime.ray_backend import RayStepError
+from alpa_like.runtime.ray_local_cluster import LocalCluster
+from alpa_like.runtime.ray_startup import loopback_node_ip
+from tests.runtime.test_pipeshard_runtime import mlp_case, train_step_for
+from tests.runtime.test_ray_multinode import ONE_MESH_PER_NODE
+
+cluster = LocalCluster(num_nodes=1, num_cpus_per_node=2)  # the head, on 127.0.0.1
+with loopback_node_ip():  # a second node on 127.0.0.2, where the driver attaches (not the head's raylet)
+    cluster._cluster.add_node(**{**cluster._node_args(), "node_ip_address": "127.0.0.2"})
+    ray.init(address=cluster.address, _node_ip_address="127.0.0.2", include_dashboard=False, log_to_driver=False)
+al.init(cluster="ray", address=cluster.address)
+loss_fn, state, batches = mlp_case()
+f = al.parallelize(train_step_for(loss_fn), method=al.PipeshardParallel(
+    num_micro_batches=2, layer_option=al.ManualLayerOption(), stage_option=ONE_MESH_PER_NODE))
+state1, _ = f(state, batches[0])
+print("head", api._backend.ray.nodes[0], flush=True)
+head, other = cluster.nodes
+head.kill_all_processes(check_alive=False, allow_graceful=False)  # the GCS, the head's raylet and workers
+start = time.monotonic()
+try:
+    f(state1, batches[1])
+    print("no error", flush=True)
+except RayStepError as e:
+    print(f"error after {time.monotonic() - start:.1f} s: {e}", flush=True)
+other.kill_all_processes(check_alive=False, allow_graceful=False)
+deadline = time.monotonic() + 30
+while cluster.processes_alive() and time.monotonic() < deadline:
+    time.sleep(0.2)
+print("processes left" if cluster.processes_alive() else "processes gone", flush=True)
+os._exit(0)  # Ray would end a driver whose GCS stays unreachable, after 60 s
+"""
+
+
+@pytest.mark.slow
+def test_a_lost_head_node_is_a_named_error_in_time():
+    """A driver attached to another node's raylet (as one started elsewhere with ``--address``) loses the head
+    (the GCS, its raylet and the worker of mesh 0) between steps: the next step raises a RayStepError naming
+    the head within 30 s instead of hanging. In a process of its own, as it loses its Ray. (A driver attached to
+    the head's own raylet is ended by Ray at once: see docs/ray.md.)"""
+    import re
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", LOSE_THE_HEAD], capture_output=True, text=True, timeout=300)
+    out = done.stdout
+    head = re.search(r"^head (Ray node 0 \(127\.0\.0\.1, id \w+, head\))$", out, re.M)
+    assert head, out + done.stderr[-3000:]
+    error = re.search(r"^error after ([\d.]+) s: Ray backend: step 1: the head node \((.*?), GCS at 127\.0\.0\.1:\d+\) "
+                      r"does not answer \(\w+.*\): the Ray cluster is gone", out, re.M)
+    assert error, out + done.stderr[-3000:]
+    assert error.group(2) == head.group(1)
+    assert float(error.group(1)) < 30
+    assert "processes gone" in out

@@ -9,10 +9,9 @@ import pytest
 
 import alpa_like as al
 from alpa_like.compiler.layer_slicing import FORWARD
-from alpa_like.runtime.ray_backend import died_at
 from alpa_like.runtime.ray_startup import connect_ray, is_loopback_address
-from alpa_like.runtime.ray_nodes import (HEAD_RESOURCE, RayNode, answering, choose_nodes, cluster_nodes,
-                                         mesh_nodes, one_node_meshes, with_placements)
+from alpa_like.runtime.ray_nodes import (HEAD_RESOURCE, HeadWatch, RayNode, answering, choose_nodes, cluster_nodes,
+                                         died_at, head_text, mesh_nodes, one_node_meshes, with_placements)
 from alpa_like.runtime.instructions import Instruction, Op
 from tests.helpers import make_train_step, mlp_batch, mlp_loss, mlp_state
 
@@ -119,6 +118,35 @@ PROGRAM = [Instruction(Op.LOAD, 0, (3, -1)), Instruction(Op.RUN, 0, stage=0, pha
 ])
 def test_a_lost_worker_is_placed_by_its_progress_record(progress, step, expected):
     assert died_at(progress, 5, step, PROGRAM) == expected
+
+
+def test_a_head_that_refuses_connections_is_named_as_lost_at_the_next_probe():
+    """The watch probes the GCS port at most every ``every`` seconds; a refused (or timed-out) connection is a
+    message naming the head node and its GCS; a bad address is a ValueError."""
+    now, probes, refuse = [0.0], [], [False]
+
+    def connect(address, timeout):
+        probes.append((address, timeout))
+        if refuse[0]:
+            raise ConnectionRefusedError(111, "Connection refused")
+        return SimpleNamespace(close=lambda: None)
+    head = RayNode(index=0, node_id="aabbccddee", address="10.0.0.1", num_devices=2, is_head=True)
+    text = head_text([head], "10.0.0.1:6379")
+    assert text == "the head node (Ray node 0 (10.0.0.1, id aabbccdd, head), GCS at 10.0.0.1:6379)"
+    assert head_text([], "10.0.0.1:6379") == "the head node (GCS at 10.0.0.1:6379)"  # no devices on the head
+    watch = HeadWatch("10.0.0.1:6379", text, every=2.0, timeout=1.0, connect=connect, clock=lambda: now[0])
+    now[0] = 1.0
+    assert watch.lost() is None and probes == []  # not due yet
+    now[0] = 2.0
+    assert watch.lost() is None and probes == [(("10.0.0.1", 6379), 1.0)]
+    refuse[0] = True
+    now[0] = 3.0
+    assert watch.lost() is None and len(probes) == 1
+    now[0] = 4.0
+    lost = watch.lost()
+    assert lost.startswith(f"{text} does not answer (ConnectionRefusedError: ") and "cannot continue" in lost
+    with pytest.raises(ValueError, match="gcs_address must be 'host:port', got 'nowhere'"):
+        HeadWatch("nowhere", text)
 
 
 def test_a_loopback_address_is_dialled_from_loopback():
