@@ -140,7 +140,9 @@ def test_a_model_without_causal_attention_is_rejected():
 
 
 def test_dropout_from_a_per_step_key_is_a_warning():
-    """TeraPipe runs the loss once per token slice with the step's keys: a mask drawn from one repeats."""
+    """TeraPipe folds each token slice's unit index into the step's keys: a warning says so when the step is
+    built (tests/runtime/test_terapipe_random.py checks the masks), before this attention-less loss is
+    refused."""
     def loss_fn(params, batch, key):
         x = jnp.where(jax.random.bernoulli(key, 0.5, batch["x"].shape), batch["x"], 0.0)
         return jnp.mean((x @ params["w"]) ** 2)
@@ -152,7 +154,7 @@ def test_dropout_from_a_per_step_key_is_a_warning():
     method = al.PipeshardParallel(layer_option=al.AutoLayerOption(layer_num=1),
                                   stage_option=stages(((0,),), ((1, 8),), ((1, 8),)),
                                   pipeline_schedule="terapipe", token_slices=(4, 4))
-    with pytest.warns(UserWarning, match="repeats in every slice"), pytest.raises(TerapipeContractError):
+    with pytest.warns(UserWarning, match="folds each unit's index"), pytest.raises(TerapipeContractError):
         al.parallelize(step, method=method)(state, {"x": jnp.ones((2, 8, 4))}, jax.random.key(0))
 
 
