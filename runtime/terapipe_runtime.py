@@ -82,7 +82,7 @@ from alpa_like.compiler.schedule_tables import terapipe
 from alpa_like.compiler.schedules import Schedule, Task
 from alpa_like.runtime.instructions import MeshPrograms
 from alpa_like.runtime.mesh import named_sharding
-from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable, _piece_fn, activation_spec, pad_tokens, unit_window
+from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable, activation_spec, pad_tokens, unit_window
 from alpa_like.runtime.terapipe_programs import TokenSlicedProgram, emit_token_sliced, lower_token_sliced
 
 __all__ = ["TerapipeContractError", "LossCall", "find_loss_call", "TerapipeExecutable", "slice_starts"]
