@@ -25,8 +25,10 @@ static instruction programs, resharding plans), then builds a :class:`RayPipesha
 
 Faults: the driver waits on the workers' object refs with ``ray.wait`` timeouts; a worker that raises or dies
 becomes a :class:`RayStepError` naming the mesh and the instruction (and, for a worker that died or whose
-node was lost, the Ray node); the other workers are aborted, so the call never hangs. The executable is then
-unusable: ``al.shutdown()`` and ``al.init(...)`` start afresh, on the nodes then alive.
+node was lost, the Ray node); the other workers are aborted, so the call never hangs. A lost head node (the GCS)
+answers no Ray call: while a step waits the driver probes the GCS port
+(:class:`~alpa_like.runtime.ray_nodes.HeadWatch`) and raises a :class:`RayStepError` naming the head. The
+executable is then unusable: ``al.shutdown()`` and ``al.init(...)`` start afresh, on the nodes then alive.
 
 The local Ray (``address=None`` and no Ray running): :func:`~alpa_like.runtime.ray_startup.start_local_ray`
 starts a new single-node cluster whose every server listens on loopback only (node IP 127.0.0.1, no
