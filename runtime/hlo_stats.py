@@ -81,3 +81,14 @@ def count_by_kind(hlo_text: str) -> dict[str, int]:
     for c in collectives(hlo_text):
         counts[c.kind] += 1
     return counts
+
+
+def reduced_bytes_by_piece(pipeline_hlo_text: str) -> dict[tuple[int, str], int]:
+    """Per ``(stage, phase)`` piece of a pipeline executable's ``get_hlo_text()`` (pieces headed
+    ``// stage <q> <phase>``), the bytes its all-reduces and reduce-scatters produce per device."""
+    reduced = {}
+    for part in pipeline_hlo_text.split("// stage ")[1:]:
+        stage, phase = part.split(None, 2)[:2]
+        reduced[(int(stage), phase)] = sum(c.result_bytes for c in collectives(part)
+                                           if c.kind in ("all-reduce", "reduce-scatter"))
+    return reduced

@@ -1,5 +1,5 @@
 """Reading collectives out of HLO text."""
-from alpa_like.runtime.hlo_stats import collectives, count_by_kind
+from alpa_like.runtime.hlo_stats import collectives, count_by_kind, reduced_bytes_by_piece
 
 HLO = """
   %all-reduce.1 = f32[128,64]{1,0} all-reduce(f32[128,64]{1,0} %p), replica_groups={{0,1}}, to_apply=%add
@@ -46,3 +46,9 @@ def test_collectives_in_computations_a_loop_body_calls_are_in_the_loop():
     in the loop."""
     assert [(c.kind, c.in_loop_body) for c in collectives(LOOP_HLO)] == [
         ("all-reduce", True), ("all-gather", True), ("reduce-scatter", False)]
+
+
+def test_reduced_bytes_per_piece_of_a_pipeline():
+    text = "// stage 0 fwd\n" + HLO + "// stage 1 bwd\n  %g = f32[8]{0} all-gather(f32[4]{0} %x)\n// stage 1 wgt\n" + HLO
+    every = 128 * 64 * 4 + 24 + 64 + 48  # the all-reduces and the reduce-scatter, not the all-gather
+    assert reduced_bytes_by_piece(text) == {(0, "fwd"): every, (1, "bwd"): 0, (1, "wgt"): every}

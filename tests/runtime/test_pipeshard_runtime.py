@@ -300,12 +300,9 @@ def test_stage_pieces_compile_the_collectives_their_layers_ilp_chose(fixed_clust
     ref_state, ref_losses = reference_on_one_device(step, state, batches)
     assert_trees_close(got_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
     assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
-    all_reduced = [0, 0]
-    for part in exe.get_hlo_text().split("// stage ")[1:]:
-        stage, phase = part.split(None, 2)[:2]
-        if phase in ("fwd", "bwd"):
-            all_reduced[int(stage)] += sum(c.result_bytes for c in hlo_stats.collectives(part)
-                                           if c.kind in ("all-reduce", "reduce-scatter"))
+    pieces = hlo_stats.reduced_bytes_by_piece(exe.get_hlo_text())
+    all_reduced = [sum(b for (q, phase), b in pieces.items() if q == stage and phase in ("fwd", "bwd"))
+                   for stage in (0, 1)]
     predicted = [sum(c.num_bytes for c in s.communication) for s in exe.plan.stages]
     assert predicted[0] == 0 and predicted[1] > 0
     assert [b * method.num_micro_batches for b in all_reduced] == predicted
@@ -333,12 +330,7 @@ def test_data_parallel_stages_reduce_gradients_once_per_step(defer, remat, fixed
     ref_state, ref_losses = reference_on_one_device(step, state, batches)
     assert_trees_close(got_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
     assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
-    reduced = {}
-    for part in exe.get_hlo_text().split("// stage ")[1:]:
-        stage, phase = part.split(None, 2)[:2]
-        if phase == "bwd":
-            reduced[int(stage)] = sum(c.result_bytes for c in hlo_stats.collectives(part)
-                                      if c.kind in ("all-reduce", "reduce-scatter"))
+    reduced = {q: b for (q, phase), b in hlo_stats.reduced_bytes_by_piece(exe.get_hlo_text()).items() if phase == "bwd"}
     grad_bytes = 2 * (16 * 16 + 16) * 4  # two layers' weight and bias per stage
     if remat:  # the ILP's pins on the checkpoint calls moved onto the inlined pieces' equations
         run = {id(e) for piece in exe.program.pieces.values() for e in piece.jaxpr.jaxpr.eqns}

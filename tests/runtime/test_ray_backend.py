@@ -115,12 +115,7 @@ def test_data_parallel_meshes_reduce_gradients_once_per_step(ray_backend, fixed_
     assert_trees_close(got_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
     assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
     exe = parallel.get_executable(got_state, batches[0])
-    reduced = {}
-    for part in exe.get_hlo_text().split("// stage ")[1:]:
-        stage, phase = part.split(None, 2)[:2]
-        if phase == "bwd":
-            reduced[int(stage)] = sum(c.result_bytes for c in hlo_stats.collectives(part)
-                                      if c.kind in ("all-reduce", "reduce-scatter"))
+    reduced = {q: b for (q, phase), b in hlo_stats.reduced_bytes_by_piece(exe.get_hlo_text()).items() if phase == "bwd"}
     grad_bytes = 2 * (16 * 16 + 16) * 4  # two layers' weight and bias per stage
     if defer:
         assert {q: len(d.outputs) for q, d in exe.deferred.items()} == {0: 4, 1: 4}

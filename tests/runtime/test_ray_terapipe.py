@@ -45,12 +45,7 @@ def test_terapipe_on_ray_matches_jit(ray_backend):
     ref_state, ref_losses = reference_on_one_device(step, state, batches)
     assert_trees_close(jax_values(got_state.params), ref_state.params, rtol=1e-5, atol=1e-6)
     assert_trees_close(jax_values(got_losses), ref_losses, rtol=1e-5, atol=1e-6)
-    reduced = {}
-    for part in exe.get_hlo_text().split("// stage ")[1:]:
-        stage, phase = part.split(None, 2)[:2]
-        if phase == "bwd":
-            reduced[int(stage)] = sum(c.result_bytes for c in hlo_stats.collectives(part)
-                                      if c.kind in ("all-reduce", "reduce-scatter"))
+    reduced = {q: b for (q, phase), b in hlo_stats.reduced_bytes_by_piece(exe.get_hlo_text()).items() if phase == "bwd"}
     assert all(exe.executor.deferred[q].outputs for q in range(4))
     assert reduced == dict.fromkeys(range(4), 0)
 

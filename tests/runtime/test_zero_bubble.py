@@ -171,12 +171,8 @@ def test_weight_gradients_are_deferred_from_w(fixed_cluster):
     assert_trees_close(got_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
     assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
     assert {q: len(d.outputs) for q, d in exe.deferred.items()} == {0: 4, 1: 4}
-    reduced = {}
-    for part in exe.get_hlo_text().split("// stage ")[1:]:
-        stage, phase = part.split(None, 2)[:2]
-        if phase in (BACKWARD, WEIGHT):
-            reduced[(int(stage), phase)] = sum(c.result_bytes for c in hlo_stats.collectives(part)
-                                               if c.kind in ("all-reduce", "reduce-scatter"))
+    reduced = {key: b for key, b in hlo_stats.reduced_bytes_by_piece(exe.get_hlo_text()).items()
+               if key[1] in (BACKWARD, WEIGHT)}
     assert reduced == {(q, phase): 0 for q in (0, 1) for phase in (BACKWARD, WEIGHT)}
 
 
