@@ -3,7 +3,8 @@
 A :class:`ClusterSpec` is plain data consumed by the planning passes: the stage DP (Alpa Eq. 3.2-3.5)
 enumerates submeshes of ``num_nodes x num_devices_per_node``, ``LogicalMesh.from_cluster`` turns the
 bandwidths and latencies into per-axis alpha-beta costs for the intra-op ILP (Eq. 3.1), and the simulator
-divides FLOPs by ``peak_flops``. Nothing here needs the devices to exist, so a 64-GPU cluster can be
+prices each equation with :attr:`ClusterSpec.compute_rates` (the GPU presets' fitted model:
+:data:`GPU_COMPUTE_MODEL`). Nothing here needs the devices to exist, so a 64-GPU cluster can be
 planned on a laptop (``ClusterSpec.preset("p3.16xlarge", num_nodes=8)``); :meth:`ClusterSpec.local`
 measures the devices of this process instead.
 """
@@ -63,7 +64,7 @@ class ClusterSpec:
     """Bytes/s per device that an element-wise op reads plus writes while every device of the node runs one
     (the situation inside a training step). With it, each jaxpr equation costs the larger of its FLOP time
     and its memory time (:func:`~alpa_like.compiler.flops.equation_seconds`, a roofline). None: no memory
-    term, FLOPs only (the presets, so their predictions stay those of the seeds' FLOP-based model)."""
+    term, FLOPs only. The GPU presets set it to their datasheet bandwidth times :data:`GPU_BANDWIDTH_SHARE`."""
     fp32_peak_flops: float | None = None
     """Peak FLOP/s of one device for a matrix product or convolution with float32 operands, at XLA's
     default precision (float32 on a V100, TF32 on an A100 or H100), or None: the same as ``peak_flops``
