@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from alpa_like.compiler.backward_split import WEIGHT
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
@@ -222,6 +222,25 @@ def emit_programs(program: StageProgram, schedule: Schedule, stage_to_mesh: Sequ
         where.setdefault((dst, PER_STEP), set()).add(mesh)
     for stage in apply_order(program):
         run(stage, APPLY, PER_STEP)
+    def returned_input(v: ValueId) -> None:
+        if v in program.batch_inputs:  # the step returns a batch leaf as it is
+            make_available(v, PER_STEP, stage_to_mesh[-1])
+
+    outputs, copies = step_output_places(program, where, key_of, returned_input)
+    instructions = _insert_frees(out, program, {o for o in outputs if o}, key_of) if free_buffers else out
+    return MeshPrograms(instructions=tuple(instructions),
+                        num_meshes=schedule.num_meshes, stage_to_mesh=tuple(stage_to_mesh), outputs=tuple(outputs),
+                        output_copies=tuple(copies) if any(copies) else (), unit_shares=shares,
+                        units=tuple((k, i) for k, first in enumerate(first_unit)
+                                    for i in range(slices_of(schedule.num_slices, k))) if shares else ())
+
+
+def step_output_places(program: StageProgram, where: dict[Key, set[int]], key_of: Callable[[ValueId, int], Key],
+                       returned_input: Callable[[ValueId], None]) -> tuple[list, list]:
+    """Per step output of ``program``: the ``(buffer key, mesh)`` the step returns it from (the lowest mesh
+    holding it in ``where``) and the other meshes holding a copy, ``None`` and ``()`` for a dropped output.
+    An output no instruction has made is offered to ``returned_input`` first (a step input returned as it
+    is, which that loads where the emitter wants it); if it is still nowhere, a ValueError names it."""
     outputs, copies = [], []
     for v in program.step_outputs:
         if v is None:
@@ -229,19 +248,14 @@ def emit_programs(program: StageProgram, schedule: Schedule, stage_to_mesh: Sequ
             copies.append(())
             continue
         key = key_of(v, PER_STEP)
-        if key not in where and v in program.batch_inputs:  # the step returns a batch leaf as it is
-            make_available(v, PER_STEP, stage_to_mesh[-1])
+        if key not in where:
+            returned_input(v)
         holders = where.get(key)
         if not holders:
             raise ValueError(f"step output v{v} is never computed")
         outputs.append((key, min(holders)))
         copies.append(tuple(sorted(holders - {min(holders)})))
-    instructions = _insert_frees(out, program, {o for o in outputs if o}, key_of) if free_buffers else out
-    return MeshPrograms(instructions=tuple(instructions),
-                        num_meshes=schedule.num_meshes, stage_to_mesh=tuple(stage_to_mesh), outputs=tuple(outputs),
-                        output_copies=tuple(copies) if any(copies) else (), unit_shares=shares,
-                        units=tuple((k, i) for k, first in enumerate(first_unit)
-                                    for i in range(slices_of(schedule.num_slices, k))) if shares else ())
+    return outputs, copies
 
 
 def unit_offsets(schedule: Schedule, token_slicing: Sequence[tuple[int, Sequence[int]]] = ()):

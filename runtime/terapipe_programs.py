@@ -41,7 +41,7 @@ from alpa_like.compiler import jax_compat
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
 from alpa_like.compiler.schedules import Phase, Schedule
 from alpa_like.compiler.stage_construction import StagePiece, StageProgram, ValueId, apply_order
-from alpa_like.runtime.instructions import PER_STEP, Instruction, Key, MeshPrograms, Op
+from alpa_like.runtime.instructions import PER_STEP, Instruction, Key, MeshPrograms, Op, step_output_places
 
 __all__ = ["TokenSlicedProgram", "lower_token_sliced", "emit_token_sliced"]
 
@@ -447,20 +447,11 @@ def emit_token_sliced(tp: TokenSlicedProgram, schedule: Schedule, units: Sequenc
         piece = program.piece(stage, APPLY)
         if piece.inputs or piece.outputs:
             run(stage, APPLY, PER_STEP)
-    outputs, copies = [], []
-    for v in program.step_outputs:
-        if v is None:
-            outputs.append(None)
-            copies.append(())
-            continue
-        key = (v, PER_STEP)
-        if key not in where and v in step_inputs:  # the step returns an input as it is
+    def returned_input(v: ValueId) -> None:
+        if v in step_inputs:  # the step returns an input as it is
             available(v, PER_STEP, P - 1)
-        holders = where.get(key)
-        if not holders:
-            raise ValueError(f"step output v{v} is never computed")
-        outputs.append((key, min(holders)))
-        copies.append(tuple(sorted(holders - {min(holders)})))
+
+    outputs, copies = step_output_places(program, where, lambda v, u: (v, u), returned_input)
     instructions = _with_frees(out, reads, program, {o[0] for o in outputs if o}) if free_buffers else out
     num_slices = len({u.batch_slice for u in units})
     tokens = sum(u.key[0] * u.key[2] for u in units)
