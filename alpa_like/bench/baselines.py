@@ -40,11 +40,11 @@ import numpy as np
 
 import alpa_like as al
 from alpa_like.compiler.cluster import ClusterSpec
-from alpa_like.compiler.flops import ComputeRates, equation_seconds
+from alpa_like.compiler.flops import ComputeRates
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
 from alpa_like.compiler.logical_mesh import LogicalMesh
 
-from alpa_like.bench.workloads import Workload
+from alpa_like.bench.workloads import Workload, piece_seconds
 
 BASELINES = ("zero2", "zero3", "expert parallel")
 
@@ -76,7 +76,7 @@ class StepTotals:
     activation_bytes_per_sequence: float
     """Kept from forward to backward, summed over layers."""
     step_seconds: float
-    """``step_flops`` on one device, each equation at its rate (:func:`equation_seconds`) without the
+    """``step_flops`` on one device, each equation at its rate (:func:`~alpa_like.bench.workloads.piece_seconds`) without the
     per-product overhead."""
     apply_seconds: float
     """``apply_flops`` on one device, likewise."""
@@ -95,13 +95,11 @@ def step_totals(sliced: Any, workload: Workload, num_micro_batches: int, rates: 
     seconds at ``rates`` (``ClusterSpec.compute_rates``)."""
     per_mb = sum(s.forward_flops + s.backward_flops for s in sliced.summaries)
     sequences = workload.global_batch / num_micro_batches
-    plain = dataclasses.replace(rates, matmul_overhead=0.0)
     seconds = {FORWARD: 0.0, BACKWARD: 0.0, APPLY: 0.0}
     fixed = dict(seconds)
-    for eqn, piece in zip(sliced.jaxpr.eqns, sliced.pieces, strict=True):
-        if piece is not None:
-            seconds[piece.phase] += equation_seconds(eqn, plain)
-            fixed[piece.phase] += equation_seconds(eqn, rates) - equation_seconds(eqn, plain)
+    for (_, phase), (scaled, overhead) in piece_seconds(sliced, rates).items():
+        seconds[phase] += scaled
+        fixed[phase] += overhead
     return StepTotals(step_flops=per_mb * num_micro_batches, apply_flops=sum(s.apply_flops for s in sliced.summaries),
                       activation_bytes_per_sequence=sum(s.activation_bytes for s in sliced.summaries) / sequences,
                       step_seconds=(seconds[FORWARD] + seconds[BACKWARD]) * num_micro_batches,

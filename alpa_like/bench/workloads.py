@@ -195,20 +195,31 @@ def transformer_costs(sliced: Any, workload: Workload, num_micro_batches: int,
         seconds=None if rates is None else layer_seconds(sliced, config.num_layers, per, rates))
 
 
-def layer_seconds(sliced: Any, num_blocks: int, sequences: float, rates: ComputeRates) -> LayerSeconds:
-    """Each folded layer's (:func:`_fold_surplus_layers`) time at ``rates``: its pieces' equations priced by
-    :func:`~alpa_like.compiler.flops.equation_seconds` without the per-product overhead, per sequence (the
-    forward and backward were traced on ``sequences`` sequences), and that overhead times its products."""
+def piece_seconds(sliced: Any, rates: ComputeRates) -> dict[tuple[int, str], tuple[float, float]]:
+    """Per ``(layer, phase)`` piece of a sliced step: the seconds of its equations at ``rates``
+    (:func:`~alpa_like.compiler.flops.equation_seconds`) without the per-product overhead, and the seconds
+    that overhead adds (``matmul_overhead`` times its products: paid by every device, whatever the split)."""
     plain = dataclasses.replace(rates, matmul_overhead=0.0)
-    phases = {FORWARD: "forward", BACKWARD: "backward", APPLY: "apply"}
-    scaled = {name: [0.0] * num_blocks for name in phases.values()}
-    fixed = {name: [0.0] * num_blocks for name in phases.values()}
+    totals: dict[tuple[int, str], tuple[float, float]] = {}
     for eqn, piece in zip(sliced.jaxpr.eqns, sliced.pieces, strict=True):
         if piece is None:
             continue
-        name, layer = phases[piece.phase], min(piece.layer, num_blocks - 1)
-        scaled[name][layer] += equation_seconds(eqn, plain)
-        fixed[name][layer] += equation_seconds(eqn, rates) - equation_seconds(eqn, plain)
+        scaled = equation_seconds(eqn, plain)
+        before, fixed = totals.get((piece.layer, piece.phase), (0.0, 0.0))
+        totals[(piece.layer, piece.phase)] = (before + scaled, fixed + equation_seconds(eqn, rates) - scaled)
+    return totals
+
+
+def layer_seconds(sliced: Any, num_blocks: int, sequences: float, rates: ComputeRates) -> LayerSeconds:
+    """Each folded layer's (:func:`_fold_surplus_layers`) :func:`piece_seconds`, the scaled part per
+    sequence (the forward and backward were traced on ``sequences`` sequences)."""
+    phases = {FORWARD: "forward", BACKWARD: "backward", APPLY: "apply"}
+    scaled = {name: [0.0] * num_blocks for name in phases.values()}
+    fixed = {name: [0.0] * num_blocks for name in phases.values()}
+    for (layer, phase), (seconds, overhead) in piece_seconds(sliced, rates).items():
+        name, layer = phases[phase], min(layer, num_blocks - 1)
+        scaled[name][layer] += seconds
+        fixed[name][layer] += overhead
     per_sequence = {"forward": sequences, "backward": sequences, "apply": 1.0}
     return LayerSeconds(**{name: tuple(v / per_sequence[name] for v in values) for name, values in scaled.items()},
                         **{name + "_fixed": tuple(values) for name, values in fixed.items()})
