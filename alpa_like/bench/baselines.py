@@ -76,8 +76,8 @@ class StepTotals:
     activation_bytes_per_sequence: float
     """Kept from forward to backward, summed over layers."""
     step_seconds: float
-    """``step_flops`` on one device, each equation at its rate (:func:`~alpa_like.bench.workloads.piece_seconds`) without the
-    per-product overhead."""
+    """``step_flops`` on one device, each equation at its rate without the per-product overhead
+    (:func:`~alpa_like.bench.workloads.piece_seconds`)."""
     apply_seconds: float
     """``apply_flops`` on one device, likewise."""
     fixed_seconds: float = 0.0
