@@ -25,6 +25,7 @@ setup(
         "optax>=0.2.4,<0.3",
         "pulp>=3.0,<4",
         "numpy>=1.26,<3",
+        "scipy>=1.11,<2",  # the intra-op ILP's default solver (HiGHS) and the GPU cost model's fit
         "ray>=2.59,<3",  # token authentication on for a new local cluster (docs/ray.md)
         "flatbuffers>=24",  # jax.export serialisation (the Ray backend ships stage programs with it)
         "rich>=13,<16",
