@@ -26,6 +26,7 @@ from alpa_like.compiler.ilp import DEFAULT_SOLVER, SOLVERS
 from alpa_like.compiler.layer_clustering import DEFAULT_DELTA
 from alpa_like.compiler.layer_construction import Layering, auto_layers, manual_layers
 from alpa_like.compiler.schedules import ScheduleName
+from alpa_like.compiler.submesh import SHAPE_SPACES
 from alpa_like.compiler.token_slicing import is_token_lengths
 
 if TYPE_CHECKING:
@@ -267,7 +268,12 @@ class AutoStageOption:
     """Choose stages, submeshes and logical meshes with the stage DP (Eq. 3.2-3.5)."""
 
     submesh_shapes: tuple[Shape, ...] | None = None
-    """Restrict the submesh shapes the DP may use; None: (1,1), (1,2), (1,4)..(1,M), (2,M)..(N,M)."""
+    """Restrict the submesh shapes the DP may use to these; None: the shapes of ``submesh_shape_space``."""
+    submesh_shape_space: str = "auto"
+    """Without ``submesh_shapes``: ``"all"``: (1,1), (1,2), (1,4)..(1,M), (2,M)..(N,M); ``"power_of_two"``:
+    the whole-node meshes only (2,M), (4,M), (8,M).. (Alpa's default); ``"auto"``: ``"all"`` on clusters of
+    at most :data:`ALL_SHAPES_MAX_NODES` nodes, ``"power_of_two"`` on larger ones, where the intra-op
+    solves and the stage DP grow with every shape."""
     logical_shape_space: str = "all"
     """Logical views profiled per submesh: ``"all"`` 2-D factorisations, or ``"single_node_model_parallel"``:
     only views whose second axis fits inside a node (b divides M), as Alpa's default benchmark setting."""
@@ -287,6 +293,22 @@ class AutoStageOption:
         if self.logical_shape_space not in spaces:
             raise ValueError(f"AutoStageOption.logical_shape_space must be one of {spaces}, got "
                              f"{self.logical_shape_space!r}")
+        if self.submesh_shape_space not in ("auto",) + SHAPE_SPACES:
+            raise ValueError(f"AutoStageOption.submesh_shape_space must be one of {('auto',) + SHAPE_SPACES}, "
+                             f"got {self.submesh_shape_space!r}")
+        if self.submesh_shapes is not None and self.submesh_shape_space != "auto":
+            raise ValueError(f"AutoStageOption takes submesh_shapes or submesh_shape_space, not both (got "
+                             f"{self.submesh_shapes!r} and {self.submesh_shape_space!r})")
+
+    def shape_space(self, num_nodes: int) -> str:
+        """The submesh shape space on a cluster of ``num_nodes`` nodes (``"auto"`` resolved)."""
+        if self.submesh_shape_space != "auto":
+            return self.submesh_shape_space
+        return "all" if num_nodes <= ALL_SHAPES_MAX_NODES else "power_of_two"
+
+
+ALL_SHAPES_MAX_NODES = 8
+"""``AutoStageOption(submesh_shape_space="auto")`` searches every whole-node mesh up to this many nodes."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -34,7 +34,7 @@ from typing import Any
 
 from alpa_like.compiler.auto_sharding import PassOptions
 from alpa_like.compiler.cluster import ClusterSpec
-from alpa_like.compiler.options import PipeshardParallel
+from alpa_like.compiler.options import ALL_SHAPES_MAX_NODES, AutoStageOption, PipeshardParallel
 from alpa_like.compiler.pipeline_plan import plan_of_stages, plan_token_slicing
 from alpa_like.compiler.plan import ParallelPlan
 from alpa_like.compiler.schedules import ScheduleName
@@ -166,7 +166,7 @@ def _profile(method: PipeshardParallel, sliced: SlicedStep, cluster: ClusterSpec
     traced, summaries = sliced.traced, sliced.summaries
     pairs = sum(len(v) for v in views) * len(summaries)
     progress.step(f"step 2/4: intra-op pass on {len(summaries)} layers x {sum(len(v) for v in views)} "
-                  f"(submesh, logical mesh) pairs = {pairs}")
+                  f"(submesh, logical mesh) pairs = {pairs}; {_space_text(method.stage_option, cluster, submeshes)}")
     deferred = method.defer_gradient_sync and method.pipeline_schedule != ScheduleName.TERAPIPE
     option = method.auto_sharding_option
     options = PassOptions(solver=option.solver, solver_time_limit=option.solver_time_limit,
@@ -200,6 +200,17 @@ def _settle_estimates(method: PipeshardParallel, sliced: SlicedStep, cluster: Cl
         plan, solution = min(plans.values(), key=lambda chosen: simulate(chosen[0], sliced))
     times["simulated choice"] = time.perf_counter() - start
     return plan, solution
+
+
+def _space_text(option, cluster: ClusterSpec, submeshes) -> str:
+    """The submesh shapes searched, in words."""
+    shapes = ", ".join(f"({a}, {b})" for a, b in submeshes)
+    if not isinstance(option, AutoStageOption) or option.submesh_shapes is not None:
+        return f"submeshes {shapes}"
+    space = option.shape_space(cluster.num_nodes)
+    why = (f" (submesh_shape_space='auto' on more than {ALL_SHAPES_MAX_NODES} nodes; 'all' searches every "
+           f"(n, {cluster.num_devices_per_node}))" if space != option.submesh_shape_space else "")
+    return f"submesh shape space {space!r}{why}: {shapes}"
 
 
 def _solves_text(profile: StageProfile) -> str:

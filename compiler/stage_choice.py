@@ -36,7 +36,7 @@ def candidate_meshes(option: StageOption, cluster: ClusterSpec,
     and per submesh its logical views."""
     n, m = cluster.num_nodes, cluster.num_devices_per_node
     if isinstance(option, AutoStageOption):
-        submeshes = list(option.submesh_shapes or submesh_shapes(n, m))
+        submeshes = list(option.submesh_shapes or submesh_shapes(n, m, option.shape_space(n)))
         views = [logical_shapes(a * b) for a, b in submeshes]
         if option.logical_shape_space == "single_node_model_parallel":
             views = [[(x, y) for x, y in v if m % y == 0 and y <= b] for v, (_, b) in zip(views, submeshes)]

@@ -31,15 +31,23 @@ Shape = tuple[int, int]
 """A submesh shape ``(n, m)``: ``n`` nodes times ``m`` devices per node."""
 
 
-def submesh_shapes(num_nodes: int, devices_per_node: int) -> tuple[Shape, ...]:
+SHAPE_SPACES = ("all", "power_of_two")
+"""The submesh shape spaces of :func:`submesh_shapes` (Alpa's ``submesh_physical_shape_space`` names)."""
+
+
+def submesh_shapes(num_nodes: int, devices_per_node: int, space: str = "all") -> tuple[Shape, ...]:
     """The submesh shapes the stage DP may choose from, smallest first (Alpa §3.5.2, Alg. 2 line 7).
 
     ``(1, 2^p)`` for every power of two dividing ``devices_per_node``, then ``(1, M)``, then
-    ``(2, M), ..., (N, M)`` (see the module docstring for ``M`` that is not a power of two).
+    ``(2, M), ..., (N, M)`` (see the module docstring for ``M`` that is not a power of two). With
+    ``space="power_of_two"`` the whole-node meshes are only ``(2, M), (4, M), (8, M), ...`` up to ``N``
+    nodes: a subset of the full list, so the covering theorem and :func:`assign_devices` still hold for any
+    multiset of them that sums to ``N * M``.
 
     Args:
       num_nodes: ``N`` >= 1.
       devices_per_node: ``M`` >= 1.
+      space: one of :data:`SHAPE_SPACES`.
 
     Returns:
       Distinct shapes in increasing number of devices.
@@ -51,15 +59,20 @@ def submesh_shapes(num_nodes: int, devices_per_node: int) -> tuple[Shape, ...]:
     ((1, 1), (1, 2), (1, 4), (1, 8), (2, 8))
     >>> submesh_shapes(1, 6)
     ((1, 1), (1, 2), (1, 6))
+    >>> submesh_shapes(6, 8, "power_of_two")
+    ((1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (4, 8))
     """
     n_nodes, per_node = _check_cluster(num_nodes, devices_per_node)
+    if space not in SHAPE_SPACES:
+        raise ValueError(f"space must be one of {SHAPE_SPACES}, got {space!r}")
     one_dim = []
     size = 1
     while size < per_node and per_node % size == 0:
         one_dim.append((1, size))
         size *= 2
     one_dim.append((1, per_node))
-    return tuple(one_dim) + tuple((n, per_node) for n in range(2, n_nodes + 1))
+    whole = range(2, n_nodes + 1) if space == "all" else (2**k for k in range(1, n_nodes.bit_length()))
+    return tuple(one_dim) + tuple((n, per_node) for n in whole)
 
 
 def assign_devices(submeshes: Sequence[Shape], num_nodes: int,

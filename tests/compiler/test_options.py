@@ -24,3 +24,21 @@ def test_pipeline_schedule_takes_a_schedule_name_or_its_string():
     with pytest.raises(ValueError, match=r"pipeline_schedule must be one of \('gpipe', '1f1b', 'interleaved_1f1b', "
                                          r"'breadth_first', 'terapipe', 'zb_h1', 'zb_h2'\), got 'zb'"):
         al.PipeshardParallel(pipeline_schedule="zb")
+
+
+def test_submesh_shape_space_auto_searches_every_shape_on_small_clusters_only():
+    from alpa_like.compiler.stage_choice import candidate_meshes
+    from alpa_like.compiler.submesh import submesh_shapes
+    auto = al.AutoStageOption()
+    small, large = (al.ClusterSpec.preset("p3.16xlarge", num_nodes=n) for n in (options.ALL_SHAPES_MAX_NODES,
+                                                                                 options.ALL_SHAPES_MAX_NODES + 1))
+    assert candidate_meshes(auto, small, 4)[0] == list(submesh_shapes(small.num_nodes, 8))
+    assert candidate_meshes(auto, large, 4)[0] == list(submesh_shapes(large.num_nodes, 8, "power_of_two"))
+    every = al.AutoStageOption(submesh_shape_space="all")
+    assert candidate_meshes(every, large, 4)[0] == list(submesh_shapes(large.num_nodes, 8))
+    assert candidate_meshes(al.AutoStageOption(submesh_shape_space="power_of_two"), small, 4)[0][-1] == (8, 8)
+    with pytest.raises(ValueError, match=r"submesh_shape_space must be one of \('auto', 'all', 'power_of_two'\), "
+                                         r"got 'pow2'"):
+        al.AutoStageOption(submesh_shape_space="pow2")
+    with pytest.raises(ValueError, match="takes submesh_shapes or submesh_shape_space, not both"):
+        al.AutoStageOption(submesh_shapes=((1, 8),), submesh_shape_space="all")

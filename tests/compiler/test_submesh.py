@@ -48,6 +48,31 @@ def test_shapes_of_the_dissertation():
     assert submesh_shapes(1, 4) == ((1, 1), (1, 2), (1, 4))
 
 
+def test_power_of_two_space_keeps_whole_node_meshes_of_power_of_two_nodes():
+    assert submesh_shapes(8, 8, "power_of_two") == ((1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (4, 8), (8, 8))
+    assert submesh_shapes(12, 8, "power_of_two")[-2:] == ((4, 8), (8, 8))
+    assert submesh_shapes(1, 8, "power_of_two") == submesh_shapes(1, 8)
+    assert submesh_shapes(2, 6, "power_of_two") == submesh_shapes(2, 6)
+    assert set(submesh_shapes(128, 8, "power_of_two")) < set(submesh_shapes(128, 8))
+    with pytest.raises(ValueError, match=r"space must be one of \('all', 'power_of_two'\), got 'powers'"):
+        submesh_shapes(2, 8, "powers")
+
+
+@pytest.mark.parametrize("n_nodes, per_node", [(3, 2), (5, 1), (6, 4), (3, 8)])
+def test_every_power_of_two_multiset_is_placed(n_nodes, per_node):
+    """A multiset of the power-of-two space's shapes covering the cluster is placed exactly (a subset of the
+    full space, so the covering theorem holds)."""
+    shapes = submesh_shapes(n_nodes, per_node, "power_of_two")
+    by_size = {n * m: (n, m) for n, m in shapes}
+    count = 0
+    for sizes in _multisets(n_nodes * per_node, sorted(by_size, reverse=True)):
+        multiset = [by_size[s] for s in sizes]
+        for order in (multiset, multiset[::-1]):
+            _check_placement(order, n_nodes, per_node, assign_devices(order, n_nodes, per_node))
+            count += 1
+    assert count > 0
+
+
 def test_non_power_of_two_devices_per_node_keeps_divisors():
     assert submesh_shapes(2, 6) == ((1, 1), (1, 2), (1, 6), (2, 6))
     assert submesh_shapes(1, 12) == ((1, 1), (1, 2), (1, 4), (1, 12))
