@@ -12,15 +12,18 @@ backend settling the DP's estimates):
 * ``--large``: a 96-layer GPT-175B-like model (``opt-175b``: hidden 12288, 96 heads, sequence 2048) on a
   large simulated cluster (default 1,024 GPUs).
 
-``--reference FILE`` compares every planned case with the plans recorded in FILE (the rows of an earlier
-run's JSON, with the same cost model) and reports each difference (the exit status is then 1). The machine's
-load (``os.getloadavg``) is recorded before and after each part: timings on a shared machine are only as good
-as that load.
+``--submesh-shape-space`` sets :attr:`AutoStageOption.submesh_shape_space` for every case (default ``auto``:
+every submesh shape up to 8 nodes, the power-of-two whole-node meshes beyond); the table names the space
+each case searched. ``--reference FILE`` compares every planned case with the plans recorded in FILE (the
+rows of an earlier run's JSON, with the same cost model) and reports each difference (the exit status is then
+1). The machine's load (``os.getloadavg``) is recorded before and after each part: timings on a shared machine
+are only as good as that load.
 
     python examples/benchmarks/planning.py                                # GPT-39B on 64 GPUs
     python examples/benchmarks/planning.py --suite --out results/planning.json
     python examples/benchmarks/planning.py --cases gpt-350m:1 gpt-1.3b:4 moe-2.4b:8 wresnet-2b:8 --reference plans.json
     python examples/benchmarks/planning.py --cases --large --large-gpus 1024
+    python examples/benchmarks/planning.py --cases gpt-39b:64 opt-175b:256 --submesh-shape-space power_of_two
 """
 import argparse
 import hashlib
@@ -71,13 +74,15 @@ def same_plan(a: dict, b: dict, rtol: float = 1e-9) -> bool:
     return a["stages"] == b["stages"] and abs(ta - tb) <= rtol * max(abs(ta), abs(tb))
 
 
-def plan_case(model: str, gpus: int, micro_batches: int, show_progress: bool = True) -> dict:
+def plan_case(model: str, gpus: int, micro_batches: int, show_progress: bool = True,
+              submesh_shape_space: str = "auto") -> dict:
     """Traces and plans one case as the bench does; its time, breakdown and plan signature."""
     workload = workloads.make_workload(model, suites.GLOBAL_BATCH.get(model.split("-")[0], 1024))
     cluster = workloads.cluster_for(gpus)
-    option = AutoStageOption(show_progress=show_progress)
+    option = AutoStageOption(show_progress=show_progress, submesh_shape_space=submesh_shape_space)
     method = ours.pipeshard_method(workload, micro_batches, stage_option=option)
-    row = {"model": model, "gpus": gpus, "micro_batches": micro_batches, "load_before": load()}
+    row = {"model": model, "gpus": gpus, "micro_batches": micro_batches, "load_before": load(),
+           "submesh_shape_space": option.shape_space(cluster.num_nodes)}
     start = time.perf_counter()
     sliced = ours.slice_workload(workload, method)
     try:
@@ -126,7 +131,8 @@ def print_row(r: dict) -> None:
         return
     breakdown = ", ".join(f"{k} {v:.1f}" for k, v in r["breakdown_s"].items())
     stages = r["plan"]["stages"]
-    print(f"{r['model']:10} {r['gpus']:>5} {r['micro_batches']:>5} {r['layers']:>6} {len(stages):>6} "
+    print(f"{r['model']:10} {r['gpus']:>5} {r['micro_batches']:>5} {r['submesh_shape_space']:>12} "
+          f"{r['layers']:>6} {len(stages):>6} "
           f"{r['plan']['estimated_iteration_time']:>9.3f} {r['planning_s']:>8.1f}  solves {r['solves']} "
           f"(hits {r['cache_hits']}), DP runs {r['dp_runs']}; {breakdown}; load {r['load_before']} -> "
           f"{r['load_after']}")
@@ -141,6 +147,8 @@ def main():
     parser.add_argument("--large", action="store_true", help="plan opt-175b on --large-gpus GPUs")
     parser.add_argument("--large-gpus", type=int, default=1024)
     parser.add_argument("--reference", help="JSON of an earlier run whose plans each case must equal")
+    parser.add_argument("--submesh-shape-space", default="auto", choices=("auto", "all", "power_of_two"),
+                        help="AutoStageOption.submesh_shape_space of every case")
     parser.add_argument("--quiet", action="store_true", help="no planner progress on stderr")
     parser.add_argument("--out", default="results/planning.json")
     args = parser.parse_args()
@@ -149,11 +157,13 @@ def main():
     if args.large:
         cases.append(("opt-175b", args.large_gpus, 64))
     rows, problems = [], []
-    header = (f"{'model':10} {'GPUs':>5} {'B':>5} {'layers':>6} {'stages':>6} {'iter (s)':>9} {'plan (s)':>8}  "
+    header = (f"{'model':10} {'GPUs':>5} {'B':>5} {'shapes':>12} {'layers':>6} {'stages':>6} {'iter (s)':>9} "
+              f"{'plan (s)':>8}  "
               "breakdown")
     for model, gpus, m in cases:
         print(f"== {model} on {gpus} simulated V100s, {m} micro-batches, load {load()}", file=sys.stderr)
-        row = plan_case(model, gpus, m, show_progress=not args.quiet)
+        row = plan_case(model, gpus, m, show_progress=not args.quiet,
+                        submesh_shape_space=args.submesh_shape_space)
         rows.append(row)
         print(header)
         print_row(row)
