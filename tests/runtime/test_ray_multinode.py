@@ -214,7 +214,23 @@ f = al.parallelize(train_step_for(loss_fn), method=al.PipeshardParallel(
 state1, _ = f(state, batches[0])
 print("head", api._backend.ray.nodes[0], flush=True)
 head, other = cluster.nodes
-head.kill_all_processes(check_alive=False, allow_graceful=False)  # the GCS, the head's raylet and workers
+kill_head = lambda: head.kill_all_processes(check_alive=False, allow_graceful=False)  # GCS, raylet, workers
+if MID_STEP:  # the worker on the other node stalls at its first RUN; the head goes when it is there
+    import threading
+    exe = f.get_executable(state1, batches[1])
+    mesh = exe.mesh_nodes.index(1)
+    victim = exe.workers[mesh]
+    index = next(i for i, ins in enumerate(exe.worker_programs[mesh].instructions) if ins.op.name == "RUN")
+    ray.get(victim.set_fault.remote(index, "stall"))
+
+    def kill_when_stalled():
+        while f"instruction #{index} " not in ray.get(victim.where.remote()):
+            time.sleep(0.05)
+        print("stalled", flush=True)
+        kill_head()
+    threading.Thread(target=kill_when_stalled, daemon=True).start()
+else:
+    kill_head()
 start = time.monotonic()
 try:
     f(state1, batches[1])
@@ -231,16 +247,20 @@ os._exit(0)  # Ray would end a driver whose GCS stays unreachable, after 60 s
 
 
 @pytest.mark.slow
-def test_a_lost_head_node_is_a_named_error_in_time():
+@pytest.mark.parametrize("mid_step", [False, True], ids=["between-steps", "mid-step"])
+def test_a_lost_head_node_is_a_named_error_in_time(mid_step):
     """A driver attached to another node's raylet (as one started elsewhere with ``--address``) loses the head
-    (the GCS, its raylet and the worker of mesh 0) between steps: the next step raises a RayStepError naming
-    the head within 30 s instead of hanging. In a process of its own, as it loses its Ray. (A driver attached to
-    the head's own raylet is ended by Ray at once: see docs/ray.md.)"""
+    (the GCS, its raylet and the worker of mesh 0) between steps, or during one while the other node's worker
+    is inside it: the step raises a RayStepError naming the head within 30 s instead of hanging. In a process
+    of its own, as it loses its Ray. (A driver attached to the head's own raylet is ended by Ray at once: see
+    docs/ray.md.)"""
     import re
     import subprocess
     import sys
-    done = subprocess.run([sys.executable, "-c", LOSE_THE_HEAD], capture_output=True, text=True, timeout=300)
+    script = f"MID_STEP = {mid_step}\n" + LOSE_THE_HEAD
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     out = done.stdout
+    assert ("stalled" in out) == mid_step, out + done.stderr[-3000:]
     head = re.search(r"^head (Ray node 0 \(127\.0\.0\.1, id \w+, head\))$", out, re.M)
     assert head, out + done.stderr[-3000:]
     # The head check, or the call to the head's own worker failing first (both name the head node).
