@@ -10,9 +10,9 @@ pieces it runs as ``jax.export`` StableHLO bytes, and the layout of every mesh. 
   the receiver as the argument of a ``deliver`` actor call: Ray inlines a small parcel in the call and puts a
   large one in its object store once, fetching it onto the receiver's node before the call runs (a background
   thread sends, so the worker keeps dispatching its own program);
-* the receiver's ``RECV`` waits for that parcel, puts the pieces on its devices (on CPU a view of the
-  object store's memory, no copy) and assembles them
-  (:func:`~alpa_like.runtime.resharding.assemble_received`), including the local all-gathers.
+* the receiver's ``deliver`` (on one of Ray's threads, while its step runs on) puts the pieces on its
+  devices and assembles them (:func:`~alpa_like.runtime.resharding.assemble_received`), including the local
+  all-gathers; the ``RECV`` waits for the assembled array (or the error assembling it raised).
 
 Step outputs stay in the worker's handle store (``fetch`` and ``free`` act on it); a handle passed back as a
 step input is used in place, or sent worker to worker when another mesh loads it.
@@ -258,12 +258,18 @@ class MeshWorker:
     # ----------------------------------------------------------------------------------- worker to worker
 
     def deliver(self, exe_id: int, step: int, keys: Sequence, parcel: list) -> None:
-        """Called by a peer: a parcel holding the buffers ``keys`` (in order), which this worker will RECV
-        (or LOAD) in ``step``. The parcel is the call's argument: Ray inlines a small one in the call and
-        puts a large one in the object store once, fetching it onto this node before the call runs."""
+        """Called by a peer: a parcel holding the buffers ``keys`` (in order, as :meth:`_StepRun._pieces`
+        cuts them), which this worker will RECV (or LOAD) in ``step`` of executable ``exe_id``. The parcel is
+        the call's argument: Ray inlines a small one in the call and puts a large one in the object store
+        once, fetching it onto this node before the call runs. Each buffer is assembled on this mesh's
+        devices here, on the calling thread, and mailed as ``("value", array)``; an error assembling it is
+        mailed as ``("error", exception)`` for the RECV to raise."""
+        if len(keys) != len(parcel):
+            raise ValueError(f"deliver: {len(keys)} keys for {len(parcel)} buffers in the parcel")
+        arrived = {(exe_id, step, key): _arrival(self._loaded.get(exe_id), exe_id, item)
+                   for key, item in zip(keys, parcel, strict=True)}
         with self._cond:
-            for key, item in zip(keys, parcel, strict=True):
-                self._mailbox[(exe_id, step, key)] = item
+            self._mailbox.update(arrived)
             self._cond.notify_all()
 
     def abort(self, exe_id: int, step: int) -> None:
@@ -271,7 +277,9 @@ class MeshWorker:
             self._aborted.add((exe_id, step))
             self._cond.notify_all()
 
-    def _wait_for(self, exe_id: int, step: int, key) -> Any:
+    def _wait_for(self, exe_id: int, step: int, key) -> tuple[str, Any]:
+        """The mailed ``(kind, payload)`` of buffer ``key`` in ``step`` (:meth:`deliver`), once it arrives;
+        raises when the driver aborts the step or this worker's own send failed."""
         with self._cond:
             while (exe_id, step, key) not in self._mailbox:
                 if (exe_id, step) in self._aborted:
@@ -349,8 +357,31 @@ class _LoadedProgram:
         self.donating: dict[tuple, Any] = {}
         self.fused: dict[tuple, Any] = {}
         self.plans: dict[tuple, Any] = {}
+        self.shardings: dict[ShardingSpec, Any] = {}
         self.arg_specs: dict[tuple[int, str], list] = {}
         """Per piece, its arguments' shapes and layouts on its first plain (unfused) RUN."""
+
+    def assemble(self, payload: dict):
+        """A received buffer (a parcel item of :meth:`_StepRun._pieces`) on this mesh, laid out as its
+        destination spec: its pieces put on their devices (on CPU a view of the object store's memory where
+        the alignment allows) and assembled by the resharding plan."""
+        import jax
+        from alpa_like.runtime.resharding import assemble_received
+        plan = self.plan(payload["shape"], payload["dtype"], payload["src_mesh"], payload["src_spec"],
+                         self.program.mesh, payload["dst_spec"])
+        boxes, pieces, devices = [], [], []
+        for dst, items in payload["pieces"].items():
+            for box, piece in items:
+                boxes.append((dst, box))
+                pieces.append(piece)
+                devices.append(self.device_of[dst])
+        received: dict[int, list] = {}
+        for (dst, box), x in zip(boxes, jax.device_put(pieces, devices), strict=True):
+            received.setdefault(dst, []).append((box, x))
+        info = self.program.meshes[self.program.mesh]
+        x = assemble_received(plan, received, np.dtype(payload["dtype"]), self.device_of, info.flat_ids,
+                              self.sharding(payload["dst_spec"]))
+        return x if payload["key_impl"] is None else jax.random.wrap_key_data(x, impl=payload["key_impl"])
 
     def hlo_text(self) -> str:
         """The compiled HLO of every piece that ran plain once, for the layouts of that run."""
@@ -361,8 +392,12 @@ class _LoadedProgram:
         return "\n".join(texts)
 
     def sharding(self, spec: ShardingSpec):
-        from alpa_like.runtime.mesh import named_sharding
-        return named_sharding(self.mesh, spec)
+        """The ``NamedSharding`` of ``spec`` on this mesh (made once per spec)."""
+        sharding = self.shardings.get(spec)
+        if sharding is None:
+            from alpa_like.runtime.mesh import named_sharding
+            sharding = self.shardings[spec] = named_sharding(self.mesh, spec)
+        return sharding
 
     def call(self, key: tuple[int, str], donate: tuple[int, ...] = ()):
         """The piece ``key`` jitted, donating its inputs at positions ``donate``."""
@@ -651,22 +686,27 @@ class _StepRun:
                 "key_impl": key_impl}
 
     def _receive(self, key):
-        import jax
-        from alpa_like.runtime.resharding import assemble_received
-        payload = self.worker._wait_for(self.exe_id, self.step, key)
-        plan = self.loaded.plan(payload["shape"], payload["dtype"], payload["src_mesh"], payload["src_spec"],
-                                self.program.mesh, payload["dst_spec"])
-        device_of = self.loaded.device_of
-        received = {dst: [(box, jax.device_put(piece, device_of[dst])) for box, piece in pieces]
-                    for dst, pieces in payload["pieces"].items()}
-        info = self.program.meshes[self.program.mesh]
-        x = assemble_received(plan, received, np.dtype(payload["dtype"]), device_of, info.flat_ids,
-                              self.loaded.sharding(payload["dst_spec"]))
-        return x if payload["key_impl"] is None else jax.random.wrap_key_data(x, impl=payload["key_impl"])
+        """The array of buffer ``key`` another mesh sent this step, as :meth:`MeshWorker.deliver` assembled it
+        on this mesh."""
+        kind, payload = self.worker._wait_for(self.exe_id, self.step, key)
+        if kind == "error":
+            raise payload
+        return payload
 
     def finish_sends(self) -> None:
         for future in self.sends:
             future.result()
+
+
+def _arrival(loaded: _LoadedProgram | None, exe_id: int, item: dict) -> tuple[str, Any]:
+    """What :meth:`MeshWorker.deliver` mails for one parcel item: ``("value", array)`` assembled on
+    ``loaded``'s mesh, or ``("error", exception)``."""
+    if loaded is None:
+        return "error", RuntimeError(f"a parcel arrived for executable {exe_id}, which this worker has not loaded")
+    try:
+        return "value", loaded.assemble(item)
+    except Exception as e:  # noqa: BLE001  (raised by the RECV that waits for it, naming the instruction)
+        return "error", e
 
 
 def _spec_of(x, loaded: _LoadedProgram) -> ShardingSpec:

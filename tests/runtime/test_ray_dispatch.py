@@ -28,15 +28,61 @@ def test_the_programs_are_empty_loads_and_one_receive():
     assert sender.sends == {sender.instructions[0].key: (1,)} and receiver.instructions[0].src_mesh == 0
 
 
-def test_a_parcel_is_the_deliver_calls_argument():
-    """A peer's ``deliver`` carries the parcel itself (Ray inlines a small one in the call and puts a large
-    one in the object store once): each buffer is in the mailbox as it was sent, with no object ref to
-    look up."""
-    from alpa_like.runtime.ray_worker import MeshWorker
-    worker = MeshWorker({})
-    items = [{"pieces": {0: [(((0, 2),), np.arange(2.0))]}}, {"pieces": {}}]
-    worker.deliver(7, 3, [(1, 0), (2, -1)], items)
-    assert worker._wait_for(7, 3, (2, -1)) is items[1]
-    assert worker._wait_for(7, 3, (1, 0)) is items[0]
-    with pytest.raises(ValueError):  # a key without its buffer
-        worker.deliver(7, 4, [(1, 0), (2, -1)], items[:1])
+def _workers(src_shape=(2, 1), dst_shape=(1, 2)):
+    """A sending and a receiving worker in this process (mesh 0 LOADs step input 0 and sends it, mesh 1 RECVs
+    it), the sender's ``deliver.remote`` calling the receiver's ``deliver`` directly."""
+    import types
+
+    from alpa_like.runtime.instructions import PER_STEP, Instruction
+    from alpa_like.runtime.ray_worker import MeshInfo, MeshWorker, WorkerProgram
+    key = (0, PER_STEP)
+    meshes = (MeshInfo(logical_shape=src_shape, device_ids=((0,), (1,)) if src_shape == (2, 1) else ((0, 1),)),
+              MeshInfo(logical_shape=dst_shape, device_ids=((2,), (3,)) if dst_shape == (2, 1) else ((2, 3),)))
+
+    def program(mesh, instructions, **kw):
+        return WorkerProgram(mesh=mesh, meshes=meshes, instructions=tuple(instructions), pieces={}, input_specs={},
+                             constants={}, num_micro_batches=1, **kw)
+    sender, receiver = MeshWorker({}), MeshWorker({})
+    peer = types.SimpleNamespace(deliver=types.SimpleNamespace(remote=receiver.deliver))
+    sender.load_program(7, program(0, [Instruction(Op.LOAD, 0, key)], sends={key: (1,)}, outputs=()), [None, peer])
+    receiver.load_program(7, program(1, [Instruction(Op.RECV, 1, key, src_mesh=0)], sends={}, outputs=((0, key),)),
+                          [None, None])
+    return sender, receiver, key
+
+
+def test_a_parcel_is_assembled_on_the_receiver_as_it_arrives():
+    """The receiver's ``deliver`` (the peer's call, whose argument is the parcel itself) puts the pieces on its
+    devices and assembles them before its step asks: the mailbox holds the array in the RECV's layout, and
+    the RECV takes it as it is."""
+    import jax
+    sender, receiver, key = _workers()
+    array = np.arange(32.0, dtype=np.float32).reshape(8, 4)
+    sender.run_step(7, 0, {0: ("value", array)}, [], [], [])
+    kind, arrived = receiver._mailbox[(7, 0, key)]
+    assert kind == "value" and isinstance(arrived, jax.Array)
+    from alpa_like.runtime.pipeshard_runtime import activation_spec
+    assert arrived.sharding.is_equivalent_to(receiver._loaded[7].sharding(activation_spec((8, 4), (1, 2))), 2)
+    receiver.run_step(7, 0, {}, [11], [], [])
+    assert receiver._store[11] is arrived
+    np.testing.assert_array_equal(receiver.fetch(11), array)
+
+
+def test_a_parcel_that_cannot_be_assembled_fails_the_recv_not_the_call():
+    """An error assembling a buffer is mailed: the sender's call returns, and the receiver's RECV raises it
+    naming the instruction; a parcel of fewer buffers than keys is refused by the call."""
+    from alpa_like.runtime.ray_worker import WorkerStepError
+    _, receiver, key = _workers()
+    item = {"shape": (8, 4), "dtype": "float32", "src_mesh": 0, "src_spec": _spec("S0R"), "dst_spec": _spec("S1R"),
+            "pieces": {2: [(((0, 4), (0, 4)), np.zeros((3, 4), np.float32))]}, "key_impl": None}
+    receiver.deliver(7, 0, [key], [item])
+    with pytest.raises(WorkerStepError, match=r"mesh 1: instruction #0 `RECV"):
+        receiver.run_step(7, 0, {}, [11], [], [])
+    with pytest.raises(ValueError, match="2 keys for 1 buffers"):
+        receiver.deliver(7, 1, [key, (1, 0)], [item])
+    receiver.deliver(8, 0, [key], [item])
+    assert receiver._mailbox[(8, 0, key)][0] == "error"
+
+
+def _spec(text):
+    from alpa_like.compiler.sharding_spec import ShardingSpec
+    return ShardingSpec.from_str(text)
