@@ -61,3 +61,24 @@ def test_planning_with_progress_prints_its_breakdown(capsys, monkeypatch):
     monkeypatch.setattr(pipeline, "LONG_PLANNING_SECONDS", 0.0)
     plan_pipeline(quiet, step, (state, batch), **STEP_ARGS)
     assert "planning took" in capsys.readouterr().err
+
+
+def test_a_large_cluster_is_planned_in_the_power_of_two_space_and_says_so(capsys):
+    """On more than ALL_SHAPES_MAX_NODES nodes the default space profiles the power-of-two whole-node meshes
+    only, the progress names the space, and the plan's submeshes come from it."""
+    from alpa_like.compiler.options import ALL_SHAPES_MAX_NODES
+    from alpa_like.compiler.submesh import submesh_shapes
+
+    nodes = 2 * ALL_SHAPES_MAX_NODES
+    cluster = al.ClusterSpec.preset("p3.16xlarge", num_nodes=nodes)
+    step, state, batch = make_train_step(mlp_loss), mlp_state(), mlp_batch(np.random.default_rng(0))
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2),
+                                  stage_option=al.AutoStageOption(show_progress=True))
+    planned = plan_pipeline(method, step, (state, batch), **{**STEP_ARGS, "cluster": cluster})
+    err = capsys.readouterr().err
+    assert f"submesh shape space 'power_of_two' (submesh_shape_space='auto' on more than {ALL_SHAPES_MAX_NODES} " \
+           f"nodes" in err, err
+    space = submesh_shapes(nodes, 8, "power_of_two")
+    assert planned.profile.costs.submeshes == space
+    assert all(tuple(s.submesh_shape) in space for s in planned.plan.stages)
+    assert sum(s.submesh_shape[0] * s.submesh_shape[1] for s in planned.plan.stages) == nodes * 8
