@@ -14,9 +14,11 @@ nodes (0 -> 1: across nodes; 0 -> 0: within node 0):
   ``ray.get`` s it.
 
 Each transfer is timed on the driver from its calls to both actors until both have answered; the two kinds
-take turns transfer by transfer (so the shared machine's load hits both alike), and the table shows the median
-of ``--repeats`` transfers of each kind per size and the throughput (bytes / time). Sizes are MiB, fractions
-allowed (``--sizes 0.03125`` is 32 KiB: the fixed cost of a transfer).
+take turns transfer by transfer (so the shared machine's load hits both alike), each transfer starting
+:data:`SETTLE_SECONDS` after the previous one answered (Ray frees a transfer's objects and references after
+its calls answered: without the pause that work lands in the next transfer's time, the other kind's), and
+the table shows the median of ``--repeats`` transfers of each kind per size and the throughput (bytes /
+time). Sizes are MiB, fractions allowed (``--sizes 0.03125`` is 32 KiB: the fixed cost of a transfer).
 
     python examples/benchmarks/ray_transfer.py --out results/ray_transfer.json
 """
@@ -42,6 +44,8 @@ KEY = (0, PER_STEP)
 MESHES = (MeshInfo(logical_shape=(2, 1), device_ids=((0,), (1,))),
           MeshInfo(logical_shape=(2, 1), device_ids=((2,), (3,))))
 COLUMNS = 1024
+SETTLE_SECONDS = 0.01
+"""The pause before each timed transfer (module docstring)."""
 
 
 def program(mesh: int, instructions, *, sends=None, outputs=()) -> WorkerProgram:
@@ -104,14 +108,16 @@ def probes(backend, src: int, dst: int, nbytes: int):
     return make[0], make[1]
 
 
-def alternate(fns, repeats: int) -> list[float]:
+def alternate(fns, repeats: int, settle: float = SETTLE_SECONDS) -> list[float]:
     """Median seconds of each of ``fns`` over ``repeats`` calls after a warm-up call, the functions taking turns
-    call by call, so the shared machine's load hits them alike."""
+    call by call, so the shared machine's load hits them alike; each timed call starts ``settle`` seconds after
+    the previous one returned."""
     times = [[] for _ in fns]
     for fn in fns:
         fn()
     for _ in range(repeats):
         for fn, kept in zip(fns, times, strict=True):
+            time.sleep(settle)
             start = time.perf_counter()
             fn()
             kept.append(time.perf_counter() - start)
