@@ -65,7 +65,7 @@ def conv_flops(eqn: JaxprEqn) -> float:
     return 2.0 * _size(eqn.outvars[0].aval) * kernel / input_dilation
 
 
-def _nested_total(eqn: JaxprEqn, costs: list[float]) -> float:
+def nested_total(eqn: JaxprEqn, costs: list[float]) -> float:
     """An equation's cost from its nested jaxprs' ``costs``: a ``cond`` its most expensive branch, a ``scan``
     its body ``length`` times, anything else (``jit``, ``while`` once, ``checkpoint``...) their sum."""
     if eqn.primitive.name == "cond":
@@ -82,7 +82,7 @@ def eqn_flops(eqn: JaxprEqn) -> float:
         return conv_flops(eqn)
     subs = jax_compat.nested_jaxprs(eqn)
     if subs:
-        return _nested_total(eqn, [jaxpr_flops(j) for j in subs])
+        return nested_total(eqn, [jaxpr_flops(j) for j in subs])
     if name in _FREE:
         return 0.0
     return float(sum(_size(v.aval) for v in eqn.outvars))
@@ -115,7 +115,7 @@ def eqn_bytes(eqn: JaxprEqn) -> float:
     name = eqn.primitive.name
     subs = jax_compat.nested_jaxprs(eqn)
     if subs:
-        return _nested_total(eqn, [jaxpr_bytes(j) for j in subs])
+        return nested_total(eqn, [jaxpr_bytes(j) for j in subs])
     if name in _NO_TRAFFIC:
         return 0.0
     return float(sum(_nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars) if hasattr(v, "aval")))
@@ -206,7 +206,7 @@ def equation_seconds(eqn: JaxprEqn, rates: ComputeRates, num_devices: float = 1.
         raise ValueError(f"equation_seconds: num_devices must be > 0, got {num_devices!r}")
     subs = jax_compat.nested_jaxprs(eqn)
     if subs:
-        return _nested_total(eqn, [jaxpr_seconds(j, rates, num_devices) for j in subs])
+        return nested_total(eqn, [jaxpr_seconds(j, rates, num_devices) for j in subs])
     matrix = eqn.primitive.name in _MATRIX
     seconds = eqn_flops(eqn) / (num_devices * rates.flop_rate(eqn))
     if rates.memory_bandwidth is not None:

@@ -97,9 +97,9 @@ def step_totals(sliced: Any, workload: Workload, num_micro_batches: int, rates: 
     sequences = workload.global_batch / num_micro_batches
     seconds = {FORWARD: 0.0, BACKWARD: 0.0, APPLY: 0.0}
     fixed = dict(seconds)
-    for (_, phase), (scaled, overhead) in piece_seconds(sliced, rates).items():
-        seconds[phase] += scaled
-        fixed[phase] += overhead
+    for (_, phase), piece in piece_seconds(sliced, rates).items():
+        seconds[phase] += piece.scaled
+        fixed[phase] += piece.fixed
     return StepTotals(step_flops=per_mb * num_micro_batches, apply_flops=sum(s.apply_flops for s in sliced.summaries),
                       activation_bytes_per_sequence=sum(s.activation_bytes for s in sliced.summaries) / sequences,
                       step_seconds=(seconds[FORWARD] + seconds[BACKWARD]) * num_micro_batches,

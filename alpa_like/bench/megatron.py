@@ -11,7 +11,12 @@ The cost model is the one our own planner uses, so the comparison is like for li
 
 * compute: the traced layers' equations (:class:`TransformerCosts`, taken from the same sliced step the stage
   DP sees) priced by the cluster's compute model as our plans' are (:class:`LayerSeconds`; FLOPs at the
-  device's peak for costs given as FLOPs alone, e.g. the analytic ones of the reproductions);
+  device's peak for costs given as FLOPs alone, e.g. the analytic ones of the reproductions). Tensor
+  parallelism divides by ``t`` only the work inside its parallel regions (the matrix products, the heads'
+  attention, the MLP's GeLU, the vocabulary-parallel embedding and cross-entropy); the work on the full
+  hidden state between them (LayerNorms, residual adds, row-parallel output biases, the position embedding)
+  every rank repeats (:func:`repeated_on_every_rank`). The analytic FLOPs count matrix products only, all
+  of them split;
 * launches: each chunk's forward, backward and optimizer update pays ``ClusterSpec.launch_overhead``, as each
   RUN of our plans does on the simulated backend;
 * communication: the alpha-beta model of :class:`~alpa_like.compiler.logical_mesh.LogicalMesh` on the
@@ -61,6 +66,7 @@ from jax.extend.core import Literal
 
 from alpa_like.compiler.cluster import ClusterSpec
 from alpa_like.compiler import jax_compat
+from alpa_like.compiler.flops import ComputeRates, equation_seconds, nested_total
 from alpa_like.compiler.layer_slicing import FORWARD
 from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.compiler.markers import is_marker
@@ -78,18 +84,98 @@ REPLAYED_CANDIDATES = 8
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class HiddenState:
+    """The hidden state ``[b, s, h]`` of one traced micro-batch: what tells Megatron-LM's tensor-parallel
+    regions from the work every rank repeats (:func:`repeated_on_every_rank`)."""
+
+    sequences: int
+    """``b``: sequences of the micro-batch the step was traced on."""
+    seq_len: int
+    """``s``: tokens per sequence (rows of the learned position embedding)."""
+    hidden_size: int
+    """``h``."""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"HiddenState.{f.name} must be an int >= 1, got {value!r}")
+
+    def is_whole(self, shape: tuple[int, ...]) -> bool:
+        """Whether an array of ``shape`` is one every tensor-parallel rank holds whole: a scalar, the hidden
+        state ``[b, s, h]`` or a per-token statistic of it (``[b, s]``, ``[b, s, 1]``), a vector over the
+        hidden size (``[h]``, ``[1, h]``, ``[1, 1, h]``: a LayerNorm's scale or bias, a row-parallel output
+        bias) or the position table (``[s, h]``, ``[1, s, h]``). When ``s == h`` a ``[h, h]`` weight has the
+        position table's shape and counts as whole too."""
+        b, s, h = self.sequences, self.seq_len, self.hidden_size
+        return tuple(shape) in {(), (b, s), (b, s, 1), (b, s, h), (h,), (1, h), (1, 1, h), (s, h), (1, s, h)}
+
+
+_MATRIX_PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def repeated_on_every_rank(eqn, hidden: HiddenState) -> bool:
+    """Whether Megatron-LM's tensor parallelism (seed 002, §2.3; no sequence parallelism) repeats the
+    primitive equation ``eqn`` on each of the ``t`` ranks rather than splitting it over them.
+
+    Split (inside a tensor-parallel region): every matrix product (the column-parallel QKV and first MLP
+    projections, the row-parallel output projections, the vocabulary-parallel logits, and their gradients),
+    and every equation reading or writing an array that carries a split dimension: the heads (scores,
+    causal mask, softmax, weighted sum), the MLP's ``4h`` (its column-parallel bias, GeLU), the QKV's
+    ``3h``, the vocabulary (``VocabParallelEmbedding``'s lookup, the cross-entropy's softmax), or a split
+    weight (its casts and transposes).
+
+    Repeated (on the full hidden state between the regions): an equation whose arrays are all whole on
+    every rank (:meth:`HiddenState.is_whole`): the LayerNorms with their per-token statistics, the residual
+    adds, the row-parallel output biases, the dropouts after the attention and MLP outputs, the position
+    embedding's lookup and its add to the token embedding, the per-token loss once the vocabulary-parallel
+    reductions are done, and all their gradients; in the optimizer step, the update of those whole
+    parameters (LayerNorm scales and biases, row-parallel biases, the position table).
+
+    A pipeline marker is no work (False). A nested equation (``jit``, ``checkpoint``, ...) is neither:
+    classify its body's equations (:func:`repeated_seconds` does)."""
+    if jax_compat.nested_jaxprs(eqn):
+        raise ValueError(f"repeated_on_every_rank: eqn must be a primitive equation, got the nested "
+                         f"{eqn.primitive.name!r}")
+    if eqn.primitive.name in _MATRIX_PRODUCTS or is_marker(eqn):
+        return False
+    arrays = [v.aval for v in (*eqn.invars, *eqn.outvars) if hasattr(getattr(v, "aval", None), "shape")]
+    return all(hidden.is_whole(a.shape) for a in arrays)
+
+
+def repeated_seconds(eqn, rates: ComputeRates, hidden: HiddenState) -> float:
+    """Seconds (:func:`~alpa_like.compiler.flops.equation_seconds` at ``rates``) of the part of ``eqn`` that
+    every tensor-parallel rank repeats (:func:`repeated_on_every_rank`), through nested jaxprs with the
+    same trip-count rules as the equation's own price."""
+    subs = jax_compat.nested_jaxprs(eqn)
+    if subs:
+        return nested_total(eqn, [sum(repeated_seconds(e, rates, hidden) for e in sub.eqns) for sub in subs])
+    return equation_seconds(eqn, rates) if repeated_on_every_rank(eqn, hidden) else 0.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LayerSeconds:
     """Per-layer compute time under a cluster's compute model (:func:`~alpa_like.compiler.flops.
-    equation_seconds`), split into what scales with the work and what each kernel adds: a chunk of layers
-    ``L`` running ``b`` sequences split over ``t`` tensor-parallel devices takes ``sum(b * forward[l] / t +
-    forward_fixed[l] for l in L)`` for its forward (every device runs each of its products' kernels)."""
+    equation_seconds`), split into the work Megatron-LM's tensor parallelism divides over its ``t`` ranks,
+    the work each rank repeats (:func:`repeated_on_every_rank`) and what each kernel adds: a chunk of layers
+    ``L`` running ``b`` sequences over ``t`` tensor-parallel devices takes ``sum(b * (forward[l] / t +
+    forward_repeated[l]) + forward_fixed[l] for l in L)`` for its forward (every device runs each of its
+    products' kernels)."""
 
     forward: tuple[float, ...]
-    """Seconds of each layer's forward for one sequence, without the per-product overheads."""
+    """Seconds of each layer's forward for one sequence that tensor parallelism splits, without the
+    per-product overheads."""
     backward: tuple[float, ...]
     """The same for each layer's backward (with its recomputed forward when remat is on)."""
     apply: tuple[float, ...]
-    """Seconds of each layer's optimizer update per step, without the per-product overheads."""
+    """Seconds of each layer's optimizer update per step that tensor parallelism splits (the update of its
+    split weights), without the per-product overheads."""
+    forward_repeated: tuple[float, ...]
+    """Seconds of each layer's forward for one sequence that every tensor-parallel rank repeats."""
+    backward_repeated: tuple[float, ...]
+    apply_repeated: tuple[float, ...]
+    """The update of the parameters every rank holds whole (LayerNorms, row-parallel biases, the position
+    table): small, and counted like the rest."""
     forward_fixed: tuple[float, ...]
     """Seconds each layer's forward adds per micro-batch whatever its size (``matmul_overhead`` per product)."""
     backward_fixed: tuple[float, ...]
@@ -97,9 +183,12 @@ class LayerSeconds:
 
     def chunk(self, phase: str, layers, sequences: float, tensor_parallel: int) -> float:
         """Seconds of ``phase`` ("forward", "backward" or "apply") of ``layers`` for ``sequences`` sequences
-        (1 for apply) split over ``tensor_parallel`` devices."""
-        scaled, fixed = getattr(self, phase), getattr(self, phase + "_fixed")
-        return sum(sequences * scaled[l] / tensor_parallel + fixed[l] for l in layers)
+        (1 for apply) on each of ``tensor_parallel`` devices."""
+        if not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool) or tensor_parallel < 1:
+            raise ValueError(f"LayerSeconds.chunk: tensor_parallel must be an int >= 1, got {tensor_parallel!r}")
+        split, repeated = getattr(self, phase), getattr(self, phase + "_repeated")
+        fixed = getattr(self, phase + "_fixed")
+        return sum(sequences * (split[l] / tensor_parallel + repeated[l]) + fixed[l] for l in layers)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

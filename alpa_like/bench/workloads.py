@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +20,7 @@ from flax.training import train_state
 import alpa_like as al
 from alpa_like import models
 from alpa_like.bench import megatron
-from alpa_like.bench.megatron import LayerSeconds, TransformerCosts
+from alpa_like.bench.megatron import HiddenState, LayerSeconds, TransformerCosts
 from alpa_like.compiler.flops import ComputeRates, equation_seconds
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD, LayerSummary
 from alpa_like.models import gpt, moe, wide_resnet
@@ -192,37 +192,59 @@ def transformer_costs(sliced: Any, workload: Workload, num_micro_batches: int,
         num_heads=config.num_heads, recompute=workload.remat,
         shared_params=_folded_shared_params(sliced, config.num_layers),
         batch_inputs=_folded_batch_inputs(sliced, config.num_layers, per),
-        seconds=None if rates is None else layer_seconds(sliced, config.num_layers, per, rates))
+        seconds=None if rates is None else layer_seconds(
+            sliced, config.num_layers,
+            HiddenState(sequences=workload.global_batch // num_micro_batches, seq_len=config.seq_len,
+                        hidden_size=config.hidden_size), rates))
 
 
-def piece_seconds(sliced: Any, rates: ComputeRates) -> dict[tuple[int, str], tuple[float, float]]:
+class PieceSeconds(NamedTuple):
+    """The compute time of one ``(layer, phase)`` piece of a sliced step (:func:`piece_seconds`)."""
+
+    scaled: float
+    """Seconds of its equations without the per-product overhead."""
+    fixed: float
+    """Seconds the per-product overhead adds (``matmul_overhead`` times its products: paid by every device,
+    whatever the split)."""
+    repeated: float
+    """The part of ``scaled`` that each of Megatron-LM's tensor-parallel ranks repeats
+    (:func:`~alpa_like.bench.megatron.repeated_seconds`); 0 when no hidden state was given."""
+
+
+def piece_seconds(sliced: Any, rates: ComputeRates,
+                  hidden: HiddenState | None = None) -> dict[tuple[int, str], PieceSeconds]:
     """Per ``(layer, phase)`` piece of a sliced step: the seconds of its equations at ``rates``
-    (:func:`~alpa_like.compiler.flops.equation_seconds`) without the per-product overhead, and the seconds
-    that overhead adds (``matmul_overhead`` times its products: paid by every device, whatever the split)."""
+    (:func:`~alpa_like.compiler.flops.equation_seconds`) as :class:`PieceSeconds`; with ``hidden`` (the
+    micro-batch's hidden state the step was traced on), also the part tensor parallelism repeats."""
     plain = dataclasses.replace(rates, matmul_overhead=0.0)
-    totals: dict[tuple[int, str], tuple[float, float]] = {}
+    totals: dict[tuple[int, str], PieceSeconds] = {}
     for eqn, piece in zip(sliced.jaxpr.eqns, sliced.pieces, strict=True):
         if piece is None:
             continue
         scaled = equation_seconds(eqn, plain)
-        before, fixed = totals.get((piece.layer, piece.phase), (0.0, 0.0))
-        totals[(piece.layer, piece.phase)] = (before + scaled, fixed + equation_seconds(eqn, rates) - scaled)
+        repeated = 0.0 if hidden is None else megatron.repeated_seconds(eqn, plain, hidden)
+        before = totals.get((piece.layer, piece.phase), PieceSeconds(0.0, 0.0, 0.0))
+        totals[(piece.layer, piece.phase)] = PieceSeconds(before.scaled + scaled,
+                                                          before.fixed + equation_seconds(eqn, rates) - scaled,
+                                                          before.repeated + repeated)
     return totals
 
 
-def layer_seconds(sliced: Any, num_blocks: int, sequences: float, rates: ComputeRates) -> LayerSeconds:
-    """Each folded layer's (:func:`_fold_surplus_layers`) :func:`piece_seconds`, the scaled part per
-    sequence (the forward and backward were traced on ``sequences`` sequences)."""
+def layer_seconds(sliced: Any, num_blocks: int, hidden: HiddenState, rates: ComputeRates) -> LayerSeconds:
+    """Each folded layer's (:func:`_fold_surplus_layers`) :func:`piece_seconds`, the scaled parts (split
+    over the tensor-parallel ranks and repeated on each) per sequence (the forward and backward were traced
+    on micro-batches of ``hidden.sequences`` sequences)."""
     phases = {FORWARD: "forward", BACKWARD: "backward", APPLY: "apply"}
-    scaled = {name: [0.0] * num_blocks for name in phases.values()}
-    fixed = {name: [0.0] * num_blocks for name in phases.values()}
-    for (layer, phase), (seconds, overhead) in piece_seconds(sliced, rates).items():
+    fields = [name + part for name in phases.values() for part in ("", "_repeated", "_fixed")]
+    totals = {field: [0.0] * num_blocks for field in fields}
+    for (layer, phase), piece in piece_seconds(sliced, rates, hidden).items():
         name, layer = phases[phase], min(layer, num_blocks - 1)
-        scaled[name][layer] += seconds
-        fixed[name][layer] += overhead
-    per_sequence = {"forward": sequences, "backward": sequences, "apply": 1.0}
-    return LayerSeconds(**{name: tuple(v / per_sequence[name] for v in values) for name, values in scaled.items()},
-                        **{name + "_fixed": tuple(values) for name, values in fixed.items()})
+        totals[name][layer] += piece.scaled - piece.repeated
+        totals[name + "_repeated"][layer] += piece.repeated
+        totals[name + "_fixed"][layer] += piece.fixed
+    per_sequence = {field: 1 if field.startswith("apply") or field.endswith("_fixed") else hidden.sequences
+                    for field in fields}
+    return LayerSeconds(**{field: tuple(v / per_sequence[field] for v in values) for field, values in totals.items()})
 
 
 def _folded_batch_inputs(sliced: Any, num_blocks: int, sequences: float) -> tuple:

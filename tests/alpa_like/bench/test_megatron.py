@@ -66,15 +66,17 @@ def test_1f1b_closed_form_textbook_case():
 
 
 def test_layer_seconds_and_launches_price_the_chunks_like_our_plans():
-    """Per layer: b/t of its per-sequence seconds plus its products' overheads; per chunk run: one launch."""
-    seconds = LayerSeconds(forward=(1e-3,) * 4, backward=(2e-3,) * 4, apply=(1e-5,) * 4, forward_fixed=(1e-4,) * 4,
-                           backward_fixed=(2e-4,) * 4, apply_fixed=(3e-6,) * 4)
+    """Per layer: b/t of its per-sequence split seconds, b times its repeated ones, plus its products'
+    overheads; per chunk run: one launch."""
+    seconds = LayerSeconds(forward=(1e-3,) * 4, backward=(2e-3,) * 4, apply=(1e-5,) * 4,
+                           forward_repeated=(3e-4,) * 4, backward_repeated=(5e-4,) * 4, apply_repeated=(1e-7,) * 4,
+                           forward_fixed=(1e-4,) * 4, backward_fixed=(2e-4,) * 4, apply_fixed=(3e-6,) * 4)
     costs = dataclasses.replace(uniform_costs(), seconds=seconds)
     fast = dataclasses.replace(cluster(per_node=4, bandwidth=1e30, latency=0.0), launch_overhead=5e-5)
     est = estimate(MegatronConfig(t=2, p=2, d=1, b=2), costs, fast, global_batch=8)
-    t_f = 2 * (2 * 1e-3 / 2 + 1e-4) + 5e-5  # two layers per stage
-    t_b = 2 * (2 * 2e-3 / 2 + 2e-4) + 5e-5
-    apply = 2 * (1e-5 / 2 + 3e-6) + 5e-5
+    t_f = 2 * (2 * (1e-3 / 2 + 3e-4) + 1e-4) + 5e-5  # two layers per stage
+    t_b = 2 * (2 * (2e-3 / 2 + 5e-4) + 2e-4) + 5e-5
+    apply = 2 * (1e-5 / 2 + 1e-7 + 3e-6) + 5e-5
     assert est.num_micro_batches == 4
     assert est.step_seconds == pytest.approx((4 + 2 - 1) * (t_f + t_b) + apply, rel=1e-9)
     assert replay(est) == pytest.approx(est.step_seconds, rel=1e-9)
