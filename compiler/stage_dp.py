@@ -127,12 +127,13 @@ With boundary savings every DP run solves the second (aligned) table too, over u
 t_max candidates: GPT-39B's real table took 2.2 s instead of 0.2 s (``examples/benchmarks/stage_dp.py``).
 With shared NICs the aligned DP is the only one, with four tables (the two flags) and up to sixteen times as
 many t_max candidates (each side inside a node, or across through 0, 1 or 2 shared NICs); it computes a level
-for every first layer at once when it records no choices. GPT-39B's real table on 64 GPUs (49 layers,
+for every first layer at once when it records no choices, each submesh only at the device counts where its
+stages start aligned (a whole-node mesh at every ``M``-th: a level of a 1,024-GPU cluster costs about a
+quarter of the full width). GPT-39B's real table on 64 GPUs (49 layers,
 shared NICs, ``B = 64``): 48 DP runs, about 3.4 s (``examples/benchmarks/planning.py``).
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import numbers
@@ -143,7 +144,7 @@ import numpy as np
 from alpa_like.compiler.indices import SubmeshIdx
 from alpa_like.compiler.schedules import ScheduleName, schedule_name
 from alpa_like.compiler.stage_costs import StageChoice, StageCosts, StageSolution, int_pair, is_int
-from alpa_like.compiler.stage_placement import price_placed_stages
+from alpa_like.compiler.stage_placement import AlignedLayouts, price_placed_stages, take
 from alpa_like.compiler.submesh import submesh_shapes
 
 
@@ -190,7 +191,7 @@ def solve_stages(costs: StageCosts, cluster_shape: tuple[int, int], num_micro_ba
     num_devices = n_nodes * per_node
     sizes = costs.sizes
     max_stages = min(costs.num_layers, num_devices)
-    placement = _Placement.of(costs, num_devices, per_node)
+    placement = AlignedLayouts.of(costs, num_devices, per_node)
     weight = float(schedule.bubble_weight)
     step = _step_costs(costs)
     answers = []  # (total, t_max, eff, view, in_flight) for each memory rule
@@ -236,7 +237,7 @@ def _zero_bubble_held(schedule: ScheduleName, depth: int, batches: int) -> int:
     return min(depth if schedule == ScheduleName.ZB_H1 else 2 * depth - 1, batches)
 
 
-def _solve_rule(eff: np.ndarray, sizes: np.ndarray, num_devices: int, placement: _Placement | None, batches: int,
+def _solve_rule(eff: np.ndarray, sizes: np.ndarray, num_devices: int, placement: AlignedLayouts | None, batches: int,
                 weight: float, epsilon: float, prune: bool, step: np.ndarray | None
                 ) -> tuple[tuple[float, float, np.ndarray] | None, int]:
     """``((total, t_max, eff), runs)`` of the best plan on ``eff`` with the per-step terms (module docstring),
@@ -261,7 +262,7 @@ def _solve_rule(eff: np.ndarray, sizes: np.ndarray, num_devices: int, placement:
     return best, evaluated
 
 
-def _best_t_max(eff: np.ndarray, sizes: np.ndarray, num_devices: int, placement: _Placement | None,
+def _best_t_max(eff: np.ndarray, sizes: np.ndarray, num_devices: int, placement: AlignedLayouts | None,
                 batches: int, epsilon: float, prune: bool,
                 bound: float = math.inf, weight: float = 1.0) -> tuple[tuple[float, float] | None, int]:
     """Eq. 3.4 over the t_max candidates of ``eff`` (Alg. 2 lines 27-30, searched by :func:`_search`):
@@ -306,7 +307,7 @@ def aligned_plans_only(costs: StageCosts, cluster_shape: tuple[int, int]) -> boo
     """Whether the DP considers aligned contiguous plans only: when meshes can share a NIC (``nic_wait``
     given, 3 nodes or more, a submesh smaller than a node; see "Shared NICs" in the module docstring)."""
     n_nodes, per_node = int_pair(cluster_shape, "cluster_shape")
-    placement = _Placement.of(costs, n_nodes * per_node, per_node)
+    placement = AlignedLayouts.of(costs, n_nodes * per_node, per_node)
     return placement is not None and placement.nic is not None
 
 
@@ -315,67 +316,7 @@ def aligned_plans_only(costs: StageCosts, cluster_shape: tuple[int, int]) -> boo
 # ---------------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class _Placement:
-    """Eq. 3.3 over aligned contiguous layouts (see :func:`price_placed_stages`), for ``_placed_dp``.
-
-    In the DP a stage chosen with ``d`` devices left for itself and the stages after it starts at device
-    ``N * M - d``, so whether it is aligned, which of its boundaries stay inside a node and whether it is the
-    first or last mesh of a shared node (``shared_nodes``) depend on ``(p, d)`` only: ``aligned[p, d]``,
-    ``inside_before[p, d]``, ``inside_after[p, d]``, ``first_shared[p, d]``, ``last_shared[p, d]``.
-    ``nic`` is None when no plan can share a NIC (fewer than 3 nodes, no partial-node submesh, or no
-    ``nic_wait``).
-    """
-
-    saving: np.ndarray
-    nic: np.ndarray | None
-    aligned: np.ndarray
-    inside_before: np.ndarray
-    inside_after: np.ndarray
-    first_shared: np.ndarray
-    last_shared: np.ndarray
-
-    @classmethod
-    def of(cls, costs: StageCosts, num_devices: int, per_node: int) -> _Placement | None:
-        sizes = costs.sizes[:, None]
-        start = np.broadcast_to(num_devices - np.arange(num_devices + 1)[None, :], (len(sizes), num_devices + 1))
-        end = start + sizes
-        middle = (sizes < per_node) & (start // per_node >= 1) & (start // per_node <= num_devices // per_node - 2)
-        first_shared, last_shared = middle & (start % per_node == 0), middle & (end % per_node == 0)
-        nic = costs.nic_wait
-        if nic is None or not nic.any() or not first_shared.any():
-            nic = None
-        saving = costs.boundary_saving
-        if (saving is None or not saving.any()) and nic is None:
-            return None
-        return cls(saving=np.zeros(costs.t_intra.shape[:3] + (2,)) if saving is None else saving, nic=nic,
-                   aligned=(end <= num_devices) & (start % np.minimum(sizes, per_node) == 0),
-                   inside_before=(start % per_node != 0), inside_after=(end % per_node != 0),
-                   first_shared=first_shared, last_shared=last_shared)
-
-    def stage_seconds(self, k, rows: np.ndarray, seconds: np.ndarray) -> np.ndarray:
-        """``[row, d]``: the time of stage ``(k..i, p)`` for each flat ``row = i * P + p`` (``k`` one first
-        layer, or one per row) starting with ``d`` devices left, with its inside-node savings and the shared
-        NIC of its own node (not yet those of its neighbours' nodes: :meth:`extra`); inf where it is
-        misaligned."""
-        last, mesh = np.divmod(rows, self.saving.shape[2])
-        saving = self.saving[k, last, mesh]
-        placed = np.maximum(seconds[:, None] - saving[:, :1] * self.inside_before[mesh]
-                            - saving[:, 1:] * self.inside_after[mesh], 0.0)
-        if self.nic is not None:
-            nic = self.nic[k, last, mesh]
-            placed = placed + nic[:, :1] * self.first_shared[mesh] + nic[:, 1:] * self.last_shared[mesh]
-        return np.where(self.aligned[mesh], placed, np.inf)
-
-    def extra(self, k, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``[row, 1]`` each: what stage ``(k..i, p)`` waits when the node before it (side 0) or after it
-        (side 1) is shared: its :attr:`StageCosts.nic_wait`."""
-        last, mesh = np.divmod(rows, self.saving.shape[2])
-        nic = self.nic[k, last, mesh]
-        return nic[:, :1], nic[:, 1:]
-
-
-def _stage_time_candidates(eff: np.ndarray, placement: _Placement | None, below: float = math.inf) -> np.ndarray:
+def _stage_time_candidates(eff: np.ndarray, placement: AlignedLayouts | None, below: float = math.inf) -> np.ndarray:
     """The distinct finite stage times a plan can have, those below ``below`` at least (some above may be
     left out): the t_max candidates of Alg. 2 line 27. Placed, a side of a stage is inside a node (its
     saving off), or crosses nodes through 0, 1 or 2 shared NICs (its ``nic_wait`` on, 0-2 times). Read one
@@ -384,7 +325,7 @@ def _stage_time_candidates(eff: np.ndarray, placement: _Placement | None, below:
     return np.unique(np.concatenate([_level_time_candidates(eff[q], placement, below) for q in levels]))
 
 
-def _level_time_candidates(eff: np.ndarray, placement: _Placement | None, below: float) -> np.ndarray:
+def _level_time_candidates(eff: np.ndarray, placement: AlignedLayouts | None, below: float) -> np.ndarray:
     """:func:`_stage_time_candidates` of one level ``eff[s - 1]`` (``[k, i, p]``): entries whose times with
     both savings off are not below ``below`` give no time below it and are skipped."""
     cut = 0.0 if placement is None else placement.saving.sum(axis=-1)
@@ -417,7 +358,7 @@ def _step_costs(costs: StageCosts) -> np.ndarray | None:
 
 
 def _best_finals(eff: np.ndarray, t_max: float, sizes: np.ndarray, num_devices: int,
-                 placement: _Placement | None, track: bool = False) -> tuple[np.ndarray, list, bool]:
+                 placement: AlignedLayouts | None, track: bool = False) -> tuple[np.ndarray, list, bool]:
     """``(finals, choices, placed)`` at ``t_max`` (Eq. 3.3) of the better table: every plan priced with
     boundaries across nodes (``placed = False``), or the aligned plans priced for their layout (preferred on
     ties). When NICs can be shared (``placement.nic``), only the aligned plans."""
@@ -430,7 +371,7 @@ def _best_finals(eff: np.ndarray, t_max: float, sizes: np.ndarray, num_devices: 
     return placed if placed[0].min() <= plain[0].min() else plain
 
 
-def _least_t_max(eff: np.ndarray, sizes: np.ndarray, num_devices: int, placement: _Placement | None,
+def _least_t_max(eff: np.ndarray, sizes: np.ndarray, num_devices: int, placement: AlignedLayouts | None,
                  most: float = math.inf) -> float:
     """The least ``t_max <= most`` at which :func:`_best_finals` has a plan (inf if none): Eq. 3.3 with ``max``
     in place of ``+`` over the same tables, each stage's time the one the DP compares with ``t_max`` (for the
@@ -532,12 +473,12 @@ def _dp(cost: np.ndarray, sizes: np.ndarray, num_devices: int, combine: np.ufunc
     return finals, choices
 
 
-def _placed_dp(cost: np.ndarray, sizes: np.ndarray, num_devices: int, placement: _Placement, t_max: float,
+def _placed_dp(cost: np.ndarray, sizes: np.ndarray, num_devices: int, placement: AlignedLayouts, t_max: float,
                track: bool = False, combine: np.ufunc = np.add) -> tuple[np.ndarray, list]:
     """Eq. 3.3 over the aligned contiguous layouts only, each stage priced for its layout
     (``price_placed_stages``) and cut at ``t_max`` after pricing; ``cost`` is ``eff`` (not yet cut).
 
-    A stage's own savings and its own node's shared NIC depend on ``(p, d)`` (:meth:`_Placement.stage_seconds`).
+    A stage's own savings and its own node's shared NIC depend on ``(p, d)`` (:meth:`AlignedLayouts.stage_seconds`).
     What it pays for a neighbour's shared node depends on the neighbours, so with shared NICs the table is
     split by two flags of the stages that remain: ``q`` = the node before their first stage is shared (the
     stage before was the last mesh of a shared node: the first stage waits its ``nic_wait[0]``), ``c`` = their
@@ -597,24 +538,26 @@ _LEVEL_BLOCK = 1 << 20
 """Elements per temporary array of :func:`_placed_level` (its memory, not its result)."""
 
 
-def _placed_values(k, rows: np.ndarray, seconds: np.ndarray, shifted: np.ndarray, placement: _Placement,
-                   t_max: float, combine: np.ufunc = np.add) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
+def _placed_values(k, rows: np.ndarray, seconds: np.ndarray, shifted: np.ndarray, placement: AlignedLayouts,
+                   t_max: float, combine: np.ufunc = np.add, columns: np.ndarray | None = None
+                   ) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
     """For each table ``(q, c)`` of :func:`_placed_dp`, ``[row, d]``: the total of stage ``(k..i, p)``
     (flat ``rows``, ``i * P + p``; ``k`` one first layer or one per row; ``seconds`` its ``eff``) starting
-    with ``d`` devices left, followed by the best rest, and the choice code of that total (``row * 2 +`` the
-    class of the rest). Infinite where the stage exceeds ``t_max``, is misaligned, is not of class ``c``, or
-    nothing can follow. ``combine``: how the stage's time and the rest's make the total (``np.add``), or
-    ``np.maximum`` for the slowest stage."""
+    with ``d`` devices left (``d`` in ``columns``; None: every ``d``), followed by the best rest, and the
+    choice code of that total (``row * 2 +`` the class of the rest). Infinite where the stage exceeds
+    ``t_max``, is misaligned, is not of class ``c``, or nothing can follow. ``combine``: how the stage's time
+    and the rest's make the total (``np.add``), or ``np.maximum`` for the slowest stage."""
     num_meshes = placement.saving.shape[2]
     mesh = rows % num_meshes
-    own = placement.stage_seconds(k, rows, seconds)
+    own = placement.stage_seconds(k, rows, seconds, columns)
     if placement.nic is None:
-        values = combine(np.where(own <= t_max, own, np.inf), shifted[0, 0, rows])
+        values = combine(np.where(own <= t_max, own, np.inf), take(shifted[0, 0], rows, columns))
         return {(0, 0): (values, np.broadcast_to(rows[:, None] * 2, values.shape))}
     before, after = placement.extra(k, rows)
-    last_shared = placement.last_shared[mesh]
-    rest = [np.where(last_shared, shifted[1, c, rows], shifted[0, c, rows]) for c in (0, 1)]
-    first_shared = placement.first_shared[mesh]
+    last_shared = take(placement.last_shared, mesh, columns)
+    rest = [np.where(last_shared, take(shifted[1, c], rows, columns), take(shifted[0, c], rows, columns))
+            for c in (0, 1)]
+    first_shared = take(placement.first_shared, mesh, columns)
     out = {}
     for q in (0, 1):
         seconds_q = own + q * before
@@ -627,7 +570,7 @@ def _placed_values(k, rows: np.ndarray, seconds: np.ndarray, shifted: np.ndarray
     return out
 
 
-def _placed_level(level: np.ndarray, fastest: np.ndarray, shifted: np.ndarray, placement: _Placement,
+def _placed_level(level: np.ndarray, fastest: np.ndarray, shifted: np.ndarray, placement: AlignedLayouts,
                   t_max: float, current: np.ndarray, combine: np.ufunc = np.add) -> None:
     """One level ``s`` of :func:`_placed_dp` without choices, every first layer ``k`` at once:
     ``current[q, c, k] = min over rows of`` :func:`_placed_values` (the same numbers as the loop over ``k``
@@ -635,15 +578,19 @@ def _placed_level(level: np.ndarray, fastest: np.ndarray, shifted: np.ndarray, p
     top, flat = level.shape
     num_meshes = flat // top
     upper = np.arange(flat)[None, :] >= (np.arange(top) * num_meshes)[:, None]
-    firsts, rows = np.nonzero(upper & (fastest <= t_max) & np.isfinite(fastest))  # by first layer, ascending
-    per_block = max(1, _LEVEL_BLOCK // current.shape[-1])
-    for start in range(0, firsts.size, per_block):
-        ks, rs = firsts[start:start + per_block], rows[start:start + per_block]
-        group_ks, starts = np.unique(ks, return_index=True)
-        for (q, c), (values, _) in _placed_values(ks, rs, level[ks, rs], shifted, placement, t_max,
-                                                  combine).items():
-            smallest = np.minimum.reduceat(values, starts, axis=0)
-            current[q, c, group_ks] = np.minimum(current[q, c, group_ks], smallest)
+    all_firsts, all_rows = np.nonzero(upper & (fastest <= t_max) & np.isfinite(fastest))  # by first layer
+    for meshes, columns in placement.column_groups():  # each mesh only where its stages start aligned
+        chosen = np.isin(all_rows % num_meshes, meshes)
+        firsts, rows = all_firsts[chosen], all_rows[chosen]
+        per_block = max(1, _LEVEL_BLOCK // max(1, columns.size))
+        for start in range(0, firsts.size, per_block):
+            ks, rs = firsts[start:start + per_block], rows[start:start + per_block]
+            group_ks, starts = np.unique(ks, return_index=True)
+            for (q, c), (values, _) in _placed_values(ks, rs, level[ks, rs], shifted, placement, t_max,
+                                                      combine, columns).items():
+                smallest = np.minimum.reduceat(values, starts, axis=0)
+                table = current[q, c]
+                table[np.ix_(group_ks, columns)] = np.minimum(table[np.ix_(group_ks, columns)], smallest)
 
 
 def _t_max_groups(values: np.ndarray, epsilon: float) -> list[tuple[float, float]]:
@@ -703,7 +650,7 @@ def _search(groups: list[tuple[float, float]], solve: Callable[[int], float], ba
 
 
 def _reconstruct(costs: StageCosts, eff: np.ndarray, view: np.ndarray, t_max: float, num_devices: int,
-                 in_flight: np.ndarray, placement: _Placement | None) -> tuple[StageChoice, ...]:
+                 in_flight: np.ndarray, placement: AlignedLayouts | None) -> tuple[StageChoice, ...]:
     """Re-runs the DP at ``t_max`` with argmins and walks them from ``(S, 0, N * M)`` to ``(0, K, 0)``
     (with the flags of the table that won, :func:`_best_finals`). ``t_intra`` of the stages is the table's
     (not yet priced for placement)."""

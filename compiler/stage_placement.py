@@ -1,6 +1,7 @@
 """Where a plan's stages run, for pricing: the aligned contiguous layout of its submeshes, the stage
 boundaries that stay inside a node, and the nodes whose NICs two meshes share (see "Boundaries inside a
-node" and "Shared NICs" in :mod:`alpa_like.compiler.stage_dp`).
+node" and "Shared NICs" in :mod:`alpa_like.compiler.stage_dp`); :class:`AlignedLayouts` holds the same per
+(submesh, devices left) for the stage DP.
 """
 from __future__ import annotations
 
@@ -88,3 +89,81 @@ def shared_nodes(sizes: Sequence[int], devices_per_node: int) -> set[int]:
     return {start // devices_per_node for start, size in zip(offsets, sizes)
             if start % devices_per_node == 0 and size < devices_per_node
             and 0 < start // devices_per_node < last_node}
+
+
+@dataclasses.dataclass(frozen=True)
+class AlignedLayouts:
+    """Eq. 3.3 over aligned contiguous layouts (see :func:`price_placed_stages`), for the stage DP's
+    ``_placed_dp``.
+
+    In the DP a stage chosen with ``d`` devices left for itself and the stages after it starts at device
+    ``N * M - d``, so whether it is aligned, which of its boundaries stay inside a node and whether it is the
+    first or last mesh of a shared node (``shared_nodes``) depend on ``(p, d)`` only: ``aligned[p, d]``,
+    ``inside_before[p, d]``, ``inside_after[p, d]``, ``first_shared[p, d]``, ``last_shared[p, d]``.
+    ``nic`` is None when no plan can share a NIC (fewer than 3 nodes, no partial-node submesh, or no
+    ``nic_wait``).
+    """
+
+    saving: np.ndarray
+    nic: np.ndarray | None
+    aligned: np.ndarray
+    inside_before: np.ndarray
+    inside_after: np.ndarray
+    first_shared: np.ndarray
+    last_shared: np.ndarray
+
+    @classmethod
+    def of(cls, costs: StageCosts, num_devices: int, per_node: int) -> AlignedLayouts | None:
+        sizes = costs.sizes[:, None]
+        start = np.broadcast_to(num_devices - np.arange(num_devices + 1)[None, :], (len(sizes), num_devices + 1))
+        end = start + sizes
+        middle = (sizes < per_node) & (start // per_node >= 1) & (start // per_node <= num_devices // per_node - 2)
+        first_shared, last_shared = middle & (start % per_node == 0), middle & (end % per_node == 0)
+        nic = costs.nic_wait
+        if nic is None or not nic.any() or not first_shared.any():
+            nic = None
+        saving = costs.boundary_saving
+        if (saving is None or not saving.any()) and nic is None:
+            return None
+        return cls(saving=np.zeros(costs.t_intra.shape[:3] + (2,)) if saving is None else saving, nic=nic,
+                   aligned=(end <= num_devices) & (start % np.minimum(sizes, per_node) == 0),
+                   inside_before=(start % per_node != 0), inside_after=(end % per_node != 0),
+                   first_shared=first_shared, last_shared=last_shared)
+
+    def stage_seconds(self, k, rows: np.ndarray, seconds: np.ndarray, columns: np.ndarray | None = None
+                      ) -> np.ndarray:
+        """``[row, d]``: the time of stage ``(k..i, p)`` for each flat ``row = i * P + p`` (``k`` one first
+        layer, or one per row) starting with ``d`` devices left (``d`` in ``columns``; None: every ``d``),
+        with its inside-node savings and the shared NIC of its own node (not yet those of its neighbours'
+        nodes: :meth:`extra`); inf where it is misaligned."""
+        last, mesh = np.divmod(rows, self.saving.shape[2])
+        saving = self.saving[k, last, mesh]
+        placed = np.maximum(seconds[:, None] - saving[:, :1] * take(self.inside_before, mesh, columns)
+                            - saving[:, 1:] * take(self.inside_after, mesh, columns), 0.0)
+        if self.nic is not None:
+            nic = self.nic[k, last, mesh]
+            placed = (placed + nic[:, :1] * take(self.first_shared, mesh, columns)
+                      + nic[:, 1:] * take(self.last_shared, mesh, columns))
+        return np.where(take(self.aligned, mesh, columns), placed, np.inf)
+
+    def column_groups(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``(meshes, columns)`` pairs covering every submesh once: the device counts ``d`` at which those
+        meshes' stages can start aligned (a stage of ``m < M`` devices every ``m``-th device, a whole-node
+        stage every ``M``-th), so a DP level computes each mesh's stages at those ``d`` only (elsewhere they
+        are inf)."""
+        groups: dict[bytes, list[int]] = {}
+        for p, row in enumerate(self.aligned):
+            groups.setdefault(row.tobytes(), []).append(p)
+        return [(np.asarray(meshes), np.flatnonzero(self.aligned[meshes[0]])) for meshes in groups.values()]
+
+    def extra(self, k, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``[row, 1]`` each: what stage ``(k..i, p)`` waits when the node before it (side 0) or after it
+        (side 1) is shared: its :attr:`StageCosts.nic_wait`."""
+        last, mesh = np.divmod(rows, self.saving.shape[2])
+        nic = self.nic[k, last, mesh]
+        return nic[:, :1], nic[:, 1:]
+
+
+def take(table: np.ndarray, rows: np.ndarray, columns: np.ndarray | None = None) -> np.ndarray:
+    """``table[rows]`` restricted to ``columns`` (all of them when None): ``[len(rows), len(columns)]``."""
+    return table[rows] if columns is None else table[np.ix_(rows, columns)]

@@ -17,7 +17,7 @@ from alpa_like.compiler.schedules import ScheduleName
 from alpa_like.compiler import stage_costs, stage_placement
 from alpa_like.compiler.stage_costs import StageCosts
 from alpa_like.compiler.stage_dp import micro_batches_in_flight, solve_stages
-from alpa_like.compiler.stage_placement import contiguous_offsets, price_placed_stages, shared_nodes
+from alpa_like.compiler.stage_placement import AlignedLayouts, contiguous_offsets, price_placed_stages, shared_nodes
 from tests.reference import brute_force_stages
 from alpa_like.compiler.submesh import assign_devices, submesh_shapes
 
@@ -752,7 +752,7 @@ def test_placed_dp_without_choices_equals_the_tracked_loop(seed, num_layers, clu
     if nic:
         costs = with_nic_wait(costs, seed + 3, 0.6)
     num_devices = cluster[0] * cluster[1]
-    placement = stage_dp_module._Placement.of(costs, num_devices, cluster[1])
+    placement = AlignedLayouts.of(costs, num_devices, cluster[1])
     in_flight = micro_batches_in_flight("1f1b", min(num_layers, num_devices), 4)
     eff, _ = stage_dp_module._effective_costs(costs, in_flight, 10.0)
     tracked, _ = stage_dp_module._placed_dp(eff, costs.sizes, num_devices, placement, t_max, track=True)
@@ -775,7 +775,7 @@ def test_least_t_max_is_where_the_dp_first_has_a_plan(seed, num_layers, cluster,
     if nic:
         costs = with_nic_wait(costs, seed + 3, 0.6)
     num_devices = cluster[0] * cluster[1]
-    placement = stage_dp_module._Placement.of(costs, num_devices, cluster[1])
+    placement = AlignedLayouts.of(costs, num_devices, cluster[1])
     eff, _ = stage_dp_module._effective_costs(costs, micro_batches_in_flight("1f1b", min(num_layers, num_devices), 4),
                                               10.0)
     least = stage_dp_module._least_t_max(eff, costs.sizes, num_devices, placement)
