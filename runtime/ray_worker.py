@@ -149,6 +149,8 @@ class MeshWorker:
         self._loaded: dict[int, _LoadedProgram] = {}
         self._mailbox: dict[tuple, list] = {}
         self._aborted: set[tuple[int, int]] = set()
+        self._finished: dict[int, int] = {}
+        """Executable -> the last step this worker ran (steps count up per executable)."""
         self._send_failures: dict[tuple[int, int], BaseException] = {}
         """(executable, step) -> the error of a send of this worker's, which its RECVs raise instead of waiting."""
         self._cond = threading.Condition()
@@ -182,6 +184,9 @@ class MeshWorker:
 
     def unload_program(self, exe_id: int) -> None:
         self._loaded.pop(exe_id, None)
+        with self._cond:
+            for stale in [k for k in self._mailbox if k[0] == exe_id]:
+                del self._mailbox[stale]
 
     def fetch(self, handle: int) -> np.ndarray | tuple[np.ndarray, str]:
         """The stored array, as :func:`host_value` gives it."""
@@ -266,11 +271,14 @@ class MeshWorker:
         mailed as ``("error", exception)`` for the RECV to raise."""
         if len(keys) != len(parcel):
             raise ValueError(f"deliver: {len(keys)} keys for {len(parcel)} buffers in the parcel")
+        if step <= self._finished.get(exe_id, -1):  # its step ended (aborted) without it: nothing will RECV it
+            return
         arrived = {(exe_id, step, key): _arrival(self._loaded.get(exe_id), exe_id, item)
                    for key, item in zip(keys, parcel, strict=True)}
         with self._cond:
-            self._mailbox.update(arrived)
-            self._cond.notify_all()
+            if step > self._finished.get(exe_id, -1):
+                self._mailbox.update(arrived)
+                self._cond.notify_all()
 
     def abort(self, exe_id: int, step: int) -> None:
         with self._cond:
@@ -330,6 +338,9 @@ class MeshWorker:
             with self._cond:
                 self._aborted.discard((exe_id, step))
                 self._send_failures.pop((exe_id, step), None)
+                self._finished[exe_id] = max(step, self._finished.get(exe_id, -1))
+                for stale in [k for k in self._mailbox if k[0] == exe_id and k[1] <= step]:
+                    del self._mailbox[stale]  # parcels of an aborted step: their device memory goes now
         self._store.update(zip(out_handles, outputs, strict=True))
         return {"mesh": loaded.program.mesh, "seconds": time.perf_counter() - start,
                 "bytes_sent": run.bytes_sent, "input_bytes_sent": run.input_bytes_sent, "instructions": run.count,

@@ -86,3 +86,23 @@ def test_a_parcel_that_cannot_be_assembled_fails_the_recv_not_the_call():
 def _spec(text):
     from alpa_like.compiler.sharding_spec import ShardingSpec
     return ShardingSpec.from_str(text)
+
+
+def test_parcels_of_a_finished_or_aborted_step_are_dropped():
+    """A step that ends (here: aborted, its RECV never run) leaves no parcel of its own behind, and a parcel
+    for it that arrives later is not kept: the mailbox holds only what a step still to run will RECV."""
+    from alpa_like.runtime.ray_worker import WorkerStepError
+    sender, receiver, key = _workers()
+    array = np.arange(32.0, dtype=np.float32).reshape(8, 4)
+    sender.run_step(7, 0, {0: ("value", array)}, [], [], [])
+    sender.run_step(7, 1, {0: ("value", array)}, [], [], [])
+    assert set(receiver._mailbox) == {(7, 0, key), (7, 1, key)}
+    receiver.abort(7, 0)
+    receiver._mailbox.pop((7, 0, key))  # step 0's parcel is late: the RECV waits, the abort ends it
+    with pytest.raises(WorkerStepError, match="aborted by the driver"):
+        receiver.run_step(7, 0, {}, [11], [], [])
+    sender.run_step(7, 0, {0: ("value", array)}, [], [], [])  # step 0's parcel arrives after the step ended
+    assert set(receiver._mailbox) == {(7, 1, key)}
+    receiver.run_step(7, 1, {}, [12], [], [])
+    assert receiver._mailbox == {}
+    np.testing.assert_array_equal(receiver.fetch(12), array)
