@@ -203,6 +203,11 @@ from alpa_like.runtime.ray_startup import loopback_node_ip
 from tests.runtime.test_pipeshard_runtime import mlp_case, train_step_for
 from tests.runtime.test_ray_multinode import ONE_MESH_PER_NODE
 
+
+def report(*words):  # to a file of its own: Ray's log lines on stdout could cut into a line
+    with open(REPORT, "a") as f:
+        print(*words, file=f, flush=True)
+
 cluster = LocalCluster(num_nodes=1, num_cpus_per_node=2)  # the head, on 127.0.0.1
 with loopback_node_ip():  # a second node on 127.0.0.2, where the driver attaches (not the head's raylet)
     cluster._cluster.add_node(**{**cluster._node_args(), "node_ip_address": "127.0.0.2"})
@@ -212,7 +217,7 @@ loss_fn, state, batches = mlp_case()
 f = al.parallelize(train_step_for(loss_fn), method=al.PipeshardParallel(
     num_micro_batches=2, layer_option=al.ManualLayerOption(), stage_option=ONE_MESH_PER_NODE))
 state1, _ = f(state, batches[0])
-print("head", api._backend.ray.nodes[0], flush=True)
+report("head", api._backend.ray.nodes[0])
 head, other = cluster.nodes
 kill_head = lambda: head.kill_all_processes(check_alive=False, allow_graceful=False)  # GCS, raylet, workers
 if MID_STEP:  # the worker on the other node stalls at its first RUN; the head goes when it is there
@@ -226,7 +231,7 @@ if MID_STEP:  # the worker on the other node stalls at its first RUN; the head g
     def kill_when_stalled():
         while f"instruction #{index} " not in ray.get(victim.where.remote()):
             time.sleep(0.05)
-        print("stalled", flush=True)
+        report("stalled")
         kill_head()
     threading.Thread(target=kill_when_stalled, daemon=True).start()
 else:
@@ -234,21 +239,21 @@ else:
 start = time.monotonic()
 try:
     f(state1, batches[1])
-    print("no error", flush=True)
+    report("no error")
 except RayStepError as e:
-    print(f"error after {time.monotonic() - start:.1f} s: {e}", flush=True)
+    report(f"error after {time.monotonic() - start:.1f} s: {e}")
 other.kill_all_processes(check_alive=False, allow_graceful=False)
 deadline = time.monotonic() + 30
 while cluster.processes_alive() and time.monotonic() < deadline:
     time.sleep(0.2)
-print("processes left" if cluster.processes_alive() else "processes gone", flush=True)
+report("processes left" if cluster.processes_alive() else "processes gone")
 os._exit(0)  # Ray would end a driver whose GCS stays unreachable, after 60 s
 """
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mid_step", [False, True], ids=["between-steps", "mid-step"])
-def test_a_lost_head_node_is_a_named_error_in_time(mid_step):
+def test_a_lost_head_node_is_a_named_error_in_time(mid_step, tmp_path):
     """A driver attached to another node's raylet (as one started elsewhere with ``--address``) loses the head
     (the GCS, its raylet and the worker of mesh 0) between steps, or during one while the other node's worker
     is inside it: the step raises a RayStepError naming the head within 30 s instead of hanging. In a process
@@ -257,18 +262,20 @@ def test_a_lost_head_node_is_a_named_error_in_time(mid_step):
     import re
     import subprocess
     import sys
-    script = f"MID_STEP = {mid_step}\n" + LOSE_THE_HEAD
+    report = tmp_path / "report.txt"
+    script = f"MID_STEP = {mid_step}\nREPORT = {str(report)!r}\n" + LOSE_THE_HEAD
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    out = done.stdout
-    assert ("stalled" in out) == mid_step, out + done.stderr[-3000:]
+    out = report.read_text() if report.exists() else ""
+    context = f"report:\n{out}\nstdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-3000:]}"
+    assert ("stalled" in out) == mid_step, context
     head = re.search(r"^head (Ray node 0 \(127\.0\.0\.1, id \w+, head\))$", out, re.M)
-    assert head, out + done.stderr[-3000:]
+    assert head, context
     # The head check, or the call to the head's own worker failing first (both name the head node).
     error = (re.search(r"^error after ([\d.]+) s: Ray backend: step 1: the head node \((.*?), GCS at "
                        r"127\.0\.0\.1:\d+\) does not answer \(\w+.*\): the Ray cluster is gone", out, re.M)
              or re.search(r"^error after ([\d.]+) s: Ray backend: step 1: the worker of mesh 0 on (.*?) became "
                           r"unreachable at instruction #\d+ ", out, re.M))
-    assert error, out + done.stderr[-3000:]
-    assert error.group(2) == head.group(1)
-    assert float(error.group(1)) < 30
-    assert "processes gone" in out
+    assert error, context
+    assert error.group(2) == head.group(1), context
+    assert float(error.group(1)) < 30, context
+    assert "processes gone" in out, context
