@@ -126,7 +126,8 @@ def compare(rows: list[dict], reference: list[dict]) -> list[str]:
 
 def print_row(r: dict) -> None:
     if "error" in r:
-        print(f"{r['model']:10} {r['gpus']:>5} {r['micro_batches']:>5}  no plan ({r['planning_s']:.1f} s): "
+        print(f"{r['model']:10} {r['gpus']:>5} {r['micro_batches']:>5} {r['submesh_shape_space']:>12}  no plan "
+              f"({r['planning_s']:.1f} s): "
               f"{r['error'][:120]}")
         return
     breakdown = ", ".join(f"{k} {v:.1f}" for k, v in r["breakdown_s"].items())
