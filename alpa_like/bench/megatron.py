@@ -20,8 +20,9 @@ The cost model is the one our own planner uses, so the comparison is like for li
 * launches: each chunk's forward, backward and optimizer update pays ``ClusterSpec.launch_overhead``, as each
   RUN of our plans does on the simulated backend;
 * communication: the alpha-beta model of :class:`~alpa_like.compiler.logical_mesh.LogicalMesh` on the
-  same :class:`~alpa_like.compiler.cluster.ClusterSpec` (tensor all-reduces on the ``t`` axis, the gradient all-reduce
-  on the ``d`` axis, point-to-point sends between stages, across nodes with Megatron's scatter/gather
+  same :class:`~alpa_like.compiler.cluster.ClusterSpec` (tensor all-reduces on the ``t`` axis, the gradient
+  all-reduce on the ``d`` axis of the gradients each rank holds, ``1/t`` of the split weights' and all of
+  the whole ones', point-to-point sends between stages, across nodes with Megatron's scatter/gather
   optimisation: ``1/t`` of the bytes per rank, a node's whole NIC shared by the stage's ranks on it, as our
   own plans are priced);
 * batch inputs: each chunk whose layers read a batch input (the first, the tokens; the last, the labels)
@@ -43,11 +44,13 @@ The cost model is the one our own planner uses, so the comparison is like for li
   is received by its stage just before the chunk runs, and a receive across nodes holds the NICs of the
   nodes it leaves and enters (:class:`~alpa_like.runtime.simulator.NicBook`), so two stages of one node
   receiving across nodes at the same time take turns, as our plans' stages do;
-* memory (Alpa Eq. 3.5, 1F1B): parameters and gradients and optimizer state divided over ``t`` (no ZeRO:
-  Megatron-LM of the seeds replicates them over ``d``), plus ``min(p - q, m)`` micro-batches of activations
-  on stage ``q``, divided over ``t``. A tied parameter is held, with its gradient and optimizer state, by
-  every stage whose layers read it (the embedding group's first and last stage keep a copy each:
-  :func:`replica_state_bytes`), as our own plans count it.
+* memory (Alpa Eq. 3.5, 1F1B): parameters and gradients and optimizer state of the split weights divided
+  over ``t``, those of the parameters every tensor-parallel rank holds whole (LayerNorm scales and biases,
+  row-parallel output biases, the position table: :attr:`TransformerCosts.replicated_param_bytes`) whole on
+  each rank (no ZeRO: Megatron-LM of the seeds replicates them all over ``d``), plus ``min(p - q, m)``
+  micro-batches of activations on stage ``q``, divided over ``t``. A tied parameter is held, with its
+  gradient and optimizer state, by every stage whose layers read it (the embedding group's first and last
+  stage keep a copy each: :func:`replica_state_bytes`), as our own plans count it.
 
 :func:`grid_search` evaluates every configuration of :func:`enumerate_configs` (``t`` dividing the GPUs
 per node and the number of heads, ``p`` dividing the layers, micro-batch sizes ``b``, and ``v > 1`` when the
@@ -205,6 +208,12 @@ class TransformerCosts:
     optimizer_bytes: tuple[float, ...]
     activation_bytes: tuple[float, ...]
     """Bytes each layer keeps from forward to backward for one sequence."""
+    replicated_param_bytes: tuple[float, ...] | None = None
+    """The part of each layer's ``param_bytes`` every tensor-parallel rank holds whole rather than ``1/t``
+    of (:func:`whole_parameter_bytes`: LayerNorm scales and biases, row-parallel output biases, the position
+    table); None: none of it (FLOP-only and analytic costs)."""
+    replicated_optimizer_bytes: tuple[float, ...] | None = None
+    """The part of each layer's ``optimizer_bytes`` that belongs to those whole parameters; None: none."""
     hidden_bytes: float
     """Bytes of one sequence's hidden state (``s * h * itemsize``): what a stage sends to the next and what a
     tensor-parallel all-reduce moves."""
@@ -230,6 +239,12 @@ class TransformerCosts:
                                  f"{len(getattr(self, name))}")
         if n < 1:
             raise ValueError("TransformerCosts needs at least one layer")
+        for name, whole in (("replicated_param_bytes", "param_bytes"),
+                            ("replicated_optimizer_bytes", "optimizer_bytes")):
+            part, full = getattr(self, name), getattr(self, whole)
+            if part is not None and (len(part) != n or any(not 0 <= r <= w for r, w in zip(part, full))):
+                raise ValueError(f"TransformerCosts.{name} must have one entry per layer ({n}), each between 0 and "
+                                 f"the layer's {whole}, got {part!r}")
         if self.seconds is not None:
             for f in dataclasses.fields(self.seconds):
                 if len(getattr(self.seconds, f.name)) != n:
@@ -247,6 +262,16 @@ class TransformerCosts:
     @property
     def num_layers(self) -> int:
         return len(self.forward_flops)
+
+    def state_bytes_per_rank(self, layers, tensor_parallel: int) -> tuple[float, float]:
+        """``(parameter bytes, optimizer bytes)`` of ``layers`` on each of ``tensor_parallel`` ranks: the split
+        part divided by ``tensor_parallel``, the replicated part (:attr:`replicated_param_bytes`,
+        :attr:`replicated_optimizer_bytes`) whole."""
+        def per_rank(total, replicated):
+            whole = 0.0 if replicated is None else sum(replicated[l] for l in layers)
+            return (sum(total[l] for l in layers) - whole) / tensor_parallel + whole
+        return (per_rank(self.param_bytes, self.replicated_param_bytes),
+                per_rank(self.optimizer_bytes, self.replicated_optimizer_bytes))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -444,6 +469,13 @@ def _leaf_bytes(jaxpr, k: int) -> float:
     return float(math.prod(aval.shape) * np.dtype(aval.dtype).itemsize)
 
 
+def whole_parameter_bytes(jaxpr, param_inputs: Sequence[int], hidden: HiddenState) -> float:
+    """Bytes of the parameter leaves ``param_inputs`` (indices into ``jaxpr.invars``) that every tensor-parallel
+    rank holds whole, by the shape rule of the compute side (:meth:`HiddenState.is_whole`): LayerNorm scales
+    and biases, row-parallel output biases, the position table."""
+    return sum(_leaf_bytes(jaxpr, k) for k in param_inputs if hidden.is_whole(jaxpr.invars[k].aval.shape))
+
+
 def shared_parameters(jaxpr, pieces, param_mask) -> tuple[tuple[float, tuple[int, ...]], ...]:
     """``(bytes, layers)`` of every parameter leaf (``param_mask``) that forward equations of more than one
     layer read, directly or through a marker (the :attr:`TransformerCosts.shared_params` of a sliced step)."""
@@ -507,10 +539,10 @@ def estimate(config: MegatronConfig, costs: TransformerCosts, cluster: ClusterSp
     replicas = replica_state_bytes(config, costs)
     for q in range(p):
         layers = [l for k in range(q, chunks, p) for l in range(k * per, (k + 1) * per)]
-        params = sum(costs.param_bytes[l] for l in layers) / t
+        params, optimizer = costs.state_bytes_per_rank(layers, t)
         sync.append(mesh.all_reduce_cost(params, 0) + tied[q] + _compute_seconds(costs, cluster, "apply", layers, 1, t)
                     + cluster.launch_overhead)
-        state = (2 * params + sum(costs.optimizer_bytes[l] for l in layers) / t) + replicas[q] / t
+        state = 2 * params + optimizer + replicas[q] / t
         activations = min(p - q, m) * b * sum(costs.activation_bytes[l] for l in layers) / t
         memory.append(state + activations)
     return MegatronEstimate(config=config, num_micro_batches=m, step_seconds=pipeline + max(sync),

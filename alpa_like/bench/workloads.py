@@ -181,6 +181,9 @@ def transformer_costs(sliced: Any, workload: Workload, num_micro_batches: int,
     total_params = sum(s.param_bytes for s in summaries)
     optimizer = [total_optimizer * s.param_bytes / total_params for s in summaries]
     config = workload.config
+    hidden = HiddenState(sequences=workload.global_batch // num_micro_batches, seq_len=config.seq_len,
+                         hidden_size=config.hidden_size)
+    replicated = [megatron.whole_parameter_bytes(sliced.jaxpr, s.param_inputs, hidden) for s in summaries]
     return TransformerCosts(
         forward_flops=tuple(s.forward_flops / per for s in summaries),
         backward_flops=tuple(s.backward_flops / per for s in summaries),
@@ -188,14 +191,13 @@ def transformer_costs(sliced: Any, workload: Workload, num_micro_batches: int,
         param_bytes=tuple(float(s.param_bytes) for s in summaries),
         optimizer_bytes=tuple(float(b) for b in optimizer),
         activation_bytes=tuple(s.activation_bytes / per for s in summaries),
+        replicated_param_bytes=tuple(replicated),
+        replicated_optimizer_bytes=tuple(total_optimizer * r / total_params for r in replicated),
         hidden_bytes=float(config.seq_len * config.hidden_size * np.dtype(config.dtype).itemsize),
         num_heads=config.num_heads, recompute=workload.remat,
         shared_params=_folded_shared_params(sliced, config.num_layers),
         batch_inputs=_folded_batch_inputs(sliced, config.num_layers, per),
-        seconds=None if rates is None else layer_seconds(
-            sliced, config.num_layers,
-            HiddenState(sequences=workload.global_batch // num_micro_batches, seq_len=config.seq_len,
-                        hidden_size=config.hidden_size), rates))
+        seconds=None if rates is None else layer_seconds(sliced, config.num_layers, hidden, rates))
 
 
 class PieceSeconds(NamedTuple):

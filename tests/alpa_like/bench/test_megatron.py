@@ -293,3 +293,40 @@ def test_every_stage_reading_a_tied_parameter_holds_a_copy_with_its_state():
     config = MegatronConfig(t=2, p=2, d=2, b=1)
     gap = estimate(config, tied, c, 8).memory_per_device - estimate(config, plain, c, 8).memory_per_device
     assert gap == pytest.approx(3.2e9 / 2)
+
+
+def test_parameters_held_whole_are_not_divided_over_the_tensor_parallel_ranks():
+    """4 layers of 1e8 parameter bytes and 2e8 optimizer bytes, of which 1e7 and 2e7 belong to parameters every
+    tensor-parallel rank holds whole (LayerNorms, row-parallel biases, the position table). A stage of 2 layers
+    on t = 2 ranks holds ``(2e8 - 2e7) / 2 + 2e7`` parameter bytes and as many gradient bytes, and
+    ``(4e8 - 4e7) / 2 + 4e7`` optimizer bytes per rank; with t = 1 the split makes no difference."""
+    plain = uniform_costs(activation_bytes=0.0)
+    whole = dataclasses.replace(plain, replicated_param_bytes=(1e7,) * 4, replicated_optimizer_bytes=(2e7,) * 4)
+    c = cluster(nodes=1, per_node=4, memory=10**6 * GIB)
+    split = MegatronConfig(t=2, p=2, d=1, b=1)
+    params, optimizer = (2e8 - 2e7) / 2 + 2e7, (4e8 - 4e7) / 2 + 4e7
+    assert estimate(split, whole, c, 8).memory_per_device == pytest.approx(2 * params + optimizer, rel=1e-12)
+    assert estimate(split, plain, c, 8).memory_per_device == pytest.approx(2 * 2e8 / 2 + 4e8 / 2, rel=1e-12)
+    single = MegatronConfig(t=1, p=4, d=1, b=1)
+    assert estimate(single, whole, c, 8).memory_per_device == pytest.approx(2 * 1e8 + 2e8, rel=1e-12)
+    assert estimate(single, plain, c, 8).memory_per_device == pytest.approx(2 * 1e8 + 2e8, rel=1e-12)
+
+
+def test_the_gradient_all_reduce_moves_the_whole_parameters_gradients_in_full():
+    """t = 2, d = 2, one stage of 4 layers: each rank all-reduces over ``d`` its half of the split gradients
+    and all of the whole ones, ``(4e8 - 4e7) / 2 + 4e7`` bytes."""
+    plain = uniform_costs(activation_bytes=0.0)
+    whole = dataclasses.replace(plain, replicated_param_bytes=(1e7,) * 4, replicated_optimizer_bytes=(2e7,) * 4)
+    c = cluster(nodes=1, per_node=4)
+    config = MegatronConfig(t=2, p=1, d=2, b=1)
+    mesh = megatron._stage_mesh(c, config)
+    gap = estimate(config, whole, c, 8).sync_seconds - estimate(config, plain, c, 8).sync_seconds
+    assert gap == pytest.approx(mesh.all_reduce_cost((4e8 - 4e7) / 2 + 4e7, 0) - mesh.all_reduce_cost(4e8 / 2, 0),
+                                rel=1e-9)
+
+
+def test_replicated_bytes_must_fit_in_their_layers():
+    with pytest.raises(ValueError, match="replicated_param_bytes must have one entry per layer"):
+        dataclasses.replace(uniform_costs(), replicated_param_bytes=(1.0,))
+    with pytest.raises(ValueError, match="replicated_optimizer_bytes .* between 0 and the layer's optimizer_bytes"):
+        dataclasses.replace(uniform_costs(), replicated_optimizer_bytes=(3e8,) * 4)

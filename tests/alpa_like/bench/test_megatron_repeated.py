@@ -136,3 +136,18 @@ def test_tensor_parallel_chunks_cost_at_least_the_evenly_split_step(sliced_gpt_t
 def test_hidden_state_rejects_bad_sizes():
     with pytest.raises(ValueError, match="HiddenState.seq_len must be an int >= 1"):
         HiddenState(sequences=1, seq_len=0, hidden_size=8)
+
+
+def test_the_parameters_every_rank_holds_whole_are_the_layernorms_row_parallel_biases_and_position_table(
+        sliced_gpt_tiny):
+    """gpt-tiny (float32 parameters) folded into Megatron-LM's two layers: the first holds the position table
+    ``[s, h]`` and block 0's attention (``ln_1``'s scale and bias, the output projection's bias); the second
+    block 0's MLP (``ln_2``, ``fc_out``'s bias), block 1 and the final LayerNorm: 11 vectors of ``h``. Their
+    optimizer state is the layer's in the same proportion."""
+    workload, sliced = sliced_gpt_tiny
+    s, h = workload.config.seq_len, workload.config.hidden_size
+    costs = transformer_costs(sliced, workload, 2)
+    assert costs.replicated_param_bytes == (4.0 * (s * h + 3 * h), 4.0 * 11 * h)
+    for l in range(2):
+        assert costs.replicated_optimizer_bytes[l] == pytest.approx(
+            costs.optimizer_bytes[l] * costs.replicated_param_bytes[l] / costs.param_bytes[l], rel=1e-12)
