@@ -168,6 +168,14 @@ def _wresnet_workload(name: str, config: models.WResNetConfig, global_batch: int
                     num_layers=sum(config.stage_sizes), remat=True)  # as Alpa's Wide-ResNet search suite
 
 
+def _optimizer_state_bytes(sliced: Any) -> int:
+    """Bytes of the optimizer state a sliced step's apply phases read, each leaf once: the leaves of
+    ``sliced.optimizer_inputs`` less every parameter (a layer's apply phase also reads parameters of another
+    layer, such as a tied word embedding the last layer's logits share with the first)."""
+    leaves = {i for inputs in sliced.optimizer_inputs for i in inputs if sliced.roles[i] != "param"}
+    return sum(sliced.traced.in_leaves[i].nbytes for i in leaves)
+
+
 def transformer_costs(sliced: Any, workload: Workload, num_micro_batches: int,
                       rates: ComputeRates | None = None) -> TransformerCosts:
     """Per-sequence layer costs of a sliced GPT/MoE step (``alpa_like.compiler.sliced_step.slice_step``), whose
@@ -177,7 +185,7 @@ def transformer_costs(sliced: Any, workload: Workload, num_micro_batches: int,
     summaries = _fold_surplus_layers(sliced.summaries, workload.config.num_layers)
     # Optimizer state in proportion to each layer's parameters (Adam keeps two moments per parameter).
     # Not ``sliced.optimizer_inputs``: that attributes nearly all of it to the first layer's apply phase.
-    total_optimizer = sum(sliced.traced.in_leaves[i].nbytes for inputs in sliced.optimizer_inputs for i in inputs)
+    total_optimizer = _optimizer_state_bytes(sliced)
     total_params = sum(s.param_bytes for s in summaries)
     optimizer = [total_optimizer * s.param_bytes / total_params for s in summaries]
     config = workload.config

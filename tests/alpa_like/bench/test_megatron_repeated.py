@@ -151,3 +151,17 @@ def test_the_parameters_every_rank_holds_whole_are_the_layernorms_row_parallel_b
     for l in range(2):
         assert costs.replicated_optimizer_bytes[l] == pytest.approx(
             costs.optimizer_bytes[l] * costs.replicated_param_bytes[l] / costs.param_bytes[l], rel=1e-12)
+
+
+def test_optimizer_bytes_are_adams_two_moments_per_parameter_without_the_tied_embedding(sliced_gpt_tiny):
+    """gpt-tiny ties its word embedding ``[64, 32]`` (the first layer's parameter) to the logits of the last
+    layer, whose apply phase reads it too. Each folded layer's optimizer bytes are Adam's two float32 moments
+    of its own parameters plus its parameter share of the two int32 step counters (``TrainState.step`` and
+    Adam's ``count``), with no parameter counted as optimizer state."""
+    workload, sliced = sliced_gpt_tiny
+    costs = transformer_costs(sliced, workload, 2)
+    total_params = sum(costs.param_bytes)
+    counters = 2 * 4
+    for l in range(2):
+        share = costs.param_bytes[l] / total_params
+        assert costs.optimizer_bytes[l] == pytest.approx(2 * costs.param_bytes[l] + counters * share, rel=1e-12)
