@@ -579,7 +579,7 @@ def _placed_level(level: np.ndarray, fastest: np.ndarray, shifted: np.ndarray, p
     num_meshes = flat // top
     upper = np.arange(flat)[None, :] >= (np.arange(top) * num_meshes)[:, None]
     all_firsts, all_rows = np.nonzero(upper & (fastest <= t_max) & np.isfinite(fastest))  # by first layer
-    for meshes, columns in placement.column_groups():  # each mesh only where its stages start aligned
+    for meshes, columns in placement.column_groups:  # each mesh only where its stages start aligned
         chosen = np.isin(all_rows % num_meshes, meshes)
         firsts, rows = all_firsts[chosen], all_rows[chosen]
         per_block = max(1, _LEVEL_BLOCK // max(1, columns.size))

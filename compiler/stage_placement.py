@@ -6,6 +6,7 @@ node" and "Shared NICs" in :mod:`alpa_like.compiler.stage_dp`); :class:`AlignedL
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -146,6 +147,7 @@ class AlignedLayouts:
                       + nic[:, 1:] * take(self.last_shared, mesh, columns))
         return np.where(take(self.aligned, mesh, columns), placed, np.inf)
 
+    @functools.cached_property
     def column_groups(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """``(meshes, columns)`` pairs covering every submesh once: the device counts ``d`` at which those
         meshes' stages can start aligned (a stage of ``m < M`` devices every ``m``-th device, a whole-node
