@@ -168,14 +168,15 @@ class ComputeRates:
         """FLOP/s for ``eqn``: for a ``dot_general`` or ``conv_general_dilated``, :attr:`matmul_efficiency`
         times :attr:`fp32_peak_flops` when an operand has 32 or more bits (and it is set), else times
         :attr:`peak_flops`; :attr:`peak_flops` for every other equation."""
-        if eqn.primitive.name not in _MATRIX:
+        if eqn.primitive.name not in MATRIX_PRIMITIVES:
             return self.peak_flops
         if self.fp32_peak_flops is not None and any(_is_wide_float(v.aval) for v in eqn.invars[:2]):
             return self.fp32_peak_flops * self.matmul_efficiency
         return self.peak_flops * self.matmul_efficiency
 
 
-_MATRIX = frozenset({"dot_general", "conv_general_dilated"})
+MATRIX_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
+"""The matrix products: the primitives priced at the matmul rate (``matmul_efficiency``, ``matmul_overhead``)."""
 
 
 def _is_wide_float(aval) -> bool:
@@ -207,7 +208,7 @@ def equation_seconds(eqn: JaxprEqn, rates: ComputeRates, num_devices: float = 1.
     subs = jax_compat.nested_jaxprs(eqn)
     if subs:
         return nested_total(eqn, [jaxpr_seconds(j, rates, num_devices) for j in subs])
-    matrix = eqn.primitive.name in _MATRIX
+    matrix = eqn.primitive.name in MATRIX_PRIMITIVES
     seconds = eqn_flops(eqn) / (num_devices * rates.flop_rate(eqn))
     if rates.memory_bandwidth is not None:
         traffic = eqn_bytes(eqn) * (1.0 if matrix else rates.fused_traffic)

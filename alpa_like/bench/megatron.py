@@ -69,7 +69,7 @@ from jax.extend.core import Literal
 
 from alpa_like.compiler.cluster import ClusterSpec
 from alpa_like.compiler import jax_compat
-from alpa_like.compiler.flops import ComputeRates, equation_seconds, nested_total
+from alpa_like.compiler.flops import MATRIX_PRIMITIVES, ComputeRates, equation_seconds, nested_total
 from alpa_like.compiler.layer_slicing import FORWARD
 from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.compiler.markers import is_marker
@@ -114,9 +114,6 @@ class HiddenState:
         return tuple(shape) in {(), (b, s), (b, s, 1), (b, s, h), (h,), (1, h), (1, 1, h), (s, h), (1, s, h)}
 
 
-_MATRIX_PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
-
-
 def repeated_on_every_rank(eqn, hidden: HiddenState) -> bool:
     """Whether Megatron-LM's tensor parallelism (seed 002, §2.3; no sequence parallelism) repeats the
     primitive equation ``eqn`` on each of the ``t`` ranks rather than splitting it over them.
@@ -140,7 +137,7 @@ def repeated_on_every_rank(eqn, hidden: HiddenState) -> bool:
     if jax_compat.nested_jaxprs(eqn):
         raise ValueError(f"repeated_on_every_rank: eqn must be a primitive equation, got the nested "
                          f"{eqn.primitive.name!r}")
-    if eqn.primitive.name in _MATRIX_PRODUCTS or is_marker(eqn):
+    if eqn.primitive.name in MATRIX_PRIMITIVES or is_marker(eqn):
         return False
     arrays = [v.aval for v in (*eqn.invars, *eqn.outvars) if hasattr(getattr(v, "aval", None), "shape")]
     return all(hidden.is_whole(a.shape) for a in arrays)
