@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import os
 import threading
 import time
@@ -185,8 +186,7 @@ class MeshWorker:
     def unload_program(self, exe_id: int) -> None:
         self._loaded.pop(exe_id, None)
         with self._cond:
-            for stale in [k for k in self._mailbox if k[0] == exe_id]:
-                del self._mailbox[stale]
+            self._drop_parcels(exe_id)
 
     def fetch(self, handle: int) -> np.ndarray | tuple[np.ndarray, str]:
         """The stored array, as :func:`host_value` gives it."""
@@ -280,6 +280,12 @@ class MeshWorker:
                 self._mailbox.update(arrived)
                 self._cond.notify_all()
 
+    def _drop_parcels(self, exe_id: int, last_step: float = math.inf) -> None:
+        """Removes the mailed buffers of executable ``exe_id`` for steps up to ``last_step`` (every step by
+        default); the caller holds ``self._cond``."""
+        for stale in [k for k in self._mailbox if k[0] == exe_id and k[1] <= last_step]:
+            del self._mailbox[stale]
+
     def abort(self, exe_id: int, step: int) -> None:
         with self._cond:
             self._aborted.add((exe_id, step))
@@ -339,8 +345,7 @@ class MeshWorker:
                 self._aborted.discard((exe_id, step))
                 self._send_failures.pop((exe_id, step), None)
                 self._finished[exe_id] = max(step, self._finished.get(exe_id, -1))
-                for stale in [k for k in self._mailbox if k[0] == exe_id and k[1] <= step]:
-                    del self._mailbox[stale]  # parcels of an aborted step: their device memory goes now
+                self._drop_parcels(exe_id, step)  # an aborted step's parcels: their device memory goes now
         self._store.update(zip(out_handles, outputs, strict=True))
         return {"mesh": loaded.program.mesh, "seconds": time.perf_counter() - start,
                 "bytes_sent": run.bytes_sent, "input_bytes_sent": run.input_bytes_sent, "instructions": run.count,
