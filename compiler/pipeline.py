@@ -162,7 +162,16 @@ def plan_and_profile(method: PipeshardParallel, sliced: SlicedStep, cluster: Clu
 
 def _profile(method: PipeshardParallel, sliced: SlicedStep, cluster: ClusterSpec, submeshes, views,
              progress: Progress) -> StageProfile:
-    """The intra-op pass on every layer and (submesh, logical mesh) pair, with the method's intra-op options."""
+    """The intra-op pass on every layer and (submesh, logical mesh) pair, with the method's intra-op options.
+
+    A layer's memory (Eq. 3.5's ``mem_stage`` is its sum over a stage's layers) is every parameter leaf its
+    forward and backward read, under the ILP's specs, twice (values and gradients), plus the optimizer state
+    its apply phase reads: the leaves of ``sliced.optimizer_inputs`` that are not parameters (``sliced.roles``,
+    as the Megatron-LM baseline counts optimizer state). A parameter two layers read (a tied word embedding:
+    the first layer's lookup, the last layer's logits) is counted in both, since stages holding either hold a
+    copy and its gradient; the apply phase that updates it also reads it, and it is not counted there again.
+    A stage holding both layers (the whole model) sums both layers' counts.
+    """
     traced, summaries = sliced.traced, sliced.summaries
     pairs = sum(len(v) for v in views) * len(summaries)
     progress.step(f"step 2/4: intra-op pass on {len(summaries)} layers x {sum(len(v) for v in views)} "
@@ -173,7 +182,8 @@ def _profile(method: PipeshardParallel, sliced: SlicedStep, cluster: ClusterSpec
                           allow_all_to_all=option.allow_all_to_all, rates=cluster.compute_rates,
                           gradient_sync_weight=1.0 / method.num_micro_batches if deferred else 1.0)
     param_mask = [r == "param" for r in sliced.roles]
-    optimizer_bytes = [sum(traced.in_leaves[i].nbytes for i in inputs) for inputs in sliced.optimizer_inputs]
+    optimizer_bytes = [sum(traced.in_leaves[i].nbytes for i in inputs if not param_mask[i])
+                       for inputs in sliced.optimizer_inputs]
     return profile_stage_costs(sliced.jaxpr, sliced.pieces, summaries, param_mask, optimizer_bytes, cluster,
                                submeshes, views, options,
                                max_workers=getattr(method.stage_option, "max_workers", None),

@@ -1,11 +1,15 @@
 """The compiler's two paths: plan_spmd and plan_pipeline return plain data, the plan al.plan gives."""
 import dataclasses
 
+import jax
 import numpy as np
+import optax
+from flax.training import train_state
 
 import alpa_like as al
 from alpa_like.compiler.pipeline import PipelinePlanned, SpmdPlanned, plan_pipeline, plan_spmd
 from alpa_like.methods import spmd_layout
+from alpa_like.models import GPT_CONFIGS, GPTModel, gpt_batch_shapes, gpt_loss, gpt_param_shapes
 from tests.helpers import make_train_step, mlp_batch, mlp_loss, mlp_state
 
 CLUSTER = al.ClusterSpec.preset("p3.16xlarge", num_nodes=1)
@@ -82,3 +86,54 @@ def test_a_large_cluster_is_planned_in_the_power_of_two_space_and_says_so(capsys
     assert planned.profile.costs.submeshes == space
     assert all(tuple(s.submesh_shape) in space for s in planned.plan.stages)
     assert sum(s.submesh_shape[0] * s.submesh_shape[1] for s in planned.plan.stages) == nodes * 8
+
+
+def _one_device_memory(step, state, batch, layer_option, num_layers):
+    """``mem_stage[i, j]`` of every layer range on a one-device submesh (a cluster of ``num_layers`` devices,
+    so the stage DP can give each layer its own)."""
+    cluster = dataclasses.replace(CLUSTER, num_devices_per_node=num_layers)
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option=layer_option,
+                                  stage_option=al.AutoStageOption(submesh_shapes=((1, 1),), show_progress=False,
+                                                                  max_workers=1))
+    planned = plan_pipeline(method, step, (state, batch), **{**STEP_ARGS, "cluster": cluster})
+    assert len(planned.sliced.summaries) == num_layers
+    return planned.profile.costs.mem_stage[:, :, 0, 0]
+
+
+def _nbytes(tree) -> int:
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+
+
+def test_a_tied_embedding_is_held_with_its_gradient_by_both_layers_and_its_state_counted_once():
+    """gpt-tiny cut after every block: layer 0 the embeddings and block 0, layer 1 block 1, layer 2 the final
+    LayerNorm and the logits, which read the tied word embedding ``wte`` again and run its Adam update. On one
+    device each layer holds its parameters and their gradients (``wte`` in layers 0 and 2) and the Adam
+    moments its update reads (``wte``'s in layer 2, and in layer 0 for the copy of the update it runs when
+    it is a stage of its own); TrainState's step and Adam's count are two int32 scalars of layer 0."""
+    config = dataclasses.replace(GPT_CONFIGS["gpt-tiny"], pipeline_boundaries="block")
+    params = gpt_param_shapes(config)
+    state = jax.eval_shape(lambda p: train_state.TrainState.create(apply_fn=None, params=p,
+                                                                   tx=optax.adam(1e-3)), params)
+    step = make_train_step(gpt_loss(GPTModel(config)))
+    memory = _one_device_memory(step, state, gpt_batch_shapes(config, 4), al.ManualLayerOption(), 3)
+    wte, wpe, ln_f = _nbytes(params["wte"]), _nbytes(params["wpe"]), _nbytes(params["ln_f"])
+    block_0, block_1 = _nbytes(params["block_0"]), _nbytes(params["block_1"])
+    assert (wte, wpe, ln_f, block_0) == (64 * 32 * 4, 16 * 32 * 4, 2 * 32 * 4, 50816)
+    counts = 2 * 4
+    first = 2 * (wte + wpe + block_0) + 2 * (wpe + block_0) + counts
+    last = 4 * (wte + ln_f)
+    assert memory[0, 0] == first + 2 * wte
+    assert memory[1, 1] == 4 * block_1
+    assert memory[2, 2] == last
+    assert memory[1, 2] == 4 * block_1 + last
+
+
+def test_an_untied_model_holds_its_parameters_gradients_and_adam_moments_per_layer():
+    """The MLP cut into [w0] and [b0, w1, b1]: four bytes per parameter byte per layer (values, gradients,
+    Adam's two moments), and TrainState's step and Adam's count (two int32 scalars) with the first layer."""
+    step, state, batch = make_train_step(mlp_loss), mlp_state(), mlp_batch(np.random.default_rng(0))
+    memory = _one_device_memory(step, state, batch, al.AutoLayerOption(layer_num=2), 2)
+    first, second = 16 * 32 * 4, (32 + 32 * 8 + 8) * 4
+    assert memory[0, 0] == 4 * first + 2 * 4
+    assert memory[1, 1] == 4 * second
+    assert memory[0, 1] == 4 * (first + second) + 2 * 4
