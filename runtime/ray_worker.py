@@ -267,18 +267,20 @@ class MeshWorker:
         cuts them), which this worker will RECV (or LOAD) in ``step`` of executable ``exe_id``. The parcel is
         the call's argument: Ray inlines a small one in the call and puts a large one in the object store
         once, fetching it onto this node before the call runs. Each buffer is assembled on this mesh's
-        devices here, on the calling thread, and mailed as ``("value", array)``; an error assembling it is
-        mailed as ``("error", exception)`` for the RECV to raise."""
+        devices here, on the calling thread, and mailed as ``("value", array)`` as soon as it is, so its RECV
+        need not wait for the rest of the parcel; an error assembling it is mailed as ``("error", exception)``
+        for the RECV to raise."""
         if len(keys) != len(parcel):
             raise ValueError(f"deliver: {len(keys)} keys for {len(parcel)} buffers in the parcel")
         if step <= self._finished.get(exe_id, -1):  # its step ended (aborted) without it: nothing will RECV it
             return
-        arrived = {(exe_id, step, key): _arrival(self._loaded.get(exe_id), exe_id, item)
-                   for key, item in zip(keys, parcel, strict=True)}
-        with self._cond:
-            if step > self._finished.get(exe_id, -1):
-                self._mailbox.update(arrived)
-                self._cond.notify_all()
+        loaded = self._loaded.get(exe_id)
+        for key, item in zip(keys, parcel, strict=True):
+            arrived = _arrival(loaded, exe_id, item)
+            with self._cond:
+                if step > self._finished.get(exe_id, -1):
+                    self._mailbox[(exe_id, step, key)] = arrived
+                    self._cond.notify_all()
 
     def _drop_parcels(self, exe_id: int, last_step: float = math.inf) -> None:
         """Removes the mailed buffers of executable ``exe_id`` for steps up to ``last_step`` (every step by
@@ -459,7 +461,9 @@ class _StepRun:
         self.accumulators: dict[ValueId, Any] = {}
         self.micro: dict[ValueId, Any] = {}
         self.sends: list[concurrent.futures.Future] = []
-        self.outbox: dict[int, list] = {}  # receiving mesh -> [(key, array, dst spec)] not yet sent
+        self.outbox: dict[int, list] = {}  # receiving mesh -> [(key, array, dst spec)] not yet flushed
+        self.queued: dict[int, list] = {}  # the same, flushed and not yet taken by the sender thread
+        self.queue_lock = threading.Lock()
         self.bytes_sent = 0
         """Cross-mesh bytes of the RECVs this mesh serves (the local backend's ``bytes_moved``)."""
         self.input_bytes_sent = 0
@@ -658,14 +662,23 @@ class _StepRun:
         self.outbox.setdefault(dst, []).append((("input", v), x, spec))
 
     def flush(self) -> None:
-        """Sends what the last instruction queued: one parcel (one object, one actor call) per receiver."""
-        for dst, items in self.outbox.items():
-            self.sends.append(self.worker._sender.submit(self._send_now, dst, items))
+        """Hands what the last instruction queued to the sender thread (:meth:`_send_queued`)."""
+        if not self.outbox:
+            return
+        with self.queue_lock:
+            for dst, items in self.outbox.items():
+                self.queued.setdefault(dst, []).extend(items)
         self.outbox = {}
+        self.sends.append(self.worker._sender.submit(self._send_queued))
 
-    def _send_now(self, dst: int, items: list) -> None:
+    def _send_queued(self) -> None:
+        """On the sender thread: sends every buffer queued so far, one parcel (one object, one actor call) per
+        receiving mesh, so the buffers queued while the previous parcels were being sent travel together."""
+        with self.queue_lock:
+            queued, self.queued = self.queued, {}
         try:
-            self._send_parcel(dst, items)
+            for dst, items in queued.items():
+                self._send_parcel(dst, items)
         except BaseException as e:  # its next wait for a parcel raises it (else finish_sends, at the step's end)
             worker = self.worker
             with worker._cond:

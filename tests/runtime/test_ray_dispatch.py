@@ -106,3 +106,65 @@ def test_parcels_of_a_finished_or_aborted_step_are_dropped():
     receiver.run_step(7, 1, {}, [12], [], [])
     assert receiver._mailbox == {}
     np.testing.assert_array_equal(receiver.fetch(12), array)
+
+
+def test_buffers_queued_while_a_parcel_is_sent_travel_together_in_the_next():
+    """The sender thread takes everything flushed so far: the first buffer leaves alone, and the two flushed
+    while its call was still being made leave in one parcel (one object, one call) after it; each arrives."""
+    import threading
+    import types
+
+    import jax
+
+    from alpa_like.runtime.instructions import PER_STEP
+    from alpa_like.runtime.pipeshard_runtime import activation_spec
+    from alpa_like.runtime.ray_worker import _StepRun
+    sender, receiver, _ = _workers()
+    started, release, calls = threading.Event(), threading.Event(), []
+
+    def deliver(exe_id, step, keys, parcel):
+        calls.append(list(keys))
+        started.set()
+        assert release.wait(10)
+        receiver.deliver(exe_id, step, keys, parcel)
+    sender._loaded[7].peers[1] = types.SimpleNamespace(deliver=types.SimpleNamespace(remote=deliver))
+    run = _StepRun(sender, sender._loaded[7], 7, 0)
+    arrays = [jax.device_put(np.full((8, 4), v, np.float32), sender._loaded[7].sharding(activation_spec((8, 4), (2, 1))))
+              for v in range(3)]
+    keys = [(v, PER_STEP) for v in range(3)]
+    spec = activation_spec((8, 4), (1, 2))
+    run.outbox = {1: [(keys[0], arrays[0], spec)]}
+    run.flush()
+    assert started.wait(10)
+    for key, x in zip(keys[1:], arrays[1:]):
+        run.outbox = {1: [(key, x, spec)]}
+        run.flush()
+    release.set()
+    run.finish_sends()
+    assert calls == [[keys[0]], keys[1:]]
+    for v, key in enumerate(keys):
+        kind, arrived = receiver._mailbox[(7, 0, key)]
+        assert kind == "value"
+        np.testing.assert_array_equal(np.asarray(arrived), np.full((8, 4), v, np.float32))
+
+
+def test_a_buffer_is_mailed_before_the_rest_of_its_parcel_is_assembled(monkeypatch):
+    """``deliver`` mails each buffer as soon as it is assembled: when the parcel's second buffer is being
+    assembled, the first one's RECV can already take it."""
+    from alpa_like.runtime import ray_worker
+    from alpa_like.runtime.instructions import PER_STEP
+    sender, receiver, _ = _workers()
+    keys = [(0, PER_STEP), (1, PER_STEP)]
+    mailed_before = []
+    arrival = ray_worker._arrival
+
+    def watched(loaded, exe_id, item):
+        mailed_before.append(sorted(k[2] for k in receiver._mailbox))
+        return arrival(loaded, exe_id, item)
+    monkeypatch.setattr(ray_worker, "_arrival", watched)
+    item = {"shape": (8, 4), "dtype": "float32", "src_mesh": 0, "src_spec": _spec("RR"), "dst_spec": _spec("RR"),
+            "pieces": {2: [(((0, 8), (0, 4)), np.ones((8, 4), np.float32))],
+                       3: [(((0, 8), (0, 4)), np.ones((8, 4), np.float32))]}, "key_impl": None}
+    receiver.deliver(7, 0, keys, [item, item])
+    assert mailed_before == [[], [keys[0]]]
+    assert sorted(k[2] for k in receiver._mailbox) == keys
