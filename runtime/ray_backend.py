@@ -445,15 +445,16 @@ class RayPipeshardExecutable:
                                      self.deferred.get(key[0], NONE) if key in graded else NONE,
                                      self.meshes[programs.stage_to_mesh[key[0]]].logical_shape)
                    for key, piece in program.pieces.items()}
+        updated = updated_inputs(traced.in_leaves, traced.out_leaves)
         if returned is None:
-            returned = frozenset(k for k, source in enumerate(updated_inputs(traced.in_leaves, traced.out_leaves))
+            returned = frozenset(k for k, source in enumerate(updated)
                                  if source is None and programs.outputs[k] is not None)
         self._returned = returned
         """The outputs sent back in the step reports (by default those that update no input)."""
         donations = input_donations(programs, program, [program.step_inputs[k] for k in donate_flat])
         self.worker_programs = worker_programs(program, programs, self.meshes, input_specs, shipped,
                                                self.num_micro_batches, self._returned, donations,
-                                               deferral.stack_specs, value_specs)
+                                               deferral.stack_specs, value_specs, updated)
         self._donated_on = {key[0]: p.mesh for p in self.worker_programs for keys in p.donations.values()
                             for key in keys}
         """Donated step input -> the mesh that donates it."""

@@ -44,7 +44,8 @@ def worker_programs(program: StageProgram, programs: MeshPrograms, meshes: Seque
                     input_specs: dict, shipped: dict[tuple[int, str], bytes],
                     num_micro_batches: int, returned: frozenset[int] = frozenset(),
                     donations: dict[int, frozenset] | None = None,
-                    stack_specs: dict | None = None, value_specs: dict | None = None) -> list[WorkerProgram]:
+                    stack_specs: dict | None = None, value_specs: dict | None = None,
+                    updated: Sequence[int | None] = ()) -> list[WorkerProgram]:
     """Each mesh's :class:`WorkerProgram`: its instructions, the pieces of its stages, what it sends.
 
     ``returned``: the step outputs that come back to the driver as values, each from the mesh that holds it
@@ -54,7 +55,9 @@ def worker_programs(program: StageProgram, programs: MeshPrograms, meshes: Seque
     mesh is not donated (a background thread may still be reading it). ``stack_specs``: accumulator of a
     stack of partial sums -> (its stage, the layout of its step mean)
     (:attr:`~alpa_like.runtime.stage_gradients.GradientDeferral.stack_specs`). ``input_specs`` and
-    ``value_specs``: the step inputs' layouts (:func:`mesh_input_specs`)."""
+    ``value_specs``: the step inputs' layouts (:func:`mesh_input_specs`). ``updated``: per step output, the
+    step input it is the new value of, or None (:func:`~alpa_like.compiler.trace.updated_inputs`): its piece
+    makes it in the layout the next step loads it in (:func:`output_pins`)."""
     sends: list[dict] = [dict() for _ in meshes]
     for ins in programs.instructions:
         if ins.op is Op.RECV:
@@ -66,19 +69,21 @@ def worker_programs(program: StageProgram, programs: MeshPrograms, meshes: Seque
     for k in range(len(meshes)):
         instructions = programs.program(k)
         stages = {ins.stage for ins in instructions if ins.op is Op.RUN}
-        pieces = {key: ShippedPiece(exported=shipped[key], inputs=p.inputs, outputs=p.outputs,
-                                    takes_micro_batch_index=key in draws)
-                  for key, p in program.pieces.items() if key[0] in stages}
         loaded = {ins.key[0] for ins in instructions if ins.op is Op.LOAD}
         constants = {v: np.asarray(c) for v, c in program.constants.items() if v in loaded}
         held = held_at_end(program, instructions)
         outputs = tuple((i, o[0]) for i, o in enumerate(programs.outputs)
                         if o is not None and o[0] in held and i not in returned)
+        specs = mesh_input_specs(input_specs, value_specs, k)
+        pins = output_pins(program, instructions, outputs, updated, specs, meshes[k].logical_shape)
+        pieces = {key: ShippedPiece(exported=shipped[key], inputs=p.inputs, outputs=p.outputs,
+                                    takes_micro_batch_index=key in draws, out_specs=pins.get(key, ()))
+                  for key, p in program.pieces.items() if key[0] in stages}
         mine = tuple((i, o[0]) for i, o in enumerate(programs.outputs) if i in returned and o is not None and o[1] == k)
         local = {g: j for j, g in enumerate(g for g, ins in enumerate(programs.instructions) if ins.mesh == k)}
         donated = {local[g]: frozenset(keys - sends[k].keys()) for g, keys in (donations or {}).items() if g in local}
         out.append(WorkerProgram(mesh=k, meshes=tuple(meshes), instructions=instructions, pieces=pieces,
-                                 sends=sends[k], input_specs=mesh_input_specs(input_specs, value_specs, k),
+                                 sends=sends[k], input_specs=specs,
                                  constants=constants,
                                  num_micro_batches=num_micro_batches, outputs=outputs, returned=mine,
                                  donations={j: keys for j, keys in donated.items() if keys},
@@ -86,6 +91,34 @@ def worker_programs(program: StageProgram, programs: MeshPrograms, meshes: Seque
                                  stacks={dst: spec for dst, (q, spec) in (stack_specs or {}).items()
                                          if q in stages}))
     return out
+
+
+def output_pins(program: StageProgram, instructions: Sequence, outputs: Sequence[tuple[int, tuple]],
+                updated: Sequence[int | None], specs: dict[ValueId, ShardingSpec],
+                mesh_shape: tuple[int, int]) -> dict[tuple[int, str], tuple[ShardingSpec | None, ...]]:
+    """Per piece a mesh program RUNs, the layout each of its outputs is made in (None: XLA's choice).
+
+    ``outputs``: the (step output index, buffer) the mesh holds at the end of a step
+    (:attr:`~alpa_like.runtime.ray_worker.WorkerProgram.outputs`); ``updated``: per step output, the step input
+    it is the new value of, or None. An output that is the new value of an input the mesh LOADs, made by a
+    piece the mesh runs, is made in the layout that LOAD puts the input in (``specs``: the mesh's
+    :func:`mesh_input_specs`, on a mesh of ``mesh_shape``), so the next step takes it as it is and a donated
+    input's buffers can hold it (the local backend's output pins,
+    :meth:`~alpa_like.runtime.pipeshard_runtime.PipeshardExecutable._output_pins`)."""
+    loaded = {ins.key[0] for ins in instructions if ins.op is Op.LOAD}
+    made = {v: (ins.stage, ins.phase) for ins in instructions if ins.op is Op.RUN
+            for v in program.piece(ins.stage, ins.phase).outputs}
+    pins: dict[tuple[int, str], list] = {}
+    for k, (v, _) in outputs:
+        source = updated[k] if k < len(updated) else None
+        where = made.get(v)
+        if source is None or where is None or program.step_inputs[source] not in loaded:
+            continue
+        piece = program.piece(*where)
+        slots = pins.setdefault(where, [None] * len(piece.outputs))
+        slots[piece.outputs.index(v)] = load_spec(specs, program.step_inputs[source],
+                                                  program.values[v].aval.shape, mesh_shape)
+    return {where: tuple(slots) for where, slots in pins.items()}
 
 
 def mesh_input_specs(input_specs: dict[ValueId, ShardingSpec],

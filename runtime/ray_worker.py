@@ -66,6 +66,10 @@ class ShippedPiece:
     outputs: tuple[ValueId, ...]
     takes_micro_batch_index: bool = False
     """The piece draws random numbers from per-step keys: it takes the micro-batch's index (uint32) last."""
+    out_specs: tuple[ShardingSpec | None, ...] = ()
+    """Per output, the layout the worker's compiled call makes it in (None, or empty for all: XLA's choice):
+    the new state in the layout the next step's LOAD puts it in
+    (:func:`~alpa_like.runtime.ray_programs.output_pins`)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -371,11 +375,13 @@ class _LoadedProgram:
         self.device_of = dict(zip(info.flat_ids, self.mesh.devices.flat, strict=True))
         self.global_id = {d.id: g for g, d in self.device_of.items()}
         self.exported = {key: jax.export.deserialize(bytearray(p.exported)) for key, p in program.pieces.items()}
-        self.jitted = {key: jax.jit(e.call) for key, e in self.exported.items()}
+        self.shardings: dict[ShardingSpec, Any] = {}
+        self.out_shardings = {key: self.pinned_outputs(p.out_specs) for key, p in program.pieces.items()}
+        """Per piece, its ``out_shardings`` (None: every output in XLA's choice of layout)."""
+        self.jitted = {key: jax.jit(e.call, out_shardings=self.out_shardings[key]) for key, e in self.exported.items()}
         self.donating: dict[tuple, Any] = {}
         self.fused: dict[tuple, Any] = {}
         self.plans: dict[tuple, Any] = {}
-        self.shardings: dict[ShardingSpec, Any] = {}
         self.arg_specs: dict[tuple[int, str], list] = {}
         """Per piece, its arguments' shapes and layouts on its first plain (unfused) RUN."""
 
@@ -417,28 +423,40 @@ class _LoadedProgram:
             sharding = self.shardings[spec] = named_sharding(self.mesh, spec)
         return sharding
 
+    def pinned_outputs(self, specs: Sequence[ShardingSpec | None]) -> list | None:
+        """``out_shardings`` for a piece whose outputs are made in ``specs`` (:attr:`ShippedPiece.out_specs`)
+        on this mesh: a ``NamedSharding`` per pinned output, None for the others; None when none is pinned."""
+        if not any(spec is not None for spec in specs):
+            return None
+        return [None if spec is None else self.sharding(spec) for spec in specs]
+
     def call(self, key: tuple[int, str], donate: tuple[int, ...] = ()):
-        """The piece ``key`` jitted, donating its inputs at positions ``donate``."""
+        """The piece ``key`` jitted (its pinned outputs made in their layouts), donating its inputs at
+        positions ``donate``."""
         if not donate:
             return self.jitted[key]
         fn = self.donating.get((key, donate))
         if fn is None:
             import jax
-            fn = self.donating[(key, donate)] = jax.jit(self.exported[key].call, donate_argnums=donate)
+            fn = self.donating[(key, donate)] = jax.jit(self.exported[key].call, donate_argnums=donate,
+                                                        out_shardings=self.out_shardings[key])
         return fn
 
     def accumulating(self, key: tuple[int, str], slots: tuple[int, ...], donate: tuple[int, ...] = ()):
-        """The piece ``key`` and the sums of its outputs at ``slots`` into running totals, in one jitted call
-        ``(totals, *inputs)``, donating the inputs at positions ``donate``."""
+        """The piece ``key`` (its pinned outputs made in their layouts) and the sums of its outputs at
+        ``slots`` into running totals, in one jitted call ``(totals, *inputs)``, donating the inputs at
+        positions ``donate``."""
         fn = self.fused.get((key, slots, donate))
         if fn is None:
             import jax
             call = self.exported[key].call
+            pins = self.out_shardings[key]
 
             def run(totals, *args):
                 outs = call(*args)
                 return outs, [t + outs[k] for t, k in zip(totals, slots, strict=True)]
-            fn = self.fused[(key, slots, donate)] = jax.jit(run, donate_argnums=tuple(d + 1 for d in donate))
+            fn = self.fused[(key, slots, donate)] = jax.jit(run, donate_argnums=tuple(d + 1 for d in donate),
+                                                            out_shardings=None if pins is None else (pins, None))
         return fn
 
     def plan(self, shape, dtype, src_mesh: int, src_spec: ShardingSpec, dst_mesh: int, dst_spec: ShardingSpec):

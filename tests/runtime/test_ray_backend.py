@@ -16,7 +16,9 @@ import pytest
 import alpa_like as al
 from alpa_like.pipeshard import compile_pipeshard
 from alpa_like.runtime import hlo_stats
+from alpa_like.compiler.trace import updated_inputs
 from alpa_like.runtime.instructions import Op
+from alpa_like.runtime.mesh import named_sharding
 from alpa_like.runtime.ray_backend import RayStepError, RemoteArray
 from alpa_like.runtime.ray_programs import held_at_end, worker_programs
 from alpa_like.runtime.ray_worker import MeshInfo
@@ -264,6 +266,28 @@ def test_worker_programs_project_the_global_program(schedule):
         received = {i.key for i in exe.programs.program(k) if i.op is Op.RECV}
         freed = {i.key for i in exe.programs.program(k) if i.op is Op.FREE}
         assert received - freed <= held_at_end(exe.program, exe.programs.program(k))
+
+
+def test_worker_programs_pin_the_new_state_as_the_local_backend_does():
+    """Without Ray: the pieces that make the new state make each leaf in the layout its mesh's LOAD puts the
+    leaf in, the outputs and layouts the local backend pins."""
+    loss_fn, state, batches = mlp_case()
+    exe = compile_pipeshard(method_for("2_meshes", manual=True), train_step_for(loss_fn), (state, batches[0]),
+                            static_argnums=(), batch_argnums=(1,), devices=jax.devices()[:NUM_DEVICES])
+    meshes = [MeshInfo(logical_shape=s.logical_mesh_shape, device_ids=(tuple(s.device_ids),)) for s in exe.plan.stages]
+    shipped = {key: b"" for key in exe.program.pieces}
+    updated = updated_inputs(exe.traced.in_leaves, exe.traced.out_leaves)
+    programs = worker_programs(exe.program, exe.programs, meshes, exe._input_specs, shipped, 2,
+                               value_specs=exe.value_specs, updated=updated)
+    pinned = {key: [None if spec is None else named_sharding(exe.meshes[p.mesh], spec) for spec in piece.out_specs]
+              for p in programs for key, piece in p.pieces.items() if piece.out_specs}
+    assert pinned.keys() == exe._out_pins.keys() and pinned  # the apply-grad pieces
+    for key, shardings in pinned.items():
+        ndims = [exe.program.values[v].aval.ndim for v in exe.program.piece(*key).outputs]
+        assert [s is None for s in shardings] == [s is None for s in exe._out_pins[key]]
+        assert all(s is None or s.is_equivalent_to(t, ndim)
+                   for s, t, ndim in zip(shardings, exe._out_pins[key], ndims, strict=True))
+    assert sum(s is not None for shardings in pinned.values() for s in shardings) == len(jax.tree.leaves(state))
 
 
 def test_a_dropped_executable_after_shutdown_makes_no_remote_call():

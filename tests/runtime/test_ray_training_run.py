@@ -17,7 +17,7 @@ import alpa_like as al
 from alpa_like.runtime import ray_backend
 from alpa_like.runtime.ray_backend import RemoteArray
 from tests.helpers import assert_trees_close, reference_on_one_device, run_steps
-from tests.runtime.test_pipeshard_runtime import mlp_case, mlp_loss
+from tests.runtime.test_pipeshard_runtime import mlp_case, mlp_loss, train_step_for
 from tests.runtime.test_ray_backend import init_ray, method_for
 
 pytestmark = pytest.mark.ray
@@ -135,3 +135,19 @@ def test_a_failed_check_after_starting_ray_shuts_it_down(monkeypatch):
         with pytest.raises(ValueError, match="num_nodes=3, but the Ray cluster has 2 alive nodes"):
             ray_backend.RayCluster(address=address, num_nodes=3)
         assert calls == ["init" if address else "start", "shutdown"]
+
+
+def test_the_new_state_is_stored_in_the_layout_the_next_step_loads(ray_backend_4):
+    """The pieces that write the new state make each leaf in the layout its mesh's LOAD puts it in, so the
+    next step takes every state leaf as it is (and donation reuses its buffers)."""
+    _, state, batches = mlp_case()
+    step = al.parallelize(train_step_for(mlp_loss), method=METHOD, donate_argnums=(0,))
+    result, losses = run_steps(step, state, batches)
+    exe = step.get_executable(result, batches[0])
+    assert exe.last_step.inputs_by_kind["handle"] >= len(jax.tree.leaves(state))  # the state came as handles
+    assert exe.last_step.input_relayouts == 0
+    assert exe.last_step.donated_buffers >= len(jax.tree.leaves(state.params))
+    expected, expected_losses = reference_on_one_device(train_step_for(mlp_loss), state, batches)
+    assert_trees_close(result.params, expected.params)
+    assert_trees_close(result.opt_state, expected.opt_state)
+    assert_trees_close(losses, expected_losses)
