@@ -282,7 +282,8 @@ def _commit(temporary: Path, final: Path, who: str) -> None:
 def _start_writes(temporary: Path, leaves) -> tuple[list, dict[str, str]]:
     """Starts writing the leaves, each under its index as orbax key: the ones this process holds as the
     ``arrays`` part, each Ray worker's into its own part. Returns (pending writes, key -> part)."""
-    from alpa_like.runtime.ray_backend import RemoteArray, save_remote_arrays
+    from alpa_like.runtime.ray_backend import RemoteArray
+    from alpa_like.runtime.ray_training import save_remote_arrays
     local = {str(k): leaf for k, (_, leaf) in enumerate(leaves) if not isinstance(leaf, RemoteArray)}
     remote = {str(k): leaf for k, (_, leaf) in enumerate(leaves) if isinstance(leaf, RemoteArray)}
     writes, parts = [], {}

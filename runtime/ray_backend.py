@@ -117,6 +117,12 @@ class RayStepStats:
     input_relayouts: int = 0
     """LOADs of a stored step input (a handle) that was not in the layout the LOAD puts it in, so the worker laid
     it out again on its mesh (none for a state made by ``al.CreateStateParallel``)."""
+    op_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    """With ``run(..., profile=True)``: seconds per instruction kind summed over the workers, each instruction
+    waited for (as :attr:`~alpa_like.runtime.pipeshard_runtime.StepStats.op_seconds`)."""
+    spans: list[tuple[int, str, float, float]] = dataclasses.field(default_factory=list)
+    """With ``run(..., profile=True)``: (mesh, instruction, start, end) in seconds from the start of that mesh's
+    worker's step call (each worker's own clock: the driver's calls reach the workers at different times)."""
 
 
 class RemoteArray:
@@ -488,8 +494,9 @@ class RayPipeshardExecutable:
 
     # ------------------------------------------------------------------------------------------- a step
 
-    def run(self, *args):
-        """One step: one ``run_step`` call per worker; returns the outputs as :class:`RemoteArray` s."""
+    def run(self, *args, profile: bool = False):
+        """One step: one ``run_step`` call per worker; returns the outputs as :class:`RemoteArray` s. With
+        ``profile`` every worker waits for each instruction and times it (:attr:`RayStepStats.spans`)."""
         if self.cluster.closed:
             raise RuntimeError("this executable's Ray backend was shut down; call the parallelized function "
                                "again after al.init(cluster='ray') to recompile")
@@ -516,18 +523,23 @@ class RayPipeshardExecutable:
         for k, worker in enumerate(self.workers):
             call = (self.exe_id, step, inputs[k], out_handles[k], handle_sends[k], self.cluster.take_frees(worker))
             sent += len(pickle.dumps(call))
-            refs.append(worker.run_step.remote(*call))
+            refs.append(worker.run_step.remote(*call, profile=profile))
         stats.driver_calls = len(refs)
         reports = self._wait(refs, f"step {step}", timeout=self.cluster.step_timeout, step=step)
         stats.driver_received_bytes = sum(len(pickle.dumps(r)) for r in reports)
         stats.driver_received_types = tuple(sorted({type(v).__name__ for r in reports
-                                                    for key, v in r.items() if key != "outputs"}))
+                                                    for key, v in r.items() if key not in ("outputs", "spans")}))
         stats.driver_sent_bytes = sent
         stats.worker_bytes = sum(r["bytes_sent"] for r in reports)
         stats.input_bytes = sum(r["input_bytes_sent"] for r in reports)
         stats.worker_seconds = tuple(r["seconds"] for r in reports)
         stats.donated_buffers = sum(r["donated_buffers"] for r in reports)
         stats.input_relayouts = sum(r["input_relayouts"] for r in reports)
+        for r in reports:
+            for text, begin, end in r.get("spans", ()):
+                stats.spans.append((r["mesh"], text, begin, end))
+                kind = text.split()[0]
+                stats.op_seconds[kind] = stats.op_seconds.get(kind, 0.0) + end - begin
         self._mark_donated(flat, inputs)
         values = {k: from_host(v) for r in reports for k, v in r["outputs"].items()}
         results = [values[k] if k in values else self.program.literal_outputs[k] if k not in remote else
@@ -743,25 +755,6 @@ def _unload(cluster, workers, exe_id: int) -> None:
             pass
 
 
-# ------------------------------------------------------------------------------------------- checkpoints
-
-class RemoteWrite:
-    """Checkpoint writes running on the workers that hold the arrays (:func:`save_remote_arrays`)."""
-
-    def __init__(self, parts: dict[str, str], writers: list[tuple[Any, str]], timeout: float | None):
-        self.parts = parts
-        """Orbax key -> the part (subdirectory) its worker writes."""
-        self._writers, self._timeout = writers, timeout
-
-    def wait(self) -> dict[str, str]:
-        """Waits for every worker's files; returns ``{orbax key: impl name}`` of the typed PRNG keys written."""
-        impls: dict[str, str] = {}
-        for written in _get_all([actor.finish_save.remote(path) for actor, path in self._writers], self._timeout,
-                                "writing the checkpoint"):
-            impls.update(written)
-        return impls
-
-
 def _get_all(refs: list, timeout: float | None, what: str) -> list:
     """``ray.get`` of every ref, or a RuntimeError when some are not ready within ``timeout`` seconds."""
     import ray
@@ -769,23 +762,3 @@ def _get_all(refs: list, timeout: float | None, what: str) -> list:
     if pending:
         raise RuntimeError(f"Ray backend: {len(pending)} worker(s) did not finish {what} within {timeout:.0f} s")
     return ray.get(refs)
-
-
-def save_remote_arrays(arrays: Mapping[str, RemoteArray], directory: str) -> RemoteWrite:
-    """Starts writing ``arrays`` (orbax key -> RemoteArray) where they live: each worker holding some writes
-    them from its own devices as one orbax checkpoint, ``directory/worker_<n>`` (n numbers the workers of this
-    call). Returns once every worker has copied its arrays off its devices. No data passes through the driver;
-    ``directory`` must be reachable from every worker's node."""
-    by_actor: dict[str, tuple[Any, dict[str, int]]] = {}
-    for key, x in arrays.items():
-        actor, handle = x.replicas[0]
-        by_actor.setdefault(_actor_id(actor), (actor, {}))[1][key] = handle
-    parts, writers = {}, []
-    for n, (actor, handles) in enumerate(by_actor.values()):
-        path = os.path.join(directory, f"worker_{n}")
-        parts.update(dict.fromkeys(handles, f"worker_{n}"))
-        writers.append((actor, path))
-    timeout = next(iter(arrays.values()))._cluster.step_timeout
-    _get_all([actor.start_save.remote(path, handles) for (actor, path), (_, handles)
-              in zip(writers, by_actor.values(), strict=True)], timeout, "copying the checkpoint's arrays")
-    return RemoteWrite(parts, writers, timeout)

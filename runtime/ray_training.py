@@ -1,4 +1,5 @@
-"""The rest of a training run on the Ray backend: creating the state on the workers, and eval steps there.
+"""The rest of a training run on the Ray backend: creating the state on the workers, eval steps there, and
+checkpoints written by the workers that hold the arrays (:func:`save_remote_arrays`).
 
 :class:`RayCreateStateExecutable` runs a ``create_state()`` function (``al.CreateStateParallel``) where a
 pipeline train step loads its state: per mesh, the function restricted to the state leaves that mesh loads
@@ -17,6 +18,7 @@ NumPy arrays like a step's metrics.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -31,7 +33,7 @@ from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.stage_construction import StagePiece, StageProgram, ValueId
 from alpa_like.compiler.trace import TracedStep, leaf_aval
 from alpa_like.runtime.instructions import PER_STEP, Instruction, MeshPrograms, Op
-from alpa_like.runtime.ray_backend import RayPipeshardExecutable, RemoteArray, _get_all
+from alpa_like.runtime.ray_backend import RayPipeshardExecutable, RemoteArray, _actor_id, _get_all
 from alpa_like.runtime.ray_programs import EXPORT_PLATFORMS
 
 
@@ -229,3 +231,41 @@ def forward_programs(closed: ClosedJaxpr, pieces: Sequence[ForwardPiece], held: 
                             stage_to_mesh=tuple(range(num_meshes)), outputs=tuple(outputs))
     return program, programs
 
+
+# ------------------------------------------------------------------------------------------- checkpoints
+
+class RemoteWrite:
+    """Checkpoint writes running on the workers that hold the arrays (:func:`save_remote_arrays`)."""
+
+    def __init__(self, parts: dict[str, str], writers: list[tuple[Any, str]], timeout: float | None):
+        self.parts = parts
+        """Orbax key -> the part (subdirectory) its worker writes."""
+        self._writers, self._timeout = writers, timeout
+
+    def wait(self) -> dict[str, str]:
+        """Waits for every worker's files; returns ``{orbax key: impl name}`` of the typed PRNG keys written."""
+        impls: dict[str, str] = {}
+        for written in _get_all([actor.finish_save.remote(path) for actor, path in self._writers], self._timeout,
+                                "writing the checkpoint"):
+            impls.update(written)
+        return impls
+
+
+def save_remote_arrays(arrays: Mapping[str, RemoteArray], directory: str) -> RemoteWrite:
+    """Starts writing ``arrays`` (orbax key -> RemoteArray) where they live: each worker holding some writes
+    them from its own devices as one orbax checkpoint, ``directory/worker_<n>`` (n numbers the workers of this
+    call). Returns once every worker has copied its arrays off its devices. No data passes through the driver;
+    ``directory`` must be reachable from every worker's node."""
+    by_actor: dict[str, tuple[Any, dict[str, int]]] = {}
+    for key, x in arrays.items():
+        actor, handle = x.replicas[0]
+        by_actor.setdefault(_actor_id(actor), (actor, {}))[1][key] = handle
+    parts, writers = {}, []
+    for n, (actor, handles) in enumerate(by_actor.values()):
+        path = os.path.join(directory, f"worker_{n}")
+        parts.update(dict.fromkeys(handles, f"worker_{n}"))
+        writers.append((actor, path))
+    timeout = next(iter(arrays.values()))._cluster.step_timeout
+    _get_all([actor.start_save.remote(path, handles) for (actor, path), (_, handles)
+              in zip(writers, by_actor.values(), strict=True)], timeout, "copying the checkpoint's arrays")
+    return RemoteWrite(parts, writers, timeout)

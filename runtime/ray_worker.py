@@ -313,7 +313,7 @@ class MeshWorker:
     # ----------------------------------------------------------------------------------------- one step
 
     def run_step(self, exe_id: int, step: int, inputs: dict, out_handles: Sequence[int],
-                 handle_sends: Sequence[tuple[int, int, ValueId]], frees: Sequence[int]) -> dict:
+                 handle_sends: Sequence[tuple[int, int, ValueId]], frees: Sequence[int], profile: bool = False) -> dict:
         """Runs this mesh's program once.
 
         Args:
@@ -322,16 +322,19 @@ class MeshWorker:
           out_handles: the handle id of each of this mesh's outputs (``WorkerProgram.outputs`` order).
           handle_sends: (handle, receiving mesh, value id): stored arrays other meshes LOAD this step.
           frees: handles the driver dropped.
+          profile: wait for each instruction and time it (slower, for measurement).
 
         Returns:
-          A small report: seconds, bytes sent to peers, instructions run, buffers donated, and under
-          ``"outputs"`` the values of this mesh's ``WorkerProgram.returned`` outputs (:func:`host_value`).
+          A small report: seconds, bytes sent to peers, instructions run, buffers donated, under
+          ``"outputs"`` the values of this mesh's ``WorkerProgram.returned`` outputs (:func:`host_value`), and
+          with ``profile`` under ``"spans"`` each instruction's (text, start, end) in seconds from the start of
+          this call (a RUN's span includes the ACC and FREE instructions fused with it).
         """
         import jax
         start = time.perf_counter()
         self.free(frees)
         loaded = self._loaded[exe_id]
-        run = _StepRun(self, loaded, exe_id, step)
+        run = _StepRun(self, loaded, exe_id, step, start if profile else None)
         try:
             for h, dst, v in handle_sends:
                 run.send_input(self._store[h], dst, v)
@@ -355,7 +358,8 @@ class MeshWorker:
         self._store.update(zip(out_handles, outputs, strict=True))
         return {"mesh": loaded.program.mesh, "seconds": time.perf_counter() - start,
                 "bytes_sent": run.bytes_sent, "input_bytes_sent": run.input_bytes_sent, "instructions": run.count,
-                "donated_buffers": run.donated, "input_relayouts": run.relayouts, "outputs": returned}
+                "donated_buffers": run.donated, "input_relayouts": run.relayouts, "outputs": returned,
+                **({} if run.spans is None else {"spans": run.spans})}
 
 
 class _LoadedProgram:
@@ -472,8 +476,12 @@ class _LoadedProgram:
 class _StepRun:
     """The state of one step on one worker."""
 
-    def __init__(self, worker: MeshWorker, loaded: _LoadedProgram, exe_id: int, step: int):
+    def __init__(self, worker: MeshWorker, loaded: _LoadedProgram, exe_id: int, step: int,
+                 profile_start: float | None = None):
         self.worker, self.loaded, self.exe_id, self.step = worker, loaded, exe_id, step
+        self.profile_start = profile_start
+        """The step's start (``time.perf_counter``) when it is profiled, else None."""
+        self.spans: list[tuple[str, float, float]] | None = None if profile_start is None else []
         self.program = loaded.program
         self.buffers: dict[Key, Any] = {}
         self.accumulators: dict[ValueId, Any] = {}
@@ -501,39 +509,55 @@ class _StepRun:
             self.flush()
             ins = instructions[i]
             self._enter(i, ins)
-            donated = self.program.donations.get(i, frozenset())
-            i += 1
-            if ins.op is Op.RUN:  # fused with the ACC/FREE instructions that follow it, as in the local backend
-                accs, frees = [], []
-                while i < len(instructions) and instructions[i].op in (Op.ACC, Op.FREE):
-                    (accs if instructions[i].op is Op.ACC else frees).append(instructions[i])
-                    i += 1
-                self._run(ins, accs, donated)
-                for free in frees:
-                    self.buffers.pop(free.key, None)
-                self._drop_donated(donated, inputs)
-                self.count += 1 + len(accs) + len(frees)
-                continue
-            if ins.op is Op.MEAN:
-                group = [ins]
-                while i < len(instructions) and instructions[i].op is Op.MEAN:
-                    group.append(instructions[i])
-                    i += 1
-                self._mean(group)
-                self.count += len(group)
-                continue
-            if ins.op is Op.LOAD:
-                self._load(ins, inputs)
-            elif ins.op is Op.RECV:
-                self._recv(ins)
-            elif ins.op is Op.FREE:
-                self.buffers.pop(ins.key, None)
-            elif ins.op is Op.CARRY:
-                self._carry(ins)
-            else:
-                raise AssertionError(f"unexpected instruction {ins}")
-            self.count += 1
+            begin = time.perf_counter()
+            i = self._execute_at(i, ins, inputs)
+            if self.spans is not None:
+                self._record(ins, begin)
         self.flush()
+
+    def _execute_at(self, i: int, ins: Instruction, inputs: dict) -> int:
+        """Runs instruction ``i`` (``ins``) with the instructions fused with it; returns the next index."""
+        instructions = self.program.instructions
+        donated = self.program.donations.get(i, frozenset())
+        i += 1
+        if ins.op is Op.RUN:  # fused with the ACC/FREE instructions that follow it, as in the local backend
+            accs, frees = [], []
+            while i < len(instructions) and instructions[i].op in (Op.ACC, Op.FREE):
+                (accs if instructions[i].op is Op.ACC else frees).append(instructions[i])
+                i += 1
+            self._run(ins, accs, donated)
+            for free in frees:
+                self.buffers.pop(free.key, None)
+            self._drop_donated(donated, inputs)
+            self.count += 1 + len(accs) + len(frees)
+            return i
+        if ins.op is Op.MEAN:
+            group = [ins]
+            while i < len(instructions) and instructions[i].op is Op.MEAN:
+                group.append(instructions[i])
+                i += 1
+            self._mean(group)
+            self.count += len(group)
+            return i
+        if ins.op is Op.LOAD:
+            self._load(ins, inputs)
+        elif ins.op is Op.RECV:
+            self._recv(ins)
+        elif ins.op is Op.FREE:
+            self.buffers.pop(ins.key, None)
+        elif ins.op is Op.CARRY:
+            self._carry(ins)
+        else:
+            raise AssertionError(f"unexpected instruction {ins}")
+        self.count += 1
+        return i
+
+    def _record(self, ins: Instruction, begin: float) -> None:
+        """Profiling: waits for this mesh's buffers, then records ``ins``'s span from the step's start."""
+        import jax
+        jax.block_until_ready((self.buffers, self.accumulators))
+        end = time.perf_counter()
+        self.spans.append((str(ins), begin - self.profile_start, end - self.profile_start))
 
     def _enter(self, index: int, ins: Instruction) -> None:
         self.index, self.current = index, str(ins)

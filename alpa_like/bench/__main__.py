@@ -117,6 +117,12 @@ def run_measured(args) -> int:
                f"{r['measured_tflops_per_device']:.4f}"] for r in rows]
     print(f"\n{workload.name}, batch {workload.global_batch}, {args.backend} backend, median of {args.steps} steps")
     print(report.format_terminal(lines))
+    for r in rows:
+        if r["measured_s_by_kind"]:
+            kinds = ", ".join(f"{kind} {seconds * 1e3:.1f} ({r['predicted_s_by_kind'].get(kind, 0.0) * 1e3:.1f})"
+                              for kind, seconds in sorted(r["measured_s_by_kind"].items()))
+            print(f"{r['method']}, one profiled step, ms per instruction kind over all meshes, measured "
+                  f"(predicted): {kinds}")
     out = args.out or os.path.join(args.results_dir, f"bench_{args.command}_{args.backend}.json")
     print(f"wrote {report.write_json(out, rows, suite=args.command, backend=args.backend)}")
     return 0

@@ -61,12 +61,20 @@ class Measurement:
     (:func:`~alpa_like.runtime.ray_dispatch.measure_dispatch_costs`), which ``predicted_seconds`` includes."""
     predicted_without_dispatch_seconds: float | None = None
     """On the Ray backend: the prediction without those costs (the devices' work and the bytes only)."""
+    measured_seconds_by_kind: dict[str, float] | None = None
+    """Pipeline plans: one profiled step's seconds per instruction kind (``RUN``, ``LOAD``, ``RECV``,
+    ``MEAN``, ...), summed over the meshes, each instruction waited for."""
+    predicted_seconds_by_kind: dict[str, float] | None = None
+    """Pipeline plans: the simulator's seconds per instruction kind for the same plan (with ``dispatch``),
+    summed over the meshes."""
 
     def summary(self) -> dict:
         return {"method": self.method, "measured_s": self.measured_seconds, "predicted_s": self.predicted_seconds,
                 "predicted_without_dispatch_s": self.predicted_without_dispatch_seconds, "dispatch": self.dispatch,
                 "num_nodes": self.num_nodes, "num_devices": self.num_devices,
                 "predicted_over_measured": self.predicted_seconds / self.measured_seconds,
+                "measured_s_by_kind": self.measured_seconds_by_kind,
+                "predicted_s_by_kind": self.predicted_seconds_by_kind,
                 "measured_tflops_per_device": self.step_flops / self.measured_seconds / self.num_devices / 1e12}
 
 
@@ -114,10 +122,28 @@ def _predicted(exe, dispatch=None) -> float:
     """The simulated step of a pipeline executable (with a runtime's ``dispatch`` costs), else the SPMD plan's
     modelled time."""
     if hasattr(exe, "programs"):
-        from alpa_like.runtime.simulator import simulate
-        return simulate(exe.plan, exe.program, exe.programs, value_specs=getattr(exe, "value_specs", None),
-                        dispatch=dispatch).step_seconds
+        return _simulation(exe, dispatch).step_seconds
     return exe.plan.estimated_iteration_time
+
+
+def _simulation(exe, dispatch=None):
+    """A pipeline executable's plan and programs on the simulated backend's clock."""
+    from alpa_like.runtime.simulator import simulate
+    return simulate(exe.plan, exe.program, exe.programs, value_specs=getattr(exe, "value_specs", None),
+                    dispatch=dispatch)
+
+
+def _seconds_by_kind(exe, args, dispatch=None) -> tuple[dict[str, float], dict[str, float]]:
+    """A pipeline executable's seconds per instruction kind, summed over its meshes: measured on one profiled
+    step of ``args`` (``run(..., profile=True)``), and simulated for the same plan with the RUN phases summed
+    (``RUN F`` + ``RUN B`` + ``RUN A`` -> ``RUN``)."""
+    exe.run(*args, profile=True)
+    measured = dict(exe.last_step.op_seconds)
+    predicted: dict[str, float] = {}
+    for kind, seconds in _simulation(exe, dispatch).seconds_by_kind.items():
+        op = kind.split()[0]
+        predicted[op] = predicted.get(op, 0.0) + seconds
+    return measured, predicted
 
 
 def _ray_dispatch(exe):
@@ -146,11 +172,14 @@ def _measure(workload: Workload, method, steps: int) -> Measurement:
         times.append(time.perf_counter() - start)
     flops = _step_flops(workload, exe)
     dispatch = _ray_dispatch(exe)
+    measured_by_kind, predicted_by_kind = (_seconds_by_kind(exe, (state, batch), dispatch)
+                                           if hasattr(exe, "programs") else (None, None))
     return Measurement(method=type(method).__name__, measured_seconds=statistics.median(times),
                        predicted_seconds=_predicted(exe, dispatch), step_flops=flops, num_devices=exe.plan.num_devices,
                        num_nodes=exe.plan.cluster.num_nodes,
                        dispatch=None if dispatch is None else dataclasses.asdict(dispatch),
-                       predicted_without_dispatch_seconds=None if dispatch is None else _predicted(exe))
+                       predicted_without_dispatch_seconds=None if dispatch is None else _predicted(exe),
+                       measured_seconds_by_kind=measured_by_kind, predicted_seconds_by_kind=predicted_by_kind)
 
 
 def _step_flops(workload: Workload, exe) -> float:

@@ -98,7 +98,8 @@ def test_more_nodes_or_devices_than_the_cluster_has_are_refused(cluster):
 def test_the_benchmark_runs_on_every_node_of_a_given_cluster(cluster):
     """``python -m alpa_like.bench opt --backend ray --address ...``'s run: the automatic plan spans both
     nodes and its measured step comes with the simulator's prediction, which includes the Ray backend's fixed
-    costs measured on the executable's workers."""
+    costs measured on the executable's workers, and with one profiled step's seconds per instruction kind
+    beside the simulator's."""
     from alpa_like.bench import backends
     workload = backends.local_workload("opt")
     method = backends.measured_methods(workload)[0]
@@ -107,6 +108,8 @@ def test_the_benchmark_runs_on_every_node_of_a_given_cluster(cluster):
     assert m.measured_seconds > 0 and m.predicted_seconds > 0
     assert set(m.dispatch) == {"step_seconds", "instruction_seconds", "transfer_seconds"}
     assert m.dispatch["step_seconds"] > 0 and m.predicted_seconds > m.predicted_without_dispatch_seconds > 0
+    assert {"RUN", "LOAD", "RECV"} <= set(m.measured_seconds_by_kind) <= set(m.predicted_seconds_by_kind)
+    assert all(seconds > 0 for seconds in m.measured_seconds_by_kind.values())
 
 
 def first_run_on(exe, mesh: int) -> int:

@@ -151,3 +151,39 @@ def test_the_new_state_is_stored_in_the_layout_the_next_step_loads(ray_backend_4
     assert_trees_close(result.params, expected.params)
     assert_trees_close(result.opt_state, expected.opt_state)
     assert_trees_close(losses, expected_losses)
+
+
+def _span_starts(instructions):
+    """The instructions a profiled step times, in order: a RUN takes in the ACC and FREE instructions right
+    after it, a MEAN the MEANs right after it."""
+    from alpa_like.runtime.instructions import Op
+    takes_in = {Op.RUN: {Op.ACC, Op.FREE}, Op.MEAN: {Op.MEAN}}
+    starts, absorbed = [], set()
+    for ins in instructions:
+        if ins.op not in absorbed:
+            starts.append(ins)
+            absorbed = takes_in.get(ins.op, set())
+    return starts
+
+
+def test_a_profiled_step_times_every_instruction_on_its_worker(ray_backend_4):
+    """``run(..., profile=True)``: each worker times each instruction of its program in order (spans that do
+    not overlap, inside its step), the kinds' sums are ``op_seconds``, and the step computes what it computes
+    unprofiled; an unprofiled step reports no spans."""
+    state, batches = sgd_case()
+    step = al.parallelize(step_with_metrics, method=METHOD)
+    exe = step.get_executable(state, batches[0])
+    plain_state, plain_metrics = exe.run(state, batches[0])
+    assert exe.last_step.spans == [] and exe.last_step.op_seconds == {}
+    profiled_state, profiled_metrics = exe.run(state, batches[0], profile=True)
+    stats = exe.last_step
+    for mesh in range(len(exe.workers)):
+        spans = [(text, begin, end) for m, text, begin, end in stats.spans if m == mesh]
+        assert [text for text, _, _ in spans] == [str(ins) for ins in _span_starts(exe.programs.program(mesh))]
+        bounds = [t for _, begin, end in spans for t in (begin, end)]
+        assert bounds == sorted(bounds) and bounds[0] >= 0 and bounds[-1] <= stats.worker_seconds[mesh]
+    kinds = {text.split()[0] for _, text, _, _ in stats.spans}
+    assert set(stats.op_seconds) == kinds and {"RUN", "LOAD", "RECV"} <= kinds
+    assert sum(stats.op_seconds.values()) == pytest.approx(sum(end - begin for _, _, begin, end in stats.spans))
+    assert_trees_close(profiled_state.params, plain_state.params, rtol=0, atol=0)
+    assert_trees_close(profiled_metrics, plain_metrics, rtol=0, atol=0)
