@@ -27,7 +27,6 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 
-import numpy as np
 from jax.extend.core import JaxprEqn, Literal
 
 from alpa_like.compiler import jax_compat

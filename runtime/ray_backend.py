@@ -421,7 +421,6 @@ class RayPipeshardExecutable:
                  cluster: RayCluster, devices=None, donate_flat: Sequence[int] = (),
                  returned: frozenset[int] | None = None, stage_shardings: Sequence[StageSharding] | None = None,
                  defer_gradient_sync: bool = False, value_specs: dict | None = None):
-        import ray
         del devices  # The workers own the devices.
         self.traced, self.plan, self.program, self.programs = traced, plan, program, programs
         self.cluster = cluster

@@ -5,7 +5,7 @@ import pytest
 
 import alpa_like as al
 from alpa_like.bench import __main__ as cli
-from alpa_like.bench import backends, ours, report, suites
+from alpa_like.bench import ours, report, suites
 from alpa_like.bench.ours import equal_operator_layers
 from alpa_like.bench.workloads import make_workload
 
