@@ -578,7 +578,8 @@ class _StepRun:
         from alpa_like.runtime.pipeshard_runtime import activation_spec
         for dst in self.program.sends.get(key, ()):
             x = self.buffers[key]
-            self.outbox.setdefault(dst, []).append((key, x, activation_spec(x.shape, self.program.meshes[dst].logical_shape)))
+            spec = activation_spec(x.shape, self.program.meshes[dst].logical_shape)
+            self.outbox.setdefault(dst, []).append((key, x, spec))
 
     def _run(self, ins: Instruction, accs: list[Instruction], donated=frozenset()) -> None:
         """RUN (with the ACCs of its outputs fused in once the totals exist), donating the inputs whose

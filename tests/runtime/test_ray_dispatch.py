@@ -129,8 +129,8 @@ def test_buffers_queued_while_a_parcel_is_sent_travel_together_in_the_next():
         receiver.deliver(exe_id, step, keys, parcel)
     sender._loaded[7].peers[1] = types.SimpleNamespace(deliver=types.SimpleNamespace(remote=deliver))
     run = _StepRun(sender, sender._loaded[7], 7, 0)
-    arrays = [jax.device_put(np.full((8, 4), v, np.float32), sender._loaded[7].sharding(activation_spec((8, 4), (2, 1))))
-              for v in range(3)]
+    src_sharding = sender._loaded[7].sharding(activation_spec((8, 4), (2, 1)))
+    arrays = [jax.device_put(np.full((8, 4), v, np.float32), src_sharding) for v in range(3)]
     keys = [(v, PER_STEP) for v in range(3)]
     spec = activation_spec((8, 4), (1, 2))
     run.outbox = {1: [(keys[0], arrays[0], spec)]}
