@@ -19,8 +19,8 @@ divided by the number of micro-batches, and that mean is the value of its output
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import NewType
+from collections.abc import Iterable, Sequence
+from typing import Any, NewType
 
 from jax.extend.core import ClosedJaxpr, Literal, Var
 
@@ -75,6 +75,15 @@ class StageProgram:
 
     def piece(self, stage: int, phase: str) -> StagePiece:
         return self.pieces[(stage, phase)]
+
+    def output_slots(self, targets: Iterable[tuple[tuple[int, str], ValueId, Any]]) -> dict[tuple[int, str], tuple]:
+        """Per piece named in ``targets`` (``((stage, phase), output value, target)``), a tuple over its outputs:
+        each named output's target, None for the others (the pieces' output pins: layouts to make them in)."""
+        slots: dict[tuple[int, str], list] = {}
+        for where, v, target in targets:
+            outputs = self.piece(*where).outputs
+            slots.setdefault(where, [None] * len(outputs))[outputs.index(v)] = target
+        return {where: tuple(s) for where, s in slots.items()}
 
 
 def stage_of_layer(stage_layers: Sequence[Sequence[int]]) -> dict[int, int]:

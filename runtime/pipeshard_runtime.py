@@ -259,18 +259,15 @@ class PipeshardExecutable:
         sharding) where its piece runs on that layout's mesh, and the outputs they cover."""
         made = {(v, self.programs.stage_to_mesh[stage]): (stage, phase)
                 for (stage, phase), piece in self.program.pieces.items() for v in piece.outputs}
-        pins: dict[tuple[int, str], list] = {}
-        pinned = set()
+        targets, pinned = [], set()
         for k, target in layouts.items():
             (v, _), mesh = self.programs.outputs[k]
             where = made.get((v, mesh))
             if where is None or target.device_set != set(self.meshes[mesh].devices.flat):
                 continue
-            piece = self.program.piece(*where)
-            slots = pins.setdefault(where, [None] * len(piece.outputs))
-            slots[piece.outputs.index(v)] = target
+            targets.append((where, v, target))
             pinned.add(k)
-        return {where: tuple(slots) for where, slots in pins.items()}, pinned
+        return self.program.output_slots(targets), pinned
 
     def _return_layouts(self, sources: Sequence[int | None]) -> dict[int, NamedSharding]:
         """Per output, given the input each one updates (:func:`~alpa_like.compiler.trace.updated_inputs`),

@@ -108,17 +108,15 @@ def output_pins(program: StageProgram, instructions: Sequence, outputs: Sequence
     loaded = {ins.key[0] for ins in instructions if ins.op is Op.LOAD}
     made = {v: (ins.stage, ins.phase) for ins in instructions if ins.op is Op.RUN
             for v in program.piece(ins.stage, ins.phase).outputs}
-    pins: dict[tuple[int, str], list] = {}
+    targets = []
     for k, (v, _) in outputs:
         source = updated[k] if k < len(updated) else None
         where = made.get(v)
         if source is None or where is None or program.step_inputs[source] not in loaded:
             continue
-        piece = program.piece(*where)
-        slots = pins.setdefault(where, [None] * len(piece.outputs))
-        slots[piece.outputs.index(v)] = load_spec(specs, program.step_inputs[source],
-                                                  program.values[v].aval.shape, mesh_shape)
-    return {where: tuple(slots) for where, slots in pins.items()}
+        targets.append((where, v, load_spec(specs, program.step_inputs[source], program.values[v].aval.shape,
+                                            mesh_shape)))
+    return program.output_slots(targets)
 
 
 def mesh_input_specs(input_specs: dict[ValueId, ShardingSpec],

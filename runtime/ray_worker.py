@@ -509,7 +509,7 @@ class _StepRun:
             self.flush()
             ins = instructions[i]
             self._enter(i, ins)
-            begin = time.perf_counter()
+            begin = time.perf_counter() if self.spans is not None else 0.0
             i = self._execute_at(i, ins, inputs)
             if self.spans is not None:
                 self._record(ins, begin)
