@@ -38,6 +38,7 @@ timed out (see ``docs/ray.md``). What ships to the workers is built by :mod:`~al
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import numbers
@@ -65,8 +66,9 @@ from alpa_like.compiler.gradient_sync import NONE, DeferredGradients
 from alpa_like.compiler.stage_sharding import StageSharding
 from alpa_like.runtime.pipeshard_runtime import input_donations
 from alpa_like.runtime.stage_gradients import GradientDeferral, defer_gradients, gradient_phase
-from alpa_like.runtime.ray_nodes import (HeadWatch, answering, choose_nodes, cluster_nodes, died_at, head_text,
-                                          mesh_nodes, with_placements)
+from alpa_like.runtime.ray_nodes import (HeadWatch, answering, choose_nodes, cluster_nodes, cpu_worker_env, died_at,
+                                          head_text, host_spec, local_cpu_devices, measure_on_node, mesh_nodes,
+                                          with_placements)
 from alpa_like.runtime.ray_programs import export_piece, mesh_load_spec, worker_programs
 from alpa_like.runtime.ray_startup import connect_ray, start_local_ray
 from alpa_like.runtime.ray_worker import MeshInfo, MeshWorker, WorkerStepError
@@ -268,13 +270,21 @@ class RayCluster:
         self.temp_dir = tempfile.mkdtemp(prefix="alpa_like_ray_")
         """The workers' progress files; removed by :meth:`shutdown` (or when the backend is collected)."""
         self._remove_temp_dir = weakref.finalize(self, shutil.rmtree, self.temp_dir, ignore_errors=True)
+        self._measured: ClusterSpec | None = None
         self.closed = False
 
     def spec(self) -> ClusterSpec:
-        """The cluster for the planner: this many nodes and devices, with the local devices' measured speed
-        (the workers run on the same kind of device)."""
-        local = ClusterSpec.local(jax.devices()[:1])
-        return dataclasses.replace(local, name=f"ray-{self.platform}", num_nodes=self.num_nodes,
+        """The cluster for the planner: this many nodes and devices, with measured device speed. GPU: the
+        driver's first device (the workers run on the same kind of device). CPU: every device of the busiest
+        machine busy at once (:func:`~alpa_like.runtime.ray_nodes.host_spec`; Ray nodes at one address share
+        a machine), measured once per backend."""
+        if self._measured is None:
+            import ray
+            self._measured = ClusterSpec.local(jax.devices()[:1]) if self.platform == "gpu" else host_spec(
+                self.nodes, self.num_devices_per_node, driver_node_id=ray.get_runtime_context().get_node_id(),
+                driver_devices=local_cpu_devices(), measure_on=functools.partial(
+                    measure_on_node, xla_flags=os.environ.get("XLA_FLAGS", ""), timeout=self.startup_timeout))
+        return dataclasses.replace(self._measured, name=f"ray-{self.platform}", num_nodes=self.num_nodes,
                                    num_devices_per_node=self.num_devices_per_node)
 
     # ------------------------------------------------------------------------------------------- actors
@@ -314,10 +324,7 @@ class RayCluster:
         options: dict[str, Any] = {"max_concurrency": 16, "num_cpus": 0}
         env = {"PYTHONUNBUFFERED": "1"}
         if self.platform == "cpu":
-            flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                             if not f.startswith("--xla_force_host_platform_device_count"))
-            env.update(XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={size}".strip(),
-                       JAX_PLATFORMS="cpu")
+            env.update(cpu_worker_env(size, os.environ.get("XLA_FLAGS", "")))
         else:  # Ray sets CUDA_VISIBLE_DEVICES to the GPUs it assigns.
             options["num_gpus"] = size
         options["runtime_env"] = {"env_vars": env}

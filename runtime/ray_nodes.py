@@ -10,7 +10,10 @@
 * nodes are numbered head first, then by address and node id, so a plan's node ``k`` is the same Ray node for
   every executable of the backend;
 * the planner's :class:`~alpa_like.compiler.cluster.ClusterSpec` has ``num_nodes`` of them (default: all) and
-  ``num_devices_per_node`` devices each (default: the fewest any of them has).
+  ``num_devices_per_node`` devices each (default: the fewest any of them has);
+* on CPU, nodes at one address share one machine's cores and memory: the spec's device speed is that of a
+  device while every plan device of the busiest machine is busy (:func:`host_spec`), so that the nodes of a
+  machine, each computing with its devices' share (the simulator's node clocks), add up to the machine.
 
 A plan's device ``d`` is on node ``d // num_devices_per_node`` of its cluster (as the stage DP numbers them,
 :mod:`~alpa_like.compiler.submesh`); :func:`mesh_nodes` gives the node of every stage's mesh and refuses a
@@ -25,6 +28,7 @@ naming the head.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import socket
@@ -144,6 +148,84 @@ def choose_nodes(nodes: Sequence[RayNode], platform: str, num_nodes: int | None 
         raise ValueError(f"al.init(cluster='ray'): num_devices_per_node={per_node}, but {fewest} has "
                          f"{fewest.num_devices} GPUs")
     return chosen, per_node
+
+
+def busiest_host(nodes: Sequence[RayNode], num_devices_per_node: int) -> tuple[RayNode, int]:
+    """The first of ``nodes`` on the machine that runs the most plan devices, and that count: nodes at one
+    :attr:`RayNode.address` share a machine, each running ``num_devices_per_node`` devices of the plans.
+
+    >>> nodes = [RayNode(index=k, node_id=f"n{k}", address=a, num_devices=2)
+    ...          for k, a in enumerate(["10.0.0.1", "10.0.0.2", "10.0.0.2"])]
+    >>> node, devices = busiest_host(nodes, 2)
+    >>> (node.index, devices)
+    (1, 4)
+    """
+    if not nodes:
+        raise ValueError("busiest_host: no nodes")
+    per_address = collections.Counter(n.address for n in nodes)
+    address = max(per_address, key=per_address.__getitem__)  # ties: the first address in ``nodes`` order
+    return next(n for n in nodes if n.address == address), per_address[address] * num_devices_per_node
+
+
+def host_spec(nodes: Sequence[RayNode], num_devices_per_node: int, *, driver_node_id: str | None,
+              driver_devices: Sequence[Any], measure_on: Callable[[RayNode, int], ClusterSpec],
+              local: Callable[[tuple[Any, ...]], ClusterSpec] = ClusterSpec.local) -> ClusterSpec:
+    """The measured CPU devices of a Ray cluster: :meth:`ClusterSpec.local` of as many XLA CPU devices as the
+    busiest machine runs (:func:`busiest_host`), all busy at once, so every speed is per device while the
+    machine's cores and memory are shared by all of them.
+
+    Measured on the driver's ``driver_devices`` (its CPU devices) when the driver's Ray node
+    (``driver_node_id``) is on that machine and has that many, else by ``measure_on(node, count)`` on the
+    machine's first node (:func:`measure_on_node`). ``local``: the driver's measurement (for tests).
+    """
+    node, count = busiest_host(nodes, num_devices_per_node)
+    on_host = any(n.node_id == driver_node_id and n.address == node.address for n in nodes)
+    cpus = tuple(d for d in driver_devices if d.platform == "cpu")
+    if on_host and len(cpus) >= count:
+        return local(cpus[:count])
+    return measure_on(node, count)
+
+
+def local_cpu_devices() -> tuple[Any, ...]:
+    """This process's XLA CPU devices (none where JAX runs without its CPU backend)."""
+    import jax
+    try:
+        return tuple(jax.devices("cpu"))
+    except RuntimeError:
+        return ()
+
+
+def cpu_worker_env(num_devices: int, xla_flags: str) -> dict[str, str]:
+    """The environment of a worker process with ``num_devices`` XLA CPU devices: the driver's ``xla_flags``
+    with its device count replaced (set before the worker imports jax)."""
+    flags = " ".join(f for f in xla_flags.split() if not f.startswith("--xla_force_host_platform_device_count"))
+    return {"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={num_devices}".strip(),
+            "JAX_PLATFORMS": "cpu"}
+
+
+def measure_on_node(node: RayNode, num_devices: int, *, xla_flags: str, timeout: float) -> ClusterSpec:
+    """:meth:`ClusterSpec.local` of ``num_devices`` XLA CPU devices, measured by a Ray task pinned to ``node``
+    (stored on that machine like any local measurement, so a later call reads it back).
+
+    Raises:
+      RuntimeError: the task did not finish within ``timeout`` seconds.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    task = ray.remote(_measure_local).options(
+        num_cpus=0, runtime_env={"env_vars": cpu_worker_env(num_devices, xla_flags)},
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False))
+    ref = task.remote(num_devices)
+    ready, _ = ray.wait([ref], timeout=timeout)
+    if not ready:
+        ray.cancel(ref, force=True)
+        raise RuntimeError(f"Ray backend: measuring {num_devices} CPU devices on {node} took over {timeout:.0f} s")
+    return ClusterSpec.from_dict(ray.get(ref))
+
+
+def _measure_local(num_devices: int) -> dict[str, Any]:
+    import jax
+    return ClusterSpec.local(tuple(jax.devices()[:num_devices])).to_dict()
 
 
 def mesh_nodes(plan: ParallelPlan, nodes: Sequence[RayNode], num_devices_per_node: int) -> tuple[int, ...]:

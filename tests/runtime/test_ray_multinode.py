@@ -60,6 +60,9 @@ def test_meshes_run_on_the_plan_nodes_and_a_pipeline_across_nodes_equals_jit(clu
         backend = api._backend.ray
         assert (backend.num_nodes, backend.num_devices_per_node) == (2, DEVICES_PER_NODE)  # from the nodes' CPUs
         assert [n.node_id for n in backend.nodes] == [n.node_id for n in cluster.nodes]  # head first
+        # both nodes share this machine: its speed per device with all 4 devices busy, measured on the driver
+        assert backend.spec() == dataclasses.replace(al.ClusterSpec.local(jax.devices()[:4]), name="ray-cpu",
+                                                     num_nodes=2, num_devices_per_node=DEVICES_PER_NODE)
         loss_fn, state, batches = mlp_case()
         step = train_step_for(loss_fn)
         f = al.parallelize(step, method=al.PipeshardParallel(num_micro_batches=2, layer_option=al.ManualLayerOption(),
@@ -75,6 +78,19 @@ def test_meshes_run_on_the_plan_nodes_and_a_pipeline_across_nodes_equals_jit(clu
         assert exe.last_step.worker_bytes > 0  # activations and gradients crossed nodes
         ref, _ = reference_on_one_device(step, state, batches[:2])
         assert_trees_close(got.params, ref.params, rtol=1e-5, atol=1e-6)
+    finally:
+        al.shutdown()
+
+
+def test_a_task_pinned_to_a_node_measures_that_many_cpu_devices_there(cluster):
+    """The measurement for a driver without the machine's device count: a Ray task with its own XLA CPU
+    devices on the node, returning its :meth:`ClusterSpec.local`."""
+    from alpa_like.runtime.ray_nodes import measure_on_node
+    al.init(cluster="ray", address=cluster.address)
+    try:
+        node = api._backend.ray.nodes[1]
+        spec = measure_on_node(node, 3, xla_flags="", timeout=120)
+        assert (spec.num_devices_per_node, spec.shared_host_compute, spec.device_name) == (3, True, "cpu")
     finally:
         al.shutdown()
 

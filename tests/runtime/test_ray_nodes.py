@@ -10,8 +10,9 @@ import pytest
 import alpa_like as al
 from alpa_like.compiler.layer_slicing import FORWARD
 from alpa_like.runtime.ray_startup import connect_ray, is_loopback_address
-from alpa_like.runtime.ray_nodes import (HEAD_RESOURCE, HeadWatch, RayNode, answering, choose_nodes, cluster_nodes,
-                                         died_at, head_text, mesh_nodes, one_node_meshes, with_placements)
+from alpa_like.runtime.ray_nodes import (HEAD_RESOURCE, HeadWatch, RayNode, answering, busiest_host, choose_nodes,
+                                         cluster_nodes, cpu_worker_env, died_at, head_text, host_spec, mesh_nodes,
+                                         one_node_meshes, with_placements)
 from alpa_like.runtime.instructions import Instruction, Op
 from tests.helpers import make_train_step, mlp_batch, mlp_loss, mlp_state
 
@@ -94,6 +95,47 @@ def test_the_printed_plan_names_the_node_of_each_mesh_and_json_keeps_it(plan):
     without = placed.to_dict()
     del without["stages"][0]["placement"]  # a plan file written before the field existed
     assert al.ParallelPlan.from_dict(without) == plan
+
+
+def test_nodes_at_one_address_share_a_machine_and_the_busiest_machine_counts_the_plan_devices_of_all():
+    nodes = cluster_nodes([ray_node("a", "127.0.0.1", head=True, CPU=2.0), ray_node("b", "127.0.0.1", CPU=2.0),
+                           ray_node("c", "10.0.0.5", CPU=8.0)], "cpu")
+    node, devices = busiest_host(nodes, 2)
+    assert (node.node_id, devices) == ("a", 4)
+    assert busiest_host(nodes[2:], 2) == (nodes[2], 2)
+
+
+def _fake_spec(num_devices, label):
+    return al.ClusterSpec(name=label, num_nodes=1, num_devices_per_node=num_devices, device_name="cpu",
+                          peak_flops=1e9, device_memory=2**30, intra_node_bandwidth=1e9, inter_node_bandwidth=1e9,
+                          intra_node_latency=0.0, inter_node_latency=0.0, shared_host_compute=True)
+
+
+@pytest.mark.parametrize("driver, driver_devices, expected", [
+    ("a", 8, ("driver", 4)),        # on the machine, with devices to spare: every device of the machine at once
+    ("a", 2, ("node a", 4)),        # too few devices on the driver: a task on the machine measures
+    ("elsewhere", 8, ("node a", 4)),  # a driver off the machine measures nothing of it
+])
+def test_cpu_speed_is_measured_with_every_device_of_the_busiest_machine_busy(driver, driver_devices, expected):
+    """Two Ray nodes of 2 CPU devices at one address share one machine's cores: the speed per device is
+    measured with all 4 busy, on the driver when it runs there with 4 CPU devices, else on the machine."""
+    nodes = cluster_nodes([ray_node("a", "127.0.0.1", head=True, CPU=2.0), ray_node("b", "127.0.0.1", CPU=2.0)],
+                          "cpu")
+    cpus = [SimpleNamespace(platform="cpu", id=i) for i in range(driver_devices)]
+
+    def local(devices):
+        assert list(devices) == cpus[:len(devices)]
+        return _fake_spec(len(devices), "driver")
+
+    spec = host_spec(nodes, 2, driver_node_id=driver, driver_devices=cpus, local=local,
+                     measure_on=lambda node, n: _fake_spec(n, f"node {node.node_id}"))
+    assert (spec.name, spec.num_devices_per_node) == expected
+
+
+def test_a_cpu_worker_gets_its_own_device_count_and_keeps_the_other_xla_flags():
+    env = cpu_worker_env(4, "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+    assert env == {"XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=4",
+                   "JAX_PLATFORMS": "cpu"}
 
 
 def test_raylets_that_refuse_a_connection_are_left_out():
