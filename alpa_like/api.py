@@ -55,7 +55,8 @@ def init(cluster: str = "local", *, devices: Sequence[Any] | None = None, addres
         cluster's node count when ``address`` is given, else 1; ``len(jax.devices())``).
       ray_options: for ``"ray"``: ``platform`` ("cpu" | "gpu"), ``step_timeout`` (seconds, default 600),
         ``startup_timeout`` (seconds, default 180), ``compilation_cache_dir`` (JAX's persistent compilation
-        cache for the workers); see :class:`~alpa_like.runtime.ray_backend.RayCluster`.
+        cache for the workers), ``ping_timeout`` (seconds a worker may leave a ping unanswered during a step,
+        default 10); see :class:`~alpa_like.runtime.ray_backend.RayCluster`.
     """
     global _backend, _generation
     if cluster not in CLUSTER_KINDS:

@@ -68,7 +68,7 @@ from alpa_like.runtime.pipeshard_runtime import input_donations
 from alpa_like.runtime.stage_gradients import GradientDeferral, defer_gradients, gradient_phase
 from alpa_like.runtime.ray_nodes import (HeadWatch, answering, choose_nodes, cluster_nodes, cpu_worker_env, died_at,
                                           head_text, host_spec, local_cpu_devices, measure_on_node, mesh_nodes,
-                                          with_placements)
+                                          ray_pings, with_placements)
 from alpa_like.runtime.ray_programs import export_piece, mesh_load_spec, worker_programs
 from alpa_like.runtime.ray_startup import connect_ray, start_local_ray
 from alpa_like.runtime.ray_worker import MeshInfo, MeshWorker, WorkerStepError
@@ -214,6 +214,9 @@ class RayCluster:
         (:mod:`~alpa_like.runtime.ray_nodes`). Plan node ``k`` runs on :attr:`nodes` ``[k]``.
       platform: ``"cpu"`` or ``"gpu"`` (default: JAX's default backend).
       step_timeout: seconds a step may take (``None``: no limit).
+      ping_timeout: seconds a worker the driver waits for may leave a ping unanswered before the wait fails
+        naming its mesh and node (a frozen or unreachable machine; :class:`~.ray_nodes.WorkerPings`; ``None``:
+        no pings).
       startup_timeout: seconds starting the local Ray, a worker actor or an executable's programs may take.
       compilation_cache_dir: JAX's persistent compilation cache for the workers.
     """
@@ -221,7 +224,7 @@ class RayCluster:
     def __init__(self, *, address: str | None = None, num_nodes: int | None = None,
                  num_devices_per_node: int | None = None, platform: str | None = None,
                  step_timeout: float | None = 600.0, startup_timeout: float = 180.0,
-                 compilation_cache_dir: str | None = None):
+                 compilation_cache_dir: str | None = None, ping_timeout: float | None = 10.0):
         ray = require("ray", "al.init(cluster='ray')")
         for name, value in (("num_nodes", num_nodes), ("num_devices_per_node", num_devices_per_node)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -231,6 +234,8 @@ class RayCluster:
             raise ValueError(f"al.init(cluster='ray'): platform must be one of {PLATFORMS}, got {platform!r}")
         if step_timeout is not None and not _is_positive_seconds(step_timeout):
             raise ValueError(f"al.init(cluster='ray'): step_timeout must be > 0 seconds or None, got {step_timeout!r}")
+        if ping_timeout is not None and not _is_positive_seconds(ping_timeout):
+            raise ValueError(f"al.init(cluster='ray'): ping_timeout must be > 0 seconds or None, got {ping_timeout!r}")
         if not (_is_positive_seconds(startup_timeout) and math.isfinite(startup_timeout)):
             raise ValueError(f"al.init(cluster='ray'): startup_timeout must be a finite number of seconds > 0, got "
                              f"{startup_timeout!r}")
@@ -257,7 +262,7 @@ class RayCluster:
         gcs = ray.get_runtime_context().gcs_address
         self.head_watch = HeadWatch(gcs, head_text(self.nodes, gcs))
         """Probed while a step waits: a lost head fails the step at once (:class:`~.ray_nodes.HeadWatch`)."""
-        self.step_timeout = step_timeout
+        self.step_timeout, self.ping_timeout = step_timeout, ping_timeout
         self.compilation_cache_dir = compilation_cache_dir
         self.startup_timeout = startup_timeout
         self._actors: dict[tuple[int, int, int], Any] = {}
@@ -620,6 +625,7 @@ class RayPipeshardExecutable:
         pending = dict(zip(refs, range(len(refs))))
         results: list[Any] = [None] * len(refs)
         deadline = None if timeout is None else time.monotonic() + timeout
+        pings = None if self.cluster.ping_timeout is None else ray_pings(self.workers, self.cluster.ping_timeout)
         while pending:
             wait = POLL_SECONDS if deadline is None else max(0.0, min(POLL_SECONDS, deadline - time.monotonic()))
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait)
@@ -632,6 +638,13 @@ class RayPipeshardExecutable:
                     results[mesh] = ray.get(ref)
                 except Exception as e:  # noqa: BLE001  (classified below)
                     self._fail(step, self._root_cause(mesh, e, pending, step, what))
+            if pending and pings is not None and (silent := pings.silent(sorted(pending.values()))):
+                mesh, seconds, last = silent
+                self._fail(step, f"Ray backend: {what}: the worker of mesh {mesh} on "
+                                 f"{self.cluster.nodes[self.mesh_nodes[mesh]]} has not answered a ping for "
+                                 f"{seconds:.0f} s (its last answer: {last}): a frozen or unreachable machine "
+                                 "(power or network lost, processes stopped); al.shutdown() and "
+                                 "al.init(cluster='ray') start afresh on the nodes alive")
             if pending and deadline is not None and time.monotonic() > deadline:
                 where = "; ".join(f"mesh {k}: {self._where(self.workers[k])}" for k in sorted(pending.values()))
                 self._fail(step, f"{what} did not finish within {timeout:.0f} s ({where})")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import math
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -49,6 +50,8 @@ PROBE_SECONDS = 2.0
 """How long :func:`answering` waits for a raylet to accept a connection."""
 HEAD_CHECK_SECONDS = 2.0
 """How often a :class:`HeadWatch` probes the GCS while the driver waits."""
+PING_SECONDS = 1.0
+"""How often :class:`WorkerPings` asks a worker the driver waits for what it is doing."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -329,3 +332,61 @@ class HeadWatch:
                     "cluster again, then al.init(cluster='ray', address=...) and restore the last checkpoint (a "
                     "driver on the head machine is lost with it; Ray ends a driver whose GCS stays unreachable "
                     "for 60 s)")
+
+
+class WorkerPings:
+    """Whether the workers the driver waits for still answer: a lost machine that closes no connection (its
+    power or network gone, its processes stopped) leaves a step waiting until Ray's health checks mark its
+    node dead, about a minute by default, while a ping finds it in ``timeout`` seconds.
+
+    Each :meth:`silent` call pings (``send(mesh)``: a worker's ``where``) every given mesh whose last ping
+    answered at least ``every`` seconds ago and has none out, and names the first mesh whose ping has gone
+    unanswered for ``timeout`` seconds. A ping that fails (a dead worker) ends that mesh's pings: the step's own
+    call reports the death. ``collect(handles)``: the answered handles among ``handles``, each with its answer
+    (a string) or the exception it raised.
+    """
+
+    def __init__(self, send: Callable[[int], Any], collect: Callable[[list], dict[Any, Any]], *, timeout: float,
+                 every: float = PING_SECONDS, clock: Callable[[], float] = time.monotonic):
+        self.send, self.collect = send, collect
+        self.timeout, self.every, self.clock = timeout, every, clock
+        self._out: dict[int, tuple[Any, float]] = {}  # mesh -> (handle, sent at)
+        self._answered: dict[int, tuple[str, float]] = {}  # mesh -> (last answer, answered at)
+        self._dead: set[int] = set()
+
+    def silent(self, meshes: Sequence[int]) -> tuple[int, float, str] | None:
+        """(mesh, seconds its ping is out, its last answer or ``"no answer yet"``) for the first of ``meshes``
+        silent for ``timeout`` seconds, else None (after sending the pings that are due)."""
+        now = self.clock()
+        out = {handle: mesh for mesh, (handle, _) in self._out.items()}
+        for handle, answer in (self.collect(list(out)) if out else {}).items():
+            mesh = out[handle]
+            del self._out[mesh]
+            if isinstance(answer, BaseException):
+                self._dead.add(mesh)
+            else:
+                self._answered[mesh] = (answer, now)
+        for mesh in meshes:
+            if mesh in self._out:
+                waited = now - self._out[mesh][1]
+                if waited >= self.timeout:
+                    return mesh, waited, self._answered.get(mesh, ("no answer yet", 0.0))[0]
+            elif mesh not in self._dead and now - self._answered.get(mesh, ("", -math.inf))[1] >= self.every:
+                self._out[mesh] = (self.send(mesh), now)
+        return None
+
+
+def ray_pings(workers: Sequence[Any], timeout: float) -> WorkerPings:
+    """:class:`WorkerPings` of the worker actors ``workers`` (one per mesh), through Ray."""
+    import ray
+
+    def collect(handles: list) -> dict[Any, Any]:
+        ready, _ = ray.wait(handles, num_returns=len(handles), timeout=0)
+        answers = {}
+        for handle in ready:
+            try:
+                answers[handle] = ray.get(handle)
+            except Exception as e:  # noqa: BLE001  (a dead worker: the step's own call names it)
+                answers[handle] = e
+        return answers
+    return WorkerPings(lambda mesh: workers[mesh].where.remote(), collect, timeout=timeout)

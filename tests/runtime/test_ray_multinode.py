@@ -5,6 +5,7 @@ A process holds one Ray connection at a time, so the module's cluster replaces t
 (``ray_session``) while the module runs: the fixture shuts that Ray down first and starts it again after.
 """
 import dataclasses
+import re
 import threading
 import time
 
@@ -17,6 +18,7 @@ import alpa_like as al
 from alpa_like import api
 from alpa_like.runtime.instructions import Op
 from alpa_like.runtime.ray_backend import RayStepError
+from alpa_like.runtime.ray_nodes import PING_SECONDS
 from alpa_like.runtime.ray_startup import start_local_ray
 from tests.helpers import assert_trees_close, reference_on_one_device, run_steps
 from tests.runtime.test_pipeshard_runtime import mlp_case, stages, train_step_for
@@ -210,6 +212,61 @@ def test_a_lost_node_is_a_named_error_in_time_and_training_resumes_from_the_chec
     assert_trees_close(got.params, ref.params, rtol=1e-5, atol=1e-6)
 
 
+def node_processes(cluster, node_id: str) -> list[psutil.Process]:
+    """A node's raylet (with its object store) and every process it started (its workers among them)."""
+    raylet = psutil.Process(cluster.node(node_id).all_processes["raylet"][0].process.pid)
+    return [raylet, *raylet.children(recursive=True)]
+
+
+def test_a_frozen_node_is_a_named_error_in_time(cluster):
+    """Node 1's processes are stopped (SIGSTOP) while its mesh is inside a step: its connections stay open, as
+    those of a machine whose power or network is gone, and Ray would mark the node dead only after its health
+    checks (about a minute). The driver's pings name the mesh, the node and the instruction first."""
+    import signal
+    import ray
+    loss_fn, state, batches = mlp_case()
+    f = al.parallelize(train_step_for(loss_fn), method=al.PipeshardParallel(
+        num_micro_batches=2, layer_option=al.ManualLayerOption(), stage_option=ONE_MESH_PER_NODE))
+    al.init(cluster="ray", address=cluster.address, ping_timeout=4.0)
+    node = api._backend.ray.nodes[1]
+    frozen = []
+    try:
+        state1, _ = f(state, batches[0])
+        exe = f.get_executable(state1, batches[1])
+        victim, index = exe.workers[1], first_run_on(exe, 1)
+        ray.get(victim.set_fault.remote(index, "stall"))
+
+        def freeze_when_stalled():
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if f"instruction #{index} " in ray.get(victim.where.remote()):
+                    time.sleep(2 * PING_SECONDS)  # the driver's pings have seen it there
+                    frozen.extend(node_processes(cluster, node.node_id))
+                    for process in frozen:
+                        process.send_signal(signal.SIGSTOP)
+                    return
+                time.sleep(0.05)
+
+        freezer = threading.Thread(target=freeze_when_stalled, daemon=True)
+        freezer.start()
+        start = time.monotonic()
+        instruction = exe.worker_programs[1].instructions[index]
+        with pytest.raises(RayStepError, match=rf"step 1: the worker of mesh 1 on Ray node 1 \(127\.0\.0\.1, id "
+                                               rf"{node.node_id[:8]}\) has not answered a ping for \d+ s \(its last "
+                                               rf"answer: step 1 instruction #{index} `{re.escape(str(instruction))}`"
+                                               r"\): a frozen or unreachable machine"):
+            f(state1, batches[1])
+        assert time.monotonic() - start < 30
+        freezer.join(30)
+        assert frozen
+    finally:
+        for process in frozen:
+            process.send_signal(signal.SIGCONT)
+        al.shutdown()
+        cluster.remove_node(cluster.node(node.node_id))
+        cluster.add_node()  # the module's cluster has two healthy nodes again
+
+
 LOSE_THE_HEAD = """
 import os, sys, time
 sys.path.insert(0, os.getcwd())
@@ -278,7 +335,6 @@ def test_a_lost_head_node_is_a_named_error_in_time(mid_step, tmp_path):
     is inside it: the step raises a RayStepError naming the head within 30 s instead of hanging. In a process
     of its own, as it loses its Ray. (A driver attached to the head's own raylet is ended by Ray at once: see
     docs/ray.md.)"""
-    import re
     import subprocess
     import sys
     report = tmp_path / "report.txt"

@@ -12,7 +12,7 @@ from alpa_like.compiler.layer_slicing import FORWARD
 from alpa_like.runtime.ray_startup import connect_ray, is_loopback_address
 from alpa_like.runtime.ray_nodes import (HEAD_RESOURCE, HeadWatch, RayNode, answering, busiest_host, choose_nodes,
                                          cluster_nodes, cpu_worker_env, died_at, head_text, host_spec, mesh_nodes,
-                                         one_node_meshes, with_placements)
+                                         one_node_meshes, with_placements, WorkerPings)
 from alpa_like.runtime.instructions import Instruction, Op
 from tests.helpers import make_train_step, mlp_batch, mlp_loss, mlp_state
 
@@ -190,6 +190,65 @@ def test_a_head_that_refuses_connections_is_named_as_lost_at_the_next_probe():
     with pytest.raises(ValueError, match="gcs_address must be 'host:port', got 'nowhere'"):
         HeadWatch("nowhere", text)
 
+
+class FakeWorkers:
+    """Pings answered by hand: ``answer(mesh, text)`` answers that mesh's ping out (handles are numbers)."""
+
+    def __init__(self):
+        self.sent: list[int] = []
+        self.answers: dict[int, object] = {}
+
+    def send(self, mesh: int) -> int:
+        self.sent.append(mesh)
+        return len(self.sent) - 1
+
+    def answer(self, mesh: int, answer) -> None:
+        self.answers[max(h for h, m in enumerate(self.sent) if m == mesh)] = answer
+
+    def collect(self, handles: list) -> dict:
+        return {h: self.answers.pop(h) for h in handles if h in self.answers}
+
+
+def test_a_worker_that_stops_answering_pings_is_named_after_the_timeout_with_its_last_answer():
+    clock = [0.0]
+    workers = FakeWorkers()
+    pings = WorkerPings(workers.send, workers.collect, timeout=10.0, every=1.0, clock=lambda: clock[0])
+    assert pings.silent([0, 1]) is None and workers.sent == [0, 1]  # both pinged at once
+    workers.answer(0, "step 3 instruction #2 `RUN`")
+    workers.answer(1, "idle")
+    clock[0] = 0.5
+    assert pings.silent([0, 1]) is None and workers.sent == [0, 1]  # answered, next ping not due yet
+    clock[0] = 1.5  # a second after the answers came in
+    assert pings.silent([0, 1]) is None and workers.sent == [0, 1, 0, 1]
+    workers.answer(1, "step 3 instruction #5 `RECV`")  # mesh 0 falls silent from here on
+    for t in (2.5, 3.5, 11.0):
+        clock[0] = t
+        assert pings.silent([0, 1]) is None
+        workers.answer(1, "step 3 instruction #5 `RECV`")
+    assert workers.sent.count(0) == 2  # one ping out at a time
+    clock[0] = 11.5
+    assert pings.silent([0, 1]) == (0, 10.0, "step 3 instruction #2 `RUN`")
+
+
+def test_a_worker_that_never_answered_and_a_dead_one():
+    clock = [0.0]
+    workers = FakeWorkers()
+    pings = WorkerPings(workers.send, workers.collect, timeout=5.0, every=1.0, clock=lambda: clock[0])
+    pings.silent([0, 1])
+    workers.answer(1, RuntimeError("actor died"))  # dead: no more pings; the step's own call names it
+    clock[0] = 5.0
+    assert pings.silent([0, 1]) == (0, 5.0, "no answer yet")
+    clock[0] = 20.0
+    assert pings.silent([1]) is None and workers.sent == [0, 1]
+    assert pings.silent([]) is None  # a finished mesh is not pinged
+
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, True, "10"])
+def test_a_ping_timeout_that_is_not_positive_seconds_is_refused_before_ray_starts(bad):
+    pytest.importorskip("ray")
+    with pytest.raises(ValueError, match=rf"ping_timeout must be > 0 seconds or None, got {bad!r}"):
+        al.init(cluster="ray", ping_timeout=bad)
 
 def test_a_loopback_address_is_dialled_from_loopback():
     pytest.importorskip("ray")
