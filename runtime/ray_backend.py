@@ -68,7 +68,7 @@ from alpa_like.runtime.pipeshard_runtime import input_donations
 from alpa_like.runtime.stage_gradients import GradientDeferral, defer_gradients, gradient_phase
 from alpa_like.runtime.ray_nodes import (HeadWatch, answering, choose_nodes, cluster_nodes, cpu_worker_env, died_at,
                                           head_text, host_spec, local_cpu_devices, measure_on_node, mesh_nodes,
-                                          ray_pings, with_placements)
+                                          ray_pings, wait_all, with_placements)
 from alpa_like.runtime.ray_programs import export_piece, mesh_load_spec, worker_programs
 from alpa_like.runtime.ray_startup import connect_ray, start_local_ray
 from alpa_like.runtime.ray_worker import MeshInfo, MeshWorker, WorkerStepError
@@ -277,6 +277,14 @@ class RayCluster:
         self._remove_temp_dir = weakref.finalize(self, shutil.rmtree, self.temp_dir, ignore_errors=True)
         self._measured: ClusterSpec | None = None
         self.closed = False
+
+    def wait_all(self, calls: Sequence[tuple[Any, Any]], what: str) -> list:
+        """:func:`~.ray_nodes.wait_all` of (worker, call) pairs under this backend's step and ping timeouts."""
+        return wait_all(calls, what, timeout=self.step_timeout, ping_timeout=self.ping_timeout, name=self.node_of)
+
+    def node_of(self, actor) -> str:
+        """The Ray node a worker actor of this backend runs on, in words."""
+        return next((str(self.nodes[key[0]]) for key, a in self._actors.items() if a is actor), "an unknown node")
 
     def spec(self) -> ClusterSpec:
         """The cluster for the planner: this many nodes and devices, with measured device speed. GPU: the
@@ -748,8 +756,8 @@ class RayPipeshardExecutable:
         # made first: if a worker fails, dropping them frees what the others read
         out = {k: RemoteArray(leaves[k][2].shape, self.program.values[self.program.step_inputs[k]].aval.dtype,
                               reps, self.cluster) for k, reps in replicas.items()}
-        _get_all([w.restore_handles.remote(self.exe_id, mine) for w, mine in zip(self.workers, items) if mine],
-                 self.cluster.step_timeout, "reading the checkpoint")
+        self.cluster.wait_all([(w, w.restore_handles.remote(self.exe_id, mine))
+                               for w, mine in zip(self.workers, items) if mine], "reading the checkpoint")
         return out
 
 
@@ -774,10 +782,3 @@ def _unload(cluster, workers, exe_id: int) -> None:
             pass
 
 
-def _get_all(refs: list, timeout: float | None, what: str) -> list:
-    """``ray.get`` of every ref, or a RuntimeError when some are not ready within ``timeout`` seconds."""
-    import ray
-    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-    if pending:
-        raise RuntimeError(f"Ray backend: {len(pending)} worker(s) did not finish {what} within {timeout:.0f} s")
-    return ray.get(refs)

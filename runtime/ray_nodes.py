@@ -376,6 +376,36 @@ class WorkerPings:
         return None
 
 
+def wait_all(calls: Sequence[tuple[Any, Any]], what: str, *, timeout: float | None, ping_timeout: float | None,
+             name: Callable[[Any], str]) -> list:
+    """The results of ``calls`` ((worker actor, object ref of a call to it) pairs), in order, once every one is
+    ready.
+
+    Raises:
+      RuntimeError: some are not ready within ``timeout`` seconds (``None``: no limit), or a worker that still
+        owes its result leaves a ping unanswered for ``ping_timeout`` seconds (:class:`WorkerPings`; ``None``:
+        no pings); ``name(worker)`` says where it runs.
+    """
+    import ray
+    workers = [worker for worker, _ in calls]
+    pending = {ref: k for k, (_, ref) in enumerate(calls)}
+    pings = None if ping_timeout is None else ray_pings(workers, ping_timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while pending:
+        left = PING_SECONDS if deadline is None else min(PING_SECONDS, max(0.0, deadline - time.monotonic()))
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=left)
+        for ref in ready:
+            del pending[ref]
+        if pending and pings is not None and (silent := pings.silent(sorted(pending.values()))):
+            k, seconds, last = silent
+            raise RuntimeError(f"Ray backend: {what}: the worker on {name(workers[k])} has not answered a ping for "
+                               f"{seconds:.0f} s (its last answer: {last}): a frozen or unreachable machine; "
+                               "al.shutdown() and al.init(cluster='ray') start afresh on the nodes alive")
+        if pending and deadline is not None and time.monotonic() >= deadline:
+            raise RuntimeError(f"Ray backend: {len(pending)} worker(s) did not finish {what} within {timeout:.0f} s")
+    return ray.get([ref for _, ref in calls])
+
+
 def ray_pings(workers: Sequence[Any], timeout: float) -> WorkerPings:
     """:class:`WorkerPings` of the worker actors ``workers`` (one per mesh), through Ray."""
     import ray

@@ -33,7 +33,7 @@ from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.stage_construction import StagePiece, StageProgram, ValueId
 from alpa_like.compiler.trace import TracedStep, leaf_aval
 from alpa_like.runtime.instructions import PER_STEP, Instruction, MeshPrograms, Op
-from alpa_like.runtime.ray_backend import RayPipeshardExecutable, RemoteArray, _actor_id, _get_all
+from alpa_like.runtime.ray_backend import RayPipeshardExecutable, RemoteArray, _actor_id
 from alpa_like.runtime.ray_programs import EXPORT_PLATFORMS
 
 
@@ -87,11 +87,11 @@ class RayCreateStateExecutable:
                 handle = cluster.new_handle()
                 outputs.append((handle, self.placements[k][mesh]))
                 replicas[k].append((worker, handle))
-            calls.append(worker.create_handles.remote(train.exe_id, exported, sent, outputs,
-                                                      cluster.take_frees(worker)))
+            calls.append((worker, worker.create_handles.remote(train.exe_id, exported, sent, outputs,
+                                                               cluster.take_frees(worker))))
         # made first: if a worker fails, dropping them frees what the others made
         values = [RemoteArray(a.shape, a.dtype, r, cluster) for a, r in zip(self.avals, replicas, strict=True)]
-        _get_all(calls, cluster.step_timeout, "creating the state")
+        cluster.wait_all(calls, "creating the state")
         return jax.tree.unflatten(self.out_tree, values)
 
     def _host_args(self, args: Sequence[Any]) -> list:
@@ -237,16 +237,16 @@ def forward_programs(closed: ClosedJaxpr, pieces: Sequence[ForwardPiece], held: 
 class RemoteWrite:
     """Checkpoint writes running on the workers that hold the arrays (:func:`save_remote_arrays`)."""
 
-    def __init__(self, parts: dict[str, str], writers: list[tuple[Any, str]], timeout: float | None):
+    def __init__(self, parts: dict[str, str], writers: list[tuple[Any, str]], cluster):
         self.parts = parts
         """Orbax key -> the part (subdirectory) its worker writes."""
-        self._writers, self._timeout = writers, timeout
+        self._writers, self._cluster = writers, cluster
 
     def wait(self) -> dict[str, str]:
         """Waits for every worker's files; returns ``{orbax key: impl name}`` of the typed PRNG keys written."""
         impls: dict[str, str] = {}
-        for written in _get_all([actor.finish_save.remote(path) for actor, path in self._writers], self._timeout,
-                                "writing the checkpoint"):
+        calls = [(actor, actor.finish_save.remote(path)) for actor, path in self._writers]
+        for written in self._cluster.wait_all(calls, "writing the checkpoint"):
             impls.update(written)
         return impls
 
@@ -265,7 +265,7 @@ def save_remote_arrays(arrays: Mapping[str, RemoteArray], directory: str) -> Rem
         path = os.path.join(directory, f"worker_{n}")
         parts.update(dict.fromkeys(handles, f"worker_{n}"))
         writers.append((actor, path))
-    timeout = next(iter(arrays.values()))._cluster.step_timeout
-    _get_all([actor.start_save.remote(path, handles) for (actor, path), (_, handles)
-              in zip(writers, by_actor.values(), strict=True)], timeout, "copying the checkpoint's arrays")
-    return RemoteWrite(parts, writers, timeout)
+    cluster = next(iter(arrays.values()))._cluster
+    cluster.wait_all([(actor, actor.start_save.remote(path, handles)) for (actor, path), (_, handles)
+                      in zip(writers, by_actor.values(), strict=True)], "copying the checkpoint's arrays")
+    return RemoteWrite(parts, writers, cluster)

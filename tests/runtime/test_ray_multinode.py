@@ -218,10 +218,11 @@ def node_processes(cluster, node_id: str) -> list[psutil.Process]:
     return [raylet, *raylet.children(recursive=True)]
 
 
-def test_a_frozen_node_is_a_named_error_in_time(cluster):
+def test_a_frozen_node_is_a_named_error_in_time(cluster, tmp_path):
     """Node 1's processes are stopped (SIGSTOP) while its mesh is inside a step: its connections stay open, as
     those of a machine whose power or network is gone, and Ray would mark the node dead only after its health
-    checks (about a minute). The driver's pings name the mesh, the node and the instruction first."""
+    checks (about a minute). The driver's pings name the mesh, the node and the instruction first; a checkpoint
+    of the state it holds is named the same way."""
     import signal
     import ray
     loss_fn, state, batches = mlp_case()
@@ -259,6 +260,11 @@ def test_a_frozen_node_is_a_named_error_in_time(cluster):
         assert time.monotonic() - start < 30
         freezer.join(30)
         assert frozen
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=rf"copying the checkpoint's arrays: the worker on Ray node 1 "
+                                               rf"\(127\.0\.0\.1, id {node.node_id[:8]}\) has not answered a ping"):
+            al.save_checkpoint(tmp_path, state1, 1)
+        assert time.monotonic() - start < 30
     finally:
         for process in frozen:
             process.send_signal(signal.SIGCONT)
