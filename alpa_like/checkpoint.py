@@ -476,8 +476,9 @@ def _read_leaves(path: Path, records: list[dict], wanted: _Wanted | None) -> lis
     todo = range(len(records))
     if wanted is not None and wanted.ray_executable is not None:
         exe, flat = wanted.ray_executable
-        remote = exe.restore_inputs({flat[k]: (str(path / records[k]["part"]), str(k), _target(records[k], None))
-                                     for k in todo})
+        from alpa_like.runtime.ray_training import restore_step_inputs
+        remote = restore_step_inputs(exe, {flat[k]: (str(path / records[k]["part"]), str(k),
+                                                     _target(records[k], None)) for k in todo})
         for k in todo:
             values[k] = remote.get(flat[k])
         todo = [k for k in todo if values[k] is None]

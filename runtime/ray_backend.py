@@ -49,7 +49,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -527,7 +527,8 @@ class RayPipeshardExecutable:
         for x, leaf in zip(flat, self.traced.in_leaves, strict=True):
             if isinstance(x, RemoteArray) and x.donated:
                 raise ValueError(f"argument leaf {leaf.path} is a RemoteArray donated to an earlier step "
-                                 "(donate_argnums): its data is gone; pass the value that step returned")
+                                 "(donate_argnums): its data is gone; pass the value that step returned (after a "
+                                 "step interrupted once it donated its inputs, restore the last checkpoint)")
         stats = RayStepStats()
         step = next(self._steps)
         inputs, handle_sends, sent = self._route_inputs(flat, stats)
@@ -544,7 +545,13 @@ class RayPipeshardExecutable:
             sent += len(pickle.dumps(call))
             refs.append(worker.run_step.remote(*call, profile=profile))
         stats.driver_calls = len(refs)
-        reports = self._wait(refs, f"step {step}", timeout=self.cluster.step_timeout, step=step)
+        try:
+            reports = self._wait(refs, f"step {step}", timeout=self.cluster.step_timeout, step=step)
+        except RayStepError:
+            raise
+        except BaseException:  # a KeyboardInterrupt: the workers would go on with the step
+            self._stop_interrupted(step, refs, flat, out_handles)
+            raise
         stats.driver_received_bytes = sum(len(pickle.dumps(r)) for r in reports)
         stats.driver_received_types = tuple(sorted({type(v).__name__ for r in reports
                                                     for key, v in r.items() if key not in ("outputs", "spans")}))
@@ -580,6 +587,34 @@ class RayPipeshardExecutable:
                 if consumed != ("handle", handle) or self._mesh_of_actor.get(_actor_id(actor)) != mesh:
                     self.cluster.release(actor, handle)
             x.replicas, x.donated, x._value = (), True, None
+
+    def _stop_interrupted(self, step: int, refs: list, flat: Sequence[Any], out_handles: list[list[int]]) -> None:
+        """After the driver's wait for ``step`` was interrupted: aborts the step on every worker and waits for
+        them to stop, so the next call starts from the same inputs. Inputs the step donated before it stopped
+        (their data is gone) are marked donated, and its outputs are dropped. Workers that do not stop within
+        :data:`ABORT_GRACE_SECONDS` (or a second interruption) leave the executable failed."""
+        import ray
+        self.failed = f"step {step} was interrupted while its workers ran it"
+        for worker in self.workers:
+            worker.abort.remote(self.exe_id, step)
+        _, running = ray.wait(refs, num_returns=len(refs), timeout=ABORT_GRACE_SECONDS)
+        if running:
+            self.failed += f", and {len(running)} worker(s) did not stop within {ABORT_GRACE_SECONDS:.0f} s"
+            return
+        for worker, handles in zip(self.workers, out_handles, strict=True):
+            for handle in handles:
+                self.cluster.release(worker, handle)
+        arrays = [x for x in flat if isinstance(x, RemoteArray) and x.replicas]
+        held = [(actor, handle) for x in arrays for actor, handle in x.replicas]
+        asked = {_actor_id(a): a for a, _ in held}
+        gone = dict(zip(asked, ray.get([actor.missing.remote([h for a, h in held if _actor_id(a) == key])
+                                        for key, actor in asked.items()]), strict=True))
+        for x in arrays:
+            if any(handle in gone[_actor_id(actor)] for actor, handle in x.replicas):
+                for actor, handle in x.replicas:
+                    self.cluster.release(actor, handle)
+                x.replicas, x.donated, x._value = (), True, None
+        self.failed = None
 
     def _route_inputs(self, flat: Sequence[Any], stats: RayStepStats):
         """Per worker: how it gets each input it LOADs; per worker: the stored arrays it sends to peers."""
@@ -729,36 +764,6 @@ class RayPipeshardExecutable:
         """How many arrays each worker holds (step outputs not yet dropped)."""
         import ray
         return ray.get([w.num_handles.remote() for w in self.workers])
-
-    def restore_inputs(self, leaves: Mapping[int, tuple[str, str, Any]]) -> dict[int, RemoteArray]:
-        """Reads step inputs from checkpoint files straight onto the workers whose meshes LOAD them, each in the
-        layout its LOAD puts it in (so the next step moves nothing); the driver sees no data.
-
-        Args:
-          leaves: flat input index -> (orbax checkpoint path, orbax key,
-            :class:`~alpa_like.runtime.checkpoint_io.Target` without a sharding).
-
-        Returns:
-          flat input index -> the input as a :class:`RemoteArray` with a replica on each loading mesh; inputs
-          that no mesh loads are left out.
-        """
-        if self.cluster.closed:
-            raise RuntimeError("this executable's Ray backend was shut down; restore into an executable of the "
-                               "running backend")
-        placements = self.input_placements()
-        items: list[list] = [[] for _ in self.workers]
-        replicas: dict[int, list] = {}
-        for k, (path, key, target) in leaves.items():
-            for mesh, spec in placements[k].items():
-                handle = self.cluster.new_handle()
-                items[mesh].append((handle, path, key, target, spec))
-                replicas.setdefault(k, []).append((self.workers[mesh], handle))
-        # made first: if a worker fails, dropping them frees what the others read
-        out = {k: RemoteArray(leaves[k][2].shape, self.program.values[self.program.step_inputs[k]].aval.dtype,
-                              reps, self.cluster) for k, reps in replicas.items()}
-        self.cluster.wait_all([(w, w.restore_handles.remote(self.exe_id, mine))
-                               for w, mine in zip(self.workers, items) if mine], "reading the checkpoint")
-        return out
 
 
 def from_host(value) -> np.ndarray | jax.Array:

@@ -269,3 +269,36 @@ def save_remote_arrays(arrays: Mapping[str, RemoteArray], directory: str) -> Rem
     cluster.wait_all([(actor, actor.start_save.remote(path, handles)) for (actor, path), (_, handles)
                       in zip(writers, by_actor.values(), strict=True)], "copying the checkpoint's arrays")
     return RemoteWrite(parts, writers, cluster)
+
+
+def restore_step_inputs(exe: RayPipeshardExecutable, leaves: Mapping[int, tuple[str, str, Any]]
+                        ) -> dict[int, RemoteArray]:
+    """Reads step inputs from checkpoint files straight onto the workers whose meshes LOAD them, each in the
+    layout its LOAD puts it in (so the next step moves nothing); the driver sees no data.
+
+    Args:
+      leaves: flat input index -> (orbax checkpoint path, orbax key,
+        :class:`~alpa_like.runtime.checkpoint_io.Target` without a sharding).
+
+    Returns:
+      flat input index -> the input as a :class:`RemoteArray` with a replica on each loading mesh; inputs
+      that no mesh loads are left out.
+    """
+    if exe.cluster.closed:
+        raise RuntimeError("this executable's Ray backend was shut down; restore into an executable of the "
+                           "running backend")
+    placements = exe.input_placements()
+    items: list[list] = [[] for _ in exe.workers]
+    replicas: dict[int, list] = {}
+    for k, (path, key, target) in leaves.items():
+        for mesh, spec in placements[k].items():
+            handle = exe.cluster.new_handle()
+            items[mesh].append((handle, path, key, target, spec))
+            replicas.setdefault(k, []).append((exe.workers[mesh], handle))
+    # made first: if a worker fails, dropping them frees what the others read
+    out = {k: RemoteArray(leaves[k][2].shape, exe.program.values[exe.program.step_inputs[k]].aval.dtype,
+                          reps, exe.cluster) for k, reps in replicas.items()}
+    exe.cluster.wait_all([(w, w.restore_handles.remote(exe.exe_id, mine))
+                          for w, mine in zip(exe.workers, items) if mine], "reading the checkpoint")
+    return out
+

@@ -206,15 +206,20 @@ class MeshWorker:
     def num_handles(self) -> int:
         return len(self._store)
 
+    def missing(self, handles: Sequence[int]) -> list[int]:
+        """The handles among ``handles`` this worker does not hold (freed, donated, or never stored)."""
+        return [h for h in handles if h not in self._store]
+
     def where(self) -> str:
         """What the worker is doing now (answered while a step runs: the actor is threaded)."""
         return self._where
 
     def set_fault(self, instruction_index: int | None, kind: str = "raise") -> None:
         """Testing hook: at instruction ``instruction_index`` of the next steps, ``"raise"`` an error,
-        ``"exit"`` the process, or ``"stall"`` (sleep until killed)."""
-        if kind not in ("raise", "exit", "stall"):
-            raise ValueError(f"set_fault: kind must be 'raise', 'exit' or 'stall', got {kind!r}")
+        ``"exit"`` the process, ``"stall"`` (sleep until killed) or ``"pause"`` (wait until the driver aborts the
+        step)."""
+        if kind not in ("raise", "exit", "stall", "pause"):
+            raise ValueError(f"set_fault: kind must be 'raise', 'exit', 'stall' or 'pause', got {kind!r}")
         self._fault = None if instruction_index is None else (instruction_index, kind)
 
     # ---------------------------------------------------------------------------------------- checkpoints
@@ -572,6 +577,8 @@ class _StepRun:
             if kind == "stall":
                 while True:
                     time.sleep(1.0)
+            if kind == "pause":  # a buffer that never comes: StepAborted once the driver aborts the step
+                worker._wait_for(self.exe_id, self.step, ("pause",))
             raise RuntimeError("fault injected by set_fault")
 
     def _wrote(self, key: Key) -> None:

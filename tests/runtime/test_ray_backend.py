@@ -206,6 +206,55 @@ def test_a_raising_worker_names_mesh_and_instruction_then_reinit_works(ray_sessi
     al.shutdown()
 
 
+
+
+@pytest.mark.parametrize("paused", ["first-run", "last-instruction"])
+def test_an_interrupted_step_stops_on_its_workers_and_leaves_its_inputs_usable_or_named(ray_session, cache_dir,
+                                                                                       paused):
+    """A KeyboardInterrupt while the driver waits for a step (Ctrl-C): the workers abort the step before the
+    interrupt propagates, and the executable stays usable. Interrupted while mesh 1 waits at its first RUN,
+    nothing was donated: the next call from the same state gives jax.jit's parameters. Interrupted at mesh 1's
+    last instruction, mesh 0 has finished the step and donated its inputs: the next call names them."""
+    import _thread
+    import ray
+    init_ray(cache_dir)
+    loss_fn, state, batches = mlp_case()
+    step = train_step_for(loss_fn)
+    f = al.parallelize(step, method=method_for("2_meshes", manual=True), donate_argnums=(0,))
+    state1, _ = f(state, batches[0])
+    exe = f.get_executable(state1, batches[1])
+    index = (first_run(exe, 1, "RUN 1F0") if paused == "first-run"
+             else len(exe.worker_programs[1].instructions) - 1)
+    ray.get(exe.workers[1].set_fault.remote(index, "pause"))
+
+    def interrupt_when_paused():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if f"instruction #{index} " in ray.get(exe.workers[1].where.remote()):
+                _thread.interrupt_main()
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=interrupt_when_paused, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            f(state1, batches[1])
+        assert exe.failed is None
+        assert ray.get([w.where.remote() for w in exe.workers]) == ["idle", "idle"]
+        ray.get(exe.workers[1].set_fault.remote(None))
+        if paused == "first-run":
+            got, _ = run_steps(f, state1, batches[1:2])
+            ref, _ = reference_on_one_device(step, state, batches[:2])
+            assert_trees_close(got.params, ref.params, rtol=1e-5, atol=1e-6)
+        else:
+            assert any(x.donated for x in jax.tree.leaves(state1) if isinstance(x, RemoteArray))
+            with pytest.raises(ValueError, match="is a RemoteArray donated to an earlier step"):
+                f(state1, batches[1])
+            _, loss = f(state, batches[0])  # the executable runs on
+            assert np.isfinite(float(loss))
+    finally:
+        al.shutdown()
+
 @pytest.mark.slow
 def test_a_worker_killed_mid_step_is_a_named_error_within_30_s(ray_session, cache_dir):
     import ray
