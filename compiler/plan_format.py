@@ -241,9 +241,10 @@ def memory_message(plan: ParallelPlan) -> str:
     state = max(s.memory_per_device for s in plan.stages)
     certain = (f"; its state alone needs {format_bytes(state)} per device" if plan.cannot_fit
                else "; its state fits, so this rests on the activation estimate")
+    others = " or ".join(m for m in ("Zero3Parallel", "ShardParallel") if not plan.method.startswith(f"{m}("))
     return (f"{head}: does NOT fit; {format_bytes(plan.memory_shortfall)} ({plan.memory_shortfall} bytes) "
             f"more per device needed{where}{certain} (use more devices, more micro-batches, a sharding method "
-            "such as Zero3Parallel or ShardParallel, or a cluster with more memory per device)")
+            f"such as {others}, or a cluster with more memory per device)")
 
 
 def format_plan(plan: ParallelPlan, *, group_layers: bool = True) -> str:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import alpa_like as al
+from alpa_like.compiler.plan_format import memory_message
 from tests.helpers import make_train_step, mlp_batch, mlp_loss, mlp_state
 
 SIZES = (64, 256, 64)
@@ -44,6 +45,8 @@ def test_plans_say_whether_they_fit(method, args):
     assert not tight.fits and tight.memory_shortfall == max(s.peak_memory_per_device for s in tight.stages) - 1024
     assert "does NOT fit" in str(tight) and warned and f"({tight.memory_shortfall} bytes) more" in warned[0]
     assert al.ParallelPlan.from_json(tight.to_json()) == tight
+    advised = memory_message(tight).split("a sharding method such as ")[1].split(", or a cluster")[0]
+    assert advised.split(" or ") == [m for m in ("Zero3Parallel", "ShardParallel") if m != type(method).__name__]
 
 
 @pytest.mark.parametrize("method", METHODS, ids=IDS)
