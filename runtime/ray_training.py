@@ -1,5 +1,6 @@
 """The rest of a training run on the Ray backend: creating the state on the workers, eval steps there, and
-checkpoints written by the workers that hold the arrays (:func:`save_remote_arrays`).
+checkpoints written by the workers that hold the arrays (:func:`save_remote_arrays`) and read back by the
+workers that load them (:func:`restore_step_inputs`).
 
 :class:`RayCreateStateExecutable` runs a ``create_state()`` function (``al.CreateStateParallel``) where a
 pipeline train step loads its state: per mesh, the function restricted to the state leaves that mesh loads
