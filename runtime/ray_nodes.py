@@ -31,7 +31,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import math
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -339,9 +338,10 @@ class WorkerPings:
     power or network gone, its processes stopped) leaves a step waiting until Ray's health checks mark its
     node dead, about a minute by default, while a ping finds it in ``timeout`` seconds.
 
-    Each :meth:`silent` call pings (``send(mesh)``: a worker's ``where``) every given mesh whose last ping
-    answered at least ``every`` seconds ago and has none out, and names the first mesh whose ping has gone
-    unanswered for ``timeout`` seconds. A ping that fails (a dead worker) ends that mesh's pings: the step's own
+    Each :meth:`silent` call pings (``send(mesh)``: a worker's ``where``) every given mesh that has no ping
+    out and whose last ping answered (at first: the watch started) at least ``every`` seconds ago, so a wait
+    shorter than ``every`` sends none, and names the first mesh whose ping has gone unanswered for ``timeout``
+    seconds. A ping that fails (a dead worker) ends that mesh's pings: the step's own
     call reports the death. ``collect(handles)``: the answered handles among ``handles``, each with its answer
     (a string) or the exception it raised.
     """
@@ -352,6 +352,7 @@ class WorkerPings:
         self.timeout, self.every, self.clock = timeout, every, clock
         self._out: dict[int, tuple[Any, float]] = {}  # mesh -> (handle, sent at)
         self._answered: dict[int, tuple[str, float]] = {}  # mesh -> (last answer, answered at)
+        self._start = clock()
         self._dead: set[int] = set()
 
     def silent(self, meshes: Sequence[int]) -> tuple[int, float, str] | None:
@@ -371,7 +372,7 @@ class WorkerPings:
                 waited = now - self._out[mesh][1]
                 if waited >= self.timeout:
                     return mesh, waited, self._answered.get(mesh, ("no answer yet", 0.0))[0]
-            elif mesh not in self._dead and now - self._answered.get(mesh, ("", -math.inf))[1] >= self.every:
+            elif mesh not in self._dead and now - self._answered.get(mesh, ("", self._start))[1] >= self.every:
                 self._out[mesh] = (self.send(mesh), now)
         return None
 

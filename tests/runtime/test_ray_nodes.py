@@ -213,20 +213,22 @@ def test_a_worker_that_stops_answering_pings_is_named_after_the_timeout_with_its
     clock = [0.0]
     workers = FakeWorkers()
     pings = WorkerPings(workers.send, workers.collect, timeout=10.0, every=1.0, clock=lambda: clock[0])
+    assert pings.silent([0, 1]) is None and workers.sent == []  # a wait shorter than `every` pings no one
+    clock[0] = 1.0
     assert pings.silent([0, 1]) is None and workers.sent == [0, 1]  # both pinged at once
     workers.answer(0, "step 3 instruction #2 `RUN`")
     workers.answer(1, "idle")
-    clock[0] = 0.5
+    clock[0] = 1.5
     assert pings.silent([0, 1]) is None and workers.sent == [0, 1]  # answered, next ping not due yet
-    clock[0] = 1.5  # a second after the answers came in
+    clock[0] = 2.5  # a second after the answers came in
     assert pings.silent([0, 1]) is None and workers.sent == [0, 1, 0, 1]
     workers.answer(1, "step 3 instruction #5 `RECV`")  # mesh 0 falls silent from here on
-    for t in (2.5, 3.5, 11.0):
+    for t in (3.5, 4.5, 12.0):
         clock[0] = t
         assert pings.silent([0, 1]) is None
         workers.answer(1, "step 3 instruction #5 `RECV`")
     assert workers.sent.count(0) == 2  # one ping out at a time
-    clock[0] = 11.5
+    clock[0] = 12.5
     assert pings.silent([0, 1]) == (0, 10.0, "step 3 instruction #2 `RUN`")
 
 
@@ -234,9 +236,10 @@ def test_a_worker_that_never_answered_and_a_dead_one():
     clock = [0.0]
     workers = FakeWorkers()
     pings = WorkerPings(workers.send, workers.collect, timeout=5.0, every=1.0, clock=lambda: clock[0])
+    clock[0] = 1.0
     pings.silent([0, 1])
     workers.answer(1, RuntimeError("actor died"))  # dead: no more pings; the step's own call names it
-    clock[0] = 5.0
+    clock[0] = 6.0
     assert pings.silent([0, 1]) == (0, 5.0, "no answer yet")
     clock[0] = 20.0
     assert pings.silent([1]) is None and workers.sent == [0, 1]
