@@ -605,10 +605,12 @@ class RayPipeshardExecutable:
             for handle in handles:
                 self.cluster.release(worker, handle)
         arrays = [x for x in flat if isinstance(x, RemoteArray) and x.replicas]
-        held = [(actor, handle) for x in arrays for actor, handle in x.replicas]
-        asked = {_actor_id(a): a for a, _ in held}
-        gone = dict(zip(asked, ray.get([actor.missing.remote([h for a, h in held if _actor_id(a) == key])
-                                        for key, actor in asked.items()]), strict=True))
+        held: dict[str, tuple[Any, list[int]]] = {}  # actor id -> (actor, the input handles it should hold)
+        for x in arrays:
+            for actor, handle in x.replicas:
+                held.setdefault(_actor_id(actor), (actor, []))[1].append(handle)
+        gone = dict(zip(held, ray.get([actor.missing.remote(handles) for actor, handles in held.values()]),
+                        strict=True))
         for x in arrays:
             if any(handle in gone[_actor_id(actor)] for actor, handle in x.replicas):
                 for actor, handle in x.replicas:
