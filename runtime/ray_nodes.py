@@ -341,9 +341,9 @@ class WorkerPings:
     Each :meth:`silent` call pings (``send(mesh)``: a worker's ``where``) every given mesh that has no ping
     out and whose last ping answered (at first: the watch started) at least ``every`` seconds ago, so a wait
     shorter than ``every`` sends none, and names the first mesh whose ping has gone unanswered for ``timeout``
-    seconds. A ping that fails (a dead worker) ends that mesh's pings: the step's own
-    call reports the death. ``collect(handles)``: the answered handles among ``handles``, each with its answer
-    (a string) or the exception it raised.
+    seconds. A ping that fails (a dead worker) ends that mesh's pings: the step's own call reports the death.
+    ``collect(handles)``: the answered handles among ``handles``, each with its answer (a string) or the
+    exception it raised.
     """
 
     def __init__(self, send: Callable[[int], Any], collect: Callable[[list], dict[Any, Any]], *, timeout: float,
