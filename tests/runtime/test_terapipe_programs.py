@@ -12,18 +12,19 @@ from alpa_like.runtime.instructions import Op
 from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable
 from tests.helpers import assert_trees_close, reference_on_one_device, run_steps
 from tests.runtime.test_pipeshard_runtime import stages, train_step_for
-from tests.runtime.test_terapipe_runtime import gpt_case
+from tests.runtime.test_terapipe_runtime import FOUR_ROW_SLICES, gpt_case
 
 TWO_LAYERS = dict(layer_option=al.AutoLayerOption(layer_num=2),
                   stage_option=stages(((0,), (1,)), ((1, 4),) * 2, ((1, 4),) * 2))
 
 
 @pytest.mark.slow  # four XLA compiles per slice shape and stage, and the contract check's forwards: ~40 s
+@FOUR_ROW_SLICES
 def test_terapipe_runs_as_instruction_programs_on_the_local_backend():
     """Two meshes, two micro-batches of slices (10, 6): the step is the local backend's executable running
     programs that LOAD token windows and CARRY each slice's key/value prefix to the next slice (and its
     cotangent back); parameters after three SGD steps equal jax.jit's."""
-    loss_fn, state, batches = gpt_case(num_layers=2)
+    loss_fn, state, batches = gpt_case(num_layers=2, batch_size=8)
     step = train_step_for(loss_fn)
     method = al.PipeshardParallel(num_micro_batches=2, pipeline_schedule="terapipe", token_slices=(10, 6),
                                   **TWO_LAYERS)
@@ -34,7 +35,7 @@ def test_terapipe_runs_as_instruction_programs_on_the_local_backend():
     carries = [ins for ins in instructions if ins.op is Op.CARRY and ins.source[1] != -1]
     assert {(ins.source[1], ins.key[1]) for ins in carries} == {(0, 1), (1, 0), (2, 3), (3, 2)}  # both ways
     windows = {ins.window for ins in instructions if ins.op is Op.LOAD and ins.window}
-    assert windows == {(0, 2, 0, 10), (0, 2, 10, 6), (2, 2, 0, 10), (2, 2, 10, 6)}
+    assert windows == {(0, 4, 0, 10), (0, 4, 10, 6), (4, 4, 0, 10), (4, 4, 10, 6)}
     ref_state, ref_losses = reference_on_one_device(step, state, batches)
     got_state, got_losses = run_steps(parallel, state, batches)
     assert_trees_close(got_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
@@ -67,6 +68,7 @@ def test_an_effect_in_the_loss_runs_once_per_token_slice():
 
 
 @pytest.mark.slow  # four slice-shape pieces per mesh on 4-device meshes: ~50 s
+@FOUR_ROW_SLICES
 def test_terapipe_reduces_gradients_once_per_step():
     """Data-parallel meshes (each unit's 4 rows split over a mesh's 4 devices): the backward pieces of every
     slice shape keep their weight gradients as stacks of partial sums (layouts followed from what the
