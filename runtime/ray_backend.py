@@ -66,9 +66,10 @@ from alpa_like.compiler.gradient_sync import NONE, DeferredGradients
 from alpa_like.compiler.stage_sharding import StageSharding
 from alpa_like.runtime.pipeshard_runtime import input_donations
 from alpa_like.runtime.stage_gradients import GradientDeferral, defer_gradients, gradient_phase
-from alpa_like.runtime.ray_nodes import (HeadWatch, answering, choose_nodes, cluster_nodes, cpu_worker_env, died_at,
-                                          head_text, host_spec, local_cpu_devices, measure_on_node, mesh_nodes,
-                                          ray_pings, wait_all, with_placements)
+from alpa_like.runtime.ray_nodes import (HeadWatch, RayNode, answering, choose_nodes, cluster_nodes, cpu_worker_env,
+                                          died_at, head_text, host_spec, local_cpu_devices, mark_silent,
+                                          measure_on_node, mesh_nodes, not_silent, ray_pings, wait_all,
+                                          with_placements)
 from alpa_like.runtime.ray_programs import export_piece, mesh_load_spec, worker_programs
 from alpa_like.runtime.ray_startup import connect_ray, start_local_ray
 from alpa_like.runtime.ray_worker import MeshInfo, MeshWorker, WorkerStepError
@@ -249,7 +250,7 @@ class RayCluster:
             self.started_ray = True
         self.platform = platform
         try:
-            alive = answering([n for n in ray.nodes() if n.get("Alive")])
+            alive = answering(not_silent([n for n in ray.nodes() if n.get("Alive")]))
             self.nodes, self.num_devices_per_node = choose_nodes(cluster_nodes(alive, platform), platform,
                                                                  num_nodes, num_devices_per_node)
             """The Ray nodes plans are made for (:mod:`~alpa_like.runtime.ray_nodes`): node ``k`` of a plan
@@ -280,11 +281,11 @@ class RayCluster:
 
     def wait_all(self, calls: Sequence[tuple[Any, Any]], what: str) -> list:
         """:func:`~.ray_nodes.wait_all` of (worker, call) pairs under this backend's step and ping timeouts."""
-        return wait_all(calls, what, timeout=self.step_timeout, ping_timeout=self.ping_timeout, name=self.node_of)
+        return wait_all(calls, what, timeout=self.step_timeout, ping_timeout=self.ping_timeout, node_of=self.node_of)
 
-    def node_of(self, actor) -> str:
-        """The Ray node a worker actor of this backend runs on, in words."""
-        return next((str(self.nodes[key[0]]) for key, a in self._actors.items() if a is actor), "an unknown node")
+    def node_of(self, actor) -> RayNode | None:
+        """The Ray node a worker actor of this backend runs on."""
+        return next((self.nodes[key[0]] for key, a in self._actors.items() if a is actor), None)
 
     def spec(self) -> ClusterSpec:
         """The cluster for the planner: this many nodes and devices, with measured device speed. GPU: the
@@ -685,9 +686,10 @@ class RayPipeshardExecutable:
                     self._fail(step, self._root_cause(mesh, e, pending, step, what))
             if pending and pings is not None and (silent := pings.silent(sorted(pending.values()))):
                 mesh, seconds, last = silent
-                self._fail(step, f"Ray backend: {what}: the worker of mesh {mesh} on "
-                                 f"{self.cluster.nodes[self.mesh_nodes[mesh]]} has not answered a ping for "
-                                 f"{seconds:.0f} s (its last answer: {last}): a frozen or unreachable machine "
+                node = self.cluster.nodes[self.mesh_nodes[mesh]]
+                mark_silent(node.node_id)
+                self._fail(step, f"Ray backend: {what}: the worker of mesh {mesh} on {node} has not answered a ping "
+                                 f"for {seconds:.0f} s (its last answer: {last}): a frozen or unreachable machine "
                                  "(power or network lost, processes stopped); al.shutdown() and "
                                  "al.init(cluster='ray') start afresh on the nodes alive")
             if pending and deadline is not None and time.monotonic() > deadline:

@@ -33,6 +33,7 @@ import concurrent.futures
 import dataclasses
 import socket
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -51,6 +52,10 @@ HEAD_CHECK_SECONDS = 2.0
 """How often a :class:`HeadWatch` probes the GCS while the driver waits."""
 PING_SECONDS = 1.0
 """How often :class:`WorkerPings` asks a worker the driver waits for what it is doing."""
+SILENT_SECONDS = 120.0
+"""How long :func:`not_silent` leaves out a node where a worker left a ping unanswered (Ray's health checks mark
+a lost node dead within it)."""
+_silent_since: dict[str, float] = {}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -377,15 +382,38 @@ class WorkerPings:
         return None
 
 
+def mark_silent(node_id: str, clock: Callable[[], float] = time.monotonic) -> None:
+    """Records that a worker on Ray node ``node_id`` left a ping unanswered (:class:`WorkerPings`)."""
+    _silent_since[node_id] = clock()
+
+
+def not_silent(nodes: Sequence[Mapping[str, Any]], clock: Callable[[], float] = time.monotonic
+               ) -> list[Mapping[str, Any]]:
+    """The nodes of ``ray.nodes()`` where no worker of this process left a ping unanswered in the last
+    :data:`SILENT_SECONDS`: a frozen machine still accepts connections (:func:`answering`) and Ray lists it as
+    alive until its health checks fail. Warns naming each node left out."""
+    now, kept = clock(), []
+    for node in nodes:
+        since = _silent_since.get(node.get("NodeID", ""))
+        if since is not None and now - since < SILENT_SECONDS:
+            warnings.warn(f"al.init(cluster='ray'): Ray node {node['NodeID'][:8]} "
+                          f"({node.get('NodeManagerAddress', '?')}) is left out: a worker there left a ping "
+                          f"unanswered {now - since:.0f} s ago (a frozen or unreachable machine Ray has not marked "
+                          f"dead yet; it is counted again after {SILENT_SECONDS:.0f} s)", stacklevel=4)
+        else:
+            kept.append(node)
+    return kept
+
+
 def wait_all(calls: Sequence[tuple[Any, Any]], what: str, *, timeout: float | None, ping_timeout: float | None,
-             name: Callable[[Any], str]) -> list:
+             node_of: Callable[[Any], RayNode | None]) -> list:
     """The results of ``calls`` ((worker actor, object ref of a call to it) pairs), in order, once every one is
     ready.
 
     Raises:
       RuntimeError: some are not ready within ``timeout`` seconds (``None``: no limit), or a worker that still
         owes its result leaves a ping unanswered for ``ping_timeout`` seconds (:class:`WorkerPings`; ``None``:
-        no pings); ``name(worker)`` says where it runs.
+        no pings); ``node_of(worker)`` is where it runs (:func:`mark_silent`).
     """
     import ray
     workers = [worker for worker, _ in calls]
@@ -399,8 +427,11 @@ def wait_all(calls: Sequence[tuple[Any, Any]], what: str, *, timeout: float | No
             del pending[ref]
         if pending and pings is not None and (silent := pings.silent(sorted(pending.values()))):
             k, seconds, last = silent
-            raise RuntimeError(f"Ray backend: {what}: the worker on {name(workers[k])} has not answered a ping for "
-                               f"{seconds:.0f} s (its last answer: {last}): a frozen or unreachable machine; "
+            node = node_of(workers[k])
+            if node is not None:
+                mark_silent(node.node_id)
+            raise RuntimeError(f"Ray backend: {what}: the worker on {node or 'an unknown node'} has not answered a "
+                               f"ping for {seconds:.0f} s (its last answer: {last}): a frozen or unreachable machine; "
                                "al.shutdown() and al.init(cluster='ray') start afresh on the nodes alive")
         if pending and deadline is not None and time.monotonic() >= deadline:
             raise RuntimeError(f"Ray backend: {len(pending)} worker(s) did not finish {what} within {timeout:.0f} s")

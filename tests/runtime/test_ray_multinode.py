@@ -222,7 +222,8 @@ def test_a_frozen_node_is_a_named_error_in_time(cluster, tmp_path):
     """Node 1's processes are stopped (SIGSTOP) while its mesh is inside a step: its connections stay open, as
     those of a machine whose power or network is gone, and Ray would mark the node dead only after its health
     checks (about a minute). The driver's pings name the mesh, the node and the instruction first; a checkpoint
-    of the state it holds is named the same way."""
+    of the state it holds is named the same way; al.init then leaves the frozen node out, and training runs on
+    the node left."""
     import signal
     import ray
     loss_fn, state, batches = mlp_case()
@@ -265,6 +266,16 @@ def test_a_frozen_node_is_a_named_error_in_time(cluster, tmp_path):
                                                rf"\(127\.0\.0\.1, id {node.node_id[:8]}\) has not answered a ping"):
             al.save_checkpoint(tmp_path, state1, 1)
         assert time.monotonic() - start < 30
+        al.shutdown()
+        with pytest.warns(UserWarning, match=rf"Ray node {node.node_id[:8]} \(127\.0\.0\.1\) is left out"):
+            al.init(cluster="ray", address=cluster.address)
+        assert [n.node_id for n in api._backend.ray.nodes] == [cluster.nodes[0].node_id]
+        again = al.parallelize(train_step_for(loss_fn), method=al.PipeshardParallel(
+            num_micro_batches=2, layer_option=al.ManualLayerOption(),
+            stage_option=al.AutoStageOption(show_progress=False)))  # re-planned for the node left
+        got, _ = run_steps(again, state, batches[:2])
+        ref, _ = reference_on_one_device(train_step_for(loss_fn), state, batches[:2])
+        assert_trees_close(got.params, ref.params, rtol=1e-5, atol=1e-6)
     finally:
         for process in frozen:
             process.send_signal(signal.SIGCONT)

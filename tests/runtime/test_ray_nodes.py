@@ -12,7 +12,8 @@ from alpa_like.compiler.layer_slicing import FORWARD
 from alpa_like.runtime.ray_startup import connect_ray, is_loopback_address
 from alpa_like.runtime.ray_nodes import (HEAD_RESOURCE, HeadWatch, RayNode, answering, busiest_host, choose_nodes,
                                          cluster_nodes, cpu_worker_env, died_at, head_text, host_spec, mesh_nodes,
-                                         one_node_meshes, with_placements, WorkerPings)
+                                         one_node_meshes, with_placements, WorkerPings, mark_silent, not_silent,
+                                         SILENT_SECONDS)
 from alpa_like.runtime.instructions import Instruction, Op
 from tests.helpers import make_train_step, mlp_batch, mlp_loss, mlp_state
 
@@ -245,6 +246,15 @@ def test_a_worker_that_never_answered_and_a_dead_one():
     assert pings.silent([1]) is None and workers.sent == [0, 1]
     assert pings.silent([]) is None  # a finished mesh is not pinged
 
+
+
+def test_a_node_where_a_ping_went_unanswered_is_left_out_for_a_while_with_a_warning():
+    nodes = [ray_node("silent-node-a", "10.0.0.7", CPU=2.0), ray_node("silent-node-b", "10.0.0.8", CPU=2.0)]
+    mark_silent("silent-node-a", clock=lambda: 1000.0)
+    with pytest.warns(UserWarning, match=r"Ray node silent-n \(10\.0\.0\.7\) is left out: a worker there left a "
+                                         r"ping unanswered 30 s ago"):
+        assert not_silent(nodes, clock=lambda: 1030.0) == nodes[1:]
+    assert not_silent(nodes, clock=lambda: 1000.0 + SILENT_SECONDS) == nodes  # counted again
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, True, "10"])
