@@ -551,7 +551,10 @@ class RayPipeshardExecutable:
         except RayStepError:
             raise
         except BaseException:  # a KeyboardInterrupt: the workers would go on with the step
-            self._stop_interrupted(step, refs, flat, out_handles)
+            try:
+                self._stop_interrupted(step, refs, flat, out_handles)
+            except Exception:  # noqa: BLE001  (a worker lost meanwhile: the executable stays failed)
+                pass
             raise
         stats.driver_received_bytes = sum(len(pickle.dumps(r)) for r in reports)
         stats.driver_received_types = tuple(sorted({type(v).__name__ for r in reports
@@ -593,7 +596,8 @@ class RayPipeshardExecutable:
         """After the driver's wait for ``step`` was interrupted: aborts the step on every worker and waits for
         them to stop, so the next call starts from the same inputs. Inputs the step donated before it stopped
         (their data is gone) are marked donated, and its outputs are dropped. Workers that do not stop within
-        :data:`ABORT_GRACE_SECONDS` (or a second interruption) leave the executable failed."""
+        :data:`ABORT_GRACE_SECONDS` (or a second interruption, or an error on the way) leave the executable
+        failed."""
         import ray
         self.failed = f"step {step} was interrupted while its workers ran it"
         for worker in self.workers:
