@@ -49,7 +49,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -67,8 +67,8 @@ from alpa_like.compiler.stage_sharding import StageSharding
 from alpa_like.runtime.pipeshard_runtime import input_donations
 from alpa_like.runtime.stage_gradients import GradientDeferral, defer_gradients, gradient_phase
 from alpa_like.runtime.ray_nodes import (HeadWatch, RayNode, answering, choose_nodes, cluster_nodes, cpu_worker_env,
-                                          died_at, head_text, host_spec, local_cpu_devices, mark_silent,
-                                          measure_on_node, mesh_nodes, not_silent, ray_pings, wait_all,
+                                          died_at, head_text, host_spec, local_cpu_devices, measure_on_node,
+                                          mesh_nodes, not_silent, ray_pings, silent_worker, wait_all,
                                           with_placements)
 from alpa_like.runtime.ray_programs import export_piece, mesh_load_spec, worker_programs
 from alpa_like.runtime.ray_startup import connect_ray, start_local_ray
@@ -167,6 +167,14 @@ class RemoteArray:
     def is_alive(self) -> bool:
         """Whether the data still exists on the workers (false once its Ray backend is shut down)."""
         return not self._cluster.closed
+
+    def mark_donated(self, consumed: Callable[[Any, int], bool] = lambda actor, handle: False) -> None:
+        """Its data is gone (a step donated it): every replica is released but those ``consumed(actor, handle)``
+        (the one a worker donated in place, already dropped there)."""
+        for actor, handle in self.replicas:
+            if not consumed(actor, handle):
+                self._cluster.release(actor, handle)
+        self.replicas, self.donated, self._value = (), True, None
 
     def fetch(self) -> np.ndarray | jax.Array:
         """The value (a typed PRNG key comes back as a ``jax.random.key`` array)."""
@@ -586,11 +594,9 @@ class RayPipeshardExecutable:
             mesh = self._donated_on.get(v)
             if mesh is None or not isinstance(x, RemoteArray):
                 continue
-            consumed = inputs[mesh].get(v)
-            for actor, handle in x.replicas:
-                if consumed != ("handle", handle) or self._mesh_of_actor.get(_actor_id(actor)) != mesh:
-                    self.cluster.release(actor, handle)
-            x.replicas, x.donated, x._value = (), True, None
+            loaded = inputs[mesh].get(v)
+            x.mark_donated(lambda actor, handle: loaded == ("handle", handle)
+                           and self._mesh_of_actor.get(_actor_id(actor)) == mesh)
 
     def _stop_interrupted(self, step: int, refs: list, flat: Sequence[Any], out_handles: list[list[int]]) -> None:
         """After the driver's wait for ``step`` was interrupted: aborts the step on every worker and waits for
@@ -618,9 +624,7 @@ class RayPipeshardExecutable:
                         strict=True))
         for x in arrays:
             if any(handle in gone[_actor_id(actor)] for actor, handle in x.replicas):
-                for actor, handle in x.replicas:
-                    self.cluster.release(actor, handle)
-                x.replicas, x.donated, x._value = (), True, None
+                x.mark_donated()
         self.failed = None
 
     def _route_inputs(self, flat: Sequence[Any], stats: RayStepStats):
@@ -690,12 +694,9 @@ class RayPipeshardExecutable:
                     self._fail(step, self._root_cause(mesh, e, pending, step, what))
             if pending and pings is not None and (silent := pings.silent(sorted(pending.values()))):
                 mesh, seconds, last = silent
-                node = self.cluster.nodes[self.mesh_nodes[mesh]]
-                mark_silent(node.node_id)
-                self._fail(step, f"Ray backend: {what}: the worker of mesh {mesh} on {node} has not answered a ping "
-                                 f"for {seconds:.0f} s (its last answer: {last}): a frozen or unreachable machine "
-                                 "(power or network lost, processes stopped); al.shutdown() and "
-                                 "al.init(cluster='ray') start afresh on the nodes alive")
+                worker = silent_worker(f"the worker of mesh {mesh}", self.cluster.nodes[self.mesh_nodes[mesh]],
+                                       seconds, last)
+                self._fail(step, f"Ray backend: {what}: {worker}")
             if pending and deadline is not None and time.monotonic() > deadline:
                 where = "; ".join(f"mesh {k}: {self._where(self.workers[k])}" for k in sorted(pending.values()))
                 self._fail(step, f"{what} did not finish within {timeout:.0f} s ({where})")

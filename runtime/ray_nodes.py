@@ -405,6 +405,16 @@ def not_silent(nodes: Sequence[Mapping[str, Any]], clock: Callable[[], float] = 
     return kept
 
 
+def silent_worker(who: str, node: RayNode | None, seconds: float, last: str) -> str:
+    """What a wait says of a worker (``who``) on ``node`` that left a ping unanswered for ``seconds``, its last
+    answer ``last`` (:meth:`WorkerPings.silent`); records the node (:func:`mark_silent`)."""
+    if node is not None:
+        mark_silent(node.node_id)
+    return (f"{who} on {node or 'an unknown node'} has not answered a ping for {seconds:.0f} s (its last answer: "
+            f"{last}): a frozen or unreachable machine (power or network lost, processes stopped); al.shutdown() "
+            "and al.init(cluster='ray') start afresh on the nodes alive")
+
+
 def wait_all(calls: Sequence[tuple[Any, Any]], what: str, *, timeout: float | None, ping_timeout: float | None,
              node_of: Callable[[Any], RayNode | None]) -> list:
     """The results of ``calls`` ((worker actor, object ref of a call to it) pairs), in order, once every one is
@@ -413,7 +423,7 @@ def wait_all(calls: Sequence[tuple[Any, Any]], what: str, *, timeout: float | No
     Raises:
       RuntimeError: some are not ready within ``timeout`` seconds (``None``: no limit), or a worker that still
         owes its result leaves a ping unanswered for ``ping_timeout`` seconds (:class:`WorkerPings`; ``None``:
-        no pings); ``node_of(worker)`` is where it runs (:func:`mark_silent`).
+        no pings); ``node_of(worker)`` is where it runs (:func:`silent_worker`).
     """
     import ray
     workers = [worker for worker, _ in calls]
@@ -427,12 +437,8 @@ def wait_all(calls: Sequence[tuple[Any, Any]], what: str, *, timeout: float | No
             del pending[ref]
         if pending and pings is not None and (silent := pings.silent(sorted(pending.values()))):
             k, seconds, last = silent
-            node = node_of(workers[k])
-            if node is not None:
-                mark_silent(node.node_id)
-            raise RuntimeError(f"Ray backend: {what}: the worker on {node or 'an unknown node'} has not answered a "
-                               f"ping for {seconds:.0f} s (its last answer: {last}): a frozen or unreachable machine; "
-                               "al.shutdown() and al.init(cluster='ray') start afresh on the nodes alive")
+            worker = silent_worker("the worker", node_of(workers[k]), seconds, last)
+            raise RuntimeError(f"Ray backend: {what}: {worker}")
         if pending and deadline is not None and time.monotonic() >= deadline:
             raise RuntimeError(f"Ray backend: {len(pending)} worker(s) did not finish {what} within {timeout:.0f} s")
     return ray.get([ref for _, ref in calls])
