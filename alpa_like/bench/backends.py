@@ -118,29 +118,22 @@ def local_workload(suite: str) -> Workload:
                     args=(state, batch), num_layers=sum(config.stage_sizes), remat=False)
 
 
-def _predicted(exe, dispatch=None) -> float:
-    """The simulated step of a pipeline executable (with a runtime's ``dispatch`` costs), else the SPMD plan's
-    modelled time."""
-    if hasattr(exe, "programs"):
-        return _simulation(exe, dispatch).step_seconds
-    return exe.plan.estimated_iteration_time
-
-
 def _simulation(exe, dispatch=None):
-    """A pipeline executable's plan and programs on the simulated backend's clock."""
+    """A pipeline executable's plan and programs on the simulated backend's clock (with a runtime's
+    ``dispatch`` costs)."""
     from alpa_like.runtime.simulator import simulate
     return simulate(exe.plan, exe.program, exe.programs, value_specs=getattr(exe, "value_specs", None),
                     dispatch=dispatch)
 
 
-def _seconds_by_kind(exe, args, dispatch=None) -> tuple[dict[str, float], dict[str, float]]:
+def _seconds_by_kind(exe, args, simulated) -> tuple[dict[str, float], dict[str, float]]:
     """A pipeline executable's seconds per instruction kind, summed over its meshes: measured on one profiled
-    step of ``args`` (``run(..., profile=True)``), and simulated for the same plan with the RUN phases summed
-    (``RUN F`` + ``RUN B`` + ``RUN A`` -> ``RUN``)."""
+    step of ``args`` (``run(..., profile=True)``), and in its ``simulated`` step (:func:`_simulation`) with the
+    RUN phases summed (``RUN F`` + ``RUN B`` + ``RUN A`` -> ``RUN``)."""
     exe.run(*args, profile=True)
     measured = dict(exe.last_step.op_seconds)
     predicted: dict[str, float] = {}
-    for kind, seconds in _simulation(exe, dispatch).seconds_by_kind.items():
+    for kind, seconds in simulated.seconds_by_kind.items():
         op = kind.split()[0]
         predicted[op] = predicted.get(op, 0.0) + seconds
     return measured, predicted
@@ -172,13 +165,17 @@ def _measure(workload: Workload, method, steps: int) -> Measurement:
         times.append(time.perf_counter() - start)
     flops = _step_flops(workload, exe)
     dispatch = _ray_dispatch(exe)
-    measured_by_kind, predicted_by_kind = (_seconds_by_kind(exe, (state, batch), dispatch)
-                                           if hasattr(exe, "programs") else (None, None))
+    if hasattr(exe, "programs"):  # a pipeline: the simulated step of its programs
+        simulated = _simulation(exe, dispatch)
+        predicted = simulated.step_seconds
+        measured_by_kind, predicted_by_kind = _seconds_by_kind(exe, (state, batch), simulated)
+    else:  # an SPMD method: the plan's modelled time
+        predicted, measured_by_kind, predicted_by_kind = exe.plan.estimated_iteration_time, None, None
     return Measurement(method=type(method).__name__, measured_seconds=statistics.median(times),
-                       predicted_seconds=_predicted(exe, dispatch), step_flops=flops, num_devices=exe.plan.num_devices,
+                       predicted_seconds=predicted, step_flops=flops, num_devices=exe.plan.num_devices,
                        num_nodes=exe.plan.cluster.num_nodes,
                        dispatch=None if dispatch is None else dataclasses.asdict(dispatch),
-                       predicted_without_dispatch_seconds=None if dispatch is None else _predicted(exe),
+                       predicted_without_dispatch_seconds=None if dispatch is None else _simulation(exe).step_seconds,
                        measured_seconds_by_kind=measured_by_kind, predicted_seconds_by_kind=predicted_by_kind)
 
 
