@@ -43,7 +43,7 @@ from alpa_like.compiler.schedules import Phase, Schedule
 from alpa_like.compiler.stage_construction import StagePiece, StageProgram, ValueId, apply_order
 from alpa_like.runtime.instructions import PER_STEP, Instruction, Key, MeshPrograms, Op, step_output_places
 
-__all__ = ["TokenSlicedProgram", "lower_token_sliced", "emit_token_sliced"]
+__all__ = ["TokenSlicedProgram", "lower_token_sliced", "emit_token_sliced", "forward_only"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,6 +343,22 @@ def _stage_pieces(prog, q: int, stage: int, has_next: bool, consts: dict, consum
             StagePiece(stage=stage, phase=BACKWARD, jaxpr=bwd, inputs=tuple(bwd_inputs), outputs=tuple(bwd_outputs)),
             {"inputs": in_ids, "next": next_ids, "next_ct": next_cts, "prefix_ct": prefix_ct,
              "loss": vals.of(prog.loss_var) if prog.loss_var in outs else None, "grads": grads})
+
+
+def forward_only(tp: TokenSlicedProgram, stage: int) -> StagePiece:
+    """Stage ``stage``'s forward piece for a run of forwards alone (the first step's contract check): it returns
+    only what forwards read (values for later stages, the next prefix) and the weighted loss, without the
+    equations that only the vjp's residuals need (only backward pieces read those); the values it returns
+    are the forward piece's."""
+    program = tp.program
+    reads = {v for (_, phase), piece in program.pieces.items() if phase == FORWARD for v in piece.inputs}
+    reads.update(tp.next_prefix.values(), tp.loss_values.values())
+    piece = program.piece(stage, FORWARD)
+    kept = [k for k, v in enumerate(piece.outputs) if v in reads]
+    jaxpr = piece.jaxpr.jaxpr
+    closed = piece.jaxpr.replace(jaxpr=jaxpr.replace(outvars=[jaxpr.outvars[k] for k in kept]))
+    return dataclasses.replace(piece, jaxpr=jax_compat.without_dead_code(closed),
+                               outputs=tuple(piece.outputs[k] for k in kept))
 
 
 def emit_token_sliced(tp: TokenSlicedProgram, schedule: Schedule, units: Sequence, *,

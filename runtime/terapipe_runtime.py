@@ -83,7 +83,8 @@ from alpa_like.compiler.schedules import Schedule, Task
 from alpa_like.runtime.instructions import MeshPrograms
 from alpa_like.runtime.mesh import named_sharding
 from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable, activation_spec, pad_tokens, unit_window
-from alpa_like.runtime.terapipe_programs import TokenSlicedProgram, emit_token_sliced, lower_token_sliced
+from alpa_like.runtime.terapipe_programs import (TokenSlicedProgram, emit_token_sliced, forward_only,
+                                                 lower_token_sliced)
 
 __all__ = ["TerapipeContractError", "LossCall", "find_loss_call", "TerapipeExecutable", "slice_starts"]
 
@@ -363,7 +364,8 @@ class TerapipeExecutable:
             self._check_lowered = lower_token_sliced(program, self.call, whole, (self._check_unit,), self.num_stages,
                                                      self._batch_leaf, {self._check_unit.key: False})
         self._check_contract = self._check_unit is not None
-        self._check_fns: dict[tuple[int, int], Callable] = {}
+        self._check_fns: dict[tuple[int, int], tuple[Callable, tuple[ValueId, ...]]] = {}
+        self._check_layouts: dict[tuple[ValueId, int], Any] | None = None
         self.last_tasks: tuple[Task, ...] = ()
         """The tasks the last step ran, in the order of its programs."""
         self.schedule = terapipe(self.num_stages, len(self.batch_slices),
@@ -452,8 +454,8 @@ class TerapipeExecutable:
 
     def _verify_loss(self, flat) -> None:
         """Contract points 3-4, first step only: the weighted losses of the token slices of one batch slice
-        (the smallest one that is cut) must add up to the loss of its whole sequences. Both run forward only,
-        through the plan's stages (on their meshes on the local backend)."""
+        (the smallest one that is cut) must add up to the loss of its whole sequences. Both run forward only
+        (:func:`forward_only` pieces), through the plan's stages (on their meshes on the local backend)."""
         self._check_contract = False
         unit = self._check_unit
         mine = tuple(u for u in self.units if u.batch_slice == unit.batch_slice)
@@ -481,11 +483,10 @@ class TerapipeExecutable:
             shape = lowered.shape_index[unit.key]
             for q in range(P):
                 piece = program.piece(shape * P + q, FORWARD)
-                args = [self._place(self._check_input(lowered, v, n, units, env, given, q), q) for v in piece.inputs]
-                fn = self._check_fns.get((id(lowered), piece.stage))
-                if fn is None:
-                    fn = self._check_fns[(id(lowered), piece.stage)] = jax.jit(_with_zero_random_bits(piece.jaxpr))
-                env.update(((v, n), x) for v, x in zip(piece.outputs, fn(*args), strict=True))
+                args = [self._place(v, self._check_input(lowered, v, n, units, env, given, q), q)
+                        for v in piece.inputs]
+                fn, outputs = self._check_piece(lowered, piece)
+                env.update(((v, n), x) for v, x in zip(outputs, fn(*args), strict=True))
             losses.append(env[(lowered.loss_values[shape], n)])
         return losses
 
@@ -504,12 +505,29 @@ class TerapipeExecutable:
         x = env[(lowered.next_prefix[(lowered.shape_index[prev.key], q, *what.call_kv)], n - 1)]
         return pad_tokens(x, unit.key[1] - prev.key[1] - prev.key[2])
 
-    def _place(self, x, q: int):
-        """``x`` on stage ``q``'s mesh when the backend runs in this process, else as it is."""
+    def _check_piece(self, lowered: TokenSlicedProgram, piece) -> tuple[Callable, tuple[ValueId, ...]]:
+        """The contract check's jitted forward of ``piece`` (its :func:`forward_only` form, random bits zero)
+        and the values it returns."""
+        key = (id(lowered), piece.stage)
+        if key not in self._check_fns:
+            forward = forward_only(lowered, piece.stage)
+            self._check_fns[key] = (jax.jit(_with_zero_random_bits(forward.jaxpr)), forward.outputs)
+        return self._check_fns[key]
+
+    def _place(self, v: ValueId, x, q: int):
+        """Value ``v`` (``x``) on stage ``q``'s mesh when the backend runs in this process, else as it is: a step
+        input other than the batch in the layout the step loads it in there, any other value (a batch window
+        too) as the step receives it (:func:`activation_spec`)."""
         if self._make is not PipeshardExecutable:
             return x
+        if self._check_layouts is None:
+            self._check_layouts = {(v, m): sharding for v, placed in zip(
+                self.lowered.program.step_inputs, self.executor.input_placements(), strict=True)
+                if v not in self.lowered.batch_leaves for m, sharding in placed.items()}
         mesh = self.executor.meshes[q]
-        return jax.device_put(x, named_sharding(mesh, activation_spec(np.shape(x), tuple(mesh.devices.shape))))
+        sharding = self._check_layouts.get((v, q)) or named_sharding(
+            mesh, activation_spec(np.shape(x), tuple(mesh.devices.shape)))
+        return jax.device_put(x, sharding)
 
 
 def _with_zero_random_bits(closed: ClosedJaxpr) -> Callable:

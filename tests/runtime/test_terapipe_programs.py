@@ -7,9 +7,11 @@ import jax
 import pytest
 
 import alpa_like as al
+from alpa_like.compiler.layer_slicing import BACKWARD, FORWARD
 from alpa_like.runtime import hlo_stats
 from alpa_like.runtime.instructions import Op
 from alpa_like.runtime.pipeshard_runtime import PipeshardExecutable
+from alpa_like.runtime.terapipe_programs import forward_only
 from tests.helpers import assert_trees_close, reference_on_one_device, run_steps
 from tests.runtime.test_pipeshard_runtime import stages, train_step_for
 from tests.runtime.test_terapipe_runtime import FOUR_ROW_SLICES, gpt_case
@@ -109,6 +111,29 @@ def test_the_programs_that_run_are_priced_by_the_simulator():
     assert sim.timeline.bubble_fraction("ideal") == pytest.approx((p - 1) / (m * n))
     assert sorted(str(s.task) for s in sim.timeline.spans if s.mesh == 1) == sorted(
         f"1{phase}{k}.{i}" for phase in "FB" for k in range(m) for i in range(n))
+
+
+def test_a_forward_only_run_compiles_no_residuals():
+    """The first step's contract check runs forward pieces alone: forward_only keeps what forwards read (the
+    values later stages receive, the next prefixes, the weighted losses) and drops the vjp's residuals that
+    only backward pieces read, with the equations only they need: the check compiles the forward alone."""
+    loss_fn, state, batches = gpt_case(num_layers=2)
+    method = al.PipeshardParallel(num_micro_batches=2, pipeline_schedule="terapipe", token_slices=(8, 8),
+                                  **TWO_LAYERS)
+    exe = al.parallelize(train_step_for(loss_fn), method=method).get_executable(state, batches[0])
+    tp = exe.lowered
+    pieces = tp.program.pieces
+    forward_reads = {v for (_, phase), p in pieces.items() if phase == FORWARD for v in p.inputs}
+    backward_reads = {v for (_, phase), p in pieces.items() if phase == BACKWARD for v in p.inputs}
+    for stage in range(len(tp.shape_index) * exe.num_stages):
+        piece, forward = tp.program.piece(stage, FORWARD), forward_only(tp, stage)
+        residuals = set(piece.outputs) & backward_reads
+        assert residuals and not residuals & set(forward.outputs)
+        assert set(forward.outputs) == set(piece.outputs) & (
+            forward_reads | set(tp.next_prefix.values()) | set(tp.loss_values.values()))
+        assert len(forward.jaxpr.jaxpr.outvars) == len(forward.outputs)
+        assert len(forward.jaxpr.jaxpr.eqns) < len(piece.jaxpr.jaxpr.eqns)
+        assert forward.inputs == piece.inputs
 
 
 def test_planning_prices_the_executed_programs_within_a_few_percent(fixed_cluster):
