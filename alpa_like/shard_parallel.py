@@ -52,13 +52,13 @@ from alpa_like.compiler.grad_accumulation import split_at_grad_marker
 from alpa_like.compiler.logical_mesh import LogicalMesh, logical_shapes
 from alpa_like.compiler.op_graph import CONTROL_FLOW, OpGraph, build_op_graph
 from alpa_like.compiler.sharding_spec import ShardingSpec, enumerate_specs
-from alpa_like.compiler.strategies import Collective, shards
 from alpa_like.compiler.trace import TracedStep
 from alpa_like.compiler.weight_update_sharding import WeightUpdateSharding, plan_weight_update_sharding
 from alpa_like.compiler.input_roles import input_roles, match_outputs_to_inputs
 from alpa_like.compiler.options import AutoShardingOption, ShardParallel
 from alpa_like.compiler.spmd_layout import SpmdLayout
-from alpa_like.compiler.plan import CommEstimate, OpPlan, PlanCandidate, SolverReport
+from alpa_like.compiler.plan import OpPlan, PlanCandidate, SolverReport
+from alpa_like.compiler.communication import communication
 from alpa_like.runtime.spmd import compile_spmd
 from alpa_like.timing import time_interleaved
 
@@ -363,63 +363,6 @@ def realize(traced: TracedStep, graph: OpGraph, solution: ShardingSolution,
                                           num_edges=solution.ilp.num_edges,
                                           num_variables=solution.ilp.num_variables,
                                           num_constraints=solution.ilp.num_constraints, views=tuple(views)))
-
-
-COMBINED = "gradient synchronisation (combined into one all-reduce)"
-
-
-def predicted_collectives(graph: OpGraph, solution: ShardingSolution, rewrites: Sequence[WeightUpdateSharding],
-                          weight=lambda n: 1.0, sync_weight: float = 1.0) -> list[tuple[Collective, float, str]]:
-    """Every collective the plan performs per step: (collective, times per step, why).
-
-    Strategy collectives of the operators that compute a gradient are ``gradient synchronisation``; those
-    of rewritten gradients become reduce-scatters, plus one all-gather of the updated parameter. The
-    all-reduces XLA combines (``solution.combined``) are ``combined gradient synchronisation``
-    (:func:`communication` prices their latency once). Gradient synchronisation runs ``sync_weight`` times
-    per run of its operator (``1 / m`` when micro-batches accumulate partial sums).
-    """
-    mesh = solution.mesh
-    rewritten = {n: r for r in rewrites for n in r.grad_nodes}
-    out = []
-    for node in graph.nodes:
-        r = rewritten.get(node.id)
-        for c in solution.strategies[node.id].collectives:
-            if r is not None and c.kind == "all-reduce" and set(c.axes) <= set(r.axes):
-                out.append((dataclasses.replace(c, kind="reduce-scatter"), weight(node.id) * sync_weight,
-                            "gradient synchronisation"))
-            elif c.kind == "all-reduce" and node.id in solution.combined:
-                out.append((c, weight(node.id) * sync_weight, COMBINED))
-            else:
-                what = "gradient synchronisation" if r is not None else "operator collectives"
-                out.append((c, weight(node.id), what))
-    for r in rewrites:
-        t = graph.input_tensors[r.param_input]
-        local = graph.tensors[t].nbytes / shards(solution.tensor_spec(t), mesh.shape)
-        out.append((Collective(kind="all-gather", axes=r.axes, num_bytes=local), 1.0, "updated parameters gathered"))
-    for rs in solution.reshards:
-        times = weight(rs.node) if graph.nodes[rs.node].kind == "op" else 1.0
-        for step in rs.steps:
-            if step.kind != "slice":
-                out.append((Collective(kind=step.kind, axes=(step.axis,), num_bytes=step.num_bytes), times,
-                            "resharding"))
-    return out
-
-
-def communication(graph, solution, rewrites, weight, sync_weight: float = 1.0) -> tuple[CommEstimate, ...]:
-    """:func:`predicted_collectives` summed per (kind, mesh axes, why); combined all-reduces pay their bytes
-    each and one latency per group, as the ILP's objective prices them."""
-    totals: dict[tuple, list[float]] = {}
-    no_latency = without_latency(solution.mesh)
-    for c, times, what in predicted_collectives(graph, solution, rewrites, weight, sync_weight):
-        entry = totals.setdefault((c.kind, c.axes, what), [0.0, 0.0])
-        entry[0] += times * c.num_bytes
-        if what == COMBINED:
-            latency = c.seconds(solution.mesh) - c.seconds(no_latency)
-            entry[1] += times * (c.seconds(no_latency) + (0.0 if entry[1] else latency))
-        else:
-            entry[1] += times * c.seconds(solution.mesh)
-    return tuple(CommEstimate(kind=kind, mesh_axes=axes, num_bytes=int(round(b)), seconds=float(s), what=what)
-                 for (kind, axes, what), (b, s) in totals.items())
 
 
 def op_plans(traced: TracedStep, graph: OpGraph, solution: ShardingSolution, roles, weight) -> tuple[OpPlan, ...]:

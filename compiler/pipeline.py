@@ -218,9 +218,11 @@ def _space_text(option, cluster: ClusterSpec, submeshes) -> str:
     if not isinstance(option, AutoStageOption) or option.submesh_shapes is not None:
         return f"submeshes {shapes}"
     space = option.shape_space(cluster.num_nodes)
-    why = (f" (submesh_shape_space='auto' on more than {ALL_SHAPES_MAX_NODES} nodes; 'all' searches every "
-           f"(n, {cluster.num_devices_per_node}))" if space != option.submesh_shape_space else "")
-    return f"submesh shape space {space!r}{why}: {shapes}"
+    if space == option.submesh_shape_space:
+        return f"submesh shape space {space!r}: {shapes}"
+    bound = "at most" if space == "all" else "more than"
+    return (f"submesh shape space {space!r} (submesh_shape_space='auto' on {bound} {ALL_SHAPES_MAX_NODES} nodes; "
+            f"'all' searches every (n, {cluster.num_devices_per_node})): {shapes}")
 
 
 def _solves_text(profile: StageProfile) -> str:

@@ -16,7 +16,7 @@ from alpa_like.compiler.options import PipeshardParallel
 from alpa_like.compiler.plan import CommEstimate, ParallelPlan, StagePlan, TensorPlan
 from alpa_like.compiler.sliced_step import SlicedStep
 from alpa_like.compiler.stage_costs import StageChoice, StageSolution
-from alpa_like.compiler.stage_profiling import StageProfile
+from alpa_like.compiler.stage_profiling import LayerCost, StageProfile
 from alpa_like.compiler.submesh import assign_devices
 from alpa_like.compiler.terapipe_planning import attention_fractions, choose_token_slicing
 from alpa_like.compiler.token_slicing import check_batch_slices, token_slicing_scheme
@@ -46,11 +46,10 @@ def _stage_plan(q: int, choice: StageChoice, device_ids, traced: TracedStep, sum
     p = choice.submesh_index
     v = choice.view_index
     mesh_shape = choice.logical_shape
-    inputs, comm_seconds, comm_bytes, compute, flops = [], 0.0, 0.0, 0.0, 0.0
+    inputs, comm_seconds, compute, flops = [], 0.0, 0.0, 0.0
     for l in range(first, last + 1):
         cost = profile.layer_costs[(l, p, v)]
         comm_seconds += cost.comm_seconds * num_micro_batches
-        comm_bytes += cost.comm_bytes * num_micro_batches
         compute += cost.compute_seconds * num_micro_batches
         s = summaries[l]
         flops += (s.forward_flops + s.backward_flops) * num_micro_batches + s.apply_flops
@@ -60,14 +59,37 @@ def _stage_plan(q: int, choice: StageChoice, device_ids, traced: TracedStep, sum
             shards = 1 if spec is None else spec.num_shards(mesh_shape)
             inputs.append(TensorPlan(path=leaf.path, shape=leaf.shape, dtype=leaf.dtype, role="param", spec=spec,
                                      bytes_per_device=leaf.nbytes // shards))
-    communication = (CommEstimate(kind="intra-op", mesh_axes=(0, 1), num_bytes=int(comm_bytes), seconds=comm_seconds,
-                                  what="collectives and resharding chosen by the ILP, all micro-batches"),)
+    communication = stage_communication([profile.layer_costs[(l, p, v)] for l in range(first, last + 1)],
+                                        num_micro_batches, comm_seconds)
     state_bytes = int(profile.costs.mem_stage[first, last, p, v])
     return StagePlan(stage_id=q, layer_ids=tuple(range(first, last + 1)), submesh_shape=tuple(choice.submesh),
                      logical_mesh_shape=tuple(mesh_shape), mesh_axis_names=("x", "y"),
                      device_ids=tuple(device_ids), inputs=tuple(inputs), outputs=(), communication=communication,
                      flops=flops, compute_seconds=compute, memory_per_device=state_bytes,
                      peak_memory_per_device=int(choice.memory_per_device))
+
+
+OTHER_COMMUNICATION = "the rest of the ILP's objective (Eq. 3.1): replicated work, all-reduce latencies"
+
+
+def stage_communication(layer_costs: Sequence[LayerCost], num_micro_batches: int,
+                        seconds: float) -> tuple[CommEstimate, ...]:
+    """A stage's collectives per step: its layers' (per micro-batch) summed per (kind, mesh axes, why) over
+    ``num_micro_batches`` runs, and a last row ``"other"`` with what ``seconds`` (the stage's Eq. 3.1
+    objective per step, which the stage DP and the simulator price) holds beyond them, so that the rows
+    add up to it."""
+    totals: dict[tuple, list[float]] = {}
+    for cost in layer_costs:
+        for c in cost.communication:
+            entry = totals.setdefault((c.kind, c.mesh_axes, c.what), [0.0, 0.0])
+            entry[0] += c.num_bytes * num_micro_batches
+            entry[1] += c.seconds * num_micro_batches
+    rows = [CommEstimate(kind=kind, mesh_axes=axes, num_bytes=int(round(b)), seconds=s, what=what)
+            for (kind, axes, what), (b, s) in totals.items()]
+    rest = seconds - sum(c.seconds for c in rows)
+    if rest > 1e-9 * max(seconds, 1e-30):
+        rows.append(CommEstimate(kind="other", mesh_axes=(), num_bytes=0, seconds=rest, what=OTHER_COMMUNICATION))
+    return tuple(rows)
 
 
 def plan_token_slicing(method: PipeshardParallel, sliced: SlicedStep, solution: StageSolution,

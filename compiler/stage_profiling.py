@@ -51,6 +51,8 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from alpa_like.compiler.cluster import ClusterSpec
 from alpa_like.compiler import jax_compat
+from alpa_like.compiler.communication import communication
+from alpa_like.compiler.plan import CommEstimate
 from alpa_like.compiler.auto_sharding import (
     PassOptions,
     ShardingSolution,
@@ -87,8 +89,10 @@ class LayerCost:
     compute_seconds: float
     comm_seconds: float
     """Eq. 3.1's objective of the layer: its operators' collectives and resharding (and replicated work)."""
-    comm_bytes: float
-    """Bytes of the operators' own collectives (resharding excluded)."""
+    communication: tuple[CommEstimate, ...]
+    """The collectives and resharding behind ``comm_seconds`` per (kind, mesh axes, why), weighted as the
+    objective weights them (:func:`~alpa_like.compiler.communication.communication`): gradient synchronisation
+    deferred to once per step counts ``1 / B`` per micro-batch."""
     param_bytes_per_device: float
     """Parameters under the ILP's specs (gradients take as much again)."""
     input_specs: tuple[ShardingSpec, ...]
@@ -188,12 +192,14 @@ def profile_layer(closed: ClosedJaxpr, param_inputs: Sequence[bool], mesh: Logic
                   options: PassOptions) -> LayerCost:
     """Runs the intra-op pass on one layer and returns its cost on ``mesh`` (``options.input_candidates``
     constrains the layer's inputs, e.g. to :func:`sharded_param_candidates`)."""
-    return layer_cost(closed, param_inputs, mesh, rates, auto_shard(build_op_graph(closed), mesh, options))
+    return layer_cost(closed, param_inputs, mesh, rates, auto_shard(build_op_graph(closed), mesh, options),
+                      options.gradient_sync_weight)
 
 
 def layer_cost(closed: ClosedJaxpr, param_inputs: Sequence[bool], mesh: LogicalMesh, rates: ComputeRates,
-               solution: ShardingSolution) -> LayerCost:
-    """The :class:`LayerCost` of the layer ``closed`` under the intra-op pass's ``solution`` on ``mesh``.
+               solution: ShardingSolution, gradient_sync_weight: float = 1.0) -> LayerCost:
+    """The :class:`LayerCost` of the layer ``closed`` under the intra-op pass's ``solution`` on ``mesh``
+    (``gradient_sync_weight``: :attr:`~alpa_like.compiler.auto_sharding.PassOptions.gradient_sync_weight`).
 
     Its compute time is the per-equation roofline :func:`~alpa_like.compiler.flops.jaxpr_seconds` with the
     work split evenly over the mesh's devices (FLOPs alone when ``rates.memory_bandwidth`` is None)."""
@@ -201,9 +207,11 @@ def layer_cost(closed: ClosedJaxpr, param_inputs: Sequence[bool], mesh: LogicalM
     for spec, var, is_param in zip(solution.input_specs(), closed.jaxpr.invars, param_inputs, strict=True):
         if is_param:
             param_bytes += nbytes(var.aval) / spec.num_shards(mesh.shape)
-    comm_bytes = sum(c.num_bytes for strategy in solution.strategies for c in strategy.collectives)
+    graph = solution.graph
+    collectives = communication(graph, solution, (), weight=lambda n: graph.nodes[n].repeat,
+                                sync_weight=gradient_sync_weight)
     return LayerCost(compute_seconds=jaxpr_seconds(closed, rates, mesh.num_devices),
-                     comm_seconds=float(solution.objective), comm_bytes=float(comm_bytes),
+                     comm_seconds=float(solution.objective), communication=collectives,
                      param_bytes_per_device=param_bytes, input_specs=tuple(solution.input_specs()),
                      value_pins=tuple(pins(solution.graph, solution)),
                      operand_pins=tuple(operand_pins(solution.graph, solution)))
@@ -375,7 +383,7 @@ def _solve_job(context: _SolveContext, index: int) -> tuple[int, tuple[LayerCost
     params = [i >= 0 and context.param_mask[i] for i in inputs]
     options = dataclasses.replace(context.options, gradient_outputs=context.gradient_outputs[l])
     prepared = prepare(context.graph(l), mesh, options)
-    solved = [layer_cost(closed, params, mesh, context.rates, solve_prepared(prepared))]
+    solved = [layer_cost(closed, params, mesh, context.rates, solve_prepared(prepared), options.gradient_sync_weight)]
     profiled = _variants(mesh.num_devices, context.memory_variants)
     for variant, fraction in ((PARAMS_HALF_SHARDED, 2), (PARAMS_SHARDED, 1)):
         candidates = sharded_param_candidates(closed, params, mesh, fraction)
@@ -387,7 +395,7 @@ def _solve_job(context: _SolveContext, index: int) -> tuple[int, tuple[LayerCost
         else:  # the options limit some parameter to specs without these: the twin is its own problem
             limited = dataclasses.replace(options, input_candidates={**options.input_candidates, **candidates})
             twin = auto_shard(prepared.graph, mesh, limited)
-        solved.append(layer_cost(closed, params, mesh, context.rates, twin))
+        solved.append(layer_cost(closed, params, mesh, context.rates, twin, options.gradient_sync_weight))
     return index, tuple(solved), len({id(cost) for cost in solved})
 
 

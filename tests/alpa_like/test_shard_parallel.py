@@ -14,7 +14,7 @@ from flax.training import train_state
 
 import alpa_like as al
 from alpa_like import models
-from alpa_like import shard_parallel as shard_parallel_module
+from alpa_like.compiler.communication import COMBINED
 from alpa_like.compiler.logical_mesh import LogicalMesh
 from alpa_like.models import gpt, moe, wide_resnet
 from alpa_like.runtime import hlo_stats
@@ -218,7 +218,7 @@ def test_compiled_collectives_match_the_ilp_for_mlp(fixed_cluster):
     heavy = _predicted_all_reduces(exe)
     assert heavy and collections.Counter({n: len(b) for n, b in heavy.items()}) <= collections.Counter(parts)
     # the plan prices that one all-reduce as the ILP does: every gradient's bytes, one latency
-    (combined,) = [c for c in predicted if c.what == shard_parallel_module.COMBINED]
+    (combined,) = [c for c in predicted if c.what == COMBINED]
     mesh = LogicalMesh.from_cluster(exe.plan.cluster, exe.plan.stages[0].submesh_shape,
                                     exe.plan.stages[0].logical_mesh_shape)
     axis = combined.mesh_axes[0] if len(combined.mesh_axes) == 1 else combined.mesh_axes

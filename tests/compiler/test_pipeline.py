@@ -4,6 +4,7 @@ import dataclasses
 import jax
 import numpy as np
 import optax
+import pytest
 from flax.training import train_state
 
 import alpa_like as al
@@ -86,6 +87,43 @@ def test_a_large_cluster_is_planned_in_the_power_of_two_space_and_says_so(capsys
     assert planned.profile.costs.submeshes == space
     assert all(tuple(s.submesh_shape) in space for s in planned.plan.stages)
     assert sum(s.submesh_shape[0] * s.submesh_shape[1] for s in planned.plan.stages) == nodes * 8
+
+
+def test_a_small_cluster_is_planned_in_the_space_of_every_shape_and_says_so(capsys):
+    """Up to ALL_SHAPES_MAX_NODES nodes the default space is every whole-node shape, and the progress says why."""
+    from alpa_like.compiler.options import ALL_SHAPES_MAX_NODES
+
+    cluster = al.ClusterSpec.preset("p3.16xlarge", num_nodes=2)
+    step, state, batch = make_train_step(mlp_loss), mlp_state(), mlp_batch(np.random.default_rng(0))
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2),
+                                  stage_option=al.AutoStageOption(show_progress=True))
+    plan_pipeline(method, step, (state, batch), **{**STEP_ARGS, "cluster": cluster})
+    err = capsys.readouterr().err
+    assert f"submesh shape space 'all' (submesh_shape_space='auto' on at most {ALL_SHAPES_MAX_NODES} nodes" in err, err
+
+
+def test_a_stage_lists_its_collectives_per_step_and_the_rest_of_its_objective():
+    """:func:`stage_communication`: the layers' rows (per micro-batch) summed per (kind, axes, why) over the
+    micro-batches, and an ``other`` row with the rest of the objective, so the rows add up to it."""
+    from alpa_like.compiler.pipeline_plan import OTHER_COMMUNICATION, stage_communication
+    from alpa_like.compiler.plan import CommEstimate
+    from alpa_like.compiler.stage_profiling import LayerCost
+
+    def layer(*rows, comm_seconds):
+        return LayerCost(compute_seconds=1.0, comm_seconds=comm_seconds, param_bytes_per_device=0.0,
+                         input_specs=(), communication=tuple(CommEstimate(kind=k, mesh_axes=a, num_bytes=b,
+                                                                          seconds=t, what=w)
+                                                             for k, a, b, t, w in rows))
+
+    ops = ("all-reduce", (1,), 100, 1e-3, "operator collectives")
+    sync = ("all-reduce", (0, 1), 10, 2e-4, "gradient synchronisation")
+    layers = [layer(ops, sync, comm_seconds=1.5e-3), layer(ops, comm_seconds=1e-3)]
+    rows = stage_communication(layers, 4, seconds=4 * 2.5e-3)
+    assert [(c.kind, c.mesh_axes, c.num_bytes, c.what) for c in rows] == [
+        ("all-reduce", (1,), 800, "operator collectives"), ("all-reduce", (0, 1), 40, "gradient synchronisation"),
+        ("other", (), 0, OTHER_COMMUNICATION)]
+    assert [c.seconds for c in rows] == pytest.approx([8e-3, 8e-4, 1.2e-3])
+    assert [c.kind for c in stage_communication(layers, 4, seconds=4 * 2.2e-3)] == ["all-reduce", "all-reduce"]
 
 
 def _one_device_memory(step, state, batch, layer_option, num_layers):
