@@ -42,6 +42,7 @@ setup(
             "import-linter>=2.1,<3",  # the layers contract in .importlinter (tests/test_layers.py)
             "filelock>=3",  # JAX's compilation cache shared by the test workers locks its files with it
             "psutil>=5",  # the Ray loopback test lists the listening sockets of Ray's processes
+            "transformers>=4.50,<5",  # Hugging Face Flax models in tests (its version 5 has no Flax models)
         ],
     },
 )
