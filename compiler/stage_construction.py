@@ -130,8 +130,12 @@ def build_stage_program(closed: ClosedJaxpr, pieces: Sequence[Piece | None], sta
         for q, eqns in replicated_updates(jaxpr, groups, stage_to_mesh).items():
             mine = {id(e) for e in groups[(q, APPLY)]} | {id(e) for e in eqns}
             groups[(q, APPLY)] = [e for e in jaxpr.eqns if id(e) in mine]  # jaxpr order
+    unmade = set(jaxpr.invars) | set(jaxpr.constvars)
+    for i, o in zip(marker.invars, marker.outvars, strict=True):  # al.grad returns a step input as it is
+        if isinstance(i, Var) and i in unmade:
+            ids[o] = vid(i)  # its mean over micro-batches (its rows put back together, for a batch leaf) is itself
     accumulated = tuple((vid(i), vid(o)) for i, o in zip(marker.invars, marker.outvars, strict=True)
-                        if isinstance(i, Var))
+                        if isinstance(i, Var) and i not in unmade)
     for i, o in zip(marker.invars, marker.outvars, strict=True):  # the mean lives where its input is made
         if i in producer_group:
             producer_group[o] = (producer_group[i][0], APPLY)

@@ -225,6 +225,8 @@ def emit_programs(program: StageProgram, schedule: Schedule, stage_to_mesh: Sequ
     def returned_input(v: ValueId) -> None:
         if v in program.batch_inputs:  # the step returns a batch leaf as it is
             make_available(v, PER_STEP, stage_to_mesh[-1])
+        elif v in step_inputs:  # a state leaf no piece reads, returned as it is: loaded on its home mesh
+            make_available(v, PER_STEP, stage_to_mesh[program.home.get(v, 0)])
 
     outputs, copies = step_output_places(program, where, key_of, returned_input)
     instructions = _insert_frees(out, program, {o for o in outputs if o}, key_of) if free_buffers else out

@@ -121,8 +121,8 @@ def step_means(stacks: Sequence[Any], shardings: tuple, totals: Sequence[Any], c
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def _means(stacks, totals, count: int, shardings: tuple):
-    def mean(x):
-        return x / jnp.asarray(count, x.dtype)
+    def mean(x):  # the mean of one micro-batch is its value, of any dtype (an integer count, a key)
+        return x if count == 1 else x / jnp.asarray(count, x.dtype)
     reduced = []
     for stack, sharding in zip(stacks, shardings, strict=True):
         total = jnp.sum(stack, axis=0)
