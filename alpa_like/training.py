@@ -37,7 +37,7 @@ def train_executable(method: FollowParallel, state: Any):
     """The executable of ``method``'s train step for ``state`` (and ``method.batch``): its plan gives the
     layouts the followed step reads the state in."""
     if method.batch is not None:
-        return method.train_step.get_executable(*_train_args(method, abstract(state)))
+        return train_step_for(method, state, "the eval step's state argument")
     compiled = list(method.train_step._cache.values())
     if len(compiled) != 1:
         raise ValueError(f"FollowParallel: the train step has {len(compiled)} compiled executables; pass its "
@@ -121,6 +121,34 @@ def _train_args(method: CreateStateParallel | FollowParallel, state: Any) -> tup
     return (*rest[:method.state_argnum], state, *rest[method.state_argnum:])
 
 
+def train_step_for(method: CreateStateParallel | FollowParallel, state: Any, what: str):
+    """The executable of ``method``'s train step for ``state`` (``what`` names where it comes from) and its
+    batch. A state the train step fails to trace with is a ValueError naming both pytree structures when the
+    train step has compiled executables and none takes a state of ``state``'s structure (the error the trace
+    raised is its cause); else the trace's own error."""
+    try:
+        return method.train_step.get_executable(*_train_args(method, abstract(state)))
+    except Exception as e:
+        known = _compiled_state_structures(method)
+        mine = jax.tree_util.tree_structure(state)
+        if known and mine not in known:
+            raise ValueError(f"{type(method).__name__}: the train step cannot take {what} as its state (argument "
+                             f"{method.state_argnum}): it has pytree structure {mine}, the train step was "
+                             f"compiled for {known[0]} ({type(e).__name__} in the train step: {e})") from e
+        raise
+
+
+def _compiled_state_structures(method: CreateStateParallel | FollowParallel) -> list:
+    """The pytree structures of the state (argument ``method.state_argnum``) of the train step's compiled
+    executables."""
+    out = []
+    for exe in method.train_step._cache.values():
+        traced = exe.traced
+        if method.state_argnum in traced.dynamic_argnums:
+            out.append(traced.in_tree.children()[traced.dynamic_argnums.index(method.state_argnum)])
+    return out
+
+
 def abstract(tree: Any) -> Any:
     """``tree`` with every array leaf replaced by a ``jax.ShapeDtypeStruct`` (other leaves kept)."""
     def shape_of(x):
@@ -143,7 +171,7 @@ def compile_create_state(fun: Callable, args: Sequence[Any], method: CreateState
     from alpa_like.runtime.ray_backend import RayPipeshardExecutable
     from alpa_like.runtime.ray_training import RayCreateStateExecutable
 
-    train = method.train_step.get_executable(*_train_args(method, abstract(jax.eval_shape(fun, *args))))
+    train = train_step_for(method, jax.eval_shape(fun, *args), "what create_state returns")
     if isinstance(train, RayPipeshardExecutable):
         state = [k for k, leaf in enumerate(train.traced.in_leaves) if leaf.arg_index == method.state_argnum]
         return RayCreateStateExecutable(fun, args, train, state)

@@ -85,3 +85,14 @@ def test_create_state_with_a_key_argument_and_bad_input():
         al.CreateStateParallel(make_train_step(mlp_loss), _batch())
     with pytest.raises(ValueError, match="state_argnum must be an int >= 0, got True"):
         al.CreateStateParallel(step, _batch(), state_argnum=True)
+
+
+def test_create_state_of_another_structure_is_named():
+    """create_state returning the parameters alone where the train step takes a TrainState: an error naming
+    both structures, not the train step's own failure to read ``state.params``."""
+    step = al.parallelize(make_train_step(mlp_loss), method=al.ShardParallel())
+    step(create_state(), _batch())
+    create = al.parallelize(lambda: create_state().params, method=al.CreateStateParallel(step, _batch()))
+    with pytest.raises(ValueError, match="CreateStateParallel: the train step cannot take what create_state "
+                                         "returns as its state"):
+        create()

@@ -53,3 +53,17 @@ def test_follow_parallel_bad_input():
     state = mlp_state()
     with pytest.raises(ValueError, match="the train step has 0 compiled executables; pass its batch"):
         al.parallelize(eval_step, method=al.FollowParallel(train_step))(state, mlp_batch(np.random.default_rng(0)))
+
+
+@pytest.mark.parametrize("method", [al.ShardParallel(), PIPELINE], ids=["shard", "pipeshard"])
+def test_follow_parallel_names_a_state_of_another_structure(method):
+    """An eval step given the parameters where the train step takes the whole state: an error naming both
+    structures, not the train step's own failure to read ``state.params`` from a dict."""
+    batch = mlp_batch(np.random.default_rng(0))
+    train_step = al.parallelize(make_train_step(mlp_loss), method=method)
+    state, _ = train_step(mlp_state(tx=optax.sgd(0.1)), batch)
+    evaluate = al.parallelize(lambda params, batch: mlp_loss(params, batch),
+                              method=al.FollowParallel(train_step, batch))
+    with pytest.raises(ValueError, match=r"FollowParallel: the train step cannot take the eval step's state "
+                                         r"argument as its state \(argument 0\): it has pytree structure"):
+        evaluate(state.params, batch)
