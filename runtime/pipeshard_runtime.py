@@ -144,7 +144,9 @@ class PipeshardExecutable:
         """(stage, phase) -> the piece's draws from per-step keys: it takes the micro-batch's index last."""
         self._jitted: dict[tuple, Any] = {}
         self._fused: dict[tuple, Any] = {}
-        self._arg_specs: dict[tuple[int, str], list[jax.ShapeDtypeStruct]] = {}
+        self._ran: dict[tuple[int, str], tuple[Any, tuple]] = {}
+        """(stage, phase) -> the jitted function its first RUN called and that call's argument specs (weak types
+        included): lowering them again finds the step's executable in jax's cache (get_hlo_text)."""
         self._reshard_plans: dict[tuple, Any] = {}
         self._indices: dict[tuple[int, int], jax.Array] = {}
         self._own_copies: dict[int, tuple[Any, dict[int, Any]]] = {}
@@ -319,14 +321,18 @@ class PipeshardExecutable:
                                      draws=self._draws.get((ins.stage, ins.phase), ()),
                                      out_pins=self._out_pins.get((ins.stage, ins.phase), ())),
                     donate_argnums=tuple(k + 1 for k in donate))
+            totals = [acc[a.target] for a in fused]
+            if (ins.stage, ins.phase) not in self._ran:
+                self._ran[(ins.stage, ins.phase)] = (fn, (_specs(totals), *_specs(args)))
             with _quiet_unusable_donations():
-                outs, sums = fn([acc[a.target] for a in fused], *args)
+                outs, sums = fn(totals, *args)
             acc.update({a.target: x for a, x in zip(fused, sums, strict=True)})
         else:
+            fn = self._piece_executable(ins.stage, ins.phase, donate)
+            if (ins.stage, ins.phase) not in self._ran:
+                self._ran[(ins.stage, ins.phase)] = (fn, tuple(_specs(args)))
             with _quiet_unusable_donations():
-                outs = self._piece_executable(ins.stage, ins.phase, donate)(*args)
-        self._arg_specs.setdefault((ins.stage, ins.phase), [  # for get_hlo_text, fused or not
-            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in args])
+                outs = fn(*args)
         for v, x in zip(piece.outputs, outs, strict=True):
             mesh_buffers[(v, ins.micro_batch)] = x
         for a in accs:
@@ -438,15 +444,21 @@ class PipeshardExecutable:
         return reshard(x, plan, dst)
 
     def get_hlo_text(self) -> str:
-        """The compiled HLO of every stage piece, for the input layouts of the first step (which must have
-        run: pieces compile on it)."""
-        if not self._arg_specs:
+        """The compiled HLO of every stage piece as its first RUN compiled it (with the accumulation fused in
+        and the donations of that RUN, if it had them), for the layouts of the first step (which must have run:
+        pieces compile on it; this compiles nothing)."""
+        if not self._ran:
             raise RuntimeError("get_hlo_text: run one step first (stage pieces compile on the first step)")
         texts = []
-        for (stage, phase), args in self._arg_specs.items():
-            compiled = self._piece_executable(stage, phase).lower(*args).compile()
-            texts.append(f"// stage {stage} {phase}\n{compiled.as_text()}")
+        for (stage, phase), (fn, specs) in self._ran.items():
+            texts.append(f"// stage {stage} {phase}\n{fn.lower(*specs).compile().as_text()}")
         return "\n".join(texts)
+
+
+def _specs(arrays) -> list[jax.ShapeDtypeStruct]:
+    """Shape, dtype, layout and weak type of each of ``arrays``: the key jax's cache looks a call up by."""
+    return [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=getattr(x, "weak_type", False))
+            for x in arrays]  # a typed key array has no weak type
 
 
 def donated_positions(keys: Sequence[tuple], freed, shared: Sequence[bool],

@@ -110,3 +110,17 @@ def micro_batch_loop(loss_fn, num_micro_batches: int, key_of=micro_batch_key):
         loss, grads = jax.tree.map(lambda *xs: sum(xs) / m, *parts)
         return state.apply_gradients(grads=grads), loss
     return run
+
+
+def compiles_during(fn) -> int:
+    """How many XLA compiles ``fn()`` runs (jax.monitoring's backend compile events)."""
+    count = [0]
+
+    def listen(event, duration, **kwargs):
+        count[0] += event == "/jax/core/compile/backend_compile_duration"
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        fn()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    return count[0]
