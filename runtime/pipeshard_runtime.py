@@ -323,14 +323,14 @@ class PipeshardExecutable:
                     donate_argnums=tuple(k + 1 for k in donate))
             totals = [acc[a.target] for a in fused]
             if (ins.stage, ins.phase) not in self._ran:
-                self._ran[(ins.stage, ins.phase)] = (fn, (_specs(totals), *_specs(args)))
+                self._ran[(ins.stage, ins.phase)] = (fn, (arg_specs(totals), *arg_specs(args)))
             with _quiet_unusable_donations():
                 outs, sums = fn(totals, *args)
             acc.update({a.target: x for a, x in zip(fused, sums, strict=True)})
         else:
             fn = self._piece_executable(ins.stage, ins.phase, donate)
             if (ins.stage, ins.phase) not in self._ran:
-                self._ran[(ins.stage, ins.phase)] = (fn, tuple(_specs(args)))
+                self._ran[(ins.stage, ins.phase)] = (fn, tuple(arg_specs(args)))
             with _quiet_unusable_donations():
                 outs = fn(*args)
         for v, x in zip(piece.outputs, outs, strict=True):
@@ -455,10 +455,12 @@ class PipeshardExecutable:
         return "\n".join(texts)
 
 
-def _specs(arrays) -> list[jax.ShapeDtypeStruct]:
-    """Shape, dtype, layout and weak type of each of ``arrays``: the key jax's cache looks a call up by."""
-    return [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=getattr(x, "weak_type", False))
-            for x in arrays]  # a typed key array has no weak type
+def arg_specs(arrays) -> list[jax.ShapeDtypeStruct]:
+    """Shape, dtype, layout and weak type of each of ``arrays`` (jax arrays or numpy scalars): the key jax's
+    cache looks a call up by, so lowering a jitted function on them again finds the call's executable."""
+    return [jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None),
+                                 weak_type=getattr(x, "weak_type", False))  # a typed key array has no weak type
+            for x in arrays]
 
 
 def donated_positions(keys: Sequence[tuple], freed, shared: Sequence[bool],

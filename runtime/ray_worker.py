@@ -391,8 +391,8 @@ class _LoadedProgram:
         self.donating: dict[tuple, Any] = {}
         self.fused: dict[tuple, Any] = {}
         self.plans: dict[tuple, Any] = {}
-        self.arg_specs: dict[tuple[int, str], list] = {}
-        """Per piece, its arguments' shapes and layouts on its first plain (unfused) RUN."""
+        self.ran: dict[tuple[int, str], tuple[Any, tuple]] = {}
+        """Per piece, the jitted function its first RUN called and that call's argument specs."""
 
     def assemble(self, payload: dict):
         """A received buffer (a parcel item of :meth:`_StepRun._pieces`) on this mesh, laid out as its
@@ -417,12 +417,9 @@ class _LoadedProgram:
         return x if payload["key_impl"] is None else jax.random.wrap_key_data(x, impl=payload["key_impl"])
 
     def hlo_text(self) -> str:
-        """The compiled HLO of every piece that ran plain once, for the layouts of that run."""
-        texts = []
-        for (stage, phase), args in self.arg_specs.items():
-            compiled = self.jitted[(stage, phase)].lower(*args).compile()
-            texts.append(f"// stage {stage} {phase}\n{compiled.as_text()}")
-        return "\n".join(texts)
+        """The compiled HLO of every piece as its first RUN compiled it (read from jax's cache, no compile)."""
+        return "\n".join(f"// stage {stage} {phase}\n{fn.lower(*specs).compile().as_text()}"
+                         for (stage, phase), (fn, specs) in self.ran.items())
 
     def sharding(self, spec: ShardingSpec):
         """The ``NamedSharding`` of ``spec`` on this mesh (made once per spec)."""
@@ -591,8 +588,7 @@ class _StepRun:
     def _run(self, ins: Instruction, accs: list[Instruction], donated=frozenset()) -> None:
         """RUN (with the ACCs of its outputs fused in once the totals exist), donating the inputs whose
         buffers are in ``donated``."""
-        import jax
-        from alpa_like.runtime.pipeshard_runtime import donated_positions
+        from alpa_like.runtime.pipeshard_runtime import arg_specs, donated_positions
         piece = self.program.pieces[(ins.stage, ins.phase)]
         buffers, acc = self.buffers, self.accumulators
         rows = [a for a in accs if a.target in self.program.per_example]
@@ -605,15 +601,17 @@ class _StepRun:
             args.append(np.uint32(ins.micro_batch))
         position = {v: k for k, v in enumerate(piece.outputs)}
         fused = [a for a in accs if a.target in acc]
+        totals = [acc[a.target] for a in fused]
+        fn = (self.loaded.accumulating((ins.stage, ins.phase), tuple(position[a.key[0]] for a in fused), donate)
+              if fused else self.loaded.call((ins.stage, ins.phase), donate))
+        if (ins.stage, ins.phase) not in self.loaded.ran:  # for hlo_text
+            self.loaded.ran[(ins.stage, ins.phase)] = (fn, (arg_specs(totals), *arg_specs(args)) if fused
+                                                       else tuple(arg_specs(args)))
         if fused:
-            slots = tuple(position[a.key[0]] for a in fused)
-            outs, sums = self.loaded.accumulating((ins.stage, ins.phase), slots, donate)(
-                [acc[a.target] for a in fused], *args)
+            outs, sums = fn(totals, *args)
             acc.update({a.target: x for a, x in zip(fused, sums, strict=True)})
         else:
-            outs = self.loaded.call((ins.stage, ins.phase), donate)(*args)
-        self.loaded.arg_specs.setdefault((ins.stage, ins.phase), [  # for hlo_text, fused or not
-            jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None)) for x in args])
+            outs = fn(*args)
         for v, x in zip(piece.outputs, outs, strict=True):
             buffers[(v, ins.micro_batch)] = x
         for a in accs:
