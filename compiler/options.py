@@ -23,7 +23,6 @@ import numbers
 from typing import TYPE_CHECKING, Any
 
 from alpa_like.compiler.ilp import DEFAULT_SOLVER, SOLVERS
-from alpa_like.compiler.layer_clustering import DEFAULT_DELTA
 from alpa_like.compiler.layer_construction import Layering, auto_layers, manual_layers
 from alpa_like.compiler.schedules import ScheduleName
 from alpa_like.compiler.submesh import SHAPE_SPACES
@@ -211,10 +210,11 @@ class AutoLayerOption:
 
     layer_num: int
     """Number of layers L (the stage DP groups them into stages)."""
-    eps: float | None = DEFAULT_DELTA
-    """delta of Eq. 3.6: each layer has at most (1 + eps) x the average FLOPs. None: the default 0.6, or the
-    smallest slack that admits a clustering when 0.6 does not (an operator heavier than an average layer,
-    like a large vocabulary's logits, otherwise makes the clustering infeasible)."""
+    eps: float | None = None
+    """delta of Eq. 3.6: each layer has at most (1 + eps) x the average FLOPs. None (the default): Alpa's 0.6,
+    or the smallest slack that admits a clustering when 0.6 does not (an operator heavier than an average
+    layer, like a large vocabulary's logits, makes 0.6 infeasible). A number is kept as it is: a clustering it
+    does not admit is an error that names the least slack that would do."""
     remat_layer: bool = False
     """Recompute each layer's forward in its backward (`jax.checkpoint` per layer)."""
     recompute_aware: bool | str = False
