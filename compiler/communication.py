@@ -57,18 +57,27 @@ def predicted_collectives(graph: OpGraph, solution: ShardingSolution, rewrites: 
     return out
 
 
-def communication(graph, solution, rewrites, weight, sync_weight: float = 1.0) -> tuple[CommEstimate, ...]:
+def communication(graph, solution, rewrites, weight, sync_weight: float = 1.0, *,
+                  latency_once: bool = False) -> tuple[CommEstimate, ...]:
     """:func:`predicted_collectives` summed per (kind, mesh axes, why); combined all-reduces pay their bytes
-    each and one latency per group, as the ILP's objective prices them."""
+    each and one latency per group (as XLA runs them: one all-reduce per set of mesh axes), or with
+    ``latency_once`` one latency in all, the largest, as the ILP's objective prices them."""
     totals: dict[tuple, list[float]] = {}
     no_latency = without_latency(solution.mesh)
+    largest = (0.0, None)  # with latency_once: the largest combined latency and its group
     for c, times, what in predicted_collectives(graph, solution, rewrites, weight, sync_weight):
-        entry = totals.setdefault((c.kind, c.axes, what), [0.0, 0.0])
+        key = (c.kind, c.axes, what)
+        entry = totals.setdefault(key, [0.0, 0.0])
         entry[0] += times * c.num_bytes
         if what == COMBINED:
-            latency = c.seconds(solution.mesh) - c.seconds(no_latency)
-            entry[1] += times * (c.seconds(no_latency) + (0.0 if entry[1] else latency))
+            latency = times * (c.seconds(solution.mesh) - c.seconds(no_latency))
+            if latency_once:
+                largest = max(largest, (latency, key), key=lambda pair: pair[0])
+                latency = 0.0
+            entry[1] += times * c.seconds(no_latency) + (0.0 if entry[1] else latency)
         else:
             entry[1] += times * c.seconds(solution.mesh)
+    if largest[1] is not None:
+        totals[largest[1]][1] += largest[0]
     return tuple(CommEstimate(kind=kind, mesh_axes=axes, num_bytes=int(round(b)), seconds=float(s), what=what)
                  for (kind, axes, what), (b, s) in totals.items())

@@ -76,10 +76,10 @@ def stage_communication(layer_costs: Sequence[LayerCost], num_micro_batches: int
                         seconds: float) -> tuple[CommEstimate, ...]:
     """A stage's collectives per step: its layers' (per micro-batch) summed per (kind, mesh axes, why) over
     ``num_micro_batches`` runs, and a last row ``"other"`` with what ``seconds`` (the stage's Eq. 3.1
-    objective per step, which the stage DP priced) holds beyond them, so that the rows add up to it. The
-    rows can exceed it by an all-reduce latency: a layer's combined gradient all-reduces pay one latency per
-    set of mesh axes in the rows, as XLA runs them, and one in all in the objective; no ``"other"`` row
-    then."""
+    objective per step, which the stage DP priced and the simulator reads) holds beyond them, so that the
+    rows add up to it. The layers' rows price their combined gradient all-reduces as the objective does (one
+    latency in all); only combined all-reduces inside a loop body (which the rows repeat) can take the rows
+    past the objective, and then there is no ``"other"`` row."""
     totals: dict[tuple, list[float]] = {}
     for cost in layer_costs:
         for c in cost.communication:

@@ -209,7 +209,7 @@ def layer_cost(closed: ClosedJaxpr, param_inputs: Sequence[bool], mesh: LogicalM
             param_bytes += nbytes(var.aval) / spec.num_shards(mesh.shape)
     graph = solution.graph
     collectives = communication(graph, solution, (), weight=lambda n: graph.nodes[n].repeat,
-                                sync_weight=gradient_sync_weight)
+                                sync_weight=gradient_sync_weight, latency_once=True)
     return LayerCost(compute_seconds=jaxpr_seconds(closed, rates, mesh.num_devices),
                      comm_seconds=float(solution.objective), communication=collectives,
                      param_bytes_per_device=param_bytes, input_specs=tuple(solution.input_specs()),

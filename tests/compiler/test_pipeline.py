@@ -126,6 +126,28 @@ def test_a_stage_lists_its_collectives_per_step_and_the_rest_of_its_objective():
     assert [c.kind for c in stage_communication(layers, 4, seconds=4 * 2.2e-3)] == ["all-reduce", "all-reduce"]
 
 
+@pytest.mark.parametrize("defer", [True, False], ids=["deferred", "every micro-batch"])
+def test_a_stage_plans_communication_rows_add_up_to_what_the_stage_dp_priced(defer):
+    """Each stage's rows (what the simulator reads) sum to its layers' Eq. 3.1 objectives over the step: the
+    rows price combined gradient all-reduces as the objective does. gpt-tiny on 2 stages of 4 devices viewed
+    as (2, 2), so gradients are synchronised over both axes or one."""
+    config = dataclasses.replace(GPT_CONFIGS["gpt-tiny"], pipeline_boundaries="block")
+    state = jax.eval_shape(lambda p: train_state.TrainState.create(apply_fn=None, params=p, tx=optax.sgd(0.1)),
+                           gpt_param_shapes(config))
+    stages = al.ManualStageOption(forward_stage_layer_ids=((0, 1), (2,)), submesh_physical_shapes=((1, 4), (1, 4)),
+                                  submesh_logical_shapes=((2, 2), (2, 2)), show_progress=False)
+    method = al.PipeshardParallel(num_micro_batches=4, layer_option=al.ManualLayerOption(), stage_option=stages,
+                                  defer_gradient_sync=defer)
+    planned = plan_pipeline(method, make_train_step(gpt_loss(GPTModel(config))), (state, gpt_batch_shapes(config, 16)),
+                            **STEP_ARGS)
+    for stage, choice in zip(planned.plan.stages, planned.solution.stages, strict=True):
+        first, last = choice.layers
+        objective = sum(planned.profile.layer_costs[(l, choice.submesh_index, choice.view_index)].comm_seconds
+                        for l in range(first, last + 1)) * method.num_micro_batches
+        assert stage.communication_seconds == pytest.approx(objective, rel=1e-9)
+        assert all(c.seconds >= 0 for c in stage.communication)
+
+
 def _one_device_memory(step, state, batch, layer_option, num_layers):
     """``mem_stage[i, j]`` of every layer range on a one-device submesh (a cluster of ``num_layers`` devices,
     so the stage DP can give each layer its own)."""
