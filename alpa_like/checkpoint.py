@@ -179,6 +179,9 @@ def _state_leaves(state, who: str) -> list[tuple[tuple[str, ...], Any]]:
             if not leaf.is_alive:
                 raise ValueError(f"{who}: state leaf {name} is a RemoteArray of a Ray backend that was shut down "
                                  "(al.shutdown()): its data is gone; save before shutting the backend down")
+        elif isinstance(leaf, jax.Array) and leaf.is_deleted():  # before orbax starts writing: it would hang
+            raise ValueError(f"{who}: state leaf {name} is a deleted array (donated to or deleted by an earlier "
+                             "call?): save the live state the step returned")
         elif isinstance(leaf, (bool, int, float, complex, np.number, np.bool_)):
             leaf = np.asarray(leaf, dtype=jax.dtypes.canonicalize_dtype(np.asarray(leaf).dtype))
         elif not isinstance(leaf, (jax.Array, np.ndarray)):

@@ -143,6 +143,8 @@ class CompiledSpmd:
     out_specs: tuple[ShardingSpec | None, ...]
     """The output specs XLA used (None where the sharding is not a NamedSharding)."""
     compile_seconds: float
+    donated_argnums: tuple[int, ...] = ()
+    """The step's positional arguments whose buffers the executable donates."""
 
 
 def compile_spmd(traced: TracedStep, layout: SpmdLayout, devices: Sequence[Any], *, num_micro_batches: int,
@@ -204,7 +206,11 @@ def compile_spmd(traced: TracedStep, layout: SpmdLayout, devices: Sequence[Any],
         else:
             out_specs.append(None)
     return CompiledSpmd(compiled=compiled, mesh=mesh, in_shardings=in_shardings, out_specs=tuple(out_specs),
-                        compile_seconds=time.perf_counter() - start)
+                        compile_seconds=time.perf_counter() - start, donated_argnums=tuple(sorted(donated)))
+
+
+def _is_deleted(x) -> bool:
+    return isinstance(x, jax.Array) and x.is_deleted()
 
 
 def place_args(flat: Sequence[Any], shardings: Sequence[NamedSharding]) -> list[Any]:
@@ -259,11 +265,25 @@ class SpmdExecutable:
     def call_as_laid_out(self, *args):
         """The step, through JAX's own call path (its C++ checks of the arguments' types and layouts, no
         Python per leaf), when every argument already has the signature and layout the step was compiled for
-        (host arrays count as laid out: they are copied in); :class:`InputsNotLaidOut` otherwise."""
+        (host arrays count as laid out: they are copied in); :class:`InputsNotLaidOut` otherwise. A deleted
+        array where the step donates is a ValueError naming it (:meth:`_check_donated_alive`)."""
+        self._check_donated_alive(args)
         try:
             return self._compiled.compiled(*(args[i] for i in self.traced.dynamic_argnums))
         except (TypeError, ValueError, IndexError) as e:
             raise InputsNotLaidOut(str(e)) from None
+
+    def _check_donated_alive(self, args) -> None:
+        """A ValueError naming the first deleted array (a state donated to an earlier call) among the arguments
+        the step donates: XLA's CPU client was seen to crash (SIGSEGV) when a compiled step that donates is
+        handed a donated array sharded over several devices a second time."""
+        for i in self._compiled.donated_argnums:
+            if i < len(args) and any(_is_deleted(x) for x in jax.tree.leaves(args[i])):
+                flat = jax.tree.leaves(tuple(args[j] for j in self.traced.dynamic_argnums))
+                name = next(leaf.path for x, leaf in zip(flat, self.traced.in_leaves)
+                            if leaf.arg_index == i and _is_deleted(x))
+                raise ValueError(f"step input {name} is a deleted array (donated to or deleted by an earlier "
+                                 "call?): pass a live array")
 
     def input_shardings(self) -> tuple[NamedSharding, ...]:
         """Per flat input leaf (``traced.in_leaves``), the layout the step takes it in: an argument already

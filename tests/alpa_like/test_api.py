@@ -57,6 +57,20 @@ def test_donated_state_is_consumed(args):
     assert not new_state.params["dense_0"]["kernel"].is_deleted()
 
 
+@pytest.mark.parametrize("method", [al.DataParallel(), al.ShardParallel()], ids=["data", "shard"])
+def test_a_donated_state_passed_again_is_named(args, method):
+    """The step's own output, donated to a call, passed again: an error naming a leaf (XLA's CPU client
+    crashed the process when the compiled step was handed the donated buffers)."""
+    state, batch = args
+    f = al.parallelize(make_train_step(mlp_loss), method=method, donate_argnums=(0,))
+    state, _ = f(state, batch)  # the step's layouts: the next calls take it as it is
+    f(state, batch)
+    with pytest.raises(ValueError, match=r"step input state\.\S+ is a deleted array \(donated to or deleted"):
+        f(state, batch)
+    with pytest.raises(ValueError, match=r"step input state\.\S+ is a deleted array"):
+        f.get_executable(state, batch)(state, batch)
+
+
 def test_dict_and_tuple_pytrees(args):
     def step(params, batch):
         loss, grads = al.value_and_grad(mlp_loss)(params, batch)

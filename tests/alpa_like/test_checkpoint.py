@@ -320,6 +320,17 @@ def test_saving_a_remote_array_of_a_shut_down_backend_says_so(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_saving_a_deleted_array_says_so(tmp_path):
+    """A state donated to a step is refused before any file is written (orbax's writer, started on it, failed
+    and left a thread that kept the process from exiting)."""
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    w = jax.device_put(jnp.ones((16, 4)), NamedSharding(mesh, P("x")))
+    w.delete()
+    with pytest.raises(ValueError, match="state leaf w is a deleted array"):
+        al.save_checkpoint(tmp_path, {"w": w, "step": jnp.int32(3)}, 1)
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("call,error,message", [
     (lambda d: al.save_checkpoint(d, {}, True), TypeError, "step must be an int >= 0, got True"),
     (lambda d: al.save_checkpoint(d, {}, -1), TypeError, "step must be an int >= 0, got -1"),
