@@ -69,8 +69,9 @@ class TracedStep:
         """The leaves of the dynamic arguments of a call, in ``in_leaves`` order.
 
         Raises:
-          ValueError: the pytree structure is not the one this step was traced with, or a leaf's shape or
-            dtype differs from the traced one (the message names the leaf and both).
+          ValueError: the pytree structure is not the one this step was traced with, a leaf's shape or
+            dtype differs from the traced one (the message names the leaf and both), or a leaf is a deleted
+            array (donated to an earlier call).
           TypeError: a leaf is a ``jax.ShapeDtypeStruct`` (a step runs on arrays).
         """
         if len(args) <= max(self.dynamic_argnums, default=-1):
@@ -84,6 +85,9 @@ class TracedStep:
             if isinstance(leaf, jax.ShapeDtypeStruct):
                 raise TypeError(f"argument leaf {info.path} is a jax.ShapeDtypeStruct: running a step needs arrays "
                                 "(shapes are enough to plan and compile it: al.plan, get_executable)")
+            if isinstance(leaf, jax.Array) and leaf.is_deleted():
+                raise ValueError(f"step input {info.path} is a deleted array (donated to or deleted by an earlier "
+                                 "call?): pass a live array")
             if _differs(leaf, info):
                 raise ValueError(
                     f"argument leaf {info.path} has shape {tuple(np.shape(leaf))} and dtype "

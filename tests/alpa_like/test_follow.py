@@ -67,3 +67,14 @@ def test_follow_parallel_names_a_state_of_another_structure(method):
     with pytest.raises(ValueError, match=r"FollowParallel: the train step cannot take the eval step's state "
                                          r"argument as its state \(argument 0\): it has pytree structure"):
         evaluate(state.params, batch)
+
+
+@pytest.mark.parametrize("method", [al.ShardParallel(), PIPELINE], ids=["shard", "pipeshard"])
+def test_eval_of_a_donated_state_names_the_leaf(method):
+    batch = mlp_batch(np.random.default_rng(0))
+    train_step = al.parallelize(make_train_step(mlp_loss), method=method, donate_argnums=(0,))
+    state, _ = train_step(mlp_state(tx=optax.sgd(0.1)), batch)
+    evaluate = al.parallelize(eval_step, method=al.FollowParallel(train_step, batch))
+    train_step(state, batch)  # donates state
+    with pytest.raises(ValueError, match=r"step input state\.\S+ is a deleted array \(donated to or deleted"):
+        evaluate(state, batch)
