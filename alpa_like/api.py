@@ -331,6 +331,9 @@ def plan(fun: Callable, *args, method: Any = None, cluster: ClusterSpec | str | 
     if isinstance(fun, ParallelizedFunc):
         fun = fun.fun
     method = _check_method(method)
+    if isinstance(method, (CreateStateParallel, FollowParallel)):
+        raise TypeError(f"al.plan: {type(method).__name__} runs in its train step's plan and makes none of its "
+                        "own: plan the train step (al.plan(train_step, state, batch, method=...))")
     cluster = as_cluster(cluster)
     if cluster is None:
         cluster = (_backend.ray.spec() if _backend is not None and _backend.ray is not None

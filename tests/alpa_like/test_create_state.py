@@ -96,3 +96,9 @@ def test_create_state_of_another_structure_is_named():
     with pytest.raises(ValueError, match="CreateStateParallel: the train step cannot take what create_state "
                                          "returns as its state"):
         create()
+
+
+def test_al_plan_of_a_create_state_function_points_to_the_train_step():
+    step = al.parallelize(make_train_step(mlp_loss), method=al.ShardParallel())
+    with pytest.raises(TypeError, match=r"al.plan: CreateStateParallel runs in its train step's plan"):
+        al.plan(create_state, method=al.CreateStateParallel(step, _batch()))
