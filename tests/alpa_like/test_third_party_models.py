@@ -125,6 +125,18 @@ def test_pipeline_grad_aux_that_is_a_step_input(num_micro_batches):
     _compare(step, (mlp_params(rng, SIZES), jnp.ones(3)), _batches(rng), _pipeline(num_micro_batches))
 
 
+def test_pipeline_grad_aux_that_is_a_closed_over_constant():
+    """al.value_and_grad's aux is an array the step closes over, returned as it is."""
+    table = jnp.arange(6.0).reshape(2, 3)
+
+    def step(params, batch):
+        (loss, aux), grads = al.value_and_grad(lambda p, b: (_mse(p, b), table), has_aux=True)(params, batch)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), {"loss": loss, "aux": aux}
+
+    rng = np.random.default_rng(5)
+    _compare(step, mlp_params(rng, SIZES), _batches(rng), _pipeline(2))
+
+
 @pytest.mark.parametrize("extra", [jnp.int32(0), jax.random.key(0)], ids=["count", "key"])
 def test_pipeline_single_micro_batch_grad_aux_keeps_its_dtype(extra):
     """With one micro-batch al.grad's aux is returned as it is: an integer count stays one, a key splits."""
