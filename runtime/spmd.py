@@ -180,10 +180,9 @@ def compile_spmd(traced: TracedStep, layout: SpmdLayout, devices: Sequence[Any],
         hooks.append(pin_hook(mesh, partial_sums.stacked_pins(value_pins, deferred)))
     hook = _chain_hooks(hooks)
     operand_hook = pin_hook(mesh, operand_pins) if operand_pins else None
-    micro_batch_eval = None
-    if deferred:
-        def micro_batch_eval(micro_eqns, env, micro_operand_hook):
-            partial_sums.eval_eqns(micro_eqns, env, deferred, mesh, hook=hook, operand_hook=micro_operand_hook)
+    def deferred_eval(micro_eqns, env, micro_operand_hook):
+        partial_sums.eval_eqns(micro_eqns, env, deferred, mesh, hook=hook, operand_hook=micro_operand_hook)
+    micro_batch_eval = deferred_eval if deferred else None
     stack_sizes = {v: math.prod(layout.mesh_shape[a] for a in axes) for v, axes in deferred.outputs.items()}
     flat_step = make_step_fn(closed, batch_mask, num_micro_batches=num_micro_batches, eqn_hook=hook,
                         operand_hook=operand_hook,
