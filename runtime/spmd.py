@@ -274,8 +274,8 @@ class SpmdExecutable:
 
     def _check_donated_alive(self, args) -> None:
         """A ValueError naming the first deleted array (a state donated to an earlier call) among the arguments
-        the step donates: XLA's CPU client was seen to crash (SIGSEGV) when a compiled step that donates is
-        handed a donated array sharded over several devices a second time."""
+        the step donates: XLA's CPU client (jaxlib 0.10) crashes the process (SIGSEGV) when a compiled step
+        that donates is handed a donated array sharded over several devices a second time."""
         for i in self._compiled.donated_argnums:
             if i < len(args) and any(_is_deleted(x) for x in jax.tree.leaves(args[i])):
                 flat = jax.tree.leaves(tuple(args[j] for j in self.traced.dynamic_argnums))
