@@ -71,7 +71,7 @@ def compile_follow(fun: Callable, args: Sequence[Any], method: FollowParallel, *
         placements = [{}] * len(traced.in_leaves)
         for k, j in zip(state_leaves, train_leaves, strict=True):
             placements[k] = train_placements[j]
-        return ForwardPipelineExecutable(traced, train.meshes, placements)
+        return ForwardPipelineExecutable(traced, train.meshes, placements, plan=train.plan)
     if isinstance(train, SpmdExecutable):
         return FollowSpmdExecutable(fun, traced, train, state_leaves, train_leaves, static_argnums)
     if isinstance(train, RayPipeshardExecutable):
@@ -100,6 +100,11 @@ class FollowSpmdExecutable:
         """State leaves the last call had to move because they were not in the train step's layout."""
         closed = traced.closed_jaxpr
         self._compiled = jax.jit(lambda *flat: _eval(closed, flat), in_shardings=self.in_shardings)
+
+    @property
+    def plan(self):
+        """The train step's plan, whose layouts this step reads the state in."""
+        return self.train_executable.plan
 
     def __call__(self, *args):
         from alpa_like.runtime.mesh import has_layout
@@ -201,6 +206,11 @@ class CreateStateExecutable:
                                             out_shardings=[shardings[k] for k in members]))
                           for members in groups.values()]
         self.fun = fun
+
+    @property
+    def plan(self):
+        """The train step's plan, whose layouts this step makes the state in."""
+        return self.train_executable.plan
 
     def __call__(self, *args):
         values: list[Any] = [None] * len(self.shardings)

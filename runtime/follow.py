@@ -27,10 +27,13 @@ from alpa_like.runtime.pipeshard_runtime import activation_spec
 class ForwardPipelineExecutable:
     """A forward-only step placed on a pipeline's meshes: call it like the original function."""
 
-    def __init__(self, traced: TracedStep, meshes: Sequence[Any], placements: Sequence[Mapping[int, NamedSharding]]):
+    def __init__(self, traced: TracedStep, meshes: Sequence[Any], placements: Sequence[Mapping[int, NamedSharding]],
+                 plan=None):
         """``placements``: per flat input leaf, the meshes holding it with its layout there (empty for the
-        batch and other inputs, which go where a piece reads them)."""
+        batch and other inputs, which go where a piece reads them); ``plan``: the train step's plan, whose
+        layouts the state is read in (``exe.plan``)."""
         self.traced = traced
+        self.plan = plan
         self.meshes = list(meshes)
         jaxpr = traced.closed_jaxpr.jaxpr
         self._placements = {v: dict(p) for v, p in zip(jaxpr.invars, placements, strict=True) if p}

@@ -72,6 +72,11 @@ class RayCreateStateExecutable:
             exported = jax.export.export(jax.jit(run), platforms=platforms)(*self._in_avals)
             self._programs.append((mesh, members, bytes(exported.serialize())))
 
+    @property
+    def plan(self):
+        """The train step's plan, whose layouts this step makes the state in."""
+        return self.train_executable.plan
+
     def __call__(self, *args):
         train = self.train_executable
         cluster = train.cluster
@@ -167,6 +172,11 @@ class RayForwardExecutable:
         self.moved_state_leaves = 0
         """State leaves the last call sent to a mesh that reads them (from the driver or another worker)
         because they were not already there: 0 when the state is the train step's."""
+
+    @property
+    def plan(self):
+        """The train step's plan, whose layouts this step reads the state in."""
+        return self.train_executable.plan
 
     def __call__(self, *args):
         outputs = self.runner(*args)

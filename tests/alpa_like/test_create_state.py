@@ -34,10 +34,12 @@ PIPELINE = al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOp
 def test_state_is_created_in_the_train_steps_layouts(method):
     step = al.parallelize(make_train_step(mlp_loss), method=method)
     batch = _batch()
-    state = al.parallelize(create_state, method=al.CreateStateParallel(step, batch))()
+    create = al.parallelize(create_state, method=al.CreateStateParallel(step, batch))
+    state = create()
     expected = jax.jit(create_state)()
     assert_trees_close(state, expected, rtol=0, atol=0)  # the same numbers as created on one device
     exe = step.get_executable(state, batch)
+    assert create.get_executable().plan is exe.plan  # the plan whose layouts it makes
     wanted = [s for s, leaf in zip(exe.input_shardings(), exe.traced.in_leaves) if leaf.arg_index == 0]
     created = jax.tree.leaves(state)
     assert len(wanted) == len(created)

@@ -31,6 +31,7 @@ def test_eval_step_follows_the_train_steps_layouts(method):
     assert_trees_close(metrics, expected)
     exe = evaluate.get_executable(state, eval_batch)
     assert exe.moved_state_leaves == 0  # every parameter read where the train step keeps it
+    assert exe.plan is train_step.get_executable(state, batch).plan  # the plan whose layouts it reads
     assert float(metrics["loss"] / metrics["count"]) == pytest.approx(float(expected["loss"]) / 8, rel=1e-5)
     state, _ = train_step(state, batch)  # the train step still takes its state as it is
     assert_trees_close(evaluate(state, eval_batch)["loss"],

@@ -61,6 +61,7 @@ def test_state_is_created_on_the_workers_and_taken_in_place(ray_backend_4):
     leaves = jax.tree.leaves(state)
     assert all(isinstance(x, RemoteArray) and x._value is None for x in leaves)  # the driver holds no value
     exe = step.get_executable(state, batches[0])
+    assert create.get_executable(key).plan is exe.plan  # the plan whose layouts it makes
     placements = [p for p, leaf in zip(exe.input_placements(), exe.traced.in_leaves) if leaf.arg_index == 0]
     assert [len(x.replicas) for x in leaves] == [max(1, len(p)) for p in placements]  # on each loading mesh
     result, loss = step(state, batches[0])
@@ -106,6 +107,7 @@ def test_eval_step_reads_the_state_where_it_lives(ray_backend_4):
     exe = evaluate.get_executable(state, batches[1])
     assert [piece.mesh for piece in exe.pieces] == [0, 1]  # forward only, one piece per train mesh
     assert exe.moved_state_leaves == 0 and state_routes(exe) == {("handle",)}
+    assert exe.plan is step.get_executable(state, batches[0]).plan
     assert exe.last_step.worker_bytes > 0  # the activation went worker to worker
     assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(metrics))
     host_state = jax.tree.map(np.asarray, state)
