@@ -46,9 +46,9 @@ def _stage_plan(q: int, choice: StageChoice, device_ids, traced: TracedStep, sum
     p = choice.submesh_index
     v = choice.view_index
     mesh_shape = choice.logical_shape
+    costs = [profile.layer_costs[(l, p, v)] for l in range(first, last + 1)]
     inputs, comm_seconds, compute, flops = [], 0.0, 0.0, 0.0
-    for l in range(first, last + 1):
-        cost = profile.layer_costs[(l, p, v)]
+    for l, cost in zip(range(first, last + 1), costs, strict=True):
         comm_seconds += cost.comm_seconds * num_micro_batches
         compute += cost.compute_seconds * num_micro_batches
         s = summaries[l]
@@ -59,8 +59,7 @@ def _stage_plan(q: int, choice: StageChoice, device_ids, traced: TracedStep, sum
             shards = 1 if spec is None else spec.num_shards(mesh_shape)
             inputs.append(TensorPlan(path=leaf.path, shape=leaf.shape, dtype=leaf.dtype, role="param", spec=spec,
                                      bytes_per_device=leaf.nbytes // shards))
-    communication = stage_communication([profile.layer_costs[(l, p, v)] for l in range(first, last + 1)],
-                                        num_micro_batches, comm_seconds)
+    communication = stage_communication(costs, num_micro_batches, comm_seconds)
     state_bytes = int(profile.costs.mem_stage[first, last, p, v])
     return StagePlan(stage_id=q, layer_ids=tuple(range(first, last + 1)), submesh_shape=tuple(choice.submesh),
                      logical_mesh_shape=tuple(mesh_shape), mesh_axis_names=("x", "y"),

@@ -305,7 +305,7 @@ def format_plan(plan: ParallelPlan, *, group_layers: bool = True) -> str:
                                       rows, indent="    "))
         if s.communication:
             lines.append("  communication per step:")
-            rows = [[c.kind, f"axes {c.mesh_axes}" if c.mesh_axes else "-", format_bytes(c.num_bytes), format_seconds(c.seconds), c.what]
-                    for c in s.communication]
+            rows = [[c.kind, f"axes {c.mesh_axes}" if c.mesh_axes else "-", format_bytes(c.num_bytes),
+                     format_seconds(c.seconds), c.what] for c in s.communication]
             lines.append(format_table(["collective", "mesh axes", "bytes", "time", "why"], rows, indent="    "))
     return "\n".join(lines)

@@ -273,16 +273,13 @@ class SpmdExecutable:
             raise InputsNotLaidOut(str(e)) from None
 
     def _check_donated_alive(self, args) -> None:
-        """A ValueError naming the first deleted array (a state donated to an earlier call) among the arguments
-        the step donates: XLA's CPU client (jaxlib 0.10) crashes the process (SIGSEGV) when a compiled step
-        that donates is handed a donated array sharded over several devices a second time."""
+        """When an argument the step donates holds a deleted array (a state donated to an earlier call), the
+        ValueError of :meth:`TracedStep.flatten_args`, which names it: XLA's CPU client (jaxlib 0.10) crashes
+        the process (SIGSEGV) when a compiled step that donates is handed a donated array sharded over
+        several devices a second time."""
         for i in self._compiled.donated_argnums:
             if i < len(args) and any(_is_deleted(x) for x in jax.tree.leaves(args[i])):
-                flat = jax.tree.leaves(tuple(args[j] for j in self.traced.dynamic_argnums))
-                name = next(leaf.path for x, leaf in zip(flat, self.traced.in_leaves)
-                            if leaf.arg_index == i and _is_deleted(x))
-                raise ValueError(f"step input {name} is a deleted array (donated to or deleted by an earlier "
-                                 "call?): pass a live array")
+                self.traced.flatten_args(args)  # checks every leaf: the ValueError names the deleted one
 
     def input_shardings(self) -> tuple[NamedSharding, ...]:
         """Per flat input leaf (``traced.in_leaves``), the layout the step takes it in: an argument already
