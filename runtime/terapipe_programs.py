@@ -236,6 +236,20 @@ def lower_token_sliced(program: StageProgram, call, slice_programs: dict, units:
                               batch_leaves=new.batch_inputs)
 
 
+def _constant_residuals_inlined(fwd: ClosedJaxpr, num_out: int) -> tuple[ClosedJaxpr, dict[int, jax.Array]]:
+    """``fwd`` (``num_out`` outputs, then the vjp's residuals) without the residuals that are literals (a
+    ``pad``'s padding value, for one), and those residuals' values by position among the residuals: the
+    backward piece takes them as constants instead of buffers (a piece's outputs are buffers, so Vars)."""
+    res = fwd.jaxpr.outvars[num_out:]
+    fixed = {k: jnp.asarray(o.val, o.aval.dtype) for k, o in enumerate(res) if not isinstance(o, Var)}
+    if not fixed:
+        return fwd, fixed
+    outvars = fwd.jaxpr.outvars[:num_out] + [o for o in res if isinstance(o, Var)]
+    jaxpr = fwd.jaxpr.replace(outvars=outvars, debug_info=jax_compat.debug_info("forward", len(fwd.jaxpr.invars),
+                                                                                  len(outvars)))
+    return fwd.replace(jaxpr=jaxpr), fixed
+
+
 def _sum_piece(stage: int, sums: list[tuple[list[ValueId], ValueId]], vals: _Values) -> StagePiece:
     """An apply piece adding each gradient's per-mesh step means into the marker output the update reads."""
     inputs = [v for parts, _ in sums for v in parts]
@@ -283,8 +297,8 @@ def _stage_pieces(prog, q: int, stage: int, has_next: bool, consts: dict, consum
         leaves, tree["def"] = jax.tree_util.tree_flatten(vjp)
         return list(results) + leaves
 
-    fwd = _closed(forward, [v.aval for v in part.inputs])
     num_out = len(outs) + len(nexts)
+    fwd, fixed = _constant_residuals_inlined(_closed(forward, [v.aval for v in part.inputs]), num_out)
     res_vars = fwd.jaxpr.outvars[num_out:]
     out_avals = [v.aval for v in fwd.jaxpr.outvars[:num_out]]
     # Cotangent inputs: per output value, one from each later stage that reads it (summed); per next prefix one.
@@ -298,7 +312,9 @@ def _stage_pieces(prog, q: int, stage: int, has_next: bool, consts: dict, consum
             or (v not in prog.leaf_vars and v not in prog.prefix_vars and prog.producer.get(v, q) != q)]
 
     def backward(residuals, cts):
-        vjp = jax.tree_util.tree_unflatten(tree["def"], residuals)
+        it = iter(residuals)
+        leaves = [fixed[k] if k in fixed else next(it) for k in range(len(residuals) + len(fixed))]
+        vjp = jax.tree_util.tree_unflatten(tree["def"], leaves)
         it = iter(cts)
         full = []
         for k, (v, sources) in enumerate(zip(outs, ct_sources, strict=True)):

@@ -1,0 +1,38 @@
+"""Models and cases from outside the repository (Flax examples' shapes, MaxText-style blocks, optax chains),
+trained through the public API and compared with plain ``jax.jit`` on one device (tests/helpers.py)."""
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.training import train_state
+
+import alpa_like as al
+from alpa_like import nn as al_nn
+from tests.helpers import assert_trees_close, make_train_step, reference_on_one_device, run_steps
+
+HIDDEN, SEQ = 8, 8
+
+
+def _padded_attention_loss(params, batch):
+    """Causal attention layers whose features are shifted by a ``jnp.pad`` on the feature dim (per token, so
+    within TeraPipe's contract); the pad's padding value is a constant residual of the stage's vjp."""
+    x = batch["x"]
+    for name in sorted(params):
+        q = (x @ params[name]).reshape(*x.shape[:2], 2, HIDDEN // 2)
+        x = x + al_nn.causal_self_attention(q, q, q).reshape(x.shape)
+        x = x + 0.1 * jnp.pad(x, ((0, 0), (0, 0), (1, 0)))[..., :-1]
+    return jnp.mean((x - batch["y"]) ** 2)
+
+
+def test_terapipe_runs_a_stage_whose_vjp_keeps_a_constant():
+    rng = np.random.default_rng(0)
+    params = {f"w{i}": jnp.asarray(rng.normal(size=(HIDDEN, HIDDEN)) / 4, jnp.float32) for i in range(2)}
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+    batches = [{k: jnp.asarray(rng.normal(size=(2, SEQ, HIDDEN)), jnp.float32) for k in ("x", "y")}]
+    method = al.PipeshardParallel(num_micro_batches=1, layer_option=al.AutoLayerOption(layer_num=2),
+                                  stage_option=al.UniformStageOption(num_stages=2), pipeline_schedule="terapipe",
+                                  token_slices=(4, 4))
+    step = make_train_step(_padded_attention_loss)
+    got, got_metrics = run_steps(al.parallelize(step, method=method), state, batches)
+    want, want_metrics = reference_on_one_device(step, state, batches)
+    assert_trees_close(got.params, want.params)
+    assert_trees_close(got_metrics, want_metrics)
