@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding
 
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.grad_accumulation import from_micro_batches, to_micro_batches
+from alpa_like.runtime.accumulation import FusedAccumulation
 from alpa_like.compiler.micro_batch_keys import KeyDraws, fold_micro_batch_index
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.gradient_sync import NONE, DeferredGradients
@@ -294,7 +295,7 @@ class PipeshardExecutable:
 
     def _run(self, ins: Instruction, accs: list[Instruction], buffers, accumulators, freed=frozenset(),
              donated_inputs=frozenset()) -> int:
-        """RUN, and the ACCs of its outputs inside the same jitted call once the accumulators exist.
+        """RUN, and the ACCs of its outputs inside the same jitted call (:class:`FusedAccumulation`).
 
         ``freed``: keys the program frees right after this RUN; those among its inputs are donated, and so are
         ``donated_inputs`` (donated step inputs read here for the last time on the mesh).
@@ -310,23 +311,15 @@ class PipeshardExecutable:
             args.append(self._micro_batch_index(ins.mesh, ins.micro_batch))
         held = self._held_elsewhere(acc)
         donate = donated_positions(keys, freed, [id(x) in held for x in args], donated_inputs)
-        position = {v: k for k, v in enumerate(piece.outputs)}
-        fused = [a for a in accs if a.target in acc]
-        if fused:
-            slots = tuple(position[a.key[0]] for a in fused)
-            fn = self._fused.get((ins.stage, ins.phase, slots, donate))
-            if fn is None:
-                fn = self._fused[(ins.stage, ins.phase, slots, donate)] = jax.jit(
-                    _accumulating_fn(piece, slots, *self._hooks.get((ins.stage, ins.phase), ()),
-                                     draws=self._draws.get((ins.stage, ins.phase), ()),
-                                     out_pins=self._out_pins.get((ins.stage, ins.phase), ())),
-                    donate_argnums=tuple(k + 1 for k in donate))
-            totals = [acc[a.target] for a in fused]
-            if (ins.stage, ins.phase) not in self._ran:
-                self._ran[(ins.stage, ins.phase)] = (fn, (arg_specs(totals), *arg_specs(args)))
+        if accs:
+            position = {v: k for k, v in enumerate(piece.outputs)}
+            fused = self._fused_call(ins.stage, ins.phase, tuple(position[a.key[0]] for a in accs), donate)
+            specs = None if (ins.stage, ins.phase) in self._ran else arg_specs(args)
             with _quiet_unusable_donations():
-                outs, sums = fn(totals, *args)
-            acc.update({a.target: x for a, x in zip(fused, sums, strict=True)})
+                outs, sums = fused([acc.get(a.target) for a in accs], *args)
+            if specs is not None:
+                self._ran[(ins.stage, ins.phase)] = (fused.jitted, (fused.open_totals, *specs))
+            acc.update({a.target: x for a, x in zip(accs, sums, strict=True)})
         else:
             fn = self._piece_executable(ins.stage, ins.phase, donate)
             if (ins.stage, ins.phase) not in self._ran:
@@ -335,9 +328,6 @@ class PipeshardExecutable:
                 outs = fn(*args)
         for v, x in zip(piece.outputs, outs, strict=True):
             mesh_buffers[(v, ins.micro_batch)] = x
-        for a in accs:
-            if a not in fused:
-                acc[a.target] = mesh_buffers[a.key]
         for a in rows:  # a per-example value: this micro-batch's rows, put together by MEAN
             acc.setdefault(a.target, {})[a.key[1]] = mesh_buffers[a.key]
         return len(donate)
@@ -359,6 +349,16 @@ class PipeshardExecutable:
                           out_pins=self._out_pins.get((stage, phase), ())),
                 donate_argnums=donate)
         return fn
+
+    def _fused_call(self, stage: int, phase: str, slots: tuple[int, ...], donate: tuple[int, ...]
+                    ) -> FusedAccumulation:
+        fused = self._fused.get((stage, phase, slots, donate))
+        if fused is None:
+            fused = self._fused[(stage, phase, slots, donate)] = FusedAccumulation(
+                _piece_fn(self.program.piece(stage, phase), *self._hooks.get((stage, phase), ()),
+                          draws=self._draws.get((stage, phase), ()), out_pins=self._out_pins.get((stage, phase), ())),
+                slots, donate)
+        return fused
 
     def _micro_batch_index(self, mesh: int, micro_batch: int) -> jax.Array:
         """The index a piece folds into its per-step random keys, as a uint32 scalar on ``mesh``."""
@@ -581,17 +581,6 @@ def gather_rows(rows: dict[int, jax.Array]) -> jax.Array:
     """A per-example value of the full batch from its micro-batches' values (micro-batch -> its rows), in the
     full batch's row order (:func:`~alpa_like.compiler.grad_accumulation.from_micro_batches`)."""
     return _from_micro_batches(*(rows[mb] for mb in sorted(rows)))
-
-
-def _accumulating_fn(piece, slots: tuple[int, ...], hook=None, operand_hook=None, deferred=NONE, mesh=None, *,
-                     draws: KeyDraws = (), out_pins: Sequence = ()):
-    """The piece, also adding its outputs at ``slots`` to the given accumulators."""
-    body = _piece_fn(piece, hook, operand_hook, deferred, mesh, draws=draws, out_pins=out_pins)
-
-    def run(totals, *args):
-        outs = body(*args)
-        return outs, [t + outs[k] for t, k in zip(totals, slots, strict=True)]
-    return run
 
 
 def _piece_fn(piece, hook=None, operand_hook=None, deferred=NONE, mesh=None, *, draws: KeyDraws = (),

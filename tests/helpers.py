@@ -112,12 +112,14 @@ def micro_batch_loop(loss_fn, num_micro_batches: int, key_of=micro_batch_key):
     return run
 
 
-def compiles_during(fn) -> int:
-    """How many XLA compiles ``fn()`` runs (jax.monitoring's backend compile events)."""
+def compiles_during(fn, fun_name: str | None = None) -> int:
+    """How many XLA compiles ``fn()`` runs (jax.monitoring's backend compile events), of functions named
+    ``fun_name`` (e.g. ``"jit(run)"``) if given."""
     count = [0]
 
     def listen(event, duration, **kwargs):
-        count[0] += event == "/jax/core/compile/backend_compile_duration"
+        count[0] += (event == "/jax/core/compile/backend_compile_duration"
+                     and fun_name in (None, kwargs.get("fun_name")))
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
         fn()

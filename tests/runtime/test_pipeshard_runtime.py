@@ -462,6 +462,17 @@ def test_runs_donate_last_uses_and_leave_the_step_inputs_alive():
     assert not any(x.is_deleted() for x in arrays)
 
 
+@pytest.mark.parametrize("num_micro_batches", [1, 4])
+def test_each_stage_piece_compiles_once(num_micro_batches):
+    """A piece whose outputs are accumulated (the backward pieces, the last forward with the loss) compiles
+    with the accumulation fused in on its first micro-batch already, not once without it first."""
+    loss_fn, state, batches = mlp_case()
+    exe = al.parallelize(train_step_for(loss_fn), method=al.PipeshardParallel(
+        num_micro_batches=num_micro_batches, layer_option=al.ManualLayerOption(), stage_option=TWO_STAGES,
+        pipeline_schedule="1f1b")).get_executable(state, batches[0])
+    assert compiles_during(lambda: exe(state, batches[0]), "jit(run)") == len(exe.program.pieces) == 6
+
+
 def test_every_step_after_the_second_reuses_the_same_executables():
     # Which inputs a RUN donates is part of its executable's cache key; it must not change from step to
     # step (it once did, when ids of freed arrays were recycled, and each step recompiled three pieces).
