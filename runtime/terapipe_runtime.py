@@ -227,7 +227,8 @@ def _trace_slice(call: LossCall, leaf_avals, batch_leaf: Sequence[bool], length:
 
 
 def _attention_kv_avals(call: LossCall, leaf_avals):
-    """Per attention call of the loss, the avals of its keys and values (contract point 3)."""
+    """Per attention call of the loss, the avals of its keys and values (contract point 3); each call must
+    be in the loss's own jaxpr, where its keys and values can be cached, not in a call or loop body."""
     found = []
 
     def loss(leaf_values):
@@ -236,13 +237,22 @@ def _attention_kv_avals(call: LossCall, leaf_avals):
             value = call.loss_fn(*jax.tree_util.tree_unflatten(call.arg_tree, leaf_values))
         found.extend((jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
                      for k, v in context.produced)
-        return value
+        return value, [x for kv in context.produced for x in kv]
 
-    jax.make_jaxpr(loss)(list(leaf_avals))
+    jaxpr = jax.make_jaxpr(loss)(list(leaf_avals)).jaxpr
     if not found:
         raise TerapipeContractError(
             "pipeline_schedule='terapipe' needs causal attention through alpa_like.nn.causal_self_attention "
-            "(the only cross-token operation token slicing can cut); the loss never calls it")
+            "(the only cross-token operation token slicing can cut); the loss never calls it (a call inside a "
+            "function JAX traced before, under jax.jit or jax.checkpoint, is not seen: JAX reuses its cached trace)")
+    defined = {*jaxpr.invars, *(v for e in jaxpr.eqns for v in e.outvars)}  # a body's keys leak out as constvars
+    if any(isinstance(v, Var) and v not in defined for v in jaxpr.outvars[1:]):
+        raise TerapipeContractError(
+            "pipeline_schedule='terapipe' caches the keys and values of each alpa_like.nn.causal_self_attention "
+            "call across token slices, so the loss must make the call itself, not inside a jax.checkpoint / "
+            "nn.remat, lax.scan / nn.scan or cond body: unroll scanned layers, and for rematerialization use "
+            "layer_option=AutoLayerOption(..., remat_layer=True) (or ManualLayerOption(remat_layer=True)) "
+            "instead of nn.remat")
     return found
 
 

@@ -1,12 +1,15 @@
 """Models and cases from outside the repository (Flax examples' shapes, MaxText-style blocks, optax chains),
 trained through the public API and compared with plain ``jax.jit`` on one device (tests/helpers.py)."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax.training import train_state
 
 import alpa_like as al
 from alpa_like import nn as al_nn
+from alpa_like.runtime.terapipe_runtime import TerapipeContractError
 from tests.helpers import assert_trees_close, make_train_step, reference_on_one_device, run_steps
 
 HIDDEN, SEQ = 8, 8
@@ -23,7 +26,9 @@ def _padded_attention_loss(params, batch):
     return jnp.mean((x - batch["y"]) ** 2)
 
 
-def test_terapipe_runs_a_stage_whose_vjp_keeps_a_constant():
+def _attention_case():
+    """Two (HIDDEN x HIDDEN) layers' parameters, SGD, one batch of ``[2, SEQ, HIDDEN]`` sequences, and TeraPipe
+    over two stages with two token slices."""
     rng = np.random.default_rng(0)
     params = {f"w{i}": jnp.asarray(rng.normal(size=(HIDDEN, HIDDEN)) / 4, jnp.float32) for i in range(2)}
     state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
@@ -31,8 +36,30 @@ def test_terapipe_runs_a_stage_whose_vjp_keeps_a_constant():
     method = al.PipeshardParallel(num_micro_batches=1, layer_option=al.AutoLayerOption(layer_num=2),
                                   stage_option=al.UniformStageOption(num_stages=2), pipeline_schedule="terapipe",
                                   token_slices=(4, 4))
+    return state, batches, method
+
+
+def test_terapipe_runs_a_stage_whose_vjp_keeps_a_constant():
+    state, batches, method = _attention_case()
     step = make_train_step(_padded_attention_loss)
     got, got_metrics = run_steps(al.parallelize(step, method=method), state, batches)
     want, want_metrics = reference_on_one_device(step, state, batches)
     assert_trees_close(got.params, want.params)
     assert_trees_close(got_metrics, want_metrics)
+
+
+def test_terapipe_names_attention_inside_a_checkpointed_block():
+    """An ``nn.remat`` / ``jax.checkpoint`` block (or a scan body) hides the keys and values TeraPipe caches."""
+    def block(w, x):
+        q = (x @ w).reshape(*x.shape[:2], 2, HIDDEN // 2)
+        return x + al_nn.causal_self_attention(q, q, q).reshape(x.shape)
+
+    def loss(params, batch):
+        x = batch["x"]
+        for name in sorted(params):
+            x = jax.checkpoint(lambda w, h: block(w, h))(params[name], x)  # a new function: traced afresh
+        return jnp.mean((x - batch["y"]) ** 2)
+
+    state, batches, method = _attention_case()
+    with pytest.raises(TerapipeContractError, match="not inside a jax.checkpoint / nn.remat, lax.scan / nn.scan"):
+        al.parallelize(make_train_step(loss), method=method)(state, batches[0])
