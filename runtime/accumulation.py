@@ -3,10 +3,10 @@
 A RUN whose outputs the program accumulates (its ACC instructions: gradients, a loss) is one jitted call
 ``(totals, *inputs) -> (outputs, [totals[i] + outputs[slots[i]]])`` on every micro-batch, the first one
 included: the totals a RUN starts are ``-0.0`` (``x + -0.0`` is ``x`` bit for bit, a ``-0.0`` included), so
-the first micro-batch's sum is its output (an output of an extended dtype, a typed PRNG key, cannot be
-added: it is taken as it is, which is all one micro-batch needs). The call compiles once: its first compile leaves the totals'
-layouts open and XLA propagates the accumulated outputs' layouts to them, so the starting totals are made in
-those layouts and every sum comes out in the layout the next call takes it in.
+the first micro-batch's sum is its output. An output of an extended dtype (a typed PRNG key) cannot be added:
+it is taken as it is, which is all one micro-batch needs. The call compiles once: its first compile leaves
+the totals' layouts open and XLA propagates the accumulated outputs' layouts to them, so the starting totals
+are made in those layouts and every sum comes out in the layout the next call takes it in.
 """
 from __future__ import annotations
 

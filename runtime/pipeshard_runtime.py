@@ -405,6 +405,10 @@ class PipeshardExecutable:
             elif (own := self._own_copies.get(id(value))) is not None and own[0] is value and ins.mesh in own[1]:
                 value = own[1][ins.mesh]
                 stats.own_copy_loads += 1
+            if not isinstance(value, (jax.Array, np.ndarray)):  # a scalar: strongly typed, as the step was traced
+                value = np.asarray(value)
+            elif getattr(value, "weak_type", False):
+                value = value.astype(value.dtype)
             target = self._load_sharding(v, np.shape(value), ins.mesh)
             loaded = value if has_layout(value, target) else jax.device_put(value, target)
             if mb != PER_STEP and shares_buffers(loaded, value):
