@@ -226,6 +226,13 @@ def _trace_slice(call: LossCall, leaf_avals, batch_leaf: Sequence[bool], length:
     return jax_compat.inline_calls(jax.make_jaxpr(loss)(leaves, prefixes, valid))
 
 
+def _contract_rtol(loss_dtype) -> float:
+    """The relative tolerance of the contract check for a loss of ``loss_dtype``: ``1e-4``, or two units in
+    the last place where the dtype is coarser (a bfloat16 loss rounds each slice's loss by up to
+    ``eps / 2``), so that a model within the contract passes the check in its own precision."""
+    return max(1e-4, 2 * float(jnp.finfo(loss_dtype).eps))
+
+
 def _attention_kv_avals(call: LossCall, leaf_avals):
     """Per attention call of the loss, the avals of its keys and values (contract point 3); each call must
     be in the loss's own jaxpr, where its keys and values can be cached, not in a call or loop body."""
@@ -469,9 +476,10 @@ class TerapipeExecutable:
         self._check_contract = False
         unit = self._check_unit
         mine = tuple(u for u in self.units if u.batch_slice == unit.batch_slice)
-        sliced = sum(float(x) for x in self._forward_losses(self.lowered, mine, flat))
+        slice_losses = self._forward_losses(self.lowered, mine, flat)
+        sliced = sum(float(x) for x in slice_losses)
         whole = float(self._forward_losses(self._check_lowered, (unit,), flat)[0])
-        if not np.allclose(sliced, whole, rtol=1e-4, atol=1e-6):
+        if not np.allclose(sliced, whole, rtol=_contract_rtol(slice_losses[0].dtype), atol=1e-6):
             rows = unit.key[0]
             raise TerapipeContractError(
                 f"token slicing {format_scheme(self.batch_slices)}: batch slice {unit.batch_slice} ({rows} rows, "

@@ -1,5 +1,7 @@
 """Models and cases from outside the repository (Flax examples' shapes, MaxText-style blocks, optax chains),
 trained through the public API and compared with plain ``jax.jit`` on one device (tests/helpers.py)."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,10 +28,10 @@ def _padded_attention_loss(params, batch):
     return jnp.mean((x - batch["y"]) ** 2)
 
 
-def _attention_case():
+def _attention_case(seed=0):
     """Two (HIDDEN x HIDDEN) layers' parameters, SGD, one batch of ``[2, SEQ, HIDDEN]`` sequences, and TeraPipe
     over two stages with two token slices."""
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     params = {f"w{i}": jnp.asarray(rng.normal(size=(HIDDEN, HIDDEN)) / 4, jnp.float32) for i in range(2)}
     state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
     batches = [{k: jnp.asarray(rng.normal(size=(2, SEQ, HIDDEN)), jnp.float32) for k in ("x", "y")}]
@@ -63,3 +65,18 @@ def test_terapipe_names_attention_inside_a_checkpointed_block():
     state, batches, method = _attention_case()
     with pytest.raises(TerapipeContractError, match="not inside a jax.checkpoint / nn.remat, lax.scan / nn.scan"):
         al.parallelize(make_train_step(loss), method=method)(state, batches[0])
+
+
+def test_terapipe_checks_a_bfloat16_loss_in_its_own_precision():
+    """The contract check compares the slices' summed loss with the whole sequences' to the loss dtype's
+    precision: a bfloat16 model within the contract trains."""
+    state, batches, method = _attention_case(seed=1)  # slices' losses 2.00391, whole sequences' 2 (bfloat16)
+    to_bf16 = functools.partial(jax.tree.map, lambda x: x.astype(jnp.bfloat16))
+    state = state.replace(params=to_bf16(state.params), opt_state=state.tx.init(to_bf16(state.params)))
+    batches = to_bf16(batches)
+    step = make_train_step(_padded_attention_loss)
+    got, got_metrics = run_steps(al.parallelize(step, method=method), state, batches)
+    want, want_metrics = reference_on_one_device(step, state, batches)
+    # bfloat16 keeps 8 bits: the slices sum their gradients in another order than the whole step
+    assert_trees_close(got.params, want.params, rtol=2e-2, atol=2e-2)
+    assert_trees_close(got_metrics, want_metrics, rtol=2e-2, atol=2e-2)
