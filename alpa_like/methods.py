@@ -73,7 +73,8 @@ def batch_spec(leaf: LeafInfo, num_shards: int, num_micro_batches: int) -> Shard
         raise ValueError(
             f"batch leaf {leaf.path} has {rows} rows in dim 0, which is not divisible by {num_shards} devices x "
             f"{num_micro_batches} micro-batches; use a batch size that is a multiple of "
-            f"{num_shards * num_micro_batches}")
+            f"{num_shards * num_micro_batches}, or pass a leaf that is not per-example (a random key, a setting) "
+            "in an argument outside batch_argnums")
     return ShardingSpec(axes=((0,),) + ((),) * (len(leaf.shape) - 1))
 
 

@@ -80,3 +80,18 @@ def test_terapipe_checks_a_bfloat16_loss_in_its_own_precision():
     # bfloat16 keeps 8 bits: the slices sum their gradients in another order than the whole step
     assert_trees_close(got.params, want.params, rtol=2e-2, atol=2e-2)
     assert_trees_close(got_metrics, want_metrics, rtol=2e-2, atol=2e-2)
+
+
+def test_a_key_in_the_batch_is_named_with_where_it_belongs():
+    """A VAE-style step with its sampling key among the batch leaves (2 words, not one row per example)."""
+    def step(state, batch):
+        def loss(params):
+            noise = jax.random.normal(batch["key"], batch["x"].shape)
+            return jnp.mean((batch["x"] + noise) @ params["w"]) ** 2
+        grads = al.grad(loss)(state.params)
+        return state.apply_gradients(grads=grads)
+
+    state = train_state.TrainState.create(apply_fn=None, params={"w": jnp.ones((4, 2))}, tx=optax.sgd(0.1))
+    batch = {"x": jnp.ones((16, 4)), "key": jax.random.PRNGKey(0)}
+    with pytest.raises(ValueError, match="batch leaf batch.key has 2 rows.*in an argument outside batch_argnums"):
+        al.parallelize(step, method=al.DataParallel())(state, batch)
