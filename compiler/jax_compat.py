@@ -285,6 +285,42 @@ def bypass_eqns(jaxpr: Jaxpr, drop: Callable[[JaxprEqn], bool]) -> Jaxpr:
                  eqns=eqns, effects=jaxpr.effects, debug_info=jaxpr.debug_info)
 
 
+def bypass_eqns_deep(jaxpr: Jaxpr, drop: Callable[[JaxprEqn], bool]) -> tuple[Jaxpr, int]:
+    """:func:`bypass_eqns` in ``jaxpr`` and in every program nested in it (call, loop and cond bodies; see
+    :func:`nested_jaxprs`), and how many equations it dropped; ``jaxpr`` itself when none."""
+    dropped = 0
+
+    def rewrite(item):
+        nonlocal dropped
+        if not isinstance(item, (ClosedJaxpr, Jaxpr)):
+            return item
+        inner, count = bypass_eqns_deep(item.jaxpr if isinstance(item, ClosedJaxpr) else item, drop)
+        dropped += count
+        if not count:
+            return item
+        return ClosedJaxpr(inner, item.consts) if isinstance(item, ClosedJaxpr) else inner
+
+    eqns = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name not in COMBINER_PRIMITIVES:
+            params = {k: type(v)(rewrite(x) for x in v) if type(v) in (tuple, list) else rewrite(v)
+                      for k, v in eqn.params.items()}
+            if dropped and any(not _same(params[k], v) for k, v in eqn.params.items()):
+                eqn = eqn.replace(params=params)
+        eqns.append(eqn)
+    here = sum(map(drop, eqns))
+    if not dropped and not here:
+        return jaxpr, 0
+    return bypass_eqns(jaxpr.replace(eqns=eqns), drop), dropped + here
+
+
+def _same(a, b) -> bool:
+    """``a is b``, element by element for tuples and lists."""
+    if type(a) in (tuple, list) and type(b) in (tuple, list):
+        return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+    return a is b
+
+
 def ancestors(eqns: Sequence[JaxprEqn], targets: Sequence[Any]) -> set[int]:
     """Indices of ``eqns`` that the ``targets`` (Vars; literals ignored) depend on: the live equations
     when ``targets`` are the outputs."""

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings as python_warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jax.extend.core import ClosedJaxpr
+from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.cross_layer_grad import split_cross_layer_grad_sums
@@ -71,6 +72,7 @@ def slice_step(method: PipeshardParallel, fun: Callable, args: Sequence[Any], *,
         split_at_grad_marker(traced.closed_jaxpr, [leaf.is_batch for leaf in traced.in_leaves])
     # Parameter markers have done their job (param_mask); without them each layer reads its own parameters.
     jaxpr = jax_compat.bypass_eqns(traced.closed_jaxpr.jaxpr, lambda e: is_marker(e, "param"))
+    jaxpr, constraint_warning = without_sharding_constraints(jaxpr)
     pieces = slice_layers(jaxpr)
     split = jaxpr
     if method.pipeline_schedule != ScheduleName.TERAPIPE:
@@ -78,6 +80,9 @@ def slice_step(method: PipeshardParallel, fun: Callable, args: Sequence[Any], *,
     if split is not jaxpr:
         jaxpr, pieces = split, slice_layers(split)
     roles, warnings = input_roles(traced)
+    if constraint_warning:
+        python_warnings.warn(constraint_warning, stacklevel=3)
+        warnings += (constraint_warning,)
     summaries = layer_summaries(jaxpr, pieces, [r == "param" for r in roles])
     batch = {i for i, r in enumerate(roles) if r == "batch"}
     optimizer_inputs = tuple(tuple(sorted(apply_phase_inputs(jaxpr, pieces, l) - set(s.param_inputs) - batch))
@@ -85,3 +90,16 @@ def slice_step(method: PipeshardParallel, fun: Callable, args: Sequence[Any], *,
     return SlicedStep(traced=traced, jaxpr=jaxpr, pieces=tuple(pieces), roles=tuple(roles), warnings=warnings,
                       summaries=tuple(summaries), optimizer_inputs=optimizer_inputs,
                       seconds=time.perf_counter() - start)
+
+
+def without_sharding_constraints(jaxpr: Jaxpr) -> tuple[Jaxpr, str | None]:
+    """``jaxpr`` without the step's own ``with_sharding_constraint`` equations (identities whose shardings name
+    the devices of the whole step, where each pipeline stage runs on its own submesh, and the intra-op pass
+    chooses the stage's layouts), and a warning saying how many were left out, or None when there were none."""
+    jaxpr, count = jax_compat.bypass_eqns_deep(jaxpr, lambda e: e.primitive.name == "sharding_constraint")
+    if not count:
+        return jaxpr, None
+    return (jaxpr,
+            f"PipeshardParallel leaves out {count} sharding_constraint equation(s) of the step "
+            "(with_sharding_constraint calls, and their transposes in the backward): each stage runs on its own "
+            "submesh, whose layouts the intra-op pass chooses")

@@ -8,11 +8,13 @@ import numpy as np
 import optax
 import pytest
 from flax.training import train_state
+from jax.sharding import NamedSharding, PartitionSpec
 
 import alpa_like as al
 from alpa_like import nn as al_nn
 from alpa_like.runtime.terapipe_runtime import TerapipeContractError
-from tests.helpers import assert_trees_close, make_train_step, reference_on_one_device, run_steps
+from tests.helpers import (assert_trees_close, make_train_step, mlp_batch, mlp_params, reference_on_one_device,
+                           run_steps)
 
 HIDDEN, SEQ = 8, 8
 
@@ -95,3 +97,30 @@ def test_a_key_in_the_batch_is_named_with_where_it_belongs():
     batch = {"x": jnp.ones((16, 4)), "key": jax.random.PRNGKey(0)}
     with pytest.raises(ValueError, match="batch leaf batch.key has 2 rows.*in an argument outside batch_argnums"):
         al.parallelize(step, method=al.DataParallel())(state, batch)
+
+
+def test_a_pipeline_leaves_out_the_models_sharding_constraints():
+    """A pjit-style model pins its activations to a mesh of all the devices, inside a checkpointed block too;
+    each pipeline stage runs on half of them."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    rows = NamedSharding(mesh, PartitionSpec("data"))
+
+    def layer(p, x):
+        return jax.lax.with_sharding_constraint(jnp.tanh(x @ p["kernel"] + p["bias"]), rows)
+
+    def loss(params, batch):
+        x = layer(params["dense_0"], batch["x"])
+        x = jax.checkpoint(layer)(params["dense_1"], x)
+        return jnp.mean((x @ params["dense_2"]["kernel"] - batch["y"]) ** 2)
+
+    sizes = (16, 32, 32, 8)
+    rng = np.random.default_rng(0)
+    state = train_state.TrainState.create(apply_fn=None, params=mlp_params(rng, sizes), tx=optax.sgd(0.1))
+    batches = [mlp_batch(rng, 32, sizes) for _ in range(2)]
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2),
+                                  stage_option=al.UniformStageOption(num_stages=2))
+    step = make_train_step(loss)
+    with pytest.warns(UserWarning, match="leaves out 4 sharding_constraint equation"):
+        got, _ = run_steps(al.parallelize(step, method=method), state, batches)
+    want, _ = run_steps(jax.jit(step), state, batches)  # the constraints' devices: not one device
+    assert_trees_close(got.params, want.params)
