@@ -285,6 +285,11 @@ def bypass_eqns(jaxpr: Jaxpr, drop: Callable[[JaxprEqn], bool]) -> Jaxpr:
                  eqns=eqns, effects=jaxpr.effects, debug_info=jaxpr.debug_info)
 
 
+def is_sharding_constraint(eqn: JaxprEqn) -> bool:
+    """Whether ``eqn`` is a ``with_sharding_constraint`` (an identity on values)."""
+    return eqn.primitive.name == "sharding_constraint"
+
+
 def bypass_eqns_deep(jaxpr: Jaxpr, drop: Callable[[JaxprEqn], bool]) -> tuple[Jaxpr, int]:
     """:func:`bypass_eqns` in ``jaxpr`` and in every program nested in it (call, loop and cond bodies; see
     :func:`nested_jaxprs`), and how many equations it dropped; ``jaxpr`` itself when none."""

@@ -96,7 +96,7 @@ def without_sharding_constraints(jaxpr: Jaxpr) -> tuple[Jaxpr, str | None]:
     """``jaxpr`` without the step's own ``with_sharding_constraint`` equations (identities whose shardings name
     the devices of the whole step, where each pipeline stage runs on its own submesh, and the intra-op pass
     chooses the stage's layouts), and a warning saying how many were left out, or None when there were none."""
-    jaxpr, count = jax_compat.bypass_eqns_deep(jaxpr, lambda e: e.primitive.name == "sharding_constraint")
+    jaxpr, count = jax_compat.bypass_eqns_deep(jaxpr, jax_compat.is_sharding_constraint)
     if not count:
         return jaxpr, None
     return (jaxpr,

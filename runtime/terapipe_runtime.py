@@ -202,7 +202,8 @@ class _SliceProgram:
 def _trace_slice(call: LossCall, leaf_avals, batch_leaf: Sequence[bool], length: int, context: int, kv_avals,
                  weight: float, padded: bool = False):
     """Traces the weighted loss of one slice of ``length`` tokens after ``context`` cached tokens (one
-    ``(keys, values)`` prefix per attention call); returns the closed jaxpr."""
+    ``(keys, values)`` prefix per attention call); returns the closed jaxpr, without the loss's sharding
+    constraints (as the pipeline leaves them out of the step: each stage runs on its own submesh)."""
     def sliced(aval, is_batch):
         if not is_batch:
             return aval
@@ -223,7 +224,9 @@ def _trace_slice(call: LossCall, leaf_avals, batch_leaf: Sequence[bool], length:
         return [jnp.asarray(value) * weight] + [x for kv in slice_context.produced for x in kv]
 
     valid = jax.ShapeDtypeStruct((), jnp.int32) if padded else None
-    return jax_compat.inline_calls(jax.make_jaxpr(loss)(leaves, prefixes, valid))
+    closed = jax_compat.inline_calls(jax.make_jaxpr(loss)(leaves, prefixes, valid))
+    jaxpr, _ = jax_compat.bypass_eqns_deep(closed.jaxpr, jax_compat.is_sharding_constraint)
+    return closed.replace(jaxpr=jaxpr)
 
 
 def _contract_rtol(loss_dtype) -> float:

@@ -13,20 +13,22 @@ from jax.sharding import NamedSharding, PartitionSpec
 import alpa_like as al
 from alpa_like import nn as al_nn
 from alpa_like.runtime.terapipe_runtime import TerapipeContractError
-from tests.helpers import (assert_trees_close, make_train_step, mlp_batch, mlp_params, reference_on_one_device,
-                           run_steps)
+from tests.helpers import assert_trees_close, make_train_step, mlp_batch, mlp_params, run_steps
 
 HIDDEN, SEQ = 8, 8
 
 
 def _padded_attention_loss(params, batch):
     """Causal attention layers whose features are shifted by a ``jnp.pad`` on the feature dim (per token, so
-    within TeraPipe's contract); the pad's padding value is a constant residual of the stage's vjp."""
+    within TeraPipe's contract); the pad's padding value is a constant residual of the stage's vjp. Each
+    layer's output is pinned, pjit-style, to rows split over all the devices (a stage has half of them)."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     x = batch["x"]
     for name in sorted(params):
         q = (x @ params[name]).reshape(*x.shape[:2], 2, HIDDEN // 2)
         x = x + al_nn.causal_self_attention(q, q, q).reshape(x.shape)
         x = x + 0.1 * jnp.pad(x, ((0, 0), (0, 0), (1, 0)))[..., :-1]
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec("data")))
     return jnp.mean((x - batch["y"]) ** 2)
 
 
@@ -43,11 +45,12 @@ def _attention_case(seed=0):
     return state, batches, method
 
 
-def test_terapipe_runs_a_stage_whose_vjp_keeps_a_constant():
+def test_terapipe_runs_a_stage_whose_vjp_keeps_a_constant_and_a_sharding_constraint():
     state, batches, method = _attention_case()
     step = make_train_step(_padded_attention_loss)
-    got, got_metrics = run_steps(al.parallelize(step, method=method), state, batches)
-    want, want_metrics = reference_on_one_device(step, state, batches)
+    with pytest.warns(UserWarning, match="leaves out 4 sharding_constraint equation"):
+        got, got_metrics = run_steps(al.parallelize(step, method=method), state, batches)
+    want, want_metrics = run_steps(jax.jit(step), state, batches)  # the constraints' devices: not one device
     assert_trees_close(got.params, want.params)
     assert_trees_close(got_metrics, want_metrics)
 
@@ -77,8 +80,9 @@ def test_terapipe_checks_a_bfloat16_loss_in_its_own_precision():
     state = state.replace(params=to_bf16(state.params), opt_state=state.tx.init(to_bf16(state.params)))
     batches = to_bf16(batches)
     step = make_train_step(_padded_attention_loss)
-    got, got_metrics = run_steps(al.parallelize(step, method=method), state, batches)
-    want, want_metrics = reference_on_one_device(step, state, batches)
+    with pytest.warns(UserWarning, match="sharding_constraint"):
+        got, got_metrics = run_steps(al.parallelize(step, method=method), state, batches)
+    want, want_metrics = run_steps(jax.jit(step), state, batches)
     # bfloat16 keeps 8 bits: the slices sum their gradients in another order than the whole step
     assert_trees_close(got.params, want.params, rtol=2e-2, atol=2e-2)
     assert_trees_close(got_metrics, want_metrics, rtol=2e-2, atol=2e-2)
