@@ -46,10 +46,12 @@ ELEMENTWISE = frozenset({
     "neg", "nextafter", "not", "or", "polygamma", "population_count", "pow", "real", "reduce_precision", "rem",
     "round", "rsqrt", "select_n", "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign", "sin",
     "sinh", "sqrt", "square", "stop_gradient", "sub", "tan", "tanh", "xor", "optimization_barrier",
-    "bitcast_convert_type",
+    "bitcast_convert_type", "sharding_constraint", "reshard",
 })
 """Operators applied element by element to operands of one shape (scalars broadcast); a
-``bitcast_convert_type`` between types of different widths changes the shape and is not merged (replicated)."""
+``bitcast_convert_type`` between types of different widths changes the shape and is not merged (replicated).
+A user's ``with_sharding_constraint`` (and the ``reshard`` of its backward) is an identity here: the ILP
+chooses its layout like any other value's."""
 
 SUM_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
                             "reduce_xor"})

@@ -1,6 +1,7 @@
 """Models and cases from outside the repository (Flax examples' shapes, MaxText-style blocks, optax chains),
 trained through the public API and compared with plain ``jax.jit`` on one device (tests/helpers.py)."""
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -103,9 +104,9 @@ def test_a_key_in_the_batch_is_named_with_where_it_belongs():
         al.parallelize(step, method=al.DataParallel())(state, batch)
 
 
-def test_a_pipeline_leaves_out_the_models_sharding_constraints():
-    """A pjit-style model pins its activations to a mesh of all the devices, inside a checkpointed block too;
-    each pipeline stage runs on half of them."""
+def _pinned_mlp_case():
+    """A pjit-style MLP that pins its activations to rows split over a mesh of all the devices, inside a
+    checkpointed block too: ``(step, state, batches)``."""
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     rows = NamedSharding(mesh, PartitionSpec("data"))
 
@@ -120,11 +121,25 @@ def test_a_pipeline_leaves_out_the_models_sharding_constraints():
     sizes = (16, 32, 32, 8)
     rng = np.random.default_rng(0)
     state = train_state.TrainState.create(apply_fn=None, params=mlp_params(rng, sizes), tx=optax.sgd(0.1))
-    batches = [mlp_batch(rng, 32, sizes) for _ in range(2)]
+    return make_train_step(loss), state, [mlp_batch(rng, 32, sizes) for _ in range(2)]
+
+
+def test_a_pipeline_leaves_out_the_models_sharding_constraints():
+    """Each pipeline stage runs on half of the devices the constraints name."""
+    step, state, batches = _pinned_mlp_case()
     method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2),
                                   stage_option=al.UniformStageOption(num_stages=2))
-    step = make_train_step(loss)
     with pytest.warns(UserWarning, match="leaves out 4 sharding_constraint equation"):
         got, _ = run_steps(al.parallelize(step, method=method), state, batches)
     want, _ = run_steps(jax.jit(step), state, batches)  # the constraints' devices: not one device
+    assert_trees_close(got.params, want.params)
+
+
+def test_shard_parallel_lays_out_a_sharding_constraint_like_any_value():
+    """The ILP treats a constraint as an identity instead of computing it replicated."""
+    step, state, batches = _pinned_mlp_case()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*no sharding rule")
+        got, _ = run_steps(al.parallelize(step, method=al.ShardParallel()), state, batches)
+    want, _ = run_steps(jax.jit(step), state, batches)
     assert_trees_close(got.params, want.params)
