@@ -65,6 +65,10 @@ def slice_step(method: PipeshardParallel, fun: Callable, args: Sequence[Any], *,
         raise ValueError("al.mark_pipeline_boundary() was called outside the function al.grad differentiates, "
                          "where it cuts nothing: call it inside the loss, between two layers' forward code")
     markers = grad_markers(traced.closed_jaxpr)
+    if not markers and _calls_grad_in_a_body(traced.closed_jaxpr.jaxpr):
+        raise ValueError("PipeshardParallel: the step calls al.grad / al.value_and_grad inside a lax.scan, loop or "
+                         "cond body (a gradient accumulation loop?), where the pipeline cannot cut its loss into "
+                         "layers: call it once, outside loops, and accumulate with num_micro_batches")
     if len(markers) > 1:
         raise ValueError(f"PipeshardParallel needs exactly one al.grad / al.value_and_grad call in the step (its "
                          f"loss is what the pipeline cuts into layers), found {len(markers)}")
@@ -103,3 +107,9 @@ def without_sharding_constraints(jaxpr: Jaxpr) -> tuple[Jaxpr, str | None]:
             f"PipeshardParallel leaves out {count} sharding_constraint equation(s) of the step "
             "(with_sharding_constraint calls, and their transposes in the backward): each stage runs on its own "
             "submesh, whose layouts the intra-op pass chooses")
+
+
+def _calls_grad_in_a_body(jaxpr: Jaxpr) -> bool:
+    """Whether an al.grad marker is in a program nested in ``jaxpr`` (a call, loop or cond body)."""
+    return any(is_marker(e, "grad") or _calls_grad_in_a_body(sub)
+               for eqn in jaxpr.eqns for sub in jax_compat.nested_jaxprs(eqn) for e in sub.eqns)

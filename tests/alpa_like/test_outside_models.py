@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import alpa_like as al
 from alpa_like import nn as al_nn
 from alpa_like.runtime.terapipe_runtime import TerapipeContractError
-from tests.helpers import assert_trees_close, make_train_step, mlp_batch, mlp_params, run_steps
+from tests.helpers import assert_trees_close, make_train_step, mlp_batch, mlp_loss, mlp_params, run_steps
 
 HIDDEN, SEQ = 8, 8
 
@@ -143,3 +143,22 @@ def test_shard_parallel_lays_out_a_sharding_constraint_like_any_value():
         got, _ = run_steps(al.parallelize(step, method=al.ShardParallel()), state, batches)
     want, _ = run_steps(jax.jit(step), state, batches)
     assert_trees_close(got.params, want.params)
+
+
+def test_a_gradient_accumulation_loop_in_the_step_is_named_under_a_pipeline():
+    """A MaxText-style step that scans al.value_and_grad over its micro-batches itself."""
+    def step(state, batch):
+        def accumulate(total, micro_batch):
+            loss, grads = al.value_and_grad(mlp_loss)(state.params, micro_batch)
+            return jax.tree.map(jnp.add, total, (loss, grads)), None
+        zero = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, state.params))
+        (loss, grads), _ = jax.lax.scan(accumulate, zero, jax.tree.map(lambda x: x.reshape(2, -1, *x.shape[1:]),
+                                                                         batch))
+        return state.apply_gradients(grads=jax.tree.map(lambda g: g / 2, grads)), loss / 2
+
+    rng = np.random.default_rng(0)
+    state = train_state.TrainState.create(apply_fn=None, params=mlp_params(rng), tx=optax.sgd(0.1))
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2),
+                                  stage_option=al.UniformStageOption(num_stages=2))
+    with pytest.raises(ValueError, match="inside a lax.scan, loop or cond body .* accumulate with num_micro_batches"):
+        al.parallelize(step, method=method)(state, mlp_batch(rng))
