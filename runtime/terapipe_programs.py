@@ -241,13 +241,13 @@ def _constant_residuals_inlined(fwd: ClosedJaxpr, num_out: int) -> tuple[ClosedJ
     ``pad``'s padding value, for one), and those residuals' values by position among the residuals: the
     backward piece takes them as constants instead of buffers (a piece's outputs are buffers, so Vars)."""
     res = fwd.jaxpr.outvars[num_out:]
-    fixed = {k: jnp.asarray(o.val, o.aval.dtype) for k, o in enumerate(res) if not isinstance(o, Var)}
-    if not fixed:
-        return fwd, fixed
+    constants = {k: jnp.asarray(o.val, o.aval.dtype) for k, o in enumerate(res) if not isinstance(o, Var)}
+    if not constants:
+        return fwd, constants
     outvars = fwd.jaxpr.outvars[:num_out] + [o for o in res if isinstance(o, Var)]
     jaxpr = fwd.jaxpr.replace(outvars=outvars, debug_info=jax_compat.debug_info("forward", len(fwd.jaxpr.invars),
                                                                                   len(outvars)))
-    return fwd.replace(jaxpr=jaxpr), fixed
+    return fwd.replace(jaxpr=jaxpr), constants
 
 
 def _sum_piece(stage: int, sums: list[tuple[list[ValueId], ValueId]], vals: _Values) -> StagePiece:
@@ -298,7 +298,7 @@ def _stage_pieces(prog, q: int, stage: int, has_next: bool, consts: dict, consum
         return list(results) + leaves
 
     num_out = len(outs) + len(nexts)
-    fwd, fixed = _constant_residuals_inlined(_closed(forward, [v.aval for v in part.inputs]), num_out)
+    fwd, constant_residuals = _constant_residuals_inlined(_closed(forward, [v.aval for v in part.inputs]), num_out)
     res_vars = fwd.jaxpr.outvars[num_out:]
     out_avals = [v.aval for v in fwd.jaxpr.outvars[:num_out]]
     # Cotangent inputs: per output value, one from each later stage that reads it (summed); per next prefix one.
@@ -313,7 +313,8 @@ def _stage_pieces(prog, q: int, stage: int, has_next: bool, consts: dict, consum
 
     def backward(residuals, cts):
         it = iter(residuals)
-        leaves = [fixed[k] if k in fixed else next(it) for k in range(len(residuals) + len(fixed))]
+        leaves = [constant_residuals[k] if k in constant_residuals else next(it)
+                  for k in range(len(residuals) + len(constant_residuals))]
         vjp = jax.tree_util.tree_unflatten(tree["def"], leaves)
         it = iter(cts)
         full = []
