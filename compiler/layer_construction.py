@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
@@ -281,5 +282,23 @@ def auto_layers(layer_num: int, delta: float | None, recompute_aware: bool = Fal
         layer_of_segment = np.zeros(num_segments, dtype=int)
         for layer, ops in enumerate(clustering.layers):
             layer_of_segment[list(ops)] = layer
+        if (message := loop_balance_warning(jaxpr, layer_num)) is not None:
+            warnings.warn(message, stacklevel=2)
         return [int(layer_of_segment[s]) for s in segments]
     return assign
+
+
+def loop_balance_warning(jaxpr: Jaxpr, layer_num: int) -> str | None:
+    """A warning when one loop (layers stacked in a ``lax.scan`` / ``nn.scan``) holds more than 1.5 times an
+    even layer's share of the loss's FLOPs: it is one operator to the clustering, so one layer, and the stage
+    that runs it, takes it whole. None otherwise."""
+    loops = [(eqn_flops(e), e.primitive.name) for e in jaxpr.eqns if e.primitive.name in ("scan", "while")]
+    total = sum(eqn_flops(e) for e in jaxpr.eqns)
+    if layer_num < 2 or not loops or total <= 0:
+        return None
+    heaviest, name = max(loops)
+    if heaviest <= 1.5 * total / layer_num:
+        return None
+    return (f"AutoLayerOption(layer_num={layer_num}): one {name} loop holds {heaviest / total:.0%} of the loss's "
+            "FLOPs and is one operator to the layer clustering, so one layer (and its pipeline stage) runs it whole: "
+            "unroll the layers stacked in a lax.scan / nn.scan (a Python loop) to balance the stages")

@@ -162,3 +162,19 @@ def test_a_gradient_accumulation_loop_in_the_step_is_named_under_a_pipeline():
                                   stage_option=al.UniformStageOption(num_stages=2))
     with pytest.raises(ValueError, match="inside a lax.scan, loop or cond body .* accumulate with num_micro_batches"):
         al.parallelize(step, method=method)(state, mlp_batch(rng))
+
+
+def test_a_pipeline_over_layers_stacked_in_a_scan_says_why_one_stage_runs_them_all():
+    """MaxText-style: the blocks are one ``lax.scan`` over stacked weights (as ``nn.scan`` makes them)."""
+    def loss(params, batch):
+        h = batch["x"] @ params["embed"]
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, params["blocks"])
+        return jnp.mean((h - batch["y"]) ** 2)
+
+    params = {"embed": jnp.zeros((4, HIDDEN)), "blocks": jnp.zeros((6, HIDDEN, HIDDEN))}
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+    batch = {"x": jnp.zeros((16, 4)), "y": jnp.zeros((16, HIDDEN))}
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2),
+                                  stage_option=al.UniformStageOption(num_stages=2))
+    with pytest.warns(UserWarning, match="one scan loop holds 91% of the loss's FLOPs .* unroll the layers"):
+        al.plan(make_train_step(loss), state, batch, method=method, cluster=al.ClusterSpec.preset("p3.16xlarge"))
