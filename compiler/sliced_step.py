@@ -111,5 +111,5 @@ def without_sharding_constraints(jaxpr: Jaxpr) -> tuple[Jaxpr, str | None]:
 
 def _calls_grad_in_a_body(jaxpr: Jaxpr) -> bool:
     """Whether an al.grad marker is in a program nested in ``jaxpr`` (a call, loop or cond body)."""
-    return any(is_marker(e, "grad") or _calls_grad_in_a_body(sub)
-               for eqn in jaxpr.eqns for sub in jax_compat.nested_jaxprs(eqn) for e in sub.eqns)
+    return any(any(is_marker(e, "grad") for e in sub.eqns) or _calls_grad_in_a_body(sub)
+               for eqn in jaxpr.eqns for sub in jax_compat.nested_jaxprs(eqn))
