@@ -256,7 +256,7 @@ def _attention_kv_avals(call: LossCall, leaf_avals):
             "(the only cross-token operation token slicing can cut); the loss never calls it (a call inside a "
             "function JAX traced before, under jax.jit or jax.checkpoint, is not seen: JAX reuses its cached trace)")
     defined = {*jaxpr.invars, *(v for e in jaxpr.eqns for v in e.outvars)}  # a body's keys leak out as constvars
-    if any(isinstance(v, Var) and v not in defined for v in jaxpr.outvars[1:]):
+    if any(isinstance(v, Var) and v not in defined for v in jaxpr.outvars[-2 * len(found):]):
         raise TerapipeContractError(
             "pipeline_schedule='terapipe' caches the keys and values of each alpa_like.nn.causal_self_attention "
             "call across token slices, so the loss must make the call itself, not inside a jax.checkpoint / "
