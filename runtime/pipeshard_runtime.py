@@ -29,13 +29,13 @@ from jax.sharding import NamedSharding
 
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.grad_accumulation import from_micro_batches, to_micro_batches
-from alpa_like.runtime.accumulation import FusedAccumulation
 from alpa_like.compiler.micro_batch_keys import KeyDraws, fold_micro_batch_index
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.gradient_sync import NONE, DeferredGradients
 from alpa_like.compiler.stage_construction import StageProgram, ValueId, micro_batch_key_draws
 from alpa_like.compiler.stage_sharding import StageSharding
 from alpa_like.compiler.trace import updated_inputs
+from alpa_like.runtime.accumulation import FusedAccumulation
 from alpa_like.runtime.instructions import PER_STEP, Instruction, MeshPrograms, Op, buffer_key
 from alpa_like.runtime.mesh import has_layout, make_mesh, named_sharding
 from alpa_like.runtime.resharding import layout_of, plan_resharding, reshard
