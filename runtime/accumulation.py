@@ -1,4 +1,4 @@
-"""A stage piece's run with the accumulation of its outputs fused in (both backends).
+"""A stage piece's run with the accumulation of its outputs fused in (the local backend).
 
 A RUN whose outputs the program accumulates (its ACC instructions: gradients, a loss) is one jitted call
 ``(totals, *inputs) -> (outputs, [totals[i] + outputs[slots[i]]])`` on every micro-batch, the first one
@@ -7,6 +7,11 @@ the first micro-batch's sum is its output. An output of an extended dtype (a typ
 it is taken as it is, which is all one micro-batch needs. The call compiles once: its first compile leaves
 the totals' layouts open and XLA propagates the accumulated outputs' layouts to them, so the starting totals
 are made in those layouts and every sum comes out in the layout the next call takes it in.
+
+This needs a piece with the ILP's layouts pinned inside it, so that the open totals take the pinned outputs'
+layouts. An unpinned piece (a TeraPipe slice's, an exported one on the Ray backend) would leave XLA's
+propagation free inside it too: with ``open_totals=False`` a first RUN runs the piece unfused and its outputs
+are the totals, in the layouts XLA gave them (a second compile for the fused form).
 """
 from __future__ import annotations
 
@@ -22,11 +27,12 @@ class FusedAccumulation:
     donated inputs (``donate``: positions among the piece's inputs).
 
     ``body``: the piece as a function of its inputs, returning its list of outputs; ``out_shardings``: per
-    output, the layout it is made in (None: XLA's choice), or None.
+    output, the layout it is made in (None: XLA's choice), or None; ``open_totals``: start totals from -0.0
+    in the layouts the first compile gives them (a pinned piece), else from a first unfused run's outputs.
     """
 
     def __init__(self, body: Callable, slots: tuple[int, ...], donate: tuple[int, ...] = (),
-                 out_shardings: Sequence | None = None):
+                 out_shardings: Sequence | None = None, open_totals: bool = True):
         def run(totals, *args):
             outs = body(*args)
             return outs, [outs[k] if t is None else t + outs[k] for t, k in zip(totals, slots, strict=True)]
@@ -39,12 +45,20 @@ class FusedAccumulation:
         taken as it is)."""
         self._compiled = None
         self._zeros: Callable[[], list[jax.Array]] | None = None
+        self._unfused = None if open_totals else jax.jit(body, donate_argnums=donate)
+        self.first_call: tuple[Callable, list] | None = None
+        """The jitted function the first call ran and the specs of its leading arguments (the open totals, or
+        none for an unfused run): lowering it on those and the first call's argument specs finds its
+        executable in jax's cache."""
 
     def __call__(self, totals: Sequence[jax.Array | None], *args) -> tuple[list, list]:
         """The piece's outputs on ``args`` and the new totals; a ``None`` among ``totals`` is a total this
         call starts (from ``-0.0``). The first call compiles."""
+        if self._unfused is not None:
+            return self._without_open_totals(totals, args)
         if self._zeros is None:
             self._compile(args)
+            self.first_call = (self.jitted, [self.open_totals])
         if any(t is None for t in totals):
             zeros = iter(self._zeros())
             totals = [None if spec is None else next(zeros) if t is None else t
@@ -55,6 +69,17 @@ class FusedAccumulation:
             except (TypeError, ValueError):  # arguments the compile did not see (a layout, a weak type)
                 self._compiled = None
         return self.jitted(list(totals), *args)
+
+    def _without_open_totals(self, totals: Sequence[jax.Array | None], args: Sequence[Any]) -> tuple[list, list]:
+        if all(t is not None for t in totals):
+            if self.first_call is None:
+                self.first_call = (self.jitted, [[jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=t.sharding)
+                                                  for t in totals]])
+            return self.jitted(list(totals), *args)
+        outs = self._unfused(*args)
+        if self.first_call is None:
+            self.first_call = (self._unfused, [])
+        return outs, [outs[k] if t is None else t + outs[k] for t, k in zip(totals, self.slots, strict=True)]
 
     def _compile(self, args: Sequence[Any]) -> None:
         outs = jax.eval_shape(self.body, *args)

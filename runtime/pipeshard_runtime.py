@@ -318,7 +318,8 @@ class PipeshardExecutable:
             with _quiet_unusable_donations():
                 outs, sums = fused([acc.get(a.target) for a in accs], *args)
             if specs is not None:
-                self._ran[(ins.stage, ins.phase)] = (fused.jitted, (fused.open_totals, *specs))
+                fn, leading = fused.first_call
+                self._ran[(ins.stage, ins.phase)] = (fn, (*leading, *specs))
             acc.update({a.target: x for a, x in zip(accs, sums, strict=True)})
         else:
             fn = self._piece_executable(ins.stage, ins.phase, donate)
@@ -357,7 +358,8 @@ class PipeshardExecutable:
             fused = self._fused[(stage, phase, slots, donate)] = FusedAccumulation(
                 _piece_fn(self.program.piece(stage, phase), *self._hooks.get((stage, phase), ()),
                           draws=self._draws.get((stage, phase), ()), out_pins=self._out_pins.get((stage, phase), ())),
-                slots, donate)
+                slots, donate, open_totals=bool(stage < len(self.stage_shardings)
+                                                and self.stage_shardings[stage].value_pins))
         return fused
 
     def _micro_batch_index(self, mesh: int, micro_batch: int) -> jax.Array:

@@ -51,3 +51,12 @@ def test_arguments_the_compile_did_not_see_run_through_jit():
     _, totals = got[0]
     np.testing.assert_allclose(np.asarray(totals[0]), np.asarray(xs[0] @ w + xs[1] @ w), rtol=1e-6)
     np.testing.assert_allclose(float(totals[1]), float(jnp.sum(xs[0]) + jnp.sum(xs[1])), rtol=1e-6)
+
+
+def test_without_open_totals_a_first_call_runs_the_piece_unfused_and_its_outputs_are_the_totals():
+    _, w, xs = sharded_inputs(np.random.default_rng(2))
+    fused = FusedAccumulation(piece, slots=(0,), open_totals=False)
+    outs, totals = fused([None], w, xs[0])
+    assert totals[0] is outs[0] and fused.first_call[1] == []
+    _, totals = fused(totals, w, xs[1])
+    np.testing.assert_allclose(np.asarray(totals[0]), np.asarray(xs[0] @ w + xs[1] @ w), rtol=1e-6)
