@@ -71,6 +71,7 @@ class FusedAccumulation:
         return self.jitted(list(totals), *args)
 
     def _without_open_totals(self, totals: Sequence[jax.Array | None], args: Sequence[Any]) -> tuple[list, list]:
+        """``__call__`` of a piece without open totals: unfused while a total is to start, else fused."""
         if all(t is not None for t in totals):
             if self.first_call is None:
                 self.first_call = (self.jitted, [[jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=t.sharding)
@@ -82,6 +83,7 @@ class FusedAccumulation:
         return outs, [outs[k] if t is None else t + outs[k] for t, k in zip(totals, self.slots, strict=True)]
 
     def _compile(self, args: Sequence[Any]) -> None:
+        """Compiles the call with the totals' layouts left open and makes the maker of its -0.0 totals."""
         outs = jax.eval_shape(self.body, *args)
         self.open_totals = [None if jax.dtypes.issubdtype(outs[k].dtype, jax.dtypes.extended)
                             else jax.ShapeDtypeStruct(outs[k].shape, outs[k].dtype, weak_type=outs[k].weak_type)
