@@ -261,9 +261,10 @@ def auto_layers(layer_num: int, delta: float | None, recompute_aware: bool = Fal
         if num_segments < layer_num:
             raise ValueError(f"AutoLayerOption(layer_num={layer_num}): the loss has only {num_segments} "
                              f"matmul/convolution operators to cluster; use a smaller layer_num{_loop_hint(jaxpr)}")
+        per_eqn = [eqn_flops(eqn) for eqn in jaxpr.eqns]
         flops = [0.0] * num_segments
-        for eqn, seg in zip(jaxpr.eqns, segments, strict=True):
-            flops[seg] += eqn_flops(eqn)
+        for cost, seg in zip(per_eqn, segments, strict=True):
+            flops[seg] += cost
         defined = {v: segments[i] for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
         edges = []
         for i, eqn in enumerate(jaxpr.eqns):
@@ -282,18 +283,19 @@ def auto_layers(layer_num: int, delta: float | None, recompute_aware: bool = Fal
         layer_of_segment = np.zeros(num_segments, dtype=int)
         for layer, ops in enumerate(clustering.layers):
             layer_of_segment[list(ops)] = layer
-        if (message := loop_balance_warning(jaxpr, layer_num)) is not None:
+        if (message := loop_balance_warning(jaxpr, per_eqn, layer_num)) is not None:
             warnings.warn(message, stacklevel=2)
         return [int(layer_of_segment[s]) for s in segments]
     return assign
 
 
-def loop_balance_warning(jaxpr: Jaxpr, layer_num: int) -> str | None:
+def loop_balance_warning(jaxpr: Jaxpr, per_eqn: Sequence[float], layer_num: int) -> str | None:
     """A warning when one loop (layers stacked in a ``lax.scan`` / ``nn.scan``) holds more than 1.5 times an
-    even layer's share of the loss's FLOPs: it is one operator to the clustering, so one layer, and the stage
-    that runs it, takes it whole. None otherwise."""
-    loops = [(eqn_flops(e), e.primitive.name) for e in jaxpr.eqns if e.primitive.name in ("scan", "while")]
-    total = sum(eqn_flops(e) for e in jaxpr.eqns)
+    even layer's share of the loss's FLOPs (``per_eqn``: each equation's): it is one operator to the
+    clustering, so one layer, and the stage that runs it, takes it whole. None otherwise."""
+    loops = [(cost, e.primitive.name) for e, cost in zip(jaxpr.eqns, per_eqn, strict=True)
+             if e.primitive.name in ("scan", "while")]
+    total = sum(per_eqn)
     if layer_num < 2 or not loops or total <= 0:
         return None
     heaviest, name = max(loops)

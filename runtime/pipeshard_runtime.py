@@ -40,7 +40,7 @@ from alpa_like.runtime.instructions import PER_STEP, Instruction, MeshPrograms, 
 from alpa_like.runtime.mesh import has_layout, make_mesh, named_sharding
 from alpa_like.runtime.resharding import layout_of, plan_resharding, reshard
 from alpa_like.runtime.partial_sums import eval_piece, stacked_pins, step_means
-from alpa_like.runtime.spmd import pin_hook
+from alpa_like.runtime.spmd import is_deleted, pin_hook
 from alpa_like.runtime.stage_gradients import GradientDeferral, defer_gradients, gradient_phase, stage_phases
 
 MESH_AXES = ("x", "y")
@@ -390,7 +390,7 @@ class PipeshardExecutable:
             v, mb = ins.key
             value = inputs[v]
             name = self._input_names.get(v, str(v))
-            if _is_deleted(value):
+            if is_deleted(value):
                 raise ValueError(f"step input {name} is a deleted array (donated to or deleted by an earlier "
                                  "call?): pass a live array")
             if ins.window is not None:
@@ -401,7 +401,7 @@ class PipeshardExecutable:
                 if v not in micro:
                     micro[v] = _split_micro_batches(jax.numpy.asarray(value), self.num_micro_batches)
                 value = micro[v][mb]
-                if _is_deleted(value):
+                if is_deleted(value):
                     raise RuntimeError(f"micro-batch {mb} of step input {name} was deleted before mesh {ins.mesh} "
                                        "loaded it: a RUN donated a buffer the slice shares")
             elif (own := self._own_copies.get(id(value))) is not None and own[0] is value and ins.mesh in own[1]:
@@ -535,10 +535,6 @@ def shares_buffers(a: jax.Array, b: jax.Array) -> bool:
     """
     mine = {s.data.unsafe_buffer_pointer() for s in a.addressable_shards}
     return any(s.data.unsafe_buffer_pointer() in mine for s in b.addressable_shards)
-
-
-def _is_deleted(x) -> bool:
-    return isinstance(x, jax.Array) and x.is_deleted()
 
 
 @contextlib.contextmanager

@@ -208,7 +208,8 @@ def compile_spmd(traced: TracedStep, layout: SpmdLayout, devices: Sequence[Any],
                         compile_seconds=time.perf_counter() - start, donated_argnums=tuple(sorted(donated)))
 
 
-def _is_deleted(x) -> bool:
+def is_deleted(x) -> bool:
+    """Whether ``x`` is a jax array whose buffers were deleted (donated to an earlier call)."""
     return isinstance(x, jax.Array) and x.is_deleted()
 
 
@@ -278,7 +279,7 @@ class SpmdExecutable:
         the process (SIGSEGV) when a compiled step that donates is handed a donated array sharded over
         several devices a second time."""
         for i in self._compiled.donated_argnums:
-            if i < len(args) and any(_is_deleted(x) for x in jax.tree.leaves(args[i])):
+            if i < len(args) and any(is_deleted(x) for x in jax.tree.leaves(args[i])):
                 self.traced.flatten_args(args)  # checks every leaf: the ValueError names the deleted one
 
     def input_shardings(self) -> tuple[NamedSharding, ...]:
