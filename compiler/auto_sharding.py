@@ -478,8 +478,8 @@ def all_reduce_bandwidth(strategy: Strategy, mesh: LogicalMesh) -> float:
 
 @functools.lru_cache(maxsize=64)
 def without_latency(mesh: LogicalMesh) -> LogicalMesh:
-    """``mesh`` with every axis's latency ``alpha`` set to 0 (the bandwidth terms kept)."""
-    return dataclasses.replace(mesh, alpha=(0.0,) * mesh.ndim)
+    """``mesh`` with every latency set to 0 (the bandwidth terms kept), cached."""
+    return mesh.without_latency()
 
 
 def memory_rows(graph: OpGraph, table, node_of: np.ndarray, mesh: LogicalMesh):

@@ -9,6 +9,7 @@ Vocabulary: an *axis* is a mesh axis (0 or 1); a *dim* is a tensor dimension.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import numbers
@@ -44,9 +45,11 @@ class LogicalMesh:
     reduce-scatter, and for an all-to-all the union of the ``n`` per-device buffers (``n`` times what one
     device holds). An axis of size 1 has nothing to communicate and costs 0.
 
-    ``axis=(0, 1)`` is one ring over all ``n0 * n1`` devices, priced with the slower axis' alpha and beta
-    (the axis with the larger beta, ties broken by the larger alpha): a ring over both axes must cross the
-    slower links. Table 3.3 #7 (``all-reduce(M, {0, 1})``) uses it.
+    ``axis=(0, 1)`` is one ring over all ``n0 * n1`` devices, priced with ``joint_alpha`` and ``joint_beta``
+    where given, else with the slower axis' alpha and beta (the axis with the larger beta, ties broken by the
+    larger alpha): a ring over both axes must cross the slower links. Table 3.3 #7 (``all-reduce(M, {0, 1})``)
+    uses it. An all-reduce over ``(0, 1)`` costs the cheaper of that ring and the two-level form NCCL's
+    trees approach (:meth:`all_reduce_cost`).
     """
 
     shape: tuple[int, ...]
@@ -55,6 +58,16 @@ class LogicalMesh:
     """Seconds of fixed cost per collective along each axis."""
     beta: tuple[float, ...]
     """Seconds per byte (inverse bandwidth) along each axis."""
+    all_to_all_beta: tuple[float, ...] | None = None
+    """Seconds per byte of an all-to-all along each axis; None: ``beta``. Every device of an all-to-all sends
+    at once, so across nodes each sees only its own share of the node's link, where a ring's one crossing
+    pair sees the pooled share of its group's devices on the node."""
+    joint_alpha: float | None = None
+    """Seconds of fixed cost of a ring over both axes; None: the slower axis' alpha."""
+    joint_beta: float | None = None
+    """Seconds per byte of a ring over both axes; None: the slower axis' beta. A ring over all the devices
+    of a multi-node submesh crosses the network through every device of a node at once, so it sees the
+    node's whole link (:func:`crossing_bandwidth`), not one device's share of it."""
 
     def __post_init__(self) -> None:
         shape, alpha, beta = tuple(self.shape), tuple(self.alpha), tuple(self.beta)
@@ -65,6 +78,17 @@ class LogicalMesh:
                 raise ValueError(f"{name} must have one entry per mesh axis ({len(shape)}), got {values!r}")
             if not all(_is_number(v) and v >= 0 for v in values):
                 raise ValueError(f"{name} must hold numbers >= 0, got {values!r}")
+        if self.all_to_all_beta is not None:
+            values = tuple(self.all_to_all_beta)
+            if len(values) != len(shape) or not all(_is_number(v) and v >= 0 for v in values):
+                raise ValueError(f"all_to_all_beta must be None or one number >= 0 per mesh axis ({len(shape)}), "
+                                 f"got {self.all_to_all_beta!r}")
+            object.__setattr__(self, "all_to_all_beta", tuple(float(v) for v in values))
+        for name in ("joint_alpha", "joint_beta"):
+            value = getattr(self, name)
+            if value is not None and not (_is_number(value) and value >= 0 and len(shape) == 2):
+                raise ValueError(f"{name} must be None or a number >= 0 on a 2-D mesh, got {value!r}")
+            object.__setattr__(self, name, None if value is None else float(value))
         object.__setattr__(self, "shape", tuple(int(n) for n in shape))
         object.__setattr__(self, "alpha", tuple(float(v) for v in alpha))
         object.__setattr__(self, "beta", tuple(float(v) for v in beta))
@@ -88,9 +112,12 @@ class LogicalMesh:
         position ``(i0, i1)`` holds device ``g = i0 * l1 + i1`` (for a 1-D view ``(l,)``, position ``i``
         holds device ``i``). A group along axis 1 is the contiguous run ``i0 * l1 .. i0 * l1 + l1 - 1``; a
         group along axis 0 is the strided set ``i1, i1 + l1, ...``. An axis whose groups contain devices
-        of more than one node gets the cluster's inter-node latency and bandwidth, otherwise the
-        intra-node ones. For a ``(2, 8)`` submesh: views ``(2, 8)``, ``(4, 4)``, ``(8, 2)`` put axis 0
-        across nodes and axis 1 inside a node; ``(1, 16)`` puts axis 1 across nodes.
+        of more than one node gets the cluster's inter-node latency and the bandwidth a ring with that many
+        devices on each node sees across nodes (:func:`crossing_bandwidth`), otherwise the intra-node ones;
+        a ring over both axes of a multi-node submesh has every device of the submesh's nodes, ``joint_alpha``
+        and ``joint_beta``. For a ``(2, 8)`` submesh: views ``(2, 8)``, ``(4, 4)``, ``(8, 2)`` put axis 0
+        across nodes (with 1, 2 and 4 devices of a group on each node) and axis 1 inside a node;
+        ``(1, 16)`` puts axis 1 across nodes (8 devices of the group on each node).
 
         Args:
           cluster: supplies bandwidths (bytes/s; beta is their inverse) and latencies (alpha).
@@ -105,13 +132,25 @@ class LogicalMesh:
                 or math.prod(logical_shape) != n_nodes * per_node):
             raise ValueError(f"logical_shape must be 1 or 2 ints >= 1 with product {n_nodes * per_node} "
                              f"(the submesh {submesh_shape}), got {logical_shape!r}")
-        alpha, beta = [], []
+        alpha, beta, all_to_all_beta = [], [], []
         for axis in range(len(logical_shape)):
-            inter = _axis_spans_nodes(logical_shape, axis, per_node)
-            bandwidth = cluster.inter_node_bandwidth if inter else cluster.intra_node_bandwidth
+            on_one_node = _group_devices_per_node(logical_shape, axis, per_node)
+            inter = on_one_node is not None
+            bandwidth = crossing_bandwidth(cluster, on_one_node) if inter else cluster.intra_node_bandwidth
             alpha.append(cluster.inter_node_latency if inter else cluster.intra_node_latency)
             beta.append(1.0 / bandwidth)
-        return cls(shape=logical_shape, alpha=tuple(alpha), beta=tuple(beta))
+            all_to_all_beta.append(1.0 / (cluster.inter_node_bandwidth if inter else cluster.intra_node_bandwidth))
+        joint = {}
+        if len(logical_shape) == 2 and n_nodes > 1:
+            joint = {"joint_alpha": cluster.inter_node_latency,
+                     "joint_beta": 1.0 / crossing_bandwidth(cluster, per_node)}
+        return cls(shape=logical_shape, alpha=tuple(alpha), beta=tuple(beta), all_to_all_beta=tuple(all_to_all_beta),
+                   **joint)
+
+    def without_latency(self) -> LogicalMesh:
+        """This mesh with every latency (``alpha``, ``joint_alpha``) 0 and the bandwidth terms kept."""
+        return dataclasses.replace(self, alpha=(0.0,) * self.ndim,
+                                   joint_alpha=None if self.joint_alpha is None else 0.0)
 
     def axis_size(self, axis: Axis) -> int:
         """Devices in one group along ``axis`` (``n0 * n1`` for ``(0, 1)``)."""
@@ -121,8 +160,22 @@ class LogicalMesh:
         r"""Ring all-reduce of a ``num_bytes`` buffer held by every device of the group.
 
         .. math:: \alpha + 2 \frac{n - 1}{n} \, \mathrm{bytes} \, \beta
+
+        Over both axes of a 2-D mesh, the cheaper of that ring and the two-level form: a reduce-scatter
+        along the faster axis (smaller beta), an all-reduce of each device's ``1 / n_fast`` share along the
+        slower one (``n_fast`` such rings at once), an all-gather along the faster axis. Across nodes the
+        slow step moves only ``bytes / n_fast`` per device, as NCCL's tree all-reduce does.
         """
-        return self._ring_cost(num_bytes, axis, lambda n: 2.0 * (n - 1) / n)
+        ring = self._ring_cost(num_bytes, axis, lambda n: 2.0 * (n - 1) / n)
+        axes = self._axes(axis)
+        if len(axes) < 2 or min(self.shape) == 1:
+            return ring
+        fast = min(axes, key=lambda a: (self.beta[a], self.alpha[a], -a))
+        slow = 1 - fast
+        two_level = (self.reduce_scatter_cost(num_bytes, fast)
+                     + self.all_reduce_cost(num_bytes / self.shape[fast], slow)
+                     + self.all_gather_cost(num_bytes, fast))
+        return min(ring, two_level)
 
     def all_gather_cost(self, num_bytes: float, axis: Axis) -> float:
         r"""Ring all-gather whose gathered output (on every device) is ``num_bytes``; each holds ``1/n``.
@@ -149,8 +202,13 @@ class LogicalMesh:
         Table 3.2 writes all-to-all costs by the per-device buffer ``x = bytes / n``
         (``all-to-all(M / n_0, 0)`` for ``S^0R -> RS^0``); the formula above is ``(n - 1)/n * x * beta``
         in those terms. Alpa's implementation multiplies this by an empirical ``n / 2`` penalty; we do not.
+        ``all_to_all_beta`` replaces ``beta`` where given.
         """
-        return self._ring_cost(num_bytes, axis, lambda n: (n - 1) / n**2)
+        if self.all_to_all_beta is None:
+            return self._ring_cost(num_bytes, axis, lambda n: (n - 1) / n**2)
+        mesh = dataclasses.replace(self, beta=self.all_to_all_beta, all_to_all_beta=None, joint_beta=None,
+                                   joint_alpha=None)
+        return mesh.all_to_all_cost(num_bytes, axis)
 
     def _ring_cost(self, num_bytes: float, axis: Axis, volume_factor) -> float:
         """``alpha + volume_factor(n) * num_bytes * beta`` on ``axis``, or 0 when ``n == 1``."""
@@ -160,6 +218,9 @@ class LogicalMesh:
         n = math.prod(self.shape[a] for a in axes)
         if n == 1:
             return 0.0
+        if len(axes) == 2 and self.joint_beta is not None:
+            alpha = self.joint_alpha if self.joint_alpha is not None else max(self.alpha)
+            return alpha + volume_factor(n) * num_bytes * self.joint_beta
         slowest = max(axes, key=lambda a: (self.beta[a], self.alpha[a]))
         return self.alpha[slowest] + volume_factor(n) * num_bytes * self.beta[slowest]
 
@@ -175,7 +236,8 @@ class LogicalMesh:
     def __str__(self) -> str:
         axes = ", ".join(f"axis {i}: n={n} alpha={a:.3g}s beta={b:.3g}s/B"
                          for i, (n, a, b) in enumerate(zip(self.shape, self.alpha, self.beta, strict=True)))
-        return f"LogicalMesh{self.shape} ({axes})"
+        joint = "" if self.joint_beta is None else f", both axes: alpha={self.joint_alpha:.3g}s beta={self.joint_beta:.3g}s/B"
+        return f"LogicalMesh{self.shape} ({axes}{joint})"
 
 
 def _check_submesh(cluster: ClusterSpec, submesh_shape: tuple[int, int]) -> tuple[int, int]:
@@ -194,8 +256,16 @@ def _as_tuple(value: object) -> tuple | None:
     return tuple(value) if isinstance(value, (list, tuple)) else None
 
 
-def _axis_spans_nodes(logical_shape: tuple[int, ...], axis: int, per_node: int) -> bool:
-    """Whether some group of devices along ``axis`` of a row-major ``logical_shape`` spans two nodes."""
+def crossing_bandwidth(cluster: ClusterSpec, devices_per_node: int) -> float:
+    """Bytes/s a ring over devices of several nodes sees across them when ``devices_per_node`` of its devices
+    are on each node: their shares of the node's network link (``inter_node_bandwidth`` each) pooled, as
+    NCCL spreads one ring's traffic over channels through every NIC, and at most the intra-node link."""
+    return min(devices_per_node * cluster.inter_node_bandwidth, cluster.intra_node_bandwidth)
+
+
+def _group_devices_per_node(logical_shape: tuple[int, ...], axis: int, per_node: int) -> int | None:
+    """None when every group of devices along ``axis`` of a row-major ``logical_shape`` is inside one node,
+    else the fewest devices a group spanning nodes has on one of its nodes."""
     shape = logical_shape if len(logical_shape) == 2 else (1, logical_shape[0])
     axis = axis if len(logical_shape) == 2 else 1
     n0, n1 = shape
@@ -203,7 +273,9 @@ def _axis_spans_nodes(logical_shape: tuple[int, ...], axis: int, per_node: int) 
         groups = ([i0 * n1 + i1 for i1 in range(n1)] for i0 in range(n0))
     else:
         groups = ([i0 * n1 + i1 for i0 in range(n0)] for i1 in range(n1))
-    return any(len({g // per_node for g in group}) > 1 for group in groups)
+    counts = [collections.Counter(g // per_node for g in group) for group in groups]
+    spanning = [min(c.values()) for c in counts if len(c) > 1]
+    return min(spanning) if spanning else None
 
 
 def _is_int(value: object) -> bool:

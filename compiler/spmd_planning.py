@@ -36,13 +36,15 @@ def cluster_submesh(cluster: ClusterSpec) -> tuple[int, int]:
     return (cluster.num_nodes, cluster.num_devices_per_node)
 
 
-def logical_mesh(cluster: ClusterSpec, mesh_shape: Sequence[int]) -> tuple[LogicalMesh, int]:
-    """The LogicalMesh of a 1-D or 2-D mesh over the whole cluster, and the offset of mesh axis 0 in it
-    (a 1-D mesh of n devices is priced as the view (1, n), so its axis 0 is LogicalMesh axis 1)."""
+def logical_mesh(cluster: ClusterSpec, mesh_shape: Sequence[int]) -> tuple[LogicalMesh, tuple[tuple[int, ...], ...]]:
+    """The LogicalMesh of a 1-D or 2-D mesh over the whole cluster, and per mesh axis the LogicalMesh axes
+    that price its collectives. A 1-D mesh is priced as the view ``(num_nodes, devices per node)`` with its
+    axis as both axes, so an all-reduce over it may take the two-level form across nodes
+    (:meth:`LogicalMesh.all_reduce_cost`)."""
     shape = tuple(mesh_shape)
     if len(shape) == 1:
-        return LogicalMesh.from_cluster(cluster, cluster_submesh(cluster), (1, shape[0])), 1
-    return LogicalMesh.from_cluster(cluster, cluster_submesh(cluster), shape), 0
+        return LogicalMesh.from_cluster(cluster, cluster_submesh(cluster), cluster_submesh(cluster)), ((0, 1),)
+    return LogicalMesh.from_cluster(cluster, cluster_submesh(cluster), shape), ((0,), (1,))
 
 
 def tensor_plan(leaf: LeafInfo, role: str, spec: ShardingSpec | None, mesh_shape: Sequence[int]) -> TensorPlan:
@@ -51,9 +53,10 @@ def tensor_plan(leaf: LeafInfo, role: str, spec: ShardingSpec | None, mesh_shape
                       bytes_per_device=leaf.nbytes // shards)
 
 
-def gradient_communication(layout: SpmdLayout, in_leaves: Sequence[LeafInfo], mesh: LogicalMesh, offset: int,
-                           num_micro_batches: int) -> list[CommEstimate]:
-    """Modelled per-step collectives for the parameters (see the module docstring)."""
+def gradient_communication(layout: SpmdLayout, in_leaves: Sequence[LeafInfo], mesh: LogicalMesh,
+                           axis_map: Sequence[tuple[int, ...]], num_micro_batches: int) -> list[CommEstimate]:
+    """Modelled per-step collectives for the parameters (see the module docstring); ``axis_map`` as
+    :func:`logical_mesh` returns it."""
     sync_axes = batch_axes(layout)
     totals: dict[tuple[str, tuple[int, ...], str], int] = {}
 
@@ -84,7 +87,7 @@ def gradient_communication(layout: SpmdLayout, in_leaves: Sequence[LeafInfo], me
             add("all-reduce", axes, local_bytes, "gradient synchronisation")
     estimates = []
     for (kind, axes, what), nbytes in totals.items():
-        cost_axis = tuple(a + offset for a in axes)
+        cost_axis = tuple(sorted(m for a in axes for m in axis_map[a]))
         axis = cost_axis[0] if len(cost_axis) == 1 else cost_axis
         price = {"all-reduce": mesh.all_reduce_cost, "all-gather": mesh.all_gather_cost,
                  "reduce-scatter": mesh.reduce_scatter_cost}[kind]
@@ -125,11 +128,11 @@ def spmd_plan(method, traced: TracedStep, layout: SpmdLayout, cluster: ClusterSp
                    for leaf, role, spec in zip(traced.in_leaves, layout.roles, layout.in_specs, strict=True))
     outputs = tuple(tensor_plan(leaf, "output", spec, mesh_shape)
                     for leaf, spec in zip(traced.out_leaves, out_specs, strict=True))
-    mesh, offset = logical_mesh(cluster, mesh_shape)
+    mesh, axis_map = logical_mesh(cluster, mesh_shape)
     if layout.communication is not None:  # the intra-op pass predicted every collective itself
         comm = tuple(layout.communication)
     else:
-        comm = tuple(gradient_communication(layout, traced.in_leaves, mesh, offset, method.num_micro_batches))
+        comm = tuple(gradient_communication(layout, traced.in_leaves, mesh, axis_map, method.num_micro_batches))
     rates, n = cluster.compute_rates, cluster.num_devices
     if method.num_micro_batches > 1:
         split = split_at_grad_marker(traced.closed_jaxpr, [leaf.is_batch for leaf in traced.in_leaves])

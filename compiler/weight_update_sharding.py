@@ -106,7 +106,7 @@ def latency_bound(num_bytes: float, axes: tuple[int, ...], mesh: LogicalMesh) ->
     update compute it shards are below ``alpha * bandwidth`` bytes.
     """
     axis = axes[0] if len(axes) == 1 else axes
-    no_latency = dataclasses.replace(mesh, alpha=(0.0,) * mesh.ndim)
+    no_latency = mesh.without_latency()
     transfer = no_latency.all_gather_cost(num_bytes, axis)
     return transfer < mesh.all_gather_cost(num_bytes, axis) - transfer
 

@@ -42,7 +42,7 @@ import alpa_like as al
 from alpa_like.compiler.cluster import ClusterSpec
 from alpa_like.compiler.flops import ComputeRates
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
-from alpa_like.compiler.logical_mesh import LogicalMesh
+from alpa_like.compiler.logical_mesh import LogicalMesh, crossing_bandwidth
 
 from alpa_like.bench.workloads import Workload, piece_seconds
 
@@ -130,9 +130,9 @@ def collective_seconds(kind: str, num_bytes: float, cluster: ClusterSpec, group_
       .. math:: \alpha_{inter} + \max\Big(\frac{n - n_{node}}{n} x \beta_{inter},
                 \frac{n_{node} - 1}{n} x \beta_{intra}\Big)
 
-    A ring over devices of several nodes pays every byte at one device's share of the inter-node link; the
-    hierarchical form sends only ``1 / per_node`` of them across, at that share, so it moves the across-node
-    bytes at the whole node's rate; an all-to-all priced as one ring over the group
+    A ring over devices of several nodes crosses them at the pooled share of its ``per_node`` devices
+    (:func:`~alpa_like.compiler.logical_mesh.crossing_bandwidth`) but moves every byte across; the
+    hierarchical form sends only ``1 / per_node`` of them across; an all-to-all priced as one ring over the group
     (:meth:`LogicalMesh.all_to_all_cost`) would also send the pieces that stay in the node across it."""
     if kind not in ("all-reduce", "reduce-scatter", "all-gather", "all-to-all"):
         raise ValueError(f"kind must be all-reduce, reduce-scatter, all-gather or all-to-all, got {kind!r}")
@@ -143,7 +143,8 @@ def collective_seconds(kind: str, num_bytes: float, cluster: ClusterSpec, group_
     if nodes == 1:
         ring = LogicalMesh(shape=(group_size,), alpha=(cluster.intra_node_latency,), beta=(intra,))
     else:
-        ring = LogicalMesh(shape=(group_size,), alpha=(cluster.inter_node_latency,), beta=(inter,))
+        ring = LogicalMesh(shape=(group_size,), alpha=(cluster.inter_node_latency,),
+                           beta=(1.0 / crossing_bandwidth(cluster, per_node),), all_to_all_beta=(inter,))
     two_level = LogicalMesh(shape=(nodes, per_node), alpha=(cluster.inter_node_latency, cluster.intra_node_latency),
                             beta=(inter, intra))
     share = num_bytes / per_node

@@ -102,9 +102,15 @@ def test_data_parallel_plan_predicts_one_gradient_all_reduce():
     (comm,) = plan.stages[0].communication
     param_bytes = sum(t.bytes_per_device for t in plan.stages[0].inputs if t.role == "param")
     assert comm.kind == "all-reduce" and comm.num_bytes == param_bytes
-    # Ring all-reduce over 16 devices across 2 nodes: 2 (n-1)/n bytes over the inter-node link.
-    expected = cluster.inter_node_latency + 2 * 15 / 16 * param_bytes / cluster.inter_node_bandwidth
-    assert comm.seconds == pytest.approx(expected, rel=1e-9)
+    # Over 16 devices on 2 nodes, the two-level all-reduce: a reduce-scatter inside each node, 8 rings of
+    # 2 devices across the nodes on an eighth of the bytes each (each at a device's share of the node's
+    # link), an all-gather inside the node.
+    inside = cluster.intra_node_latency + 7 / 8 * param_bytes / cluster.intra_node_bandwidth
+    across = cluster.inter_node_latency + 2 * 1 / 2 * (param_bytes / 8) / cluster.inter_node_bandwidth
+    assert comm.seconds == pytest.approx(2 * inside + across, rel=1e-9)
+    # One ring over all 16 would move 2 * 15/16 of the bytes across, at the node's whole link.
+    ring = cluster.inter_node_latency + 2 * 15 / 16 * param_bytes / (8 * cluster.inter_node_bandwidth)
+    assert comm.seconds < ring
 
 
 def test_plan_is_frozen(mlp_plan):
