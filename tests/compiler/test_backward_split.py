@@ -61,8 +61,13 @@ def one_stage_per_layer(case):
     return program, env
 
 
+def evaluate(closed, *args):
+    """``closed`` on ``args`` as one compiled program (op by op, every equation would compile on its own)."""
+    return jax.jit(functools.partial(jax_compat.eval_closed_jaxpr, closed))(*args)
+
+
 def run_piece(piece, env):
-    outs = jax_compat.eval_closed_jaxpr(piece.jaxpr, *[env[i] for i in piece.inputs])
+    outs = evaluate(piece.jaxpr, *[env[i] for i in piece.inputs])
     env.update(zip(piece.outputs, outs, strict=True))
 
 
@@ -90,10 +95,10 @@ def test_b_then_w_is_the_backward(case):
         piece = program.piece(q, BACKWARD)
         args = [env[i] for i in piece.inputs]
         split = split_backward(piece.jaxpr, input_gradient_outputs(program, q))
-        want = jax_compat.eval_closed_jaxpr(piece.jaxpr, *args)
-        b_out = jax_compat.eval_closed_jaxpr(split.b, *[args[k] for k in split.b_inputs])
+        want = evaluate(piece.jaxpr, *args)
+        b_out = evaluate(split.b, *[args[k] for k in split.b_inputs])
         saved = [b_out[i] for i in split.saved_from]
-        w_out = jax_compat.eval_closed_jaxpr(split.w, *[args[k] for k in split.w_inputs], *saved)
+        w_out = evaluate(split.w, *[args[k] for k in split.w_inputs], *saved)
         got = dict(zip(split.b_outputs, b_out)) | dict(zip(split.w_outputs, w_out, strict=True))
         assert sorted(got) == list(range(len(want)))
         for k, value in enumerate(want):  # the same equations on the same operands: bitwise equal
