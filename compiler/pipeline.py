@@ -170,7 +170,8 @@ def _profile(method: PipeshardParallel, sliced: SlicedStep, cluster: ClusterSpec
     as the Megatron-LM baseline counts optimizer state). A parameter two layers read (a tied word embedding:
     the first layer's lookup, the last layer's logits) is counted in both, since stages holding either hold a
     copy and its gradient; the apply phase that updates it also reads it, and it is not counted there again.
-    A stage holding both layers (the whole model) sums both layers' counts.
+    A stage holding both layers (the whole model) counts it once
+    (:func:`~alpa_like.compiler.stage_profiling.shared_param_overcount`).
     """
     traced, summaries = sliced.traced, sliced.summaries
     pairs = sum(len(v) for v in views) * len(summaries)

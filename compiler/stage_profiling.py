@@ -27,10 +27,10 @@ entries of the logical-view axis and takes, per stage, the fastest that fits (Eq
 is not declared out of memory because every layer's fastest layout replicates its weights, nor pays for
 sharding every weight over every device when half would fit.
 
-Memory per device (Eq. 3.5 inputs): ``mem_stage`` = parameters and gradients under the ILP's specs plus the
-optimizer state sharded over all the mesh's devices (weight-update sharding, on by default as in Alpa), and
-the state of the updates replicated onto the stage (:func:`replica_state_bytes`: a tied embedding's moments
-on the first stage);
+Memory per device (Eq. 3.5 inputs): ``mem_stage`` = parameters and gradients under the ILP's specs (a
+parameter several of the stage's layers read, once: :func:`shared_param_overcount`) plus the optimizer state
+sharded over all the mesh's devices (weight-update sharding, on by default as in Alpa), and the state of the
+updates replicated onto the stage (:func:`replica_state_bytes`: a tied embedding's moments on the first stage);
 ``mem_act`` = the activations a micro-batch keeps from forward to backward, divided over the mesh's
 devices (an estimate: each layer's activations are split by its batch or tensor parallelism).
 """
@@ -326,11 +326,13 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
                     + receive_seconds(replica_received_per_step(jaxpr, pieces, num_layers), devices, cluster))
     replica_state = replica_state_bytes(jaxpr, pieces, num_layers)[:, :, None, None] / np.asarray(
         devices, dtype=np.float64)[None, None, :, None]
+    mem_stage = _range_sums(mem_layer) + replica_state - shared_param_overcount(
+        layers, param_mask, lambda l, p, e: cost_of((l, p, e)).input_specs, entries, shape)
     costs = StageCosts(num_layers=num_layers, submeshes=tuple(map(tuple, submeshes)),
                        boundary_saving=saving, nic_wait=nic, step_seconds=step_seconds,
                        logical_shapes=tuple(tuple(view for view, _ in e) for e in entries),
                        variants=tuple(tuple(variant for _, variant in e) for e in entries),
-                       t_intra=t_intra, mem_stage=_range_sums(mem_layer) + replica_state,
+                       t_intra=t_intra, mem_stage=mem_stage,
                        mem_act=_range_sums(act_layer))
     return StageProfile(costs=costs, layer_costs={pair: cost_of(pair) for pair in pair_job},
                         layer_inputs=tuple(tuple(inputs) for _, inputs in layers), num_pairs=len(pair_job),
@@ -693,6 +695,41 @@ def shared_nic_wait(received: ReceivedValues, devices: Sequence[int], cluster: C
         return np.zeros(received.neighbour_bytes.shape[:2] + (len(devices), 2))
     per_byte = 0.5 / inbound_bandwidth(devices, cluster)
     return received.neighbour_bytes[:, :, None, :] * per_byte[None, None, :, None]
+
+
+def shared_param_overcount(layers: Sequence[tuple[ClosedJaxpr, list[int]]], param_mask: Sequence[bool],
+                           input_specs: Callable[[int, int, int], Sequence[ShardingSpec]],
+                           entries: Sequence[Sequence[tuple[tuple[int, ...], str]]],
+                           shape: tuple[int, int, int]) -> np.ndarray:
+    """``[i, j, p, e]``: bytes per device that summing the layers' parameters and gradients over the range
+    ``i..j`` counts more than once, on entry ``e`` (logical view, variant) of submesh ``p``. A parameter
+    several layers read (a tied word embedding: the first layer's lookup, the last layer's logits) is in each
+    of their counts; a stage holding several of them holds one copy and one gradient, the largest of their
+    layouts, so the others are subtracted from Eq. 3.5's ``mem_stage``.
+
+    ``layers``: :func:`layer_jaxprs`; ``input_specs(l, p, e)``: the ILP's spec of each of layer ``l``'s inputs
+    on that entry; ``shape``: (layers, submeshes, entries of the widest submesh)."""
+    num_layers = shape[0]
+    readers: dict[int, list[tuple[int, int]]] = {}
+    for l, (_, inputs) in enumerate(layers):
+        for k, i in enumerate(inputs):
+            if i >= 0 and param_mask[i]:
+                readers.setdefault(i, []).append((l, k))
+    overcount = np.zeros((num_layers, *shape))
+    for reads in (r for r in readers.values() if len(r) > 1):
+        held = np.zeros((len(reads), *shape[1:]))  # bytes per device of the value and its gradient, per reader
+        for row, (l, k) in enumerate(reads):
+            size = nbytes(layers[l][0].jaxpr.invars[k].aval)
+            for p, views in enumerate(entries):
+                for e, (view, _) in enumerate(views):
+                    held[row, p, e] = 2 * size / input_specs(l, p, e)[k].num_shards(tuple(view))
+        layer_of = np.array([l for l, _ in reads])
+        for first in range(num_layers):
+            for last in range(first, num_layers):
+                inside = held[(first <= layer_of) & (layer_of <= last)]
+                if len(inside) > 1:
+                    overcount[first, last] += inside.sum(axis=0) - inside.max(axis=0)
+    return overcount
 
 
 def _range_sums(per_layer: np.ndarray) -> np.ndarray:

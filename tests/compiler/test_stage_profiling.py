@@ -352,3 +352,23 @@ def test_layer_jaxprs_read_once_equal_each_layer_read_alone(sliced_profile_input
         assert closed.jaxpr.outvars == [v for e in mine for v in e.outvars if v in outside]
         assert inputs == [list(jaxpr.invars).index(v) if v in jaxpr.invars else -1 for v in closed.jaxpr.invars]
         assert structure_key(closed)
+
+
+def test_a_stage_holding_both_readers_of_a_tied_parameter_counts_it_once(tied_gpt):
+    """GPT's word embedding is read by layer 0's lookup and the last layer's logits: a stage holding both
+    holds one copy and one gradient. On one device (every layout whole) the whole model's ``mem_stage`` is
+    every parameter and its gradient once plus the optimizer state; a stage of one of the two readers still
+    counts the embedding, and a range of both counts it once more than neither."""
+    sliced, embedding = tied_gpt
+    cluster = al.ClusterSpec.preset("p3.16xlarge")
+    param_mask = [r == "param" for r in sliced.roles]
+    leaves = sliced.traced.in_leaves
+    optimizer_bytes = [sum(leaves[i].nbytes for i in inputs if not param_mask[i]) for inputs in sliced.optimizer_inputs]
+    k = len(sliced.summaries)
+    costs = profile_stage_costs(sliced.jaxpr, sliced.pieces, sliced.summaries, param_mask, optimizer_bytes, cluster,
+                                [(1, 1)], [[(1, 1)]], PassOptions(rates=cluster.compute_rates), max_workers=1).costs
+    params = sum(leaf.nbytes for leaf, is_param in zip(leaves, param_mask, strict=True) if is_param)
+    assert costs.mem_stage[0, k - 1, 0, 0] == pytest.approx(2 * params + sum(optimizer_bytes), rel=1e-12)
+    middle = costs.mem_stage[1, k - 2, 0, 0]
+    assert costs.mem_stage[0, k - 2, 0, 0] - middle >= 2 * embedding  # the lookup's layer holds it
+    assert costs.mem_stage[1, k - 1, 0, 0] - middle >= 2 * embedding  # the logits' layer too
