@@ -117,11 +117,7 @@ def build(results_dir: str, previous: str = "") -> str:
             out += suite_section(suite, json.loads(path.read_text()))
         elif heading in kept:
             out.append(kept[heading])
-    measured = sorted(root.glob("bench_*_local.json")) + sorted(root.glob("bench_*_ray.json"))
-    for path in measured:
-        out += measured_section(path.stem, json.loads(path.read_text()))
-    if not measured:
-        out += [text for heading, text in kept.items() if heading.startswith(MEASURED_HEADING)]
+    out += _measured_sections(root, kept)
     repro = root / "bench_repro.json"
     if repro.exists():
         data = json.loads(repro.read_text())
@@ -131,6 +127,20 @@ def build(results_dir: str, previous: str = "") -> str:
         out.append(kept[REPRO_HEADING])
     out += [text for heading, text in kept.items() if not _is_generated(heading)]
     return "\n".join(out)
+
+
+def _measured_sections(root: Path, kept: dict[str, str]) -> list[str]:
+    """The measured sections: each one whose results are in ``root`` rebuilt, each other one of the old page
+    kept, in the old page's order, then the new ones."""
+    rebuilt = {}
+    for path in sorted(root.glob("bench_*_local.json")) + sorted(root.glob("bench_*_ray.json")):
+        lines = measured_section(path.stem, json.loads(path.read_text()))
+        rebuilt[lines[0]] = lines
+    out = []
+    for heading, text in kept.items():
+        if heading.startswith(MEASURED_HEADING):
+            out += rebuilt.pop(heading) if heading in rebuilt else [text]
+    return out + [line for lines in rebuilt.values() for line in lines]
 
 
 def _is_generated(heading: str) -> bool:

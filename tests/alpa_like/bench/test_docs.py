@@ -35,3 +35,18 @@ def test_hand_written_sections_are_kept_after_the_generated_ones(tmp_path):
         assert notes in rebuilt and scripts in rebuilt
         assert rebuilt.index(docs.SUITE_TITLES["gpt"]) < rebuilt.index(notes) < rebuilt.index(scripts)
         assert docs.build(results, rebuilt) == rebuilt
+
+
+def test_a_measured_section_without_results_is_kept_beside_one_rebuilt(tmp_path):
+    """Results of one measured run (gpt on Ray) rebuild its section; another measured section whose JSON is not
+    in the results directory (gpt on the local backend, run on another machine) stays as it was, in place."""
+    local = docs.MEASURED_HEADING + ": gpt-small on this machine's devices (local)\n\nold local measurements\n"
+    ray = docs.MEASURED_HEADING + ": gpt-small on this machine's devices (ray)\n\nold ray measurements\n"
+    page = docs.HEADER + "\n" + local + "\n" + ray + "\n" + docs.REPRO_HEADING + "\n\nold repro\n"
+    row = {"model": "gpt-small", "method": "PipeshardParallel", "measured_s": 0.3, "predicted_s": 0.5,
+           "predicted_over_measured": 1.67, "measured_tflops_per_device": 0.02}
+    report.write_json(tmp_path / "bench_gpt_ray.json", [row], suite="gpt", cluster="local", backend="ray")
+    rebuilt = docs.build(str(tmp_path), page)
+    assert local in rebuilt
+    assert "old ray measurements" not in rebuilt and "| PipeshardParallel | 300.0 | 500.00 | 1.67 |" in rebuilt
+    assert rebuilt.index("(local)") < rebuilt.index("(ray)") < rebuilt.index(docs.REPRO_HEADING)
