@@ -48,8 +48,8 @@ class LogicalMesh:
     ``axis=(0, 1)`` is one ring over all ``n0 * n1`` devices, priced with ``joint_alpha`` and ``joint_beta``
     where given, else with the slower axis' alpha and beta (the axis with the larger beta, ties broken by the
     larger alpha): a ring over both axes must cross the slower links. Table 3.3 #7 (``all-reduce(M, {0, 1})``)
-    uses it. An all-reduce over ``(0, 1)`` costs the cheaper of that ring and the two-level form NCCL's
-    trees approach (:meth:`all_reduce_cost`).
+    uses it. An all-reduce, all-gather or reduce-scatter over ``(0, 1)`` costs the cheaper of that ring and
+    the two-level form (:meth:`_two_level_cost`).
     """
 
     shape: tuple[int, ...]
@@ -161,35 +161,53 @@ class LogicalMesh:
 
         .. math:: \alpha + 2 \frac{n - 1}{n} \, \mathrm{bytes} \, \beta
 
-        Over both axes of a 2-D mesh, the cheaper of that ring and the two-level form: a reduce-scatter
-        along the faster axis (smaller beta), an all-reduce of each device's ``1 / n_fast`` share along the
-        slower one (``n_fast`` such rings at once), an all-gather along the faster axis. Across nodes the
-        slow step moves only ``bytes / n_fast`` per device, as NCCL's tree all-reduce does.
+        Over both axes of a 2-D mesh, the cheaper of that ring and the two-level form
+        (:meth:`_two_level_cost`): a reduce-scatter along the faster axis, an all-reduce of each device's
+        ``1 / n_fast`` share along the slower one, an all-gather along the faster axis.
         """
         ring = self._ring_cost(num_bytes, axis, lambda n: 2.0 * (n - 1) / n)
-        axes = self._axes(axis)
-        if len(axes) < 2 or min(self.shape) == 1:
-            return ring
-        fast = min(axes, key=lambda a: (self.beta[a], self.alpha[a], -a))
-        slow = 1 - fast
-        two_level = (self.reduce_scatter_cost(num_bytes, fast)
-                     + self.all_reduce_cost(num_bytes / self.shape[fast], slow)
-                     + self.all_gather_cost(num_bytes, fast))
-        return min(ring, two_level)
+        return min(ring, self._two_level_cost("all-reduce", num_bytes, axis))
 
     def all_gather_cost(self, num_bytes: float, axis: Axis) -> float:
         r"""Ring all-gather whose gathered output (on every device) is ``num_bytes``; each holds ``1/n``.
 
         .. math:: \alpha + \frac{n - 1}{n} \, \mathrm{bytes} \, \beta
+
+        Over both axes of a 2-D mesh, the cheaper of that ring and the two-level form: an all-gather of the
+        ``1 / n_fast`` shares along the slower axis, then of the whole along the faster one.
         """
-        return self._ring_cost(num_bytes, axis, lambda n: (n - 1) / n)
+        ring = self._ring_cost(num_bytes, axis, lambda n: (n - 1) / n)
+        return min(ring, self._two_level_cost("all-gather", num_bytes, axis))
 
     def reduce_scatter_cost(self, num_bytes: float, axis: Axis) -> float:
         r"""Ring reduce-scatter of a ``num_bytes`` input per device; each keeps ``1/n`` of the sum.
 
         .. math:: \alpha + \frac{n - 1}{n} \, \mathrm{bytes} \, \beta
+
+        Over both axes of a 2-D mesh, the cheaper of that ring and the two-level form: a reduce-scatter along
+        the faster axis, then of each device's ``1 / n_fast`` share along the slower one.
         """
-        return self._ring_cost(num_bytes, axis, lambda n: (n - 1) / n)
+        ring = self._ring_cost(num_bytes, axis, lambda n: (n - 1) / n)
+        return min(ring, self._two_level_cost("reduce-scatter", num_bytes, axis))
+
+    def _two_level_cost(self, kind: str, num_bytes: float, axis: Axis) -> float:
+        """The hierarchical form of an all-reduce, all-gather or reduce-scatter over both axes of a 2-D mesh
+        (inf for one axis, or where an axis has size 1): each step is a ring along one axis, the step along
+        the slower axis (larger beta) on ``1 / n_fast`` of the bytes, ``n_fast`` such rings at once. Across
+        nodes it moves only that share per device, as NCCL's tree all-reduce and the hierarchical collectives
+        of the baselines (``bench.baselines.collective_seconds``) do; a reduce-scatter followed by an all-gather
+        costs what the all-reduce does, as for rings (the post-ILP weight-update sharding relies on it)."""
+        axes = self._axes(axis)
+        if len(axes) < 2 or min(self.shape) == 1:
+            return math.inf
+        fast = min(axes, key=lambda a: (self.beta[a], self.alpha[a], -a))
+        slow, share = 1 - fast, num_bytes / self.shape[fast]
+        if kind == "all-reduce":
+            return (self.reduce_scatter_cost(num_bytes, fast) + self.all_reduce_cost(share, slow)
+                    + self.all_gather_cost(num_bytes, fast))
+        if kind == "reduce-scatter":
+            return self.reduce_scatter_cost(num_bytes, fast) + self.reduce_scatter_cost(share, slow)
+        return self.all_gather_cost(share, slow) + self.all_gather_cost(num_bytes, fast)
 
     def all_to_all_cost(self, num_bytes: float, axis: Axis) -> float:
         r"""All-to-all within a group whose ``n`` devices together hold ``num_bytes`` (``num_bytes / n`` each).
