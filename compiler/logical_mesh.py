@@ -254,7 +254,10 @@ class LogicalMesh:
     def __str__(self) -> str:
         axes = ", ".join(f"axis {i}: n={n} alpha={a:.3g}s beta={b:.3g}s/B"
                          for i, (n, a, b) in enumerate(zip(self.shape, self.alpha, self.beta, strict=True)))
-        joint = "" if self.joint_beta is None else f", both axes: alpha={self.joint_alpha:.3g}s beta={self.joint_beta:.3g}s/B"
+        joint = ""
+        if self.joint_beta is not None:
+            alpha = max(self.alpha) if self.joint_alpha is None else self.joint_alpha
+            joint = f", both axes: alpha={alpha:.3g}s beta={self.joint_beta:.3g}s/B"
         return f"LogicalMesh{self.shape} ({axes}{joint})"
 
 
