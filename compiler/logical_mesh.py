@@ -222,25 +222,25 @@ class LogicalMesh:
         in those terms. Alpa's implementation multiplies this by an empirical ``n / 2`` penalty; we do not.
         ``all_to_all_beta`` replaces ``beta`` where given.
         """
-        if self.all_to_all_beta is None:
-            return self._ring_cost(num_bytes, axis, lambda n: (n - 1) / n**2)
-        mesh = dataclasses.replace(self, beta=self.all_to_all_beta, all_to_all_beta=None, joint_beta=None,
-                                   joint_alpha=None)
-        return mesh.all_to_all_cost(num_bytes, axis)
+        return self._ring_cost(num_bytes, axis, lambda n: (n - 1) / n**2, self.all_to_all_beta)
 
-    def _ring_cost(self, num_bytes: float, axis: Axis, volume_factor) -> float:
-        """``alpha + volume_factor(n) * num_bytes * beta`` on ``axis``, or 0 when ``n == 1``."""
+    def _ring_cost(self, num_bytes: float, axis: Axis, volume_factor,
+                   betas: tuple[float, ...] | None = None) -> float:
+        """``alpha + volume_factor(n) * num_bytes * beta`` on ``axis``, or 0 when ``n == 1``; with ``betas``,
+        those per-axis betas (and no joint ring) instead of ``beta``."""
         if not _is_number(num_bytes) or num_bytes < 0:
             raise ValueError(f"num_bytes must be a number >= 0, got {num_bytes!r}")
         axes = self._axes(axis)
         n = math.prod(self.shape[a] for a in axes)
         if n == 1:
             return 0.0
-        if len(axes) == 2 and self.joint_beta is not None:
-            alpha = self.joint_alpha if self.joint_alpha is not None else max(self.alpha)
-            return alpha + volume_factor(n) * num_bytes * self.joint_beta
-        slowest = max(axes, key=lambda a: (self.beta[a], self.alpha[a]))
-        return self.alpha[slowest] + volume_factor(n) * num_bytes * self.beta[slowest]
+        if betas is None:
+            if len(axes) == 2 and self.joint_beta is not None:
+                alpha = self.joint_alpha if self.joint_alpha is not None else max(self.alpha)
+                return alpha + volume_factor(n) * num_bytes * self.joint_beta
+            betas = self.beta
+        slowest = max(axes, key=lambda a: (betas[a], self.alpha[a]))
+        return self.alpha[slowest] + volume_factor(n) * num_bytes * betas[slowest]
 
     def _axes(self, axis: Axis) -> tuple[int, ...]:
         """Normalises ``axis`` to a sorted tuple of distinct valid mesh axes; ValueError otherwise."""
