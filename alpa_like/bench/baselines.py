@@ -42,7 +42,7 @@ import alpa_like as al
 from alpa_like.compiler.cluster import ClusterSpec
 from alpa_like.compiler.flops import ComputeRates
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
-from alpa_like.compiler.logical_mesh import LogicalMesh, crossing_bandwidth
+from alpa_like.compiler.logical_mesh import LogicalMesh
 
 from alpa_like.bench.workloads import Workload, piece_seconds
 
@@ -130,6 +130,8 @@ def collective_seconds(kind: str, num_bytes: float, cluster: ClusterSpec, group_
       .. math:: \alpha_{inter} + \max\Big(\frac{n - n_{node}}{n} x \beta_{inter},
                 \frac{n_{node} - 1}{n} x \beta_{intra}\Big)
 
+    The first three are :class:`LogicalMesh`'s collectives over both axes of the ``(nodes, per_node)`` view
+    of the group (one ring or its two-level form, whichever is cheaper: the mesh our own plans are priced on).
     A ring over devices of several nodes crosses them at the pooled share of its ``per_node`` devices
     (:func:`~alpa_like.compiler.logical_mesh.crossing_bandwidth`) but moves every byte across; the
     hierarchical form sends only ``1 / per_node`` of them across; an all-to-all priced as one ring over the group
@@ -139,31 +141,18 @@ def collective_seconds(kind: str, num_bytes: float, cluster: ClusterSpec, group_
     if group_size % per_node:
         raise ValueError(f"group_size {group_size} must be a multiple of per_node {per_node}")
     nodes = group_size // per_node
-    inter, intra = 1.0 / cluster.inter_node_bandwidth, 1.0 / cluster.intra_node_bandwidth
+    mesh = LogicalMesh.from_cluster(cluster, (nodes, per_node), (nodes, per_node))
+    if kind != "all-to-all":
+        price = {"all-reduce": mesh.all_reduce_cost, "reduce-scatter": mesh.reduce_scatter_cost,
+                 "all-gather": mesh.all_gather_cost}[kind]
+        return price(num_bytes, (0, 1))
+    flat = mesh.all_to_all_cost(num_bytes, (0, 1))
     if nodes == 1:
-        ring = LogicalMesh(shape=(group_size,), alpha=(cluster.intra_node_latency,), beta=(intra,))
-    else:
-        ring = LogicalMesh(shape=(group_size,), alpha=(cluster.inter_node_latency,),
-                           beta=(1.0 / crossing_bandwidth(cluster, per_node),), all_to_all_beta=(inter,))
-    two_level = LogicalMesh(shape=(nodes, per_node), alpha=(cluster.inter_node_latency, cluster.intra_node_latency),
-                            beta=(inter, intra))
-    share = num_bytes / per_node
-    if kind == "all-reduce":
-        flat = ring.all_reduce_cost(num_bytes, 0)
-        staged = (two_level.reduce_scatter_cost(num_bytes, 1) + two_level.all_reduce_cost(share, 0)
-                  + two_level.all_gather_cost(num_bytes, 1))
-    elif kind == "all-to-all":
-        flat = ring.all_to_all_cost(num_bytes, 0)
-        piece = num_bytes / group_size**2  # one device's piece for one other device
-        staged = flat if nodes == 1 else cluster.inter_node_latency + max(
-            (group_size - per_node) * piece * inter, (per_node - 1) * piece * intra)
-    elif kind == "reduce-scatter":
-        flat = ring.reduce_scatter_cost(num_bytes, 0)
-        staged = two_level.reduce_scatter_cost(num_bytes, 1) + two_level.reduce_scatter_cost(share, 0)
-    else:
-        flat = ring.all_gather_cost(num_bytes, 0)
-        staged = two_level.all_gather_cost(share, 0) + two_level.all_gather_cost(num_bytes, 1)
-    return min(flat, staged)
+        return flat
+    piece = num_bytes / group_size**2  # one device's piece for one other device
+    inter, intra = 1.0 / cluster.inter_node_bandwidth, 1.0 / cluster.intra_node_bandwidth
+    return min(flat, cluster.inter_node_latency + max((group_size - per_node) * piece * inter,
+                                                      (per_node - 1) * piece * intra))
 
 
 def _tree_bytes(tree: Any) -> int:
