@@ -11,7 +11,7 @@ from alpa_like.runtime.instructions import Op
 from alpa_like.runtime.ray_backend import RayPipeshardExecutable
 from tests.helpers import assert_trees_close, reference_on_one_device, run_steps
 from tests.runtime.test_pipeshard_runtime import stages, train_step_for
-from tests.runtime.test_ray_backend import NUM_DEVICES, init_ray
+from tests.runtime.test_ray_backend import FIXED_CLUSTER, NUM_DEVICES, init_ray
 from tests.runtime.test_terapipe_runtime import gpt_case
 
 pytestmark = pytest.mark.ray
@@ -30,14 +30,15 @@ def test_terapipe_on_ray_matches_jit(ray_backend):
     (token-window LOADs, CARRYs of the key/value prefixes) and the parameters after three SGD steps and the
     losses equal jax.jit's on one device. The backward pieces the workers compiled keep the gradients as
     stacks of partial sums (reduced once per step by MEAN) and all-reduce nothing (as on the local backend:
-    tests/runtime/test_terapipe_programs.py)."""
+    tests/runtime/test_terapipe_programs.py). Planned on ``FIXED_CLUSTER``: on this machine's measured
+    devices, a low measured latency makes the ILP split the hidden dimension, which all-reduces in backward."""
     loss_fn, state, batches = gpt_case(num_layers=2)
     step = train_step_for(loss_fn)
     half = NUM_DEVICES // 2
     method = al.PipeshardParallel(num_micro_batches=2, pipeline_schedule="terapipe", token_slices=(10, 6),
                                   layer_option=al.AutoLayerOption(layer_num=2),
                                   stage_option=stages(((0,), (1,)), ((1, half),) * 2, ((1, half),) * 2))
-    parallel = al.parallelize(step, method=method)
+    parallel = al.parallelize(step, method=method, cluster=FIXED_CLUSTER)
     got_state, got_losses = run_steps(parallel, state, batches)
     exe = parallel.get_executable(state, batches[0])
     assert isinstance(exe.executor, RayPipeshardExecutable)
