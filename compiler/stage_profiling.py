@@ -42,6 +42,7 @@ import functools
 import hashlib
 import multiprocessing
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -405,8 +406,18 @@ def _solve_forked(index: int):
     return _solve_job(_FORKED, index)
 
 
+def fork_is_safe() -> bool:
+    """Whether the solves may run in forked processes: the platform has ``fork`` and this process is not
+    connected to Ray. ``ray.init`` starts gRPC threads whose locks a forked child inherits held, so a child of
+    a Ray driver may hang (ray-project/ray#59661); the JAX threads are harmless, as the children never touch
+    XLA."""
+    ray = sys.modules.get("ray")  # not imported here: only a process that imported it can be connected
+    return "fork" in multiprocessing.get_all_start_methods() and (ray is None or not ray.is_initialized())
+
+
 def _run_solves(context: _SolveContext, max_workers: int | None, progress):
-    """Yields ``_solve_job`` results as they finish, from forked processes (threads without ``fork``)."""
+    """Yields ``_solve_job`` results as they finish, from forked processes where :func:`fork_is_safe`, else
+    from threads."""
     global _FORKED
     total = len(context.jobs)
     workers = max(1, min(max_workers or os.cpu_count() or 1, total))
@@ -416,7 +427,7 @@ def _run_solves(context: _SolveContext, max_workers: int | None, progress):
             if progress is not None:
                 progress(done, total)
         return
-    if "fork" in multiprocessing.get_all_start_methods():
+    if fork_is_safe():
         _FORKED = context
         pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
         submit = functools.partial(pool.submit, _solve_forked)

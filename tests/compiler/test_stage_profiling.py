@@ -372,3 +372,28 @@ def test_a_stage_holding_both_readers_of_a_tied_parameter_counts_it_once(tied_gp
     middle = costs.mem_stage[1, k - 2, 0, 0]
     assert costs.mem_stage[0, k - 2, 0, 0] - middle >= 2 * embedding  # the lookup's layer holds it
     assert costs.mem_stage[1, k - 1, 0, 0] - middle >= 2 * embedding  # the logits' layer too
+
+
+def test_a_process_connected_to_ray_solves_on_threads_with_the_same_table(sliced_profile_inputs, profile,
+                                                                          monkeypatch):
+    """A child forked from a Ray driver can inherit gRPC's locks held by threads it does not have, and hang:
+    there the solves run on threads (never in a process pool) and give the same table."""
+    import concurrent.futures
+    import sys
+    import types
+
+    from alpa_like.compiler.stage_profiling import fork_is_safe
+
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(is_initialized=lambda: True))
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", None)  # calling it fails the test
+    assert not fork_is_safe()
+    sliced = sliced_profile_inputs
+    cluster = al.ClusterSpec.preset("p3.16xlarge")
+    param_mask = [r == "param" for r in sliced.roles]
+    optimizer_bytes = [sum(sliced.traced.in_leaves[i].nbytes for i in inputs) for inputs in sliced.optimizer_inputs]
+    threaded = profile_stage_costs(sliced.jaxpr, sliced.pieces, sliced.summaries, param_mask, optimizer_bytes,
+                                   cluster, [(1, 1), (1, 2)], [[(1, 1)], [(1, 2)]],
+                                   PassOptions(rates=cluster.compute_rates), max_workers=2)
+    for name in ("t_intra", "mem_stage", "mem_act"):
+        np.testing.assert_array_equal(getattr(threaded.costs, name), getattr(profile.costs, name))
+    assert threaded.layer_costs == profile.layer_costs
