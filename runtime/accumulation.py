@@ -1,4 +1,4 @@
-"""A stage piece's run with the accumulation of its outputs fused in (the local backend).
+"""A stage piece's run with the accumulation of its outputs fused in (both backends).
 
 A RUN whose outputs the program accumulates (its ACC instructions: gradients, a loss) is one jitted call
 ``(totals, *inputs) -> (outputs, [totals[i] + outputs[slots[i]]])`` on every micro-batch, the first one
@@ -37,15 +37,16 @@ class FusedAccumulation:
             outs = body(*args)
             return outs, [outs[k] if t is None else t + outs[k] for t, k in zip(totals, slots, strict=True)]
         self.body, self.slots = body, slots
+        pins = None if out_shardings is None else list(out_shardings)
         self.jitted = jax.jit(run, donate_argnums=tuple(k + 1 for k in donate),
-                              out_shardings=None if out_shardings is None else (list(out_shardings), None))
+                              out_shardings=None if pins is None else (pins, None))
         """The call as a jitted function: what runs once the first compile no longer fits the arguments."""
         self.open_totals: list[jax.ShapeDtypeStruct | None] | None = None
         """The totals as the first compile saw them: shapes and dtypes, layouts left to XLA (None: an output
         taken as it is)."""
         self._compiled = None
         self._zeros: Callable[[], list[jax.Array]] | None = None
-        self._unfused = None if open_totals else jax.jit(body, donate_argnums=donate)
+        self._unfused = None if open_totals else jax.jit(body, donate_argnums=donate, out_shardings=pins)
         self.first_call: tuple[Callable, list] | None = None
         """The jitted function the first call ran and the specs of its leading arguments (the open totals, or
         none for an unfused run): lowering it on those and the first call's argument specs finds its

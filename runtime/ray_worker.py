@@ -449,20 +449,15 @@ class _LoadedProgram:
         return fn
 
     def accumulating(self, key: tuple[int, str], slots: tuple[int, ...], donate: tuple[int, ...] = ()):
-        """The piece ``key`` (its pinned outputs made in their layouts) and the sums of its outputs at
-        ``slots`` into running totals, in one jitted call ``(totals, *inputs)``, donating the inputs at
-        positions ``donate``."""
+        """The piece ``key`` (its pinned outputs made in their layouts) with the sums of its outputs at
+        ``slots`` into running totals fused in (:class:`~alpa_like.runtime.accumulation.FusedAccumulation`:
+        an exported piece leaves XLA's layouts free inside it, so its first RUN runs unfused), donating the
+        inputs at positions ``donate``."""
         fn = self.fused.get((key, slots, donate))
         if fn is None:
-            import jax
-            call = self.exported[key].call
-            pins = self.out_shardings[key]
-
-            def run(totals, *args):
-                outs = call(*args)
-                return outs, [t + outs[k] for t, k in zip(totals, slots, strict=True)]
-            fn = self.fused[(key, slots, donate)] = jax.jit(run, donate_argnums=tuple(d + 1 for d in donate),
-                                                            out_shardings=None if pins is None else (pins, None))
+            from alpa_like.runtime.accumulation import FusedAccumulation
+            fn = self.fused[(key, slots, donate)] = FusedAccumulation(
+                self.exported[key].call, slots, donate, out_shardings=self.out_shardings[key], open_totals=False)
         return fn
 
     def plan(self, shape, dtype, src_mesh: int, src_spec: ShardingSpec, dst_mesh: int, dst_spec: ShardingSpec):
@@ -586,8 +581,8 @@ class _StepRun:
             self.outbox.setdefault(dst, []).append((key, x, spec))
 
     def _run(self, ins: Instruction, accs: list[Instruction], donated=frozenset()) -> None:
-        """RUN (with the ACCs of its outputs fused in once the totals exist), donating the inputs whose
-        buffers are in ``donated``."""
+        """RUN, and the ACCs of its outputs fused in (:meth:`_LoadedProgram.accumulating`), donating the
+        inputs whose buffers are in ``donated``."""
         from alpa_like.runtime.pipeshard_runtime import arg_specs, donated_positions
         piece = self.program.pieces[(ins.stage, ins.phase)]
         buffers, acc = self.buffers, self.accumulators
@@ -599,24 +594,22 @@ class _StepRun:
         self.donated += len(donate)
         if piece.takes_micro_batch_index:
             args.append(np.uint32(ins.micro_batch))
-        position = {v: k for k, v in enumerate(piece.outputs)}
-        fused = [a for a in accs if a.target in acc]
-        totals = [acc[a.target] for a in fused]
-        fn = (self.loaded.accumulating((ins.stage, ins.phase), tuple(position[a.key[0]] for a in fused), donate)
-              if fused else self.loaded.call((ins.stage, ins.phase), donate))
-        if (ins.stage, ins.phase) not in self.loaded.ran:  # for hlo_text
-            self.loaded.ran[(ins.stage, ins.phase)] = (fn, (arg_specs(totals), *arg_specs(args)) if fused
-                                                       else tuple(arg_specs(args)))
-        if fused:
-            outs, sums = fn(totals, *args)
-            acc.update({a.target: x for a, x in zip(fused, sums, strict=True)})
+        first = (ins.stage, ins.phase) not in self.loaded.ran
+        if accs:
+            position = {v: k for k, v in enumerate(piece.outputs)}
+            fused = self.loaded.accumulating((ins.stage, ins.phase), tuple(position[a.key[0]] for a in accs), donate)
+            outs, sums = fused([acc.get(a.target) for a in accs], *args)
+            acc.update({a.target: x for a, x in zip(accs, sums, strict=True)})
+            if first:  # for hlo_text
+                fn, leading = fused.first_call
+                self.loaded.ran[(ins.stage, ins.phase)] = (fn, (*leading, *arg_specs(args)))
         else:
+            fn = self.loaded.call((ins.stage, ins.phase), donate)
+            if first:
+                self.loaded.ran[(ins.stage, ins.phase)] = (fn, tuple(arg_specs(args)))
             outs = fn(*args)
         for v, x in zip(piece.outputs, outs, strict=True):
             buffers[(v, ins.micro_batch)] = x
-        for a in accs:
-            if a not in fused:
-                acc[a.target] = buffers[a.key]
         for a in rows:  # a per-example value: this micro-batch's rows, put together by MEAN
             acc.setdefault(a.target, {})[a.key[1]] = buffers[a.key]
         for v in piece.outputs:
