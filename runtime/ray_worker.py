@@ -594,19 +594,19 @@ class _StepRun:
         self.donated += len(donate)
         if piece.takes_micro_batch_index:
             args.append(np.uint32(ins.micro_batch))
-        first = (ins.stage, ins.phase) not in self.loaded.ran
+        specs = None if (ins.stage, ins.phase) in self.loaded.ran else tuple(arg_specs(args))  # for hlo_text
         if accs:
             position = {v: k for k, v in enumerate(piece.outputs)}
             fused = self.loaded.accumulating((ins.stage, ins.phase), tuple(position[a.key[0]] for a in accs), donate)
             outs, sums = fused([acc.get(a.target) for a in accs], *args)
             acc.update({a.target: x for a, x in zip(accs, sums, strict=True)})
-            if first:  # for hlo_text
+            if specs is not None:
                 fn, leading = fused.first_call
-                self.loaded.ran[(ins.stage, ins.phase)] = (fn, (*leading, *arg_specs(args)))
+                self.loaded.ran[(ins.stage, ins.phase)] = (fn, (*leading, *specs))
         else:
             fn = self.loaded.call((ins.stage, ins.phase), donate)
-            if first:
-                self.loaded.ran[(ins.stage, ins.phase)] = (fn, tuple(arg_specs(args)))
+            if specs is not None:
+                self.loaded.ran[(ins.stage, ins.phase)] = (fn, specs)
             outs = fn(*args)
         for v, x in zip(piece.outputs, outs, strict=True):
             buffers[(v, ins.micro_batch)] = x
