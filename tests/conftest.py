@@ -68,7 +68,8 @@ def ray_session():
 def fixed_cluster(monkeypatch):
     """Plans for one p3.16xlarge node instead of ``ClusterSpec.local()``'s measurements of this (shared,
     loaded) machine, so that a test's plan does not move with the load (the ILP's choices depend on the
-    measured latency and bandwidth)."""
+    measured latency and bandwidth). The Ray backend measures its cluster itself: a Ray test passes
+    ``al.parallelize(..., cluster=tests.runtime.test_ray_backend.FIXED_CLUSTER)`` instead."""
     import alpa_like as al
     cluster = al.ClusterSpec.preset("p3.16xlarge")
     monkeypatch.setattr(al.ClusterSpec, "local", classmethod(lambda cls, devices=None: cluster))
