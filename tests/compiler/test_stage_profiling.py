@@ -53,14 +53,18 @@ def sliced_profile_inputs():
     return sliced_mlp(num_micro_batches=4)[1]
 
 
-@pytest.fixture(scope="module")
-def profile(sliced_profile_inputs):
-    sliced = sliced_profile_inputs
+def profile_on_p3(sliced, submeshes, logical_shapes, **kwargs):
+    """``profile_stage_costs`` of a sliced step on a p3.16xlarge, every input's bytes its optimizer state's."""
     cluster = al.ClusterSpec.preset("p3.16xlarge")
     param_mask = [r == "param" for r in sliced.roles]
     optimizer_bytes = [sum(sliced.traced.in_leaves[i].nbytes for i in inputs) for inputs in sliced.optimizer_inputs]
     return profile_stage_costs(sliced.jaxpr, sliced.pieces, sliced.summaries, param_mask, optimizer_bytes, cluster,
-                               [(1, 1), (1, 2)], [[(1, 1)], [(1, 2)]], PassOptions(rates=cluster.compute_rates))
+                               submeshes, logical_shapes, PassOptions(rates=cluster.compute_rates), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def profile(sliced_profile_inputs):
+    return profile_on_p3(sliced_profile_inputs, [(1, 1), (1, 2)], [[(1, 1)], [(1, 2)]])
 
 
 def test_the_table_lists_a_params_sharded_twin_for_multi_device_submeshes(profile):
@@ -94,13 +98,7 @@ def test_meshes_of_four_devices_add_a_half_sharded_variant_between_the_two(slice
     over all 4 devices, and the one in between over at least 2 (here exactly 2: the cheapest such layout):
     its memory lies between theirs and its time is at most the lean one's (the lean layout meets its limit
     too, so the ILP could have chosen it)."""
-    sliced = sliced_profile_inputs
-    cluster = al.ClusterSpec.preset("p3.16xlarge")
-    param_mask = [r == "param" for r in sliced.roles]
-    optimizer_bytes = [sum(sliced.traced.in_leaves[i].nbytes for i in inputs) for inputs in sliced.optimizer_inputs]
-    profile = profile_stage_costs(sliced.jaxpr, sliced.pieces, sliced.summaries, param_mask, optimizer_bytes,
-                                  cluster, [(1, 2), (1, 4)], [[(1, 2)], [(2, 2)]],
-                                  PassOptions(rates=cluster.compute_rates))
+    profile = profile_on_p3(sliced_profile_inputs, [(1, 2), (1, 4)], [[(1, 2)], [(2, 2)]])
     assert profile.costs.variants == (("", PARAMS_SHARDED), ("", PARAMS_HALF_SHARDED, PARAMS_SHARDED))
     weight = HIDDEN * HIDDEN * 4
     for layer in range(LAYERS):
@@ -320,13 +318,8 @@ def test_a_stage_holding_a_replicated_update_holds_its_optimizer_state(tied_gpt)
 def test_shared_solves_give_the_table_of_solving_every_layer_on_its_own(sliced_profile_inputs, profile):
     """Layers of one structure share their solves (and each process builds a layer's op graph once): the table
     and every layer's specs equal those of one solve per layer and mesh, and the shared entries are counted."""
-    sliced = sliced_profile_inputs
-    cluster = al.ClusterSpec.preset("p3.16xlarge")
-    param_mask = [r == "param" for r in sliced.roles]
-    optimizer_bytes = [sum(sliced.traced.in_leaves[i].nbytes for i in inputs) for inputs in sliced.optimizer_inputs]
-    alone = profile_stage_costs(sliced.jaxpr, sliced.pieces, sliced.summaries, param_mask, optimizer_bytes, cluster,
-                                [(1, 1), (1, 2)], [[(1, 1)], [(1, 2)]], PassOptions(rates=cluster.compute_rates),
-                                share_solves=False, max_workers=1)
+    alone = profile_on_p3(sliced_profile_inputs, [(1, 1), (1, 2)], [[(1, 1)], [(1, 2)]], share_solves=False,
+                          max_workers=1)
     for name in ("t_intra", "mem_stage", "mem_act"):
         np.testing.assert_array_equal(getattr(alone.costs, name), getattr(profile.costs, name))
     assert alone.layer_costs == profile.layer_costs
@@ -387,13 +380,7 @@ def test_a_process_connected_to_ray_solves_on_threads_with_the_same_table(sliced
     monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(is_initialized=lambda: True))
     monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", None)  # calling it fails the test
     assert not fork_is_safe()
-    sliced = sliced_profile_inputs
-    cluster = al.ClusterSpec.preset("p3.16xlarge")
-    param_mask = [r == "param" for r in sliced.roles]
-    optimizer_bytes = [sum(sliced.traced.in_leaves[i].nbytes for i in inputs) for inputs in sliced.optimizer_inputs]
-    threaded = profile_stage_costs(sliced.jaxpr, sliced.pieces, sliced.summaries, param_mask, optimizer_bytes,
-                                   cluster, [(1, 1), (1, 2)], [[(1, 1)], [(1, 2)]],
-                                   PassOptions(rates=cluster.compute_rates), max_workers=2)
+    threaded = profile_on_p3(sliced_profile_inputs, [(1, 1), (1, 2)], [[(1, 1)], [(1, 2)]], max_workers=2)
     for name in ("t_intra", "mem_stage", "mem_act"):
         np.testing.assert_array_equal(getattr(threaded.costs, name), getattr(profile.costs, name))
     assert threaded.layer_costs == profile.layer_costs
