@@ -18,14 +18,17 @@ venv: $(STAMP)
 demo: $(STAMP)
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) examples/gpt_train.py --method shard --steps 20
 
-# Two worker processes (pytest-xdist): most of a test's time is one XLA compile, on one core.
+# Two worker processes (pytest-xdist): most of a test's time is one XLA compile, on one core. A worker ended
+# by a test's timeout (pytest.ini) is not replaced: under --dist loadgroup a replacement leaves the run
+# waiting forever; without one the run ends, failed, naming the test.
 TEST_WORKERS ?= 2
+PYTEST_XDIST := -n $(TEST_WORKERS) --dist loadgroup --max-worker-restart 0
 
 test: $(STAMP)
-	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest tests -q $(PYTEST_XDIST)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
+	$(PY) -m pytest tests -q $(PYTEST_XDIST) -m "not slow"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
