@@ -280,8 +280,8 @@ class AutoStageOption:
     epsilon: float = 1e-6
     """Seconds: t_max candidates closer than this are solved once (the pruned enumeration's step)."""
     max_workers: int | None = None
-    """Workers for the intra-op solves; None: one per core. Forked processes, or threads in a process
-    connected to Ray (whose forked children can hang)."""
+    """Workers for the intra-op solves; None: one per core. Forked processes, else threads (no ``fork``, or a
+    process connected to Ray, whose forked children can hang)."""
     show_progress: bool = True
     """Print planning progress to stderr."""
     equal_layers: bool = False

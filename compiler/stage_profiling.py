@@ -265,7 +265,7 @@ def profile_stage_costs(jaxpr: Jaxpr, pieces: Sequence[Piece | None], summaries:
 
     Args:
       optimizer_bytes: per layer, bytes of optimizer state of its parameters (all devices together).
-      max_workers: worker processes (default: one per core).
+      max_workers: workers (default: one per core): forked processes where :func:`fork_is_safe`, else threads.
       progress: called as ``progress(done, total)`` after each distinct (layer, mesh) job.
       memory_variants: also profile the ``"params-sharded"`` variant on submeshes of more than one device,
         and the ``"params-half-sharded"`` one on submeshes of four or more. The table then lists each such
