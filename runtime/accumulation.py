@@ -9,7 +9,7 @@ the totals' layouts open and XLA propagates the accumulated outputs' layouts to 
 are made in those layouts and every sum comes out in the layout the next call takes it in.
 
 This needs a piece with the ILP's layouts pinned inside it, so that the open totals take the pinned outputs'
-layouts. An unpinned piece (a TeraPipe slice's, an exported one on the Ray backend) would leave XLA's
+layouts. An unpinned piece (a TeraPipe slice's) would leave XLA's
 propagation free inside it too: with ``open_totals=False`` a first RUN runs the piece unfused and its outputs
 are the totals, in the layouts XLA gave them (a second compile for the fused form).
 """

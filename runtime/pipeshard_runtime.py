@@ -136,11 +136,9 @@ class PipeshardExecutable:
         self._hooks: dict[tuple[int, str], tuple] = {}
         for q, sharding in enumerate(stage_shardings):
             mesh = self.meshes[programs.stage_to_mesh[q]]
-            deferred = self.deferred.get(q, NONE)
             for phase in stage_phases(program, q):
-                mine = deferred if phase == gradient_phase(program, q) else NONE
-                self._hooks[(q, phase)] = (pin_hook(mesh, stacked_pins(sharding.value_pins, mine)),
-                                           pin_hook(mesh, sharding.operand_pins), mine, mesh)
+                mine = self.deferred.get(q, NONE) if phase == gradient_phase(program, q) else NONE
+                self._hooks[(q, phase)] = (*piece_hooks(sharding, mine, mesh), mine, mesh)
         self._draws = micro_batch_key_draws(program, self.num_micro_batches)
         """(stage, phase) -> the piece's draws from per-step keys: it takes the micro-batch's index last."""
         self._jitted: dict[tuple, Any] = {}
@@ -583,6 +581,13 @@ def gather_rows(rows: dict[int, jax.Array]) -> jax.Array:
     """A per-example value of the full batch from its micro-batches' values (micro-batch -> its rows), in the
     full batch's row order (:func:`~alpa_like.compiler.grad_accumulation.from_micro_batches`)."""
     return _from_micro_batches(*(rows[mb] for mb in sorted(rows)))
+
+
+def piece_hooks(sharding: StageSharding, deferred: DeferredGradients, mesh) -> tuple:
+    """The ``(hook, operand_hook)`` that pin the intra-op pass's layouts (``sharding``'s value and operand
+    pins) inside a piece of its stage on ``mesh`` (a concrete or an abstract mesh of the stage's logical
+    shape), the values ``deferred`` computes as stacks of partial sums pinned to their stacked layouts."""
+    return pin_hook(mesh, stacked_pins(sharding.value_pins, deferred)), pin_hook(mesh, sharding.operand_pins)
 
 
 def _piece_fn(piece, hook=None, operand_hook=None, deferred=NONE, mesh=None, *, draws: KeyDraws = (),

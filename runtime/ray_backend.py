@@ -59,18 +59,18 @@ from alpa_like.compiler.cluster import ClusterSpec
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.optional_imports import require
-from alpa_like.compiler.stage_construction import StageProgram, micro_batch_key_draws
+from alpa_like.compiler.stage_construction import StageProgram
 from alpa_like.compiler.trace import updated_inputs
 from alpa_like.runtime.instructions import MeshPrograms, Op
-from alpa_like.compiler.gradient_sync import NONE, DeferredGradients
+from alpa_like.compiler.gradient_sync import DeferredGradients
 from alpa_like.compiler.stage_sharding import StageSharding
 from alpa_like.runtime.pipeshard_runtime import input_donations
-from alpa_like.runtime.stage_gradients import GradientDeferral, defer_gradients, gradient_phase
+from alpa_like.runtime.stage_gradients import GradientDeferral, defer_gradients
 from alpa_like.runtime.ray_nodes import (HeadWatch, RayNode, answering, choose_nodes, cluster_nodes, cpu_worker_env,
                                           died_at, head_text, host_spec, local_cpu_devices, measure_on_node,
                                           mesh_nodes, not_silent, ray_pings, silent_worker, wait_all,
                                           with_placements)
-from alpa_like.runtime.ray_programs import export_piece, mesh_load_spec, worker_programs
+from alpa_like.runtime.ray_programs import export_pieces, mesh_load_spec, worker_programs
 from alpa_like.runtime.ray_startup import connect_ray, start_local_ray
 from alpa_like.runtime.ray_worker import MeshInfo, MeshWorker, WorkerStepError
 
@@ -465,7 +465,7 @@ class RayPipeshardExecutable:
         self.workers = cluster.acquire([(n, len(info.flat_ids)) for n, info in zip(self.mesh_nodes, self.meshes)])
         self._mesh_of_actor = {_actor_id(a): k for k, a in enumerate(self.workers)}
         self.exe_id = cluster.new_executable_id()
-        deferral = GradientDeferral(program=program, stage_shardings=())
+        deferral = GradientDeferral(program=program, stage_shardings=tuple(stage_shardings or ()))
         if defer_gradient_sync and stage_shardings:
             deferral = defer_gradients(program, stage_shardings, [m.logical_shape for m in self.meshes],
                                        programs.stage_to_mesh, mesh_load_spec(input_specs, value_specs, self.meshes))
@@ -473,12 +473,8 @@ class RayPipeshardExecutable:
         self.deferred: dict[int, DeferredGradients] = dict(deferral.deferred)
         """Per stage, the gradients its backward piece outputs as stacks of partial sums, summed by the
         worker's MEAN once per step (as on the local backend)."""
-        draws = micro_batch_key_draws(program, self.num_micro_batches)
-        graded = {(q, gradient_phase(program, q)) for q in range(program.num_stages)}  # B, or W when split
-        shipped = {key: export_piece(piece, cluster.platform, draws.get(key, ()),
-                                     self.deferred.get(key[0], NONE) if key in graded else NONE,
-                                     self.meshes[programs.stage_to_mesh[key[0]]].logical_shape)
-                   for key, piece in program.pieces.items()}
+        shipped, pinned = export_pieces(deferral, cluster.platform, self.num_micro_batches,
+                                        [self.meshes[m].logical_shape for m in programs.stage_to_mesh])
         updated = updated_inputs(traced.in_leaves, traced.out_leaves)
         if returned is None:
             returned = frozenset(k for k, source in enumerate(updated)
@@ -488,7 +484,7 @@ class RayPipeshardExecutable:
         donations = input_donations(programs, program, [program.step_inputs[k] for k in donate_flat])
         self.worker_programs = worker_programs(program, programs, self.meshes, input_specs, shipped,
                                                self.num_micro_batches, self._returned, donations,
-                                               deferral.stack_specs, value_specs, updated)
+                                               deferral.stack_specs, value_specs, updated, pinned)
         self._donated_on = {key[0]: p.mesh for p in self.worker_programs for keys in p.donations.values()
                             for key in keys}
         """Donated step input -> the mesh that donates it."""

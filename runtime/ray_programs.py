@@ -14,30 +14,50 @@ from alpa_like.compiler.micro_batch_keys import KeyDraws
 from alpa_like.compiler.sharding_spec import ShardingSpec
 from alpa_like.compiler.stage_construction import StageProgram, ValueId, micro_batch_key_draws
 from alpa_like.runtime.instructions import MeshPrograms, Op
-from alpa_like.runtime.pipeshard_runtime import MESH_AXES, _piece_fn
+from alpa_like.compiler.stage_sharding import StageSharding
+from alpa_like.runtime.pipeshard_runtime import MESH_AXES, _piece_fn, piece_hooks
 from alpa_like.runtime.ray_worker import MeshInfo, ShippedPiece, WorkerProgram, load_spec
+from alpa_like.runtime.stage_gradients import GradientDeferral, gradient_phase
 
 
 EXPORT_PLATFORMS = {"cpu": ("cpu",), "gpu": ("cuda",)}
 
 
 def export_piece(piece, platform: str = "cpu", draws: KeyDraws = (), deferred: DeferredGradients = NONE,
-                 mesh_shape: Sequence[int] = ()) -> bytes:
-    """A stage piece as serialised ``jax.export`` StableHLO for ``platform``'s workers, exported for one
-    device (the worker's jit partitions it over its mesh); with ``draws`` it takes the micro-batch's index
-    last (:func:`~alpa_like.runtime.pipeshard_runtime._piece_fn`). With ``deferred`` gradients (a backward
-    piece's), those come out as stacks of partial sums laid out over the axes of a mesh of ``mesh_shape``
-    (an abstract mesh: the driver needs no device of it), which the worker's MEAN reduces once per step."""
+                 mesh_shape: Sequence[int] = (), sharding: StageSharding | None = None) -> bytes:
+    """A stage piece as serialised ``jax.export`` StableHLO for ``platform``'s workers, laid out over a mesh
+    of ``mesh_shape`` (an abstract mesh: the driver needs no device of it) that the worker's jit maps onto its
+    own devices; with ``draws`` it takes the micro-batch's index last
+    (:func:`~alpa_like.runtime.pipeshard_runtime._piece_fn`). ``sharding``: its stage's intra-op layouts,
+    pinned inside the piece as on the local backend (:func:`~alpa_like.runtime.pipeshard_runtime.piece_hooks`);
+    None: XLA's propagation from the inputs' layouts. With ``deferred`` gradients (a backward piece's), those
+    come out as stacks of partial sums laid out over the mesh's axes, which the worker's MEAN reduces once
+    per step."""
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in piece.jaxpr.in_avals]
     if draws:
         avals.append(jax.ShapeDtypeStruct((), np.uint32))
-    mesh = None
-    if deferred:
-        mesh = jax.sharding.AbstractMesh(tuple(mesh_shape), MESH_AXES[:len(mesh_shape)],
-                                         axis_types=(jax.sharding.AxisType.Auto,) * len(mesh_shape))
-    fn = _piece_fn(piece, deferred=deferred, mesh=mesh, draws=draws)
+    mesh = jax.sharding.AbstractMesh(tuple(mesh_shape), MESH_AXES[:len(mesh_shape)],
+                                     axis_types=(jax.sharding.AxisType.Auto,) * len(mesh_shape))
+    hooks = () if sharding is None else piece_hooks(sharding, deferred, mesh)
+    fn = _piece_fn(piece, *hooks, deferred=deferred, mesh=mesh, draws=draws)
     exported = jax.export.export(jax.jit(fn), platforms=EXPORT_PLATFORMS[platform])(*avals)
     return bytes(exported.serialize())
+
+
+def export_pieces(deferral: GradientDeferral, platform: str, num_micro_batches: int,
+                  stage_mesh_shapes: Sequence[tuple[int, ...]]) -> tuple[dict[tuple[int, str], bytes], frozenset]:
+    """Every piece of ``deferral``'s program exported (:func:`export_piece`) with its stage's intra-op layouts
+    pinned inside, for ``num_micro_batches`` micro-batches, each stage ``q`` on a mesh of
+    ``stage_mesh_shapes[q]``; and the pieces whose stage has layouts to pin."""
+    program, shardings = deferral.program, dict(enumerate(deferral.stage_shardings))
+    draws = micro_batch_key_draws(program, num_micro_batches)
+    graded = {(q, gradient_phase(program, q)) for q in range(program.num_stages)}  # B, or W when split
+    shipped = {key: export_piece(piece, platform, draws.get(key, ()),
+                                 deferral.deferred.get(key[0], NONE) if key in graded else NONE,
+                                 stage_mesh_shapes[key[0]], shardings.get(key[0]))
+               for key, piece in program.pieces.items()}
+    pinned = frozenset(key for key in program.pieces if key[0] in shardings and shardings[key[0]].value_pins)
+    return shipped, pinned
 
 
 def worker_programs(program: StageProgram, programs: MeshPrograms, meshes: Sequence[MeshInfo],
@@ -45,7 +65,7 @@ def worker_programs(program: StageProgram, programs: MeshPrograms, meshes: Seque
                     num_micro_batches: int, returned: frozenset[int] = frozenset(),
                     donations: dict[int, frozenset] | None = None,
                     stack_specs: dict | None = None, value_specs: dict | None = None,
-                    updated: Sequence[int | None] = ()) -> list[WorkerProgram]:
+                    updated: Sequence[int | None] = (), pinned: frozenset = frozenset()) -> list[WorkerProgram]:
     """Each mesh's :class:`WorkerProgram`: its instructions, the pieces of its stages, what it sends.
 
     ``returned``: the step outputs that come back to the driver as values, each from the mesh that holds it
@@ -57,7 +77,8 @@ def worker_programs(program: StageProgram, programs: MeshPrograms, meshes: Seque
     (:attr:`~alpa_like.runtime.stage_gradients.GradientDeferral.stack_specs`). ``input_specs`` and
     ``value_specs``: the step inputs' layouts (:func:`mesh_input_specs`). ``updated``: per step output, the
     step input it is the new value of, or None (:func:`~alpa_like.compiler.trace.updated_inputs`): its piece
-    makes it in the layout the next step loads it in (:func:`output_pins`)."""
+    makes it in the layout the next step loads it in (:func:`output_pins`). ``pinned``: the pieces exported
+    with their stage's intra-op layouts pinned inside (:attr:`~alpa_like.runtime.ray_worker.ShippedPiece.pinned`)."""
     sends: list[dict] = [dict() for _ in meshes]
     for ins in programs.instructions:
         if ins.op is Op.RECV:
@@ -77,7 +98,8 @@ def worker_programs(program: StageProgram, programs: MeshPrograms, meshes: Seque
         specs = mesh_input_specs(input_specs, value_specs, k)
         pins = output_pins(program, instructions, outputs, updated, specs, meshes[k].logical_shape)
         pieces = {key: ShippedPiece(exported=shipped[key], inputs=p.inputs, outputs=p.outputs,
-                                    takes_micro_batch_index=key in draws, out_specs=pins.get(key, ()))
+                                    takes_micro_batch_index=key in draws, out_specs=pins.get(key, ()),
+                                    pinned=key in pinned)
                   for key, p in program.pieces.items() if key[0] in stages}
         mine = tuple((i, o[0]) for i, o in enumerate(programs.outputs) if i in returned and o is not None and o[1] == k)
         local = {g: j for j, g in enumerate(g for g, ins in enumerate(programs.instructions) if ins.mesh == k)}

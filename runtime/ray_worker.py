@@ -70,6 +70,10 @@ class ShippedPiece:
     """Per output, the layout the worker's compiled call makes it in (None, or empty for all: XLA's choice):
     the new state in the layout the next step's LOAD puts it in
     (:func:`~alpa_like.runtime.ray_programs.output_pins`)."""
+    pinned: bool = False
+    """The intra-op pass's layouts are pinned inside the piece (:func:`~alpa_like.runtime.ray_programs.export_piece`):
+    a RUN that accumulates its outputs starts its totals in the layouts its first compile gives them
+    (:class:`~alpa_like.runtime.accumulation.FusedAccumulation`'s open totals)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -451,13 +455,14 @@ class _LoadedProgram:
     def accumulating(self, key: tuple[int, str], slots: tuple[int, ...], donate: tuple[int, ...] = ()):
         """The piece ``key`` (its pinned outputs made in their layouts) with the sums of its outputs at
         ``slots`` into running totals fused in (:class:`~alpa_like.runtime.accumulation.FusedAccumulation`:
-        an exported piece leaves XLA's layouts free inside it, so its first RUN runs unfused), donating the
-        inputs at positions ``donate``."""
+        a piece without the intra-op layouts pinned inside runs its first RUN unfused), donating the inputs at
+        positions ``donate``."""
         fn = self.fused.get((key, slots, donate))
         if fn is None:
             from alpa_like.runtime.accumulation import FusedAccumulation
             fn = self.fused[(key, slots, donate)] = FusedAccumulation(
-                self.exported[key].call, slots, donate, out_shardings=self.out_shardings[key], open_totals=False)
+                self.exported[key].call, slots, donate, out_shardings=self.out_shardings[key],
+                open_totals=self.program.pieces[key].pinned)
         return fn
 
     def plan(self, shape, dtype, src_mesh: int, src_spec: ShardingSpec, dst_mesh: int, dst_spec: ShardingSpec):

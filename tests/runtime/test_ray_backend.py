@@ -132,6 +132,40 @@ def test_data_parallel_meshes_reduce_gradients_once_per_step(ray_backend, defer)
         assert reduced == {0: grad_bytes, 1: grad_bytes}
 
 
+def test_each_stage_piece_compiles_once_on_its_worker(ray_backend):
+    """The shipped pieces carry their stage's intra-op layouts, so a piece whose outputs are accumulated
+    compiles with the accumulation fused in on its first micro-batch already, not once without it first
+    (as on the local backend); the next step compiles no piece."""
+    import ray
+
+    def listen(worker):
+        import collections
+        import jax
+        compiled = worker.compiled_in_test = collections.Counter()
+
+        def on(event, duration, **kwargs):
+            compiled[kwargs.get("fun_name")] += event == "/jax/core/compile/backend_compile_duration"
+        jax.monitoring.register_event_duration_secs_listener(on)
+
+    def piece_compiles(worker):  # a piece's call ("call": the exported piece, "run": with its sums fused in)
+        count = worker.compiled_in_test["jit(call)"] + worker.compiled_in_test["jit(run)"]
+        worker.compiled_in_test.clear()
+        return count
+
+    loss_fn, state, batches = mlp_case()
+    batches = [{k: v[:24] for k, v in b.items()} for b in batches[:2]]  # shapes no other test compiles (cache)
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.ManualLayerOption(),
+                                  stage_option=MESHES["2_meshes"], pipeline_schedule="1f1b")
+    f = al.parallelize(train_step_for(loss_fn), method=method, cluster=FIXED_CLUSTER)
+    exe = f.get_executable(state, batches[0])
+    assert all(p.pinned for w in exe.worker_programs for p in w.pieces.values())
+    ray.get([w.__ray_call__.remote(listen) for w in exe.workers])
+    state, _ = f(state, batches[0])
+    assert sum(ray.get([w.__ray_call__.remote(piece_compiles) for w in exe.workers])) == len(exe.program.pieces) == 6
+    f(state, batches[1])
+    assert sum(ray.get([w.__ray_call__.remote(piece_compiles) for w in exe.workers])) == 0
+
+
 @pytest.mark.slow
 def test_two_steps_keep_parameters_off_the_driver(ray_backend):
     loss_fn, state, batches = gpt_case()
