@@ -135,7 +135,13 @@ def _differs(leaf: Any, info: LeafInfo) -> bool:
     dtype = getattr(leaf, "dtype", None)
     if dtype is None:
         return info.shape != ()
-    return tuple(leaf.shape) != info.shape or str(dtype) != info.dtype
+    return tuple(np.shape(leaf)) != info.shape or str(_canonical_dtype(dtype)) != info.dtype
+
+
+def _canonical_dtype(dtype: Any) -> Any:
+    """The dtype JAX computes a leaf of ``dtype`` in (``int64`` -> ``int32`` without ``jax_enable_x64``),
+    as ``jax.jit`` converts a NumPy array or scalar it is given."""
+    return jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True)
 
 
 def key_to_str(key) -> str:
@@ -162,16 +168,20 @@ def argument_names(fn: Callable, num_args: int) -> list[str]:
 
 def leaf_aval(leaf: Any, path: str) -> jax.ShapeDtypeStruct:
     """The abstract value of one argument leaf; a clear TypeError for anything that is not an array."""
-    if isinstance(leaf, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-    if isinstance(leaf, (jax.Array, np.ndarray)):
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-    if isinstance(getattr(leaf, "aval", None), jax.ShapeDtypeStruct):  # e.g. a Ray backend RemoteArray
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-    if isinstance(leaf, _SCALAR_TYPES):
-        arr = np.asarray(leaf)
-        dtype = jax.dtypes.canonicalize_dtype(arr.dtype)
-        return jax.ShapeDtypeStruct((), dtype)
+    if isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array, np.ndarray)) or isinstance(
+            getattr(leaf, "aval", None), jax.ShapeDtypeStruct):  # the last: e.g. a Ray backend RemoteArray
+        shape, dtype = leaf.shape, leaf.dtype
+    elif isinstance(leaf, _SCALAR_TYPES):
+        shape, dtype = (), np.asarray(leaf).dtype
+    else:
+        dtype = None
+    if dtype is not None and not any(jax.dtypes.issubdtype(dtype, kind)
+                                     for kind in (jax.dtypes.extended, np.number, np.bool_)):
+        raise TypeError(f"argument leaf {path} has dtype {dtype}, which JAX cannot compute with (numbers and "
+                        "bools only); pass non-array values through static_argnums or leave them out of the "
+                        "step's inputs")
+    if dtype is not None:
+        return jax.ShapeDtypeStruct(tuple(shape), _canonical_dtype(dtype))
     raise TypeError(
         f"argument leaf {path} must be an array (jax.Array, numpy array, ShapeDtypeStruct or Python "
         f"number), got {type(leaf).__name__} {leaf!r:.60}; pass non-array values through static_argnums "

@@ -178,3 +178,30 @@ def test_a_pipeline_over_layers_stacked_in_a_scan_says_why_one_stage_runs_them_a
                                   stage_option=al.UniformStageOption(num_stages=2))
     with pytest.warns(UserWarning, match="one scan loop holds 91% of the loss's FLOPs .* unroll the layers"):
         al.plan(make_train_step(loss), state, batch, method=method, cluster=al.ClusterSpec.preset("p3.16xlarge"))
+
+
+def test_a_pipeline_takes_numpy_scalars_as_jax_jit_does():
+    """A state of NumPy scalars beside its parameters (a step counter and a learning rate read from a NumPy
+    config): 64-bit ones compute in 32 bits, as ``jax.jit`` converts them."""
+    def step(state, batch):
+        loss, grads = al.value_and_grad(mlp_loss)(state["params"], batch)
+        params = jax.tree.map(lambda w, g: w - state["lr"] * g, state["params"], grads)
+        return {"params": params, "lr": state["lr"], "count": state["count"] + 1}, loss
+
+    rng = np.random.default_rng(0)
+    state = {"params": mlp_params(rng), "lr": np.float64(0.1), "count": np.int64(0)}
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2),
+                                  stage_option=al.UniformStageOption(num_stages=2))
+    batches = [mlp_batch(rng) for _ in range(2)]
+    got, _ = run_steps(al.parallelize(step, method=method), state, batches)
+    want, _ = run_steps(jax.jit(step), state, batches)
+    assert_trees_close(got, want)
+    assert got["count"].dtype == want["count"].dtype == jnp.int32
+
+
+def test_a_string_batch_leaf_is_named():
+    state = train_state.TrainState.create(apply_fn=None, params=mlp_params(np.random.default_rng(0)),
+                                          tx=optax.sgd(0.1))
+    batch = dict(mlp_batch(np.random.default_rng(0)), names=np.array(["a"] * 32))
+    with pytest.raises(TypeError, match="argument leaf batch.names has dtype <U1, which JAX cannot compute with"):
+        al.parallelize(make_train_step(mlp_loss), method=al.DataParallel())(state, batch)
