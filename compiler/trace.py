@@ -116,6 +116,11 @@ def updated_inputs(in_leaves: Sequence[LeafInfo], out_leaves: Sequence[LeafInfo]
                   if (key := (rest, leaf.shape, leaf.dtype)) in by_rest), None) for leaf in out_leaves]
 
 
+def _element_index(out: tuple | list, key: Any) -> int:
+    """The position in the step's output tuple (a NamedTuple's too) of its element ``key``."""
+    return key.idx if hasattr(key, "idx") else type(out)._fields.index(key.name)
+
+
 def below_root(path: str) -> str:
     """An input leaf's path below its argument's name: ``state.params.w`` -> ``params.w``."""
     return path.split(".", 1)[-1]
@@ -304,7 +309,8 @@ def trace_step(fn: Callable, args: Sequence[Any], *, static_argnums: Sequence[in
         leaf = full_shapes.get(k, leaf)
         out_leaves.append(LeafInfo(path=path_to_str("out", key_path), shape=tuple(leaf.shape),
                                    dtype=str(leaf.dtype), itemsize=jax_compat.numpy_dtype(leaf.dtype).itemsize,
-                                   arg_index=key_path[0].idx if out_is_tuple and key_path else -1))
+                                   arg_index=(_element_index(out_shape, key_path[0]) if out_is_tuple and key_path
+                                              else -1)))
     param_mask = marked_param_inputs(closed)
     differentiated = [leaf.path for leaf, p in zip(in_leaves, param_mask, strict=True) if p and leaf.is_batch]
     if differentiated and num_micro_batches > 1:

@@ -1,6 +1,7 @@
 """Models and cases from outside the repository (Flax examples' shapes, MaxText-style blocks, optax chains),
 trained through the public API and compared with plain ``jax.jit`` on one device (tests/helpers.py)."""
 import functools
+import typing
 import warnings
 
 import jax
@@ -205,3 +206,23 @@ def test_a_string_batch_leaf_is_named():
     batch = dict(mlp_batch(np.random.default_rng(0)), names=np.array(["a"] * 32))
     with pytest.raises(TypeError, match="argument leaf batch.names has dtype <U1, which JAX cannot compute with"):
         al.parallelize(make_train_step(mlp_loss), method=al.DataParallel())(state, batch)
+
+
+class _StepOutput(typing.NamedTuple):
+    state: train_state.TrainState
+    loss: jax.Array
+
+
+def _named_tuple_step(state, batch):
+    loss, grads = al.value_and_grad(mlp_loss)(state.params, batch)
+    return _StepOutput(state.apply_gradients(grads=grads), loss)
+
+
+def test_a_step_returning_a_named_tuple_trains():
+    rng = np.random.default_rng(0)
+    state = train_state.TrainState.create(apply_fn=None, params=mlp_params(rng), tx=optax.sgd(0.1))
+    batch = mlp_batch(rng)
+    got = al.parallelize(_named_tuple_step, method=al.Zero3Parallel())(state, batch)
+    want = jax.jit(_named_tuple_step)(state, batch)
+    assert type(got) is _StepOutput
+    assert_trees_close(got, want)
