@@ -10,7 +10,7 @@ import re
 import warnings as python_warnings
 
 from alpa_like.compiler.loss_reduction import batch_sum_warnings
-from alpa_like.compiler.trace import LeafInfo, TracedStep
+from alpa_like.compiler.trace import LeafInfo, TracedStep, arguments_in_outputs
 
 _KEY_NAME = re.compile(r"rng|key|seed", re.IGNORECASE)
 
@@ -51,24 +51,7 @@ def input_roles(traced: TracedStep) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def match_outputs_to_inputs(traced: TracedStep) -> list[int | None]:
-    """For each output leaf, the input leaf it updates, when an output element has the pytree structure
-    (paths below the root, shapes and dtypes) of a whole input argument (``return new_state, metrics``)."""
-    def strip_root(path: str, depth: int) -> str:
-        return ".".join(path.split(".")[depth:])
-
-    by_arg: dict[int, dict[tuple, int]] = {}
-    for i, leaf in enumerate(traced.in_leaves):
-        by_arg.setdefault(leaf.arg_index, {})[(strip_root(leaf.path, 1), leaf.shape, leaf.dtype)] = i
-    by_out: dict[int, list[tuple[int, tuple]]] = {}
-    for j, leaf in enumerate(traced.out_leaves):
-        depth = 1 if leaf.arg_index == -1 else 2
-        by_out.setdefault(leaf.arg_index, []).append((j, (strip_root(leaf.path, depth), leaf.shape, leaf.dtype)))
-    match: list[int | None] = [None] * len(traced.out_leaves)
-    for members in by_out.values():
-        keys = {k for _, k in members}
-        for table in by_arg.values():
-            if keys == set(table) and len(keys) == len(members):
-                for j, key in members:
-                    match[j] = table[key]
-                break
-    return match
+    """For each output leaf, the input leaf it updates, when a subtree of the output has the pytree structure
+    (paths below the root, shapes and dtypes) of a whole input argument (``return new_state, metrics``,
+    ``return {"state": new_state, "loss": loss}``): :func:`~alpa_like.compiler.trace.arguments_in_outputs`."""
+    return arguments_in_outputs(traced.in_leaves, traced.out_leaves)

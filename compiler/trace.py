@@ -112,8 +112,48 @@ def updated_inputs(in_leaves: Sequence[LeafInfo], out_leaves: Sequence[LeafInfo]
     by_rest = {}
     for k, leaf in enumerate(in_leaves):
         by_rest.setdefault((below_root(leaf.path), leaf.shape, leaf.dtype), k)
-    return [next((by_rest[key] for rest in updated_paths(leaf.path)
-                  if (key := (rest, leaf.shape, leaf.dtype)) in by_rest), None) for leaf in out_leaves]
+    by_path = [next((by_rest[key] for rest in updated_paths(leaf.path)
+                     if (key := (rest, leaf.shape, leaf.dtype)) in by_rest), None) for leaf in out_leaves]
+    nested = arguments_in_outputs(in_leaves, out_leaves)
+    return [k if k is not None else n for k, n in zip(by_path, nested, strict=True)]
+
+
+def arguments_in_outputs(in_leaves: Sequence[LeafInfo], out_leaves: Sequence[LeafInfo]) -> list[int | None]:
+    """Per output leaf, the input leaf it is the new value of when a subtree of the output (the leaves below
+    one of its pytree nodes) has the structure of a whole input argument: the same paths below both roots,
+    shapes and dtypes; else None. The shallowest such subtree wins. The output itself and its top-level
+    tuple elements may match any argument (``return new_state, metrics``); deeper subtrees match only
+    arguments of several leaves (``return {"state": new_state, "loss": loss}``), as one scalar's structure
+    says nothing about which input it updates.
+
+    >>> leaf = lambda path, arg=0: LeafInfo(path=path, shape=(2,), dtype="float32", itemsize=4, arg_index=arg)
+    >>> arguments_in_outputs([leaf("state.w"), leaf("state.v"), leaf("lr", 1)],
+    ...                      [leaf(f"out.{p}", -1) for p in ("state.w", "state.v", "loss", "lr")])
+    [0, 1, None, None]
+    """
+    by_arg: dict[int, dict[tuple, int]] = {}
+    for k, leaf in enumerate(in_leaves):
+        rest = leaf.path.split(".", 1)[1] if "." in leaf.path else ""
+        by_arg.setdefault(leaf.arg_index, {})[(rest, leaf.shape, leaf.dtype)] = k
+    subtrees: dict[tuple[str, ...], list[tuple[int, tuple]]] = {}
+    for j, leaf in enumerate(out_leaves):
+        parts = leaf.path.split(".")[1:]
+        for depth in range(len(parts) + 1):
+            subtrees.setdefault(tuple(parts[:depth]), []).append((j, (".".join(parts[depth:]), leaf.shape,
+                                                                      leaf.dtype)))
+    top_level = 1 if any(leaf.arg_index >= 0 for leaf in out_leaves) else 0
+    match: list[int | None] = [None] * len(out_leaves)
+    for prefix in sorted(subtrees, key=len):
+        members = subtrees[prefix]
+        keys = {key for _, key in members}
+        if any(match[j] is not None for j, _ in members) or len(keys) != len(members):
+            continue
+        table = next((t for t in by_arg.values() if keys == t.keys() and (len(t) > 1 or len(prefix) <= top_level)),
+                     None)
+        if table is not None:
+            for j, key in members:
+                match[j] = table[key]
+    return match
 
 
 def _element_index(out: tuple | list, key: Any) -> int:

@@ -226,3 +226,31 @@ def test_a_step_returning_a_named_tuple_trains():
     want = jax.jit(_named_tuple_step)(state, batch)
     assert type(got) is _StepOutput
     assert_trees_close(got, want)
+
+
+def _dict_step(state, batch):
+    loss, grads = al.value_and_grad(mlp_loss)(state.params, batch)
+    return {"state": state.apply_gradients(grads=grads), "loss": loss}
+
+
+@pytest.mark.parametrize("method", [
+    al.Zero3Parallel(),
+    al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2),
+                         stage_option=al.UniformStageOption(num_stages=2))], ids=["zero3", "pipeline"])
+def test_a_state_returned_in_a_dict_or_named_tuple_keeps_the_steps_layouts(method):
+    """The new state inside the step's output container comes back in the layouts the step takes it in, so
+    the next step neither moves it nor holds it whole (ZeRO-3 sharded, not replicated)."""
+    rng = np.random.default_rng(0)
+    state = train_state.TrainState.create(apply_fn=None, params=mlp_params(rng), tx=optax.adam(1e-2))
+    batches = [mlp_batch(rng) for _ in range(2)]
+    for step, new_state in ((_dict_step, lambda out: out["state"]), (_named_tuple_step, lambda out: out.state)):
+        parallel = al.parallelize(step, method=method)
+        got = new_state(parallel(state, batches[0]))
+        layouts = parallel.get_executable(got, batches[1]).input_shardings()
+        for (path, leaf), layout in zip(jax.tree_util.tree_leaves_with_path(got), layouts):
+            assert leaf.sharding.is_equivalent_to(layout, leaf.ndim), (step.__name__, jax.tree_util.keystr(path))
+        got = new_state(parallel(got, batches[1]))
+        want = state
+        for batch in batches:
+            want = new_state(jax.jit(step)(want, batch))
+        assert_trees_close(got, want)
