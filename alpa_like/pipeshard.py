@@ -138,9 +138,8 @@ def compile_pipeshard(method: PipeshardParallel, fun: Callable, args: Sequence[A
     input_specs = {path_to_input[t.path]: t.spec for s in plan.stages for t in s.inputs
                    if t.spec is not None and t.path in path_to_input}
     extra = dict(donate_flat=[k for k, leaf in enumerate(sliced.traced.in_leaves) if leaf.arg_index in donate_argnums],
-                 stage_shardings=shardings, defer_gradient_sync=method.defer_gradient_sync)
-    if make_executable is PipeshardExecutable:
-        extra.update(value_specs=value_specs(program, shardings, stage_to_mesh))
+                 stage_shardings=shardings, defer_gradient_sync=method.defer_gradient_sync,
+                 value_specs=value_specs(program, shardings, stage_to_mesh))
     return make_executable(traced=sliced.traced, plan=plan, program=program, programs=programs,
                            devices=devices, input_specs=input_specs, **extra)
 

@@ -443,7 +443,8 @@ class RayPipeshardExecutable:
     is donated by the last RUN that reads it on the mesh that loads it, and a :class:`RemoteArray` given for
     it is then :attr:`RemoteArray.donated` (a driver array was copied to the workers and stays valid).
     ``returned``: the outputs that come back as NumPy arrays (default: those that update no input).
-    ``value_specs``: ``(value, mesh) -> spec`` of a step input loaded in another layout on that mesh.
+    ``value_specs``: ``(value, mesh) -> spec``: the layout the plan gives a value a mesh loads or receives
+    (the ILP's layout of what a stage reads or writes outside its layers; default: the activation layout).
     """
 
     def __init__(self, *, traced, plan, program: StageProgram, programs: MeshPrograms, input_specs: dict,

@@ -105,14 +105,20 @@ def worker_programs(program: StageProgram, programs: MeshPrograms, meshes: Seque
         local = {g: j for j, g in enumerate(g for g, ins in enumerate(programs.instructions) if ins.mesh == k)}
         donated = {local[g]: frozenset(keys - sends[k].keys()) for g, keys in (donations or {}).items() if g in local}
         out.append(WorkerProgram(mesh=k, meshes=tuple(meshes), instructions=instructions, pieces=pieces,
-                                 sends=sends[k], input_specs=specs,
-                                 constants=constants,
+                                 sends=sends[k], input_specs=specs, constants=constants,
+                                 send_specs=_send_specs(sends[k], value_specs or {}),
                                  num_micro_batches=num_micro_batches, outputs=outputs, returned=mine,
                                  donations={j: keys for j, keys in donated.items() if keys},
                                  per_example=program.per_example,
                                  stacks={dst: spec for dst, (q, spec) in (stack_specs or {}).items()
                                          if q in stages}))
     return out
+
+
+def _send_specs(sends: dict, value_specs: dict) -> dict:
+    """(value, receiving mesh) -> its layout there in ``value_specs``, for the buffers of ``sends``."""
+    return {(v, dst): value_specs[(v, dst)] for (v, _), dsts in sends.items() for dst in dsts
+            if (v, dst) in value_specs}
 
 
 def output_pins(program: StageProgram, instructions: Sequence, outputs: Sequence[tuple[int, tuple]],

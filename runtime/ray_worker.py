@@ -87,6 +87,8 @@ class WorkerProgram:
     """The pieces of the stages on this mesh."""
     sends: dict[Key, tuple[int, ...]]
     """Buffers this mesh writes that other meshes RECV: key -> receiving meshes."""
+    send_specs: dict[tuple[ValueId, int], ShardingSpec] = dataclasses.field(default_factory=dict)
+    """(value, receiving mesh) -> the layout the plan gives it there (else :func:`activation_spec`'s)."""
     input_specs: dict[ValueId, ShardingSpec]
     constants: dict[ValueId, np.ndarray]
     num_micro_batches: int
@@ -582,7 +584,8 @@ class _StepRun:
         from alpa_like.runtime.pipeshard_runtime import activation_spec
         for dst in self.program.sends.get(key, ()):
             x = self.buffers[key]
-            spec = activation_spec(x.shape, self.program.meshes[dst].logical_shape)
+            spec = self.program.send_specs.get((key[0], dst)) or activation_spec(
+                x.shape, self.program.meshes[dst].logical_shape)
             self.outbox.setdefault(dst, []).append((key, x, spec))
 
     def _run(self, ins: Instruction, accs: list[Instruction], donated=frozenset()) -> None:

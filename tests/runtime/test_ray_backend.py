@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax.training import train_state
 
 import alpa_like as al
 from alpa_like.pipeshard import compile_pipeshard
@@ -130,6 +131,45 @@ def test_data_parallel_meshes_reduce_gradients_once_per_step(ray_backend, defer)
         assert reduced == {0: 0, 1: 0}
     else:
         assert reduced == {0: grad_bytes, 1: grad_bytes}
+
+
+def _collectives_by_piece(hlo_text: str) -> dict[str, list[tuple[str, int]]]:
+    pieces = hlo_text.split("// stage ")[1:]
+    return {text.split("\n", 1)[0]: sorted((c.kind, c.result_bytes) for c in hlo_stats.collectives(text))
+            for text in pieces}
+
+
+def test_the_workers_run_the_plans_layouts(ray_backend):
+    """A stage the intra-op pass splits Megatron-style (4 rows per micro-batch against 512 x 512 weights: the
+    first weight split by rows, the second by columns) runs with the collectives of the local backend's
+    pieces for the same plan: its pins inside the shipped pieces and its layouts of the received and loaded
+    values, not XLA's propagation from the inputs (which gathers the weights and all-reduces their
+    gradients)."""
+    rng = np.random.default_rng(0)
+    params = {f"w{i}": jnp.asarray(rng.normal(size=(512, 512)) / 16, jnp.float32) for i in range(4)}
+
+    def loss_fn(params, batch):
+        x = batch["x"]
+        for i in range(4):
+            x = jnp.tanh(x @ params[f"w{i}"])
+            if i == 1:
+                al.mark_pipeline_boundary()
+        return jnp.mean((x - batch["y"]) ** 2)
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+    batches = [{k: jnp.asarray(rng.normal(size=(8, 512)), jnp.float32) for k in "xy"} for _ in range(2)]
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.ManualLayerOption(),
+                                  stage_option=stages(((0,), (1,)), ((1, 2), (1, 2)), ((1, 2), (1, 2))))
+    step = train_step_for(loss_fn)
+    f = al.parallelize(step, method=method, cluster=FIXED_CLUSTER)
+    got_state, _ = run_steps(f, state, batches)
+    local = compile_pipeshard(method, step, (state, batches[0]), static_argnums=(), batch_argnums=(1,),
+                              devices=jax.devices()[:NUM_DEVICES], cluster=FIXED_CLUSTER)
+    local_state, _ = run_steps(local, state, batches)
+    assert [str(t.spec) for t in local.plan.stages[0].inputs if t.path.endswith(("w0", "w1"))] == ["S1R", "RS1"]
+    got = _collectives_by_piece(f.get_executable(got_state, batches[0]).get_hlo_text())
+    assert got == _collectives_by_piece(local.get_hlo_text())
+    assert got["0 fwd"] == [("all-reduce", 4 * 512 * 4)]  # the row-split weight's partial products, once
+    assert_trees_close(got_state.params, local_state.params, rtol=1e-5, atol=1e-6)
 
 
 def test_each_stage_piece_compiles_once_on_its_worker(ray_backend):
