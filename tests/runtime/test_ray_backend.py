@@ -172,6 +172,28 @@ def test_the_workers_run_the_plans_layouts(ray_backend):
     assert_trees_close(got_state.params, local_state.params, rtol=1e-5, atol=1e-6)
 
 
+def test_a_looping_schedule_runs_each_chunk_with_its_meshs_layouts(ray_backend):
+    """interleaved_1f1b with 2 chunks per mesh: chunk ``s`` on mesh ``s mod 2``, each shipped with its layers'
+    layouts on that mesh's logical view ((2, 1) and (1, 2)): the local backend's collectives."""
+    loss_fn, state, batches = mlp_case()
+    method = al.PipeshardParallel(num_micro_batches=4, layer_option=al.ManualLayerOption(),
+                                  stage_option=MESHES["2_meshes"], pipeline_schedule="interleaved_1f1b",
+                                  virtual_stages=2)
+    step = train_step_for(loss_fn)
+    f = al.parallelize(step, method=method, cluster=FIXED_CLUSTER)
+    got_state, got_losses = run_steps(f, state, batches[:2])
+    exe = f.get_executable(got_state, batches[0])
+    assert [sorted({q for q, _ in p.pieces}) for p in exe.worker_programs] == [[0, 2], [1, 3]]
+    assert all(p.pinned for w in exe.worker_programs for p in w.pieces.values())
+    local = compile_pipeshard(method, step, (state, batches[0]), static_argnums=(), batch_argnums=(1,),
+                              devices=jax.devices()[:NUM_DEVICES], cluster=FIXED_CLUSTER)
+    run_steps(local, state, batches[:1])
+    assert _collectives_by_piece(exe.get_hlo_text()) == _collectives_by_piece(local.get_hlo_text())
+    ref_state, ref_losses = reference_on_one_device(step, state, batches[:2])
+    assert_trees_close(got_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
+
+
 def test_each_stage_piece_compiles_once_on_its_worker(ray_backend):
     """The shipped pieces carry their stage's intra-op layouts, so a piece whose outputs are accumulated
     compiles with the accumulation fused in on its first micro-batch already, not once without it first
