@@ -113,7 +113,9 @@ def split_at_grad_marker(closed: ClosedJaxpr, batch_mask: Sequence[bool]) -> Gra
     if len(markers) != 1:
         raise ValueError(
             f"num_micro_batches > 1 needs exactly one al.grad / al.value_and_grad call in the step, found "
-            f"{len(markers)}; plain jax.grad cannot be split into micro-batches: use al.grad")
+            f"{len(markers)}; " + ("plain jax.grad cannot be split into micro-batches: use al.grad" if not markers else
+                                   "a step with several gradient calls (a GAN's two losses) runs with "
+                                   "num_micro_batches=1"))
     marker = markers[0]
     eqns = closed.jaxpr.eqns
     k = eqns.index(marker)

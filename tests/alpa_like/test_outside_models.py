@@ -254,3 +254,21 @@ def test_a_state_returned_in_a_dict_or_named_tuple_keeps_the_steps_layouts(metho
         for batch in batches:
             want = new_state(jax.jit(step)(want, batch))
         assert_trees_close(got, want)
+
+
+def test_micro_batches_of_a_gan_step_with_two_gradient_calls_are_refused_with_what_runs():
+    """A GAN step: the discriminator's gradient, its update, then the generator's gradient."""
+    def gan_step(state, batch):
+        def d_loss(d, g):
+            fake = jax.lax.stop_gradient(batch["z"] @ g)
+            return jnp.mean(jax.nn.softplus(-(batch["x"] @ d))) + jnp.mean(jax.nn.softplus(fake @ d))
+        d = state["d"] - 0.1 * al.grad(d_loss)(state["d"], state["g"])
+        g = state["g"] - 0.1 * al.grad(lambda g: jnp.mean(jax.nn.softplus(-(batch["z"] @ g @ d))))(state["g"])
+        return {"d": d, "g": g}
+
+    state = {"d": jnp.ones((4, 1)), "g": jnp.ones((2, 4))}
+    batch = {"z": jnp.ones((16, 2)), "x": jnp.ones((16, 4))}
+    with pytest.raises(ValueError, match="found 2; a step with several gradient calls .* num_micro_batches=1"):
+        al.parallelize(gan_step, method=al.DataParallel(num_micro_batches=2))(state, batch)
+    got = al.parallelize(gan_step, method=al.DataParallel())(state, batch)
+    assert_trees_close(got, jax.jit(gan_step)(state, batch))
