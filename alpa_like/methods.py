@@ -231,7 +231,11 @@ def _fill(prefix: Any, indices_tree: Any, per_leaf: list[Any], name: str) -> Non
     try:
         subtrees = spec_def.flatten_up_to(indices_tree)
     except (ValueError, TypeError) as e:
-        raise ValueError(f"{name} is not a pytree prefix of the argument it describes: {e}") from None
+        cause = str(e).split("; value:")[0]  # the rest prints the whole argument
+        cause = cause if len(cause) <= 300 else cause[:300] + " ..."
+        raise ValueError(f"{name} is not a pytree prefix of the argument it describes ({cause}); build the specs "
+                         "from the argument itself, e.g. jax.tree.map(lambda x: PartitionSpec(), state): a "
+                         "flax TrainState's specs need the same apply_fn and tx") from None
     for spec, sub in zip(spec_leaves, subtrees, strict=True):
         for index in jax.tree_util.tree_leaves(sub):
             per_leaf[index] = spec

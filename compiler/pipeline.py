@@ -41,7 +41,8 @@ from alpa_like.compiler.schedules import ScheduleName
 from alpa_like.compiler.sliced_step import SlicedStep, slice_step
 from alpa_like.compiler.spmd_layout import SpmdLayout
 from alpa_like.compiler.spmd_planning import spmd_plan
-from alpa_like.compiler.stage_choice import candidate_meshes, choose_stages, estimate_tables, settles_estimates
+from alpa_like.compiler.stage_choice import (candidate_meshes, check_layers_for_stages, choose_stages, estimate_tables,
+                                             settles_estimates)
 from alpa_like.compiler.stage_costs import StageSolution
 from alpa_like.compiler.stage_profiling import StageProfile, profile_stage_costs
 from alpa_like.compiler.trace import TracedStep, trace_step
@@ -139,6 +140,7 @@ def plan_and_profile(method: PipeshardParallel, sliced: SlicedStep, cluster: Clu
     progress = progress or Progress(method.stage_option.show_progress)
     times: dict[str, float] = {"trace and layers": sliced.seconds}
     with _timed(times, "intra-op solves"):
+        check_layers_for_stages(method, len(sliced.summaries))
         submeshes, views = candidate_meshes(method.stage_option, cluster, len(sliced.summaries))
         profile = _profile(method, sliced, cluster, submeshes, views, progress)
     progress.step(f"step 3/4: stage DP; the intra-op pass took {times['intra-op solves']:.1f} s: "

@@ -20,14 +20,27 @@ import numpy as np
 from alpa_like.compiler.cluster import ClusterSpec
 from alpa_like.compiler.indices import SubmeshIdx
 from alpa_like.compiler.logical_mesh import logical_shapes
-from alpa_like.compiler.options import (AutoStageOption, ManualStageOption, PipeshardParallel, Shape,
-                                        StageOption)
+from alpa_like.compiler.options import (AutoStageOption, ManualLayerOption, ManualStageOption, PipeshardParallel,
+                                        Shape, StageOption, UniformStageOption)
 from alpa_like.compiler.schedules import ScheduleName
 from alpa_like.compiler.stage_costs import StageChoice, StageCosts, StageSolution, pipeline_latency
 from alpa_like.compiler.stage_dp import micro_batches_in_flight, solve_stages
 from alpa_like.compiler.stage_placement import price_placed_stages
 from alpa_like.compiler.stage_profiling import StageProfile
 from alpa_like.compiler.submesh import submesh_shapes
+
+
+def check_layers_for_stages(method: PipeshardParallel, num_layers: int) -> None:
+    """ValueError naming the cause when ``method``'s stage option asks for several stages of a step that
+    ``ManualLayerOption`` left as one layer (it found no ``al.mark_pipeline_boundary()`` call)."""
+    option = method.stage_option
+    asked = (len(option.forward_stage_layer_ids) if isinstance(option, ManualStageOption)
+             else option.num_stages if isinstance(option, UniformStageOption) else 1)
+    if num_layers == 1 and asked > 1 and isinstance(method.layer_option, ManualLayerOption):
+        raise ValueError(f"ManualLayerOption found no al.mark_pipeline_boundary() call in the step, so the step is "
+                         f"one layer, but {type(option).__name__} asks for {asked} stages: call "
+                         "al.mark_pipeline_boundary() between the layers of the loss, or cut it with "
+                         "AutoLayerOption(layer_num=...)")
 
 
 def candidate_meshes(option: StageOption, cluster: ClusterSpec,

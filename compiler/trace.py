@@ -311,8 +311,9 @@ def trace_step(fn: Callable, args: Sequence[Any], *, static_argnums: Sequence[in
     for name, nums in (("static_argnums", static_argnums), ("batch_argnums", batch_argnums)):
         for i in nums:
             if not 0 <= i < len(args):
+                hint = " (a step without a batch argument: batch_argnums=())" if name == "batch_argnums" else ""
                 raise ValueError(f"{name} contains {i}, but the step was called with {len(args)} "
-                                 f"positional arguments (valid: 0..{len(args) - 1})")
+                                 f"positional arguments (valid: 0..{len(args) - 1}){hint}")
     overlap = set(static_argnums) & set(batch_argnums)
     if overlap:
         raise ValueError(f"arguments {sorted(overlap)} are both in static_argnums and batch_argnums")

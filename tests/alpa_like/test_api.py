@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import alpa_like as al
@@ -115,6 +116,9 @@ def test_bad_argnums_are_named(args):
         al.parallelize(make_train_step(mlp_loss), batch_argnums=(5,))(*args)
     with pytest.raises(TypeError, match="pass arguments positionally"):
         al.parallelize(make_train_step(mlp_loss))(state=args[0], batch=args[1])
+    with pytest.raises(ValueError, match=r"called with 1 positional arguments .*a step without a batch argument: "
+                                         r"batch_argnums=\(\)"):
+        al.parallelize(lambda state: state, method=al.DataParallel())(args[0])
 
 
 def test_manual_specs_are_checked(args):
@@ -123,6 +127,12 @@ def test_manual_specs_are_checked(args):
     with pytest.raises(ValueError, match="mesh_shape \\(2, 2\\) has 4 devices, but 8"):
         al.parallelize(step, method=al.ManualShardParallel(mesh_shape=(2, 2), mesh_axis_names=("a", "b"),
                                                            in_specs=(None, P("a"))))(*args)
+    other_state = mlp_state(tx=optax.sgd(0.1))  # another tx: a TrainState's static field
+    with pytest.raises(ValueError, match=r"in_specs\[0\] is not a pytree prefix of the argument it describes "
+                                         r"\(Mismatch custom dataclass node data.*build the specs from") as raised:
+        al.parallelize(step, method=al.ManualShardParallel(mesh_shape=(8,), mesh_axis_names=("data",), in_specs=(
+            jax.tree.map(lambda x: P(), other_state), P("data"))))(*args)
+    assert len(str(raised.value)) < 800  # not the whole argument
     with pytest.raises(ValueError, match="names mesh axis 'batch'"):
         al.parallelize(step, method=al.ManualShardParallel(mesh_shape=(8,), mesh_axis_names=("data",),
                                                            in_specs=(None, P("batch"))))(*args)

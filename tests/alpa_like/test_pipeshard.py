@@ -155,6 +155,12 @@ def test_manual_and_uniform_stage_options():
         al.plan(step, state, batch, cluster=cluster, method=al.PipeshardParallel(
             layer_option=al.AutoLayerOption(layer_num=4),
             stage_option=dataclasses.replace(manual, forward_stage_layer_ids=((0,), (2, 3)))))
+    for stage_option in (manual, uniform):  # a step without boundaries is one layer under ManualLayerOption
+        with pytest.raises(ValueError, match="ManualLayerOption found no al.mark_pipeline_boundary.. call in the "
+                                             f"step, so the step is one layer, but {type(stage_option).__name__} "
+                                             r"asks for \d stages"):
+            al.plan(step, state, batch, cluster=cluster, method=al.PipeshardParallel(
+                layer_option=al.ManualLayerOption(), stage_option=stage_option))
     with pytest.raises(ValueError, match=r"submesh_logical_shapes\[1\] = \(1, 2\) must view the 4 devices"):
         dataclasses.replace(manual, submesh_logical_shapes=((2, 2), (1, 2)))
     with pytest.raises(ValueError, match=r"submesh_physical_shapes\[0\] must be a pair of ints >= 1, got \(4,\)"):
