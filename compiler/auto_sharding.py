@@ -25,7 +25,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import itertools
 import math
+import threading
 import warnings
 from collections.abc import Mapping, Sequence
 
@@ -229,16 +231,24 @@ def clear_caches() -> None:
 
 
 def _rule_key(*parts) -> int | None:
-    """A small int standing for ``parts`` (hashing a signature once per node, not once per strategy)."""
+    """A small int standing for ``parts`` (hashing a signature once per node, not once per strategy), never
+    the same for two ``parts``: the stage profiler's solves may run on threads at once, and the ints are
+    never reused after the caches are cleared (a solve may still hold one)."""
     if any(p is None for p in parts):
         return None
-    if len(_RULE_KEYS) >= _RULE_CACHE_LIMIT:
-        _RULE_KEYS.clear()
-        _RULE_CACHE.clear()
-    return _RULE_KEYS.setdefault(parts, len(_RULE_KEYS))
+    with _RULE_LOCK:
+        if len(_RULE_KEYS) >= _RULE_CACHE_LIMIT:
+            _RULE_KEYS.clear()
+            _RULE_CACHE.clear()
+        key = _RULE_KEYS.get(parts)
+        if key is None:
+            key = _RULE_KEYS[parts] = next(_RULE_NUMBERS)
+        return key
 
 
 _RULE_KEYS: dict = {}
+_RULE_NUMBERS = itertools.count()
+_RULE_LOCK = threading.Lock()
 
 
 def strategy_table(graph: OpGraph, ctx: StrategyContext,

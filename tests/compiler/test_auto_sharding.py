@@ -311,3 +311,31 @@ def test_vocabulary_parallel_cross_entropy_needs_only_per_token_all_reduces():
     assert specs["params.w"] == S("S1R")
     assert solution.objective == pytest.approx(3 * all_reduce(batch * seq * 4, 2))
     assert not solution.reshards or max(r.seconds for r in solution.reshards) < batch * seq * vocab
+
+
+def test_rule_keys_of_solves_on_threads_are_distinct(monkeypatch):
+    """The stage profiler solves on threads in a process connected to Ray: two signatures looked up at once
+    must not get the same key (they did, and a layer took another equation's strategies, of another rank).
+    The key table yields the GIL whenever it is measured, so that the threads interleave there."""
+    import threading
+    import time
+    from alpa_like.compiler import auto_sharding
+
+    class Yielding(dict):
+        def __len__(self):
+            size = super().__len__()
+            time.sleep(0.0002)
+            return size
+    monkeypatch.setattr(auto_sharding, "_RULE_KEYS", Yielding())
+    keys: dict = {}
+
+    def look_up(thread: int):
+        for k in range(50):
+            parts = ("test-signature", thread, k)
+            keys[parts] = auto_sharding._rule_key(*parts)
+    threads = [threading.Thread(target=look_up, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(keys.values())) == len(keys) == 200
