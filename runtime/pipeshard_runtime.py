@@ -41,7 +41,7 @@ from alpa_like.runtime.mesh import has_layout, make_mesh, named_sharding
 from alpa_like.runtime.resharding import layout_of, plan_resharding, reshard
 from alpa_like.runtime.partial_sums import eval_piece, stacked_pins, step_means
 from alpa_like.runtime.spmd import is_deleted, pin_hook
-from alpa_like.runtime.stage_gradients import GradientDeferral, defer_gradients, gradient_phase, stage_phases
+from alpa_like.runtime.stage_gradients import GradientDeferral, defer_gradients, stage_phases
 
 MESH_AXES = ("x", "y")
 
@@ -124,6 +124,7 @@ class PipeshardExecutable:
         if defer_gradient_sync and stage_shardings:
             deferral = defer_gradients(program, stage_shardings, [tuple(m.devices.shape) for m in self.meshes],
                                        programs.stage_to_mesh, self._load_spec)
+        self._deferral = deferral
         self.program = program = deferral.program
         self.stage_shardings = stage_shardings = deferral.stage_shardings
         self.deferred: dict[int, DeferredGradients] = {q: deferral.deferred.get(q, NONE)
@@ -137,7 +138,7 @@ class PipeshardExecutable:
         for q, sharding in enumerate(stage_shardings):
             mesh = self.meshes[programs.stage_to_mesh[q]]
             for phase in stage_phases(program, q):
-                mine = self.deferred.get(q, NONE) if phase == gradient_phase(program, q) else NONE
+                mine = deferral.piece_deferred(q, phase)
                 self._hooks[(q, phase)] = (*piece_hooks(sharding, mine, mesh), mine, mesh)
         self._draws = micro_batch_key_draws(program, self.num_micro_batches)
         """(stage, phase) -> the piece's draws from per-step keys: it takes the micro-batch's index last."""
@@ -356,8 +357,7 @@ class PipeshardExecutable:
             fused = self._fused[(stage, phase, slots, donate)] = FusedAccumulation(
                 _piece_fn(self.program.piece(stage, phase), *self._hooks.get((stage, phase), ()),
                           draws=self._draws.get((stage, phase), ()), out_pins=self._out_pins.get((stage, phase), ())),
-                slots, donate, open_totals=bool(stage < len(self.stage_shardings)
-                                                and self.stage_shardings[stage].value_pins))
+                slots, donate, open_totals=self._deferral.pinned(stage))
         return fused
 
     def _micro_batch_index(self, mesh: int, micro_batch: int) -> jax.Array:

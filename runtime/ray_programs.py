@@ -17,7 +17,7 @@ from alpa_like.runtime.instructions import MeshPrograms, Op
 from alpa_like.compiler.stage_sharding import StageSharding
 from alpa_like.runtime.pipeshard_runtime import MESH_AXES, _piece_fn, piece_hooks
 from alpa_like.runtime.ray_worker import MeshInfo, ShippedPiece, WorkerProgram, load_spec
-from alpa_like.runtime.stage_gradients import GradientDeferral, gradient_phase
+from alpa_like.runtime.stage_gradients import GradientDeferral
 
 
 EXPORT_PLATFORMS = {"cpu": ("cpu",), "gpu": ("cuda",)}
@@ -51,13 +51,10 @@ def export_pieces(deferral: GradientDeferral, platform: str, num_micro_batches: 
     ``stage_mesh_shapes[q]``; and the pieces whose stage has layouts to pin."""
     program, shardings = deferral.program, dict(enumerate(deferral.stage_shardings))
     draws = micro_batch_key_draws(program, num_micro_batches)
-    graded = {(q, gradient_phase(program, q)) for q in range(program.num_stages)}  # B, or W when split
-    shipped = {key: export_piece(piece, platform, draws.get(key, ()),
-                                 deferral.deferred.get(key[0], NONE) if key in graded else NONE,
+    shipped = {key: export_piece(piece, platform, draws.get(key, ()), deferral.piece_deferred(*key),
                                  stage_mesh_shapes[key[0]], shardings.get(key[0]))
                for key, piece in program.pieces.items()}
-    pinned = frozenset(key for key in program.pieces if key[0] in shardings and shardings[key[0]].value_pins)
-    return shipped, pinned
+    return shipped, frozenset(key for key in program.pieces if deferral.pinned(key[0]))
 
 
 def worker_programs(program: StageProgram, programs: MeshPrograms, meshes: Sequence[MeshInfo],

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from jax.extend.core import Literal
 from alpa_like.compiler import jax_compat
 from alpa_like.compiler.backward_split import PHASES_SPLIT, WEIGHT, pins_after_split, split_backwards
-from alpa_like.compiler.gradient_sync import DeferredGradients, deferrable_gradients
+from alpa_like.compiler.gradient_sync import NONE, DeferredGradients, deferrable_gradients
 from alpa_like.compiler.layer_slicing import APPLY, BACKWARD, FORWARD
 from alpa_like.compiler.micro_batch_keys import seeds_keys
 from alpa_like.compiler.propagation import follow_layouts
@@ -90,6 +90,15 @@ class GradientDeferral:
     """Per stage, the gradients its backward piece outputs as stacks of partial sums."""
     stack_specs: dict[ValueId, tuple[int, ShardingSpec | None]] = dataclasses.field(default_factory=dict)
     """Accumulator of a stack -> (its stage, the layout of its step mean; None: XLA's choice)."""
+
+    def piece_deferred(self, stage: int, phase: str) -> DeferredGradients:
+        """The gradients piece ``(stage, phase)`` outputs as stacks: its stage's, on its gradient phase's piece
+        (:func:`gradient_phase`)."""
+        return self.deferred.get(stage, NONE) if phase == gradient_phase(self.program, stage) else NONE
+
+    def pinned(self, stage: int) -> bool:
+        """Whether ``stage``'s pieces have the ILP's layouts pinned inside them."""
+        return stage < len(self.stage_shardings) and bool(self.stage_shardings[stage].value_pins)
 
 
 def defer_gradients(program: StageProgram, stage_shardings: Sequence[StageSharding],
